@@ -1,0 +1,46 @@
+# The two commands a new user runs: `make demo` and `make test`. Both create .venv when it is missing.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvxfer-installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup demo test lint typecheck proto proto-check clean sysdeps
+
+# Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts.
+sysdeps:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
+	  echo "installing libibverbs1 librdmacm1 libnuma1 (needed by the Mooncake transfer engine)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 librdmacm1 libnuma1; \
+	fi
+
+$(STAMP): pyproject.toml | sysdeps
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first: otherwise a dependency pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+	$(BIN)/pip install -q -e '.[dev,mooncake-cpu]'
+	touch $(STAMP)
+
+setup: sysdeps $(STAMP)
+
+demo: setup
+	$(BIN)/kvxfer demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check kvxfer tests bench
+	$(BIN)/ruff format --check kvxfer tests bench
+	$(BIN)/mypy kvxfer
+
+proto: setup
+	$(BIN)/python -m kvxfer.tools.genproto
+
+proto-check: setup
+	$(BIN)/python -m kvxfer.tools.genproto --check
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
