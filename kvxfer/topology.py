@@ -1,0 +1,495 @@
+"""TransferTopology: which bytes move where, as vectorized descriptor arrays.
+
+Given the local and remote layouts of one cache group, the ranks on each side and the block ids
+of one request, :class:`TransferTopology` answers which remote ranks the local rank reads, which
+head slice each contributes and where it lands in the local page, and builds the descriptors: one
+per maximal run that is contiguous on *both* sides and inside one region on each side.
+
+The construction is pure numpy. A transfer is a grid ``layers x chunks x units``:
+
+* a *chunk* is the largest token range that lies inside one block on both sides
+  (``min(local block_size, remote block_size)`` tokens);
+* a *unit* is the largest byte span inside a chunk that is contiguous on both sides for one
+  source (a head slice of a whole HND block, one token of an NHD block, or one row when the two
+  sides order heads and tokens differently).
+
+Units of one chunk are merged once (the pattern is the same for every chunk), runs of chunks
+whose units follow each other on both sides are merged on the block lists alone, and a final
+pass merges whatever else is adjacent (e.g. every layer of a cross-layer block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.errors import BlockIdError, IncompatibleLayoutError, LayoutError, TopologyError
+from kvxfer.layout import CacheKind, KVCacheLayout, Order, head_range
+
+__all__ = [
+    "BlockIds",
+    "RankInfo",
+    "RankPlan",
+    "RegionTable",
+    "Source",
+    "TransferPlan",
+    "TransferTopology",
+    "parse_block_ids",
+]
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+BlockIds = Sequence[int] | npt.NDArray[np.integer]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A worker's place in the parallel layout."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size"):
+            if getattr(self, name) < 1:
+                raise TopologyError(f"{name}: must be >= 1, got {getattr(self, name)}", field=name)
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise TopologyError(f"tp_rank: {self.tp_rank} is not in [0, {self.tp_size})", field="tp_rank")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise TopologyError(f"pp_rank: {self.pp_rank} is not in [0, {self.pp_size})", field="pp_rank")
+
+
+@dataclass(frozen=True, eq=False)
+class RegionTable:
+    """Registered memory of one rank: base address, size and device id of each region."""
+
+    base: U64
+    size: U64
+    device: U64
+
+    def __post_init__(self) -> None:
+        arrays = {n: np.ascontiguousarray(getattr(self, n), dtype=np.uint64) for n in ("base", "size", "device")}
+        if len({a.shape for a in arrays.values()}) != 1 or arrays["base"].ndim != 1:
+            raise LayoutError("regions: base, size and device must be 1-D arrays of one length", field="regions")
+        for n, a in arrays.items():
+            a.flags.writeable = False
+            object.__setattr__(self, n, a)
+
+    @classmethod
+    def for_layout(cls, layout: KVCacheLayout, bases: Sequence[int] | npt.ArrayLike, device: int = 0) -> RegionTable:
+        """Regions of ``layout`` at ``bases`` (one address per region) on ``device``."""
+        b = np.asarray(bases, dtype=np.uint64).reshape(-1)
+        if b.size != layout.num_regions:
+            raise LayoutError(
+                f"regions: the layout has {layout.num_regions} regions, got {b.size} base addresses", field="regions"
+            )
+        size = np.full(b.size, layout.region_bytes, dtype=np.uint64)
+        return cls(b, size, np.full(b.size, device, dtype=np.uint64))
+
+    def check_layout(self, layout: KVCacheLayout) -> None:
+        """Refuse a table that does not match ``layout`` (count or size of regions)."""
+        if len(self.base) != layout.num_regions:
+            raise LayoutError(
+                f"regions: {len(self.base)} regions registered, the layout has {layout.num_regions}", field="regions"
+            )
+        small = np.flatnonzero(self.size < layout.region_bytes)
+        if small.size:
+            i = int(small[0])
+            raise LayoutError(
+                f"regions: region {i} has {int(self.size[i])} bytes, the layout needs {layout.region_bytes}",
+                field="regions",
+            )
+
+
+@dataclass(frozen=True)
+class Source:
+    """One remote rank that the local rank reads, and the head slice it contributes.
+
+    ``local_head`` and ``remote_head`` are the first head of the slice in each side's page;
+    ``num_heads`` heads are read (plus their V-group twins in a quantized cache).
+    """
+
+    remote_rank: int
+    local_head: int
+    remote_head: int
+    num_heads: int
+    global_head: int
+    reason: str
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """Descriptors for one remote rank, relative to regions (resolve with :meth:`descriptors`)."""
+
+    source: Source
+    local_region: I64
+    local_offset: I64
+    remote_region: I64
+    remote_offset: I64
+    length: I64
+
+    @property
+    def remote_rank(self) -> int:
+        """The remote TP rank these descriptors read from."""
+        return self.source.remote_rank
+
+    @property
+    def num_descriptors(self) -> int:
+        """How many descriptors (on each side)."""
+        return int(self.length.size)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes moved from this rank."""
+        return int(self.length.sum())
+
+    def descriptors(self, local: RegionTable, remote: RegionTable) -> tuple[U64, U64]:
+        """``(local, remote)`` arrays of shape (N, 3): address, length, device id (uint64).
+
+        Every descriptor is checked to lie inside its registered region on both sides.
+        """
+        return _resolve(local, self.local_region, self.local_offset, self.length, "local"), _resolve(
+            remote, self.remote_region, self.remote_offset, self.length, "remote"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """All descriptors of one request for one local rank."""
+
+    per_rank: tuple[RankPlan, ...]
+    num_chunks: int
+    num_layers: int
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def num_descriptors(self) -> int:
+        """Total descriptors over all remote ranks."""
+        return sum(p.num_descriptors for p in self.per_rank)
+
+    @property
+    def total_bytes(self) -> int:
+        """Total bytes moved."""
+        return sum(p.total_bytes for p in self.per_rank)
+
+    @property
+    def per_block_descriptors(self) -> int:
+        """Descriptors a one-per-block-per-layer-per-source scheme would issue for the same request."""
+        return self.num_layers * self.num_chunks * len(self.per_rank)
+
+
+def parse_block_ids(spec: str) -> I64:
+    """Parse ``"0:2048"``, ``"3,4,5,9"`` or ``"0:8,20:24"`` into an int64 array (ranges are half-open)."""
+    parts: list[I64] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        try:
+            if ":" in item:
+                lo, hi = item.split(":", 1)
+                parts.append(np.arange(int(lo), int(hi), dtype=np.int64))
+            else:
+                parts.append(np.array([int(item)], dtype=np.int64))
+        except ValueError:
+            raise BlockIdError(f"blocks: cannot parse {item!r} (use 'a:b' ranges or ids separated by commas)",
+                               field="blocks") from None  # fmt: skip
+    if not parts:
+        raise BlockIdError(f"blocks: {spec!r} names no block ids", field="blocks")
+    return np.concatenate(parts)
+
+
+@dataclass(frozen=True)
+class TransferTopology:
+    """Plans transfers of one cache group from remote ranks into one local rank.
+
+    ``local`` and ``remote`` describe the cache group as each side's rank holds it (per-rank
+    head counts). The local rank is the one whose memory receives (READ, pull) or sends
+    (WRITE, push) the bytes; in both cases ``local`` is this side.
+    """
+
+    local: KVCacheLayout
+    remote: KVCacheLayout
+    local_rank: RankInfo
+    remote_tp_size: int
+    remote_pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        diffs = self.local.incompatibilities(self.remote)
+        if diffs:
+            raise IncompatibleLayoutError(diffs)
+        if self.remote_pp_size != self.local_rank.pp_size:
+            raise TopologyError(
+                f"pp_size: local {self.local_rank.pp_size}, remote {self.remote_pp_size}; "
+                "both sides must split layers into the same pipeline stages",
+                field="pp_size",
+            )
+        if self.remote_tp_size < 1:
+            raise TopologyError(f"remote_tp_size: must be >= 1, got {self.remote_tp_size}", field="remote_tp_size")
+        kind = self.local.kind
+        if kind is CacheKind.MAMBA and self.remote_tp_size != self.local_rank.tp_size:
+            raise TopologyError(
+                f"tp_size: a mamba page is opaque, so heterogeneous TP (local {self.local_rank.tp_size}, remote "
+                f"{self.remote_tp_size}) cannot be split per head; use the same TP size on both sides",
+                field="tp_size",
+            )
+        if kind in (CacheKind.ATTENTION, CacheKind.QUANTIZED):
+            total = self.local.total_kv_heads
+            for side, layout, tp, rank in (
+                ("local", self.local, self.local_rank.tp_size, self.local_rank.tp_rank),
+                ("remote", self.remote, self.remote_tp_size, 0),
+            ):
+                try:
+                    h0, h1 = head_range(total, tp, rank)
+                except LayoutError as exc:
+                    raise TopologyError(f"{side} {exc.message}", field=exc.field) from None
+                if h1 - h0 != layout.num_kv_heads:
+                    raise TopologyError(
+                        f"num_kv_heads: {side} rank holds {layout.num_kv_heads} heads but {total} heads over "
+                        f"tp_size {tp} gives {h1 - h0} per rank",
+                        field="num_kv_heads",
+                    )
+
+    # ------------------------------------------------------------------ ranks and heads
+    def sources(self) -> tuple[Source, ...]:
+        """Which remote ranks the local rank reads, with each head slice and where it lands."""
+        local_tp, rank = self.local_rank.tp_size, self.local_rank.tp_rank
+        if self.local.kind is CacheKind.MLA:
+            r = rank % self.remote_tp_size
+            return (Source(r, 0, 0, 1, 0, f"MLA latent is replicated on every rank: read it from remote rank {r}"),)
+        if self.local.kind is CacheKind.MAMBA:
+            return (Source(rank, 0, 0, 1, 0, f"mamba page of rank {rank} (same TP on both sides)"),)
+        total = self.local.total_kv_heads
+        l0, l1 = head_range(total, local_tp, rank)
+        by_range: dict[tuple[int, int], list[int]] = {}
+        for q in range(self.remote_tp_size):
+            by_range.setdefault(head_range(total, self.remote_tp_size, q), []).append(q)
+        out: list[Source] = []
+        for (r0, r1), holders in sorted(by_range.items()):
+            a, b = max(l0, r0), min(l1, r1)
+            if a >= b:
+                continue
+            # Replicated heads: spread local ranks over the replicas instead of all reading replica 0.
+            q = holders[rank % len(holders)]
+            why = f"remote rank {q} holds heads [{r0}, {r1}); local rank {rank} needs [{l0}, {l1})"
+            if len(holders) > 1:
+                why += f"; replicated on ranks {holders}"
+            out.append(Source(q, a - l0, a - r0, b - a, a, why))
+        return tuple(out)
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, local_blocks: BlockIds, remote_blocks: BlockIds) -> TransferPlan:
+        """Descriptors moving ``remote_blocks`` of the remote ranks into ``local_blocks`` here.
+
+        Block ids are in each side's own block size; both lists must cover the same number of
+        tokens. Raises :class:`BlockIdError` before any descriptor exists if a list is empty,
+        has an id out of range, repeats an id, or the token counts differ.
+        """
+        lb = _check_blocks(local_blocks, self.local.num_blocks, "local_blocks")
+        rb = _check_blocks(remote_blocks, self.remote.num_blocks, "remote_blocks")
+        nl, nr = self.local.tokens_per_page, self.remote.tokens_per_page
+        if lb.size * nl != rb.size * nr:
+            raise BlockIdError(
+                f"remote_blocks: length mismatch: {lb.size} local blocks x {nl} tokens = {lb.size * nl} tokens, "
+                f"{rb.size} remote blocks x {nr} tokens = {rb.size * nr} tokens",
+                field="remote_blocks",
+            )
+        g = min(nl, nr)
+        chunks = lb.size * nl // g
+        c = np.arange(chunks, dtype=np.int64)
+        per_l, per_r = nl // g, nr // g
+        l_block, l_tok = lb[c // per_l], (c % per_l) * g
+        r_block, r_tok = rb[c // per_r], (c % per_r) * g
+        warnings: list[str] = []
+        plans = tuple(self._plan_source(src, g, l_block, l_tok, r_block, r_tok, warnings) for src in self.sources())
+        return TransferPlan(plans, chunks, self.local.num_layers, tuple(dict.fromkeys(warnings)))
+
+    def _plan_source(
+        self,
+        src: Source,
+        g: int,
+        l_block: I64,
+        l_tok: I64,
+        r_block: I64,
+        r_tok: I64,
+        warnings: list[str],
+    ) -> RankPlan:
+        loc, rem = self.local, self.remote
+        l_units, r_units, u_len = _unit_pattern(loc, rem, src, g)
+        if len(l_units) > 1 and loc.order is Order.NHD and rem.order is Order.NHD:
+            warnings.append(
+                f"NHD with a head slice: {len(l_units)} spans per chunk per layer (one per token); HND keeps a "
+                "head slice contiguous"
+            )
+        elif len(l_units) > 1 and loc.order is not rem.order:
+            warnings.append(f"local {loc.order} vs remote {rem.order}: one span per row ({len(l_units)} per chunk)")
+        # Chunk start offsets inside each side's region (layer offset added below).
+        l_start = l_block * loc.block_stride + _token_offset(loc, l_tok)
+        r_start = r_block * rem.block_stride + _token_offset(rem, r_tok)
+        layers = np.arange(loc.num_layers, dtype=np.int64)
+        l_layer_off = layers * (loc.page_bytes if loc.cross_layer else 0)
+        r_layer_off = layers * (rem.page_bytes if rem.cross_layer else 0)
+        l_layer_reg = np.zeros_like(layers) if loc.cross_layer else layers
+        r_layer_reg = np.zeros_like(layers) if rem.cross_layer else layers
+        # Lengths on the (chunk, unit) axes: one per merged run of chunks, or the unit pattern.
+        chunk_unit_len: I64
+        if len(l_units) == 1:
+            unit = int(u_len[0])
+            # Whole-page units of every layer of a cross-layer block are one span on both sides.
+            if loc.cross_layer and rem.cross_layer and unit == loc.page_bytes == rem.page_bytes:
+                unit *= loc.num_layers
+                layers, l_layer_off, r_layer_off = layers[:1], l_layer_off[:1], r_layer_off[:1]
+                l_layer_reg, r_layer_reg = l_layer_reg[:1], r_layer_reg[:1]
+            l_start, r_start, run_len = _merge_runs(l_start + l_units[0], r_start + r_units[0], unit)
+            l_units, r_units = np.zeros(1, np.int64), np.zeros(1, np.int64)
+            chunk_unit_len = run_len[:, None]
+        else:
+            chunk_unit_len = np.broadcast_to(u_len[None, :], (l_start.size, u_len.size))
+        chunk_major = loc.cross_layer and rem.cross_layer
+        # Grid axes: (layer, chunk, unit), or (chunk, layer, unit) when both sides are block-major so
+        # that adjacent layers of one block end up next to each other for the final merge.
+        if chunk_major:
+            lo = l_start[:, None, None] + l_layer_off[None, :, None] + l_units[None, None, :]
+            ro = r_start[:, None, None] + r_layer_off[None, :, None] + r_units[None, None, :]
+            lr = np.broadcast_to(l_layer_reg[None, :, None], lo.shape)
+            rr = np.broadcast_to(r_layer_reg[None, :, None], ro.shape)
+            ln = np.broadcast_to(chunk_unit_len[:, None, :], lo.shape)
+        else:
+            lo = l_layer_off[:, None, None] + l_start[None, :, None] + l_units[None, None, :]
+            ro = r_layer_off[:, None, None] + r_start[None, :, None] + r_units[None, None, :]
+            lr = np.broadcast_to(l_layer_reg[:, None, None], lo.shape)
+            rr = np.broadcast_to(r_layer_reg[:, None, None], ro.shape)
+            ln = np.broadcast_to(chunk_unit_len[None, :, :], lo.shape)
+        return RankPlan(src, *_coalesce(lr.ravel(), lo.ravel(), rr.ravel(), ro.ravel(), ln.ravel()))
+
+
+def _token_offset(layout: KVCacheLayout, tokens: I64) -> I64:
+    """Byte offset of a token inside a page, for the token-range start of each chunk."""
+    if layout.order is Order.HND:
+        return tokens * layout.row_bytes
+    return tokens * (layout.entries * layout.row_bytes)
+
+
+def _unit_pattern(loc: KVCacheLayout, rem: KVCacheLayout, src: Source, g: int) -> tuple[I64, I64, I64]:
+    """Offsets (from a chunk's start) and lengths of the units of one chunk, merged where possible."""
+    row = loc.row_bytes
+    groups = loc.head_groups
+    nh = src.num_heads
+    grp = np.arange(groups, dtype=np.int64)
+    heads = np.arange(nh, dtype=np.int64)
+    toks = np.arange(g, dtype=np.int64)
+
+    def entry(layout: KVCacheLayout, first: int) -> I64:
+        # entry index of (group, head) in that side's page
+        return (grp[:, None] * layout.num_kv_heads + first + heads[None, :]).ravel()
+
+    le, re_ = entry(loc, src.local_head), entry(rem, src.remote_head)
+    if loc.order is Order.HND and rem.order is Order.HND:
+        lo = le * loc.tokens_per_page * row
+        ro = re_ * rem.tokens_per_page * row
+        ln = np.full(lo.size, g * row, np.int64)
+    elif loc.order is Order.NHD and rem.order is Order.NHD:
+        # One unit per (token, group): nh consecutive entries of one token.
+        lo = (toks[:, None] * loc.entries * row + (grp * loc.num_kv_heads + src.local_head)[None, :] * row).ravel()
+        ro = (toks[:, None] * rem.entries * row + (grp * rem.num_kv_heads + src.remote_head)[None, :] * row).ravel()
+        ln = np.full(lo.size, nh * row, np.int64)
+    else:
+        lo = _row_offsets(loc, le, toks)
+        ro = _row_offsets(rem, re_, toks)
+        ln = np.full(lo.size, row, np.int64)
+    order = np.argsort(lo, kind="stable")
+    _, lo, _, ro, ln = _coalesce(np.zeros_like(lo), lo[order], np.zeros_like(ro), ro[order], ln[order])
+    return lo, ro, ln
+
+
+def _row_offsets(layout: KVCacheLayout, entries: I64, toks: I64) -> I64:
+    row = layout.row_bytes
+    if layout.order is Order.HND:
+        return (entries[:, None] * layout.tokens_per_page * row + toks[None, :] * row).ravel()
+    return (toks[None, :] * layout.entries * row + entries[:, None] * row).ravel()
+
+
+def _merge_runs(l_start: I64, r_start: I64, unit: int) -> tuple[I64, I64, I64]:
+    """Merge consecutive chunks whose single unit continues on both sides; returns starts and lengths."""
+    if l_start.size == 0:
+        return l_start, r_start, np.zeros(0, np.int64)
+    brk = np.ones(l_start.size, dtype=bool)
+    brk[1:] = (l_start[1:] != l_start[:-1] + unit) | (r_start[1:] != r_start[:-1] + unit)
+    starts = np.flatnonzero(brk)
+    counts = np.diff(np.append(starts, l_start.size))
+    return l_start[starts], r_start[starts], counts * unit
+
+
+def _coalesce(lr: I64, lo: I64, rr: I64, ro: I64, ln: I64) -> tuple[I64, I64, I64, I64, I64]:
+    """Merge neighbours that are contiguous on both sides and inside the same region on both."""
+    if lo.size <= 1:
+        return (np.ascontiguousarray(lr), np.ascontiguousarray(lo), np.ascontiguousarray(rr),
+                np.ascontiguousarray(ro), np.ascontiguousarray(ln))  # fmt: skip
+    brk = np.empty(lo.size, dtype=bool)
+    brk[0] = True
+    end_l = lo[:-1] + ln[:-1]
+    end_r = ro[:-1] + ln[:-1]
+    np.not_equal(lo[1:], end_l, out=brk[1:])
+    brk[1:] |= ro[1:] != end_r
+    brk[1:] |= lr[1:] != lr[:-1]
+    brk[1:] |= rr[1:] != rr[:-1]
+    starts = np.flatnonzero(brk)
+    if starts.size == lo.size:
+        return (np.ascontiguousarray(lr), np.ascontiguousarray(lo), np.ascontiguousarray(rr),
+                np.ascontiguousarray(ro), np.ascontiguousarray(ln))  # fmt: skip
+    lengths = np.add.reduceat(ln, starts)
+    return lr[starts], lo[starts], rr[starts], ro[starts], lengths
+
+
+def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise BlockIdError(f"{name}: expected a flat list of block ids, got shape {arr.shape}", field=name)
+    if arr.size == 0:
+        raise BlockIdError(f"{name}: empty request (no block ids)", field=name)
+    if arr.dtype.kind not in "iu":
+        raise BlockIdError(f"{name}: block ids must be integers, got dtype {arr.dtype}", field=name)
+    arr = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
+    if bad.size:
+        i = int(bad[0])
+        raise BlockIdError(
+            f"{name}: block id {int(arr[i])} at position {i} is out of range [0, {num_blocks})"
+            + (f" ({bad.size} ids out of range)" if bad.size > 1 else ""),
+            field=name,
+        )
+    if arr.size > 1:
+        srt = np.sort(arr)
+        dup = np.flatnonzero(srt[1:] == srt[:-1])
+        if dup.size:
+            raise BlockIdError(f"{name}: block id {int(srt[dup[0]])} appears more than once", field=name)
+    return arr
+
+
+def _resolve(table: RegionTable, region: I64, offset: I64, length: I64, side: str) -> U64:
+    n_regions = table.base.size
+    if region.size and (int(region.max()) >= n_regions):
+        raise LayoutError(
+            f"regions: {side} descriptors need region {int(region.max())}, only {n_regions} registered",
+            field="regions",
+        )
+    end = offset + length
+    over = np.flatnonzero(end.astype(np.uint64) > table.size[region])
+    if over.size:
+        i = int(over[0])
+        r = int(region[i])
+        raise LayoutError(
+            f"regions: {side} descriptor [{int(offset[i])}, {int(end[i])}) overruns region {r} of "
+            f"{int(table.size[r])} bytes",
+            field="regions",
+        )
+    out = np.empty((offset.size, 3), dtype=np.uint64)
+    out[:, 0] = table.base[region] + offset.astype(np.uint64)
+    out[:, 1] = length
+    out[:, 2] = table.device[region]
+    return out
