@@ -260,7 +260,7 @@ class KVCacheLayout:
         """Attention cache with K and V packed in the content dim: (B, H, N, 2*head_size)."""
         return cls(
             CacheKind.ATTENTION, num_layers, num_blocks, block_size, num_kv_heads, head_size,
-            DType.parse(dtype), Order(order), cross_layer, total_kv_heads,
+            DType.parse(dtype), _parse_enum(Order, order, "order"), cross_layer, total_kv_heads,
         )  # fmt: skip
 
     @classmethod
@@ -280,7 +280,7 @@ class KVCacheLayout:
         """Quantized cache with K and V as separate head groups: (B, 2*H, N, head_size)."""
         return cls(
             CacheKind.QUANTIZED, num_layers, num_blocks, block_size, num_kv_heads, head_size,
-            DType.parse(dtype), Order(order), cross_layer, total_kv_heads,
+            DType.parse(dtype), _parse_enum(Order, order, "order"), cross_layer, total_kv_heads,
         )  # fmt: skip
 
     @classmethod
@@ -511,6 +511,8 @@ class KVCacheLayout:
             nb, one_a, one_b, page = dims
             if (one_a, one_b) != (1, 1):
                 raise LayoutError(f"shape: a mamba page tensor is (B, 1, 1, page_bytes), got {shape}", field="shape")
+            if dt is not DType.INT8:
+                raise LayoutError(f"dtype: a mamba page tensor is int8, got {dt}", field="dtype")
             layout = cls.mamba(num_layers=layers, num_blocks=nb, page_size_bytes=page, cross_layer=cross)
             _expect_strides(st[3:], (1,), ("page",), first_dim=3)
         else:

@@ -1,0 +1,203 @@
+"""Exact descriptor counts, sources and errors for known transfers."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from kvxfer.errors import BlockIdError, IncompatibleLayoutError, LayoutError, TopologyError
+from kvxfer.layout import KVCacheLayout
+from kvxfer.topology import RankInfo, RegionTable, TransferTopology, parse_block_ids
+
+
+def llama(tp: int = 1, *, layers: int = 64, blocks: int = 4096, order: str = "HND", cross: bool = False,
+          block_size: int = 16) -> KVCacheLayout:  # fmt: skip
+    return KVCacheLayout.attention(
+        num_layers=layers, num_blocks=blocks, block_size=block_size, num_kv_heads=8 // tp, head_size=128,
+        total_kv_heads=8, order=order, cross_layer=cross,
+    )  # fmt: skip
+
+
+def test_contiguous_same_tp_is_one_descriptor_per_layer() -> None:
+    plan = TransferTopology(llama(), llama(), RankInfo(0, 1), 1).plan(np.arange(2048), np.arange(2048))
+    assert plan.num_descriptors == 64
+    assert plan.per_block_descriptors == 64 * 2048
+    assert plan.total_bytes == 64 * 2048 * 65536
+    assert plan.per_rank[0].length.tolist() == [2048 * 65536] * 64
+
+
+def test_cross_layer_contiguous_is_one_descriptor() -> None:
+    plan = TransferTopology(llama(cross=True), llama(cross=True), RankInfo(0, 1), 1).plan(
+        np.arange(100, 2148), np.arange(2048)
+    )
+    assert plan.num_descriptors == 1
+    rp = plan.per_rank[0]
+    assert (rp.local_offset.tolist(), rp.remote_offset.tolist()) == ([100 * 64 * 65536], [0])
+    assert rp.length.tolist() == [2048 * 64 * 65536]
+
+
+def test_cross_layer_local_per_layer_remote_cannot_merge_layers() -> None:
+    plan = TransferTopology(llama(cross=False), llama(cross=True), RankInfo(0, 1), 1).plan(np.arange(8), np.arange(8))
+    # local pages of one layer are contiguous, remote ones are not (block stride = 64 pages)
+    assert plan.num_descriptors == 64 * 8
+
+
+def test_runs_coalesce_independently_on_both_sides() -> None:
+    local = np.array([0, 1, 2, 10, 11, 20])
+    remote = np.array([5, 6, 7, 8, 9, 30])  # breaks after 7 (local jumps) and after 9 (both)
+    plan = TransferTopology(llama(layers=2), llama(layers=2), RankInfo(0, 1), 1).plan(local, remote)
+    rp = plan.per_rank[0]
+    assert plan.num_descriptors == 2 * 3
+    page = 65536
+    assert rp.local_offset[:3].tolist() == [0, 10 * page, 20 * page]
+    assert rp.remote_offset[:3].tolist() == [5 * page, 8 * page, 30 * page]
+    assert rp.length[:3].tolist() == [3 * page, 2 * page, page]
+    assert rp.local_region.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_decode_tp2_from_prefill_tp1_hnd_one_span_per_block() -> None:
+    topo = TransferTopology(llama(2), llama(1), RankInfo(1, 2), 1)
+    (src,) = topo.sources()
+    assert (src.remote_rank, src.local_head, src.remote_head, src.num_heads) == (0, 0, 4, 4)
+    plan = topo.plan(np.arange(16), np.arange(16))
+    rp = plan.per_rank[0]
+    assert plan.num_descriptors == 64 * 16
+    # local pages are whole (4 heads), contiguous across blocks, but remote slices are not.
+    assert rp.length[:2].tolist() == [32768, 32768]
+    assert rp.remote_offset[:2].tolist() == [4 * 16 * 512, 65536 + 4 * 16 * 512]
+
+
+def test_decode_tp1_from_prefill_tp2_reads_two_ranks_each_at_its_offset() -> None:
+    topo = TransferTopology(llama(1, layers=1), llama(2, layers=1), RankInfo(0, 1), 2)
+    plan = topo.plan(np.arange(4), np.arange(4))
+    assert [rp.remote_rank for rp in plan.per_rank] == [0, 1]
+    half = 4 * 16 * 512
+    assert plan.per_rank[0].local_offset.tolist() == [i * 65536 for i in range(4)]
+    assert plan.per_rank[1].local_offset.tolist() == [i * 65536 + half for i in range(4)]
+    # on the remote side a whole page of a 4-head rank: contiguous over blocks, but local is not
+    assert plan.per_rank[1].remote_offset.tolist() == [i * half for i in range(4)]
+
+
+def test_nhd_head_slice_needs_one_span_per_token_and_warns() -> None:
+    plan = TransferTopology(llama(2, order="NHD"), llama(1, order="NHD"), RankInfo(0, 2), 1).plan(
+        np.arange(10), np.arange(10)
+    )
+    assert plan.num_descriptors == 64 * 10 * 16
+    assert any("one per token" in w for w in plan.warnings)
+
+
+def test_replicated_heads_spread_over_replicas() -> None:
+    def lay(tp: int) -> KVCacheLayout:
+        return KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=16, num_kv_heads=max(1, 2 // tp),
+                                       head_size=64, total_kv_heads=2)  # fmt: skip
+
+    # remote TP 4 over 2 heads: ranks (0,1) hold head 0, (2,3) hold head 1
+    picks = [[s.remote_rank for s in TransferTopology(lay(1), lay(4), RankInfo(0, 1), 4).sources()]]
+    picks += [[s.remote_rank for s in TransferTopology(lay(2), lay(4), RankInfo(r, 2), 4).sources()] for r in (0, 1)]
+    assert picks == [[0, 2], [0], [3]]
+
+
+def test_mla_reads_one_remote_rank_and_says_which() -> None:
+    mla = KVCacheLayout.mla(num_layers=4, num_blocks=32, block_size=16, latent_dim=576)
+    for rank, expected in [(0, 0), (1, 1), (2, 0), (3, 1)]:
+        (src,) = TransferTopology(mla, mla, RankInfo(rank, 4), 2).sources()
+        assert src.remote_rank == expected
+        assert f"remote rank {expected}" in src.reason
+    plan = TransferTopology(mla, mla, RankInfo(3, 4), 2).plan(np.arange(32), np.arange(32))
+    assert plan.num_descriptors == 4
+
+
+def test_mamba_whole_pages_and_refuses_heterogeneous_tp() -> None:
+    mamba = KVCacheLayout.mamba(num_layers=2, num_blocks=10, page_size_bytes=4096)
+    plan = TransferTopology(mamba, mamba, RankInfo(1, 2), 2).plan([3, 4, 9], [0, 1, 2])
+    assert plan.per_rank[0].remote_rank == 1
+    assert plan.num_descriptors == 2 * 2
+    with pytest.raises(TopologyError, match="mamba page is opaque"):
+        TransferTopology(mamba, mamba, RankInfo(0, 1), 2)
+
+
+def test_heterogeneous_block_size_split_and_merge() -> None:
+    small, big = llama(layers=1, block_size=16), llama(layers=1, blocks=2048, block_size=32)
+    plan = TransferTopology(small, big, RankInfo(0, 1), 1).plan([0, 1, 5, 6], [3, 7])
+    # HND: each remote block half is 8 per-head spans; local page 0 and 1 are adjacent but the
+    # remote halves interleave per head, so nothing merges across heads.
+    assert plan.num_chunks == 4
+    assert plan.num_descriptors == 4 * 8
+    assert plan.total_bytes == 4 * 65536
+    nhd_small, nhd_big = llama(layers=1, order="NHD"), llama(layers=1, blocks=2048, block_size=32, order="NHD")
+    plan = TransferTopology(nhd_small, nhd_big, RankInfo(0, 1), 1).plan([0, 1, 5, 6], [3, 7])
+    # NHD: token-major, so local pages 0,1 fill remote block 3 as one span.
+    assert plan.num_descriptors == 2
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "message"),
+    [
+        ([], [], "local_blocks: empty request"),
+        ([0, 4096], [0, 1], "local_blocks: block id 4096 at position 1 is out of range [0, 4096)"),
+        ([0, 1], [-1, 1], "remote_blocks: block id -1 at position 0 is out of range"),
+        ([3, 3], [0, 1], "local_blocks: block id 3 appears more than once"),
+        ([0, 1], [5, 5], "remote_blocks: block id 5 appears more than once"),
+        (
+            [0, 1, 2],
+            [0, 1],
+            "remote_blocks: length mismatch: 3 local blocks x 16 tokens = 48 tokens, 2 remote blocks x 16",
+        ),
+        ([[0, 1]], [0, 1], "local_blocks: expected a flat list"),
+        ([0.5], [0], "local_blocks: block ids must be integers, got dtype float64"),
+    ],
+)
+def test_bad_block_lists_are_refused(local: list[int], remote: list[int], message: str) -> None:
+    topo = TransferTopology(llama(layers=1), llama(layers=1), RankInfo(0, 1), 1)
+    with pytest.raises(BlockIdError, match="^" + re.escape(message)):
+        topo.plan(np.array(local), np.array(remote))
+
+
+def test_incompatible_layouts_list_every_difference() -> None:
+    a = llama(layers=32)
+    b = KVCacheLayout.attention(num_layers=30, num_blocks=10, block_size=24, num_kv_heads=8, head_size=64,
+                                dtype="fp16")  # fmt: skip
+    with pytest.raises(IncompatibleLayoutError) as err:
+        TransferTopology(a, b, RankInfo(0, 1), 1)
+    assert err.value.differences == (
+        "dtype: local bf16, remote fp16",
+        "num_layers: local 32, remote 30",
+        "head_size: local 128, remote 64",
+        "block_size: local 16, remote 24 (neither is a multiple of the other)",
+    )
+    assert err.value.status == "FAILED_PRECONDITION"
+
+
+def test_head_count_must_match_tp_split() -> None:
+    with pytest.raises(TopologyError, match="num_kv_heads: remote rank holds 8 heads but 8 heads over tp_size 2"):
+        TransferTopology(llama(1), llama(1), RankInfo(0, 1), 2)
+    with pytest.raises(TopologyError, match="pp_size"):
+        TransferTopology(llama(), llama(), RankInfo(0, 1, 0, 2), 1)
+
+
+def test_descriptors_resolve_addresses_and_refuse_small_regions() -> None:
+    lay = llama(layers=2, blocks=4)
+    plan = TransferTopology(lay, lay, RankInfo(0, 1), 1).plan([1, 2], [0, 3])
+    local = RegionTable.for_layout(lay, [1 << 20, 1 << 30], device=0)
+    remote = RegionTable.for_layout(lay, [4096, 1 << 24], device=3)
+    ld, rd = plan.per_rank[0].descriptors(local, remote)
+    page = 65536
+    # local [1, 2] is one run but remote [0, 3] is not, so nothing merges
+    assert ld.tolist() == [
+        [(1 << 20) + page, page, 0], [(1 << 20) + 2 * page, page, 0],
+        [(1 << 30) + page, page, 0], [(1 << 30) + 2 * page, page, 0],
+    ]  # fmt: skip
+    assert rd.tolist() == [
+        [4096, page, 3], [4096 + 3 * page, page, 3], [(1 << 24), page, 3], [(1 << 24) + 3 * page, page, 3]
+    ]  # fmt: skip
+    tiny = RegionTable(np.array([0, 0], np.uint64), np.array([page, page], np.uint64), np.zeros(2, np.uint64))
+    with pytest.raises(LayoutError, match="overruns region 0"):
+        plan.per_rank[0].descriptors(tiny, remote)
+
+
+def test_parse_block_ids() -> None:
+    assert parse_block_ids("0:4,9, 11").tolist() == [0, 1, 2, 3, 9, 11]
+    with pytest.raises(BlockIdError, match="cannot parse 'x'"):
+        parse_block_ids("1,x")
