@@ -4,6 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
+TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup demo test lint typecheck proto proto-check clean sysdeps
@@ -19,14 +20,14 @@ $(STAMP): pyproject.toml | sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first: otherwise a dependency pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[dev,mooncake-cpu]'
 	touch $(STAMP)
 
 setup: sysdeps $(STAMP)
 
 demo: setup
-	$(BIN)/kvxfer demo
+	$(BIN)/kvxfer plan --layers 32 --kv-heads 8 --head-size 128 --block-size 16 --prefill-tp 2 --decode-tp 1 --blocks 0:64,100:164
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -127,6 +127,7 @@ class RankPlan:
     """Descriptors for one remote rank, relative to regions (resolve with :meth:`descriptors`)."""
 
     source: Source
+    spans_per_chunk: int
     local_region: I64
     local_offset: I64
     remote_region: I64
@@ -179,8 +180,8 @@ class TransferPlan:
 
     @property
     def per_block_descriptors(self) -> int:
-        """Descriptors a one-per-block-per-layer-per-source scheme would issue for the same request."""
-        return self.num_layers * self.num_chunks * len(self.per_rank)
+        """Descriptors a scheme without coalescing would issue: the spans of every block, layer and source."""
+        return self.num_layers * self.num_chunks * sum(p.spans_per_chunk for p in self.per_rank)
 
 
 def parse_block_ids(spec: str) -> I64:
@@ -321,6 +322,7 @@ class TransferTopology:
     ) -> RankPlan:
         loc, rem = self.local, self.remote
         l_units, r_units, u_len = _unit_pattern(loc, rem, src, g)
+        spans_per_chunk = len(l_units)
         if len(l_units) > 1 and loc.order is Order.NHD and rem.order is Order.NHD:
             warnings.append(
                 f"NHD with a head slice: {len(l_units)} spans per chunk per layer (one per token); HND keeps a "
@@ -365,7 +367,7 @@ class TransferTopology:
             lr = np.broadcast_to(l_layer_reg[:, None, None], lo.shape)
             rr = np.broadcast_to(r_layer_reg[:, None, None], ro.shape)
             ln = np.broadcast_to(chunk_unit_len[None, :, :], lo.shape)
-        return RankPlan(src, *_coalesce(lr.ravel(), lo.ravel(), rr.ravel(), ro.ravel(), ln.ravel()))
+        return RankPlan(src, spans_per_chunk, *_coalesce(lr.ravel(), lo.ravel(), rr.ravel(), ro.ravel(), ln.ravel()))
 
 
 def _token_offset(layout: KVCacheLayout, tokens: I64) -> I64:
@@ -479,7 +481,9 @@ def _resolve(table: RegionTable, region: I64, offset: I64, length: I64, side: st
             field="regions",
         )
     end = offset + length
-    over = np.flatnonzero(end.astype(np.uint64) > table.size[region])
+    # Tables are usually uniform (one size, one device): compare and fill with scalars then.
+    size = table.size[0] if n_regions and (table.size == table.size[0]).all() else np.take(table.size, region)
+    over = np.flatnonzero(end.astype(np.uint64) > size)
     if over.size:
         i = int(over[0])
         r = int(region[i])
@@ -489,7 +493,10 @@ def _resolve(table: RegionTable, region: I64, offset: I64, length: I64, side: st
             field="regions",
         )
     out = np.empty((offset.size, 3), dtype=np.uint64)
-    out[:, 0] = table.base[region] + offset.astype(np.uint64)
+    np.add(np.take(table.base, region), offset.view(np.uint64), out=out[:, 0])
     out[:, 1] = length
-    out[:, 2] = table.device[region]
+    if n_regions and (table.device == table.device[0]).all():
+        out[:, 2] = table.device[0]
+    else:
+        out[:, 2] = np.take(table.device, region)
     return out

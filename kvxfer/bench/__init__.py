@@ -1,0 +1,1 @@
+"""Benchmarks run by `kvxfer bench ...` (scripts under bench/ call the same functions)."""

@@ -1,0 +1,146 @@
+"""The `kvxfer` command line: plan, bench, demo, serve, drain.
+
+Heavy imports (gRPC, NIXL, Mooncake, torch) happen inside the commands that need them, so that
+`kvxfer plan` works with the pure core alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvxfer import __version__
+from kvxfer.errors import KvxferError
+
+app = typer.Typer(help="KV-cache transfer sidecar for disaggregated prefill/decode serving.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (figures to quote come from here).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+console = Console(stderr=True)
+
+
+def _fail(exc: KvxferError) -> typer.Exit:
+    console.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(code=2)
+
+
+@app.command()
+def version() -> None:
+    """Print the kvxfer version and protocol version."""
+    from kvxfer import PROTOCOL_VERSION
+
+    print(f"kvxfer {__version__} (protocol v{PROTOCOL_VERSION})")
+
+
+@app.command()
+def plan(
+    layers: Annotated[int, typer.Option(help="Layers of the model (per pipeline stage).")] = 32,
+    kv_heads: Annotated[int, typer.Option(help="KV heads of the whole model (before TP).")] = 8,
+    head_size: Annotated[int, typer.Option(help="Head size (MLA: latent dim; Mamba: page bytes).")] = 128,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, nvfp4, int8.")] = "bf16",
+    block_size: Annotated[int, typer.Option(help="Tokens per block on the decode (local) side.")] = 16,
+    remote_block_size: Annotated[int | None, typer.Option(help="Tokens per block on the prefill side.")] = None,
+    layout: Annotated[str, typer.Option(help="Physical order: HND or NHD.")] = "HND",
+    kind: Annotated[str, typer.Option(help="attention, quantized, mla or mamba.")] = "attention",
+    cross_layer: Annotated[bool, typer.Option(help="Cross-layer (block-major) cache on both sides.")] = False,
+    prefill_tp: Annotated[int, typer.Option(help="Tensor-parallel size of the prefill (remote) side.")] = 1,
+    decode_tp: Annotated[int, typer.Option(help="Tensor-parallel size of the decode (local) side.")] = 1,
+    decode_rank: Annotated[int, typer.Option(help="The decode rank to plan for.")] = 0,
+    blocks: Annotated[str, typer.Option(help="Local block ids: '0:2048', '3,4,5,9' or a mix.")] = "0:2048",
+    remote_blocks: Annotated[str | None, typer.Option(help="Remote block ids (default: same as --blocks).")] = None,
+    num_blocks: Annotated[int | None, typer.Option(help="Blocks in the local cache (default: max id + 1).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show the regions and descriptors a decode rank needs to pull one request, and why."""
+    from kvxfer.layout import CacheKind, DType, Order
+    from kvxfer.planning import ModelShape, plan_report, plan_transfer
+    from kvxfer.topology import parse_block_ids
+
+    try:
+        local_ids = parse_block_ids(blocks)
+        remote_ids = parse_block_ids(remote_blocks) if remote_blocks else local_ids
+        shape = ModelShape(
+            CacheKind(kind), layers, kv_heads, head_size, DType.parse(dtype), Order(layout.upper()), cross_layer
+        )
+        topo, result = plan_transfer(
+            shape, prefill_tp=prefill_tp, decode_tp=decode_tp, decode_rank=decode_rank, local_blocks=local_ids,
+            remote_blocks=remote_ids, block_size=block_size, remote_block_size=remote_block_size,
+            num_blocks=num_blocks,
+        )  # fmt: skip
+    except KvxferError as exc:
+        raise _fail(exc) from None
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(code=2) from None
+    report = plan_report(topo, result)
+    if as_json:
+        print(json.dumps(report))
+        return
+    out = Console()
+    lay = topo.local
+    out.print(
+        f"[bold]decode rank {decode_rank}/{decode_tp} <- prefill TP {prefill_tp}[/bold]: {lay.kind} {lay.dtype} "
+        f"{lay.order}{' cross-layer' if lay.cross_layer else ''}, {lay.num_layers} layers, "
+        f"{lay.num_kv_heads} of {lay.total_kv_heads} kv heads, page {lay.page_bytes} B"
+    )
+    regs = report["regions"]
+    out.print(
+        f"regions to register: {len(regs)} x {regs[0]['bytes']} B (one per {'cache' if lay.cross_layer else 'layer'})"
+    )
+    table = Table("remote rank", "local heads <- remote heads", "descriptors", "bytes")
+    for s in report["sources"]:
+        lh = f"[{s['local_head']}, {s['local_head'] + s['num_heads']})"
+        rh = f"[{s['remote_head']}, {s['remote_head'] + s['num_heads']})"
+        table.add_row(str(s["remote_rank"]), f"{lh} <- {rh}", str(s["descriptors"]), str(s["bytes"]))
+    out.print(table)
+    for s in report["sources"]:
+        out.print(f"  rank {s['remote_rank']}: {s['reason']}")
+    out.print(
+        f"descriptors: {report['descriptors']}  bytes: {report['bytes']}  mean descriptor: "
+        f"{report['mean_descriptor_bytes']:.0f} B  per-block-per-layer scheme: {report['per_block_descriptors']} "
+        f"({report['coalescing_ratio']:.1f}x more)"
+    )
+    for w in report["warnings"]:
+        out.print(f"[yellow]note:[/yellow] {w}")
+
+
+@bench_app.command("topology")
+def bench_topology(
+    layers: int = 80,
+    blocks: int = 4096,
+    repeat: int = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Descriptor building: numpy TransferTopology vs a per-block Python loop."""
+    from kvxfer.bench.topology import run
+
+    result = run(layers=layers, blocks=blocks, repeat=repeat)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table("case", "numpy ms", "per-block loop ms", "speedup", "descriptors", "per-block descriptors")
+    for name, c in result["cases"].items():
+        table.add_row(
+            name, f"{c['numpy_ms']:.2f}", f"{c['loop_ms']:.0f}", f"{c['speedup']:.0f}x", str(c["descriptors"]),
+            str(c["per_block_descriptors"]),
+        )  # fmt: skip
+    out = Console(width=max(Console().width, 120))
+    out.print(f"{layers} layers x {blocks} blocks")
+    out.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KvxferError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
