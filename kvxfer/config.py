@@ -1,0 +1,358 @@
+"""Sidecar settings: flags > ``KVXFER_*`` environment > ``--config`` file > defaults.
+
+Every setting of docs/sidecar-contract.md is one field of :class:`Settings`. :func:`load_settings`
+merges the four sources and validates the result once, at start-up; any problem raises
+:class:`ConfigError` whose message names the setting the way the user wrote it (``--lease-seconds``,
+``KVXFER_LEASE_SECONDS`` or the file key) and the bad value.
+
+The file may be JSON or YAML. PyYAML is used when it is installed; otherwise a small reader for
+the flat ``key: value`` mappings a settings file needs is used, so the sidecar has no YAML
+dependency of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvxfer.errors import KvxferError
+
+__all__ = [
+    "ENV_PREFIX",
+    "ConfigError",
+    "Settings",
+    "env_name",
+    "flag_name",
+    "load_settings",
+    "parse_address",
+    "read_config_file",
+]
+
+ENV_PREFIX = "KVXFER_"
+
+
+class ConfigError(KvxferError, ValueError):
+    """A setting is unknown or has a bad value; ``field`` is the setting's name (underscores)."""
+
+    status = "INVALID_ARGUMENT"
+
+
+def flag_name(field: str) -> str:
+    """``lease_seconds`` -> ``--lease-seconds``."""
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    """``lease_seconds`` -> ``KVXFER_LEASE_SECONDS``."""
+    return ENV_PREFIX + field.upper()
+
+
+_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]*)):(?P<port>\d{1,5})$")
+
+
+def parse_address(value: str, *, setting: str = "address") -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6) and check the port; raises :class:`ConfigError`."""
+    m = _HOSTPORT.match(value.strip())
+    if not m:
+        raise ConfigError(f"{setting}: {value!r} is not host:port (use [addr]:port for IPv6)", field=setting)
+    port = int(m.group("port"))
+    if port > 65535:
+        raise ConfigError(f"{setting}: port {port} in {value!r} is not in [0, 65535]", field=setting)
+    host = m.group("v6") or m.group("host") or "0.0.0.0"
+    return host, port
+
+
+class Settings(BaseModel):
+    """Validated sidecar settings (field names are the flags with dashes as underscores)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    config: Path | None = Field(None, description="YAML or JSON file with any of the settings below")
+    engine_id: str = Field(default_factory=socket.gethostname, description="this worker's engine id")
+    role: Literal["prefill", "decode", "both"] = Field("both", description="prefill, decode or both")
+    peer_listen: str = Field("127.0.0.1:50051", description="peer gRPC API and grpc.health.v1 (host:port)")
+    advertise_host: str | None = Field(None, description="address peers use to reach this sidecar")
+    local_socket: str = Field("/run/kvxfer/kvxfer.sock", description="Unix socket for the local API ('' disables)")
+    local_listen: str | None = Field(None, description="optional TCP address for the local API")
+    metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
+    backend: Literal["nixl", "mooncake"] = Field("nixl", description="data plane: nixl or mooncake")
+    nixl_backends: tuple[str, ...] = Field(("UCX",), description="comma-separated NIXL backend plugins")
+    mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transport: tcp or rdma")
+    mooncake_device: str = Field("", description="Mooncake RDMA device list (empty: auto)")
+    data_port: int = Field(0, ge=0, le=65535, description="data-plane listen port (0: ephemeral)")
+    lease_seconds: float = Field(30.0, gt=0, le=86400, description="how long published blocks are held")
+    transfer_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="deadline of one transfer")
+    drain_seconds: float = Field(20.0, ge=0, le=3600, description="graceful shutdown budget")
+    max_message_bytes: int = Field(67108864, ge=65536, le=2**31 - 1, description="gRPC max send/receive message size")
+    tls_cert: Path | None = Field(None, description="PEM certificate (with --tls-key: TLS on the peer API)")
+    tls_key: Path | None = Field(None, description="PEM private key")
+    tls_ca: Path | None = Field(None, description="PEM CA bundle: client-cert checks and peer verification")
+    token_file: Path | None = Field(None, description="file holding the shared bearer token")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["json", "text"] = Field("json", description="json or text")
+
+    # ------------------------------------------------------------------ field checks
+    @field_validator("engine_id")
+    @classmethod
+    def _engine_id(cls, v: str) -> str:
+        v = v.strip()
+        if not v or len(v) > 128 or any(c.isspace() for c in v):
+            raise ValueError(f"must be 1-128 characters without spaces, got {v!r}")
+        return v
+
+    @field_validator("peer_listen")
+    @classmethod
+    def _peer_listen(cls, v: str) -> str:
+        _address_or_raise(v)
+        return v.strip()
+
+    @field_validator("local_listen", "metrics_listen")
+    @classmethod
+    def _optional_address(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return "" if v is not None else None
+        _address_or_raise(v)
+        return v.strip()
+
+    @field_validator("role", "backend", "mooncake_protocol", "log_level", "log_format", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.strip().lower() if isinstance(v, str) else v
+
+    @field_validator("nixl_backends", mode="before")
+    @classmethod
+    def _split_backends(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",")]
+        if isinstance(v, list | tuple):
+            items = [str(p).strip() for p in v if str(p).strip()]
+            if not items:
+                raise ValueError("needs at least one NIXL backend plugin name (e.g. UCX)")
+            return tuple(items)
+        return v
+
+    @field_validator("tls_cert", "tls_key", "tls_ca", "token_file", "config")
+    @classmethod
+    def _readable(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        if not v.is_file():
+            raise ValueError(f"file {str(v)!r} does not exist or is not a file")
+        if not os.access(v, os.R_OK):
+            raise ValueError(f"file {str(v)!r} is not readable")
+        return v
+
+    @model_validator(mode="after")
+    def _together(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            missing = "tls_key" if self.tls_key is None else "tls_cert"
+            raise _SettingError(missing, "--tls-cert and --tls-key enable TLS together; only one is set")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise _SettingError("tls_ca", "--tls-ca needs --tls-cert and --tls-key (TLS on the peer API)")
+        if not self.local_socket and not self.local_listen:
+            raise _SettingError("local_socket", "the local API needs --local-socket or --local-listen")
+        if self.token_file is not None and not self.token_file.read_text().strip():
+            raise _SettingError("token_file", f"file {str(self.token_file)!r} is empty")
+        return self
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def peer_host_port(self) -> tuple[str, int]:
+        """(host, port) of ``peer_listen``."""
+        return parse_address(self.peer_listen, setting="peer_listen")
+
+    def advertise_address(self, bound_port: int | None = None) -> str:
+        """``host:port`` that peers dial: ``advertise_host`` or the listen host, and the bound port."""
+        host, port = self.peer_host_port
+        if self.advertise_host:
+            host = self.advertise_host
+        elif host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        port = bound_port if bound_port is not None else port
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def token(self) -> str | None:
+        """The shared token (read from ``token_file``), or None when auth is off. Never log it."""
+        return self.token_file.read_text().strip() if self.token_file is not None else None
+
+    @property
+    def tls_enabled(self) -> bool:
+        """True when the peer API serves TLS."""
+        return self.tls_cert is not None and self.tls_key is not None
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings as a JSON-able dict for the start-up log (the token file's path, never its contents)."""
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.model_dump().items()}
+
+
+class _SettingError(ValueError):
+    """Raised inside model validation to name the setting a cross-field check blames."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+def _address_or_raise(v: str) -> None:
+    try:
+        parse_address(v)
+    except ConfigError as exc:
+        raise ValueError(exc.message.removeprefix("address: ")) from None
+
+
+# ---------------------------------------------------------------------------- files
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a JSON or YAML settings file into a flat dict with underscore keys."""
+    text = path.read_text()
+    data: Any
+    if path.suffix.lower() == ".json" or text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config: {path}: not valid JSON: {exc}", field="config") from None
+    else:
+        data = _load_yaml(text, path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path}: the top level must be a mapping of settings", field="config")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _load_yaml(text: str, path: Path) -> Any:
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        return _flat_yaml(text, path)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {path}: not valid YAML: {exc}", field="config") from None
+
+
+_YAML_LINE = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_\-]*)\s*:\s*(?P<value>.*?)\s*$")
+
+
+def _flat_yaml(text: str, path: Path) -> dict[str, Any]:
+    """The YAML subset a settings file uses: ``key: scalar`` lines, comments, ``[a, b]`` lists."""
+    out: dict[str, Any] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = _strip_comment(raw).rstrip()
+        if not line.strip() or line.strip() in ("---", "..."):
+            continue
+        m = _YAML_LINE.match(line)
+        if not m or raw[:1].isspace():
+            raise ConfigError(
+                f"config: {path}:{n}: expected 'key: value' (nested YAML needs PyYAML installed), got {raw!r}",
+                field="config",
+            )
+        out[m.group("key")] = _yaml_scalar(m.group("value"))
+    return out
+
+
+def _strip_comment(line: str) -> str:
+    quote = ""
+    for i, c in enumerate(line):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def _yaml_scalar(value: str) -> Any:
+    if value == "" or value in ("~", "null", "Null", "NULL"):
+        return None
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    if value.startswith("[") and value.endswith("]"):
+        return [_yaml_scalar(p.strip()) for p in value[1:-1].split(",") if p.strip()]
+    low = value.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+# ---------------------------------------------------------------------------- merging
+def load_settings(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Merge flags (None values mean "not given"), ``KVXFER_*`` env, the ``--config`` file and defaults.
+
+    Raises :class:`ConfigError` naming every unknown setting or bad value with where it came from.
+    """
+    env = os.environ if env is None else env
+    fields = set(Settings.model_fields)
+    given_flags = {k.replace("-", "_"): v for k, v in (flags or {}).items() if v is not None}
+    unknown_flags = sorted(set(given_flags) - fields)
+    if unknown_flags:
+        raise ConfigError(f"{flag_name(unknown_flags[0])}: unknown setting", field=unknown_flags[0])
+    from_env = {f: env[env_name(f)] for f in fields if env_name(f) in env}
+    config_path = given_flags.get("config") or from_env.get("config")
+    from_file: dict[str, Any] = {}
+    if config_path:
+        path = Path(str(config_path))
+        if not path.is_file():
+            where = "--config" if "config" in given_flags else env_name("config")
+            raise ConfigError(f"{where}: file {str(path)!r} does not exist", field="config")
+        from_file = read_config_file(path)
+        unknown = sorted(set(from_file) - fields)
+        if unknown:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(
+                f"config: {path}: unknown setting {unknown[0]!r}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
+                + f"; known settings: {known}",
+                field=unknown[0],
+            )  # fmt: skip
+        from_file.pop("config", None)
+    merged: dict[str, Any] = {**from_file, **from_env, **given_flags}
+    source = {k: "file" for k in from_file} | {k: "env" for k in from_env} | {k: "flag" for k in given_flags}
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise _config_error(exc, merged, source, config_path) from None
+    except _SettingError as exc:
+        raise ConfigError(f"{_where(exc.setting, source, config_path)}: {exc}", field=exc.setting) from None
+
+
+def _where(field: str, source: Mapping[str, str], config_path: Any) -> str:
+    src = source.get(field, "default")
+    if src == "flag":
+        return flag_name(field)
+    if src == "env":
+        return env_name(field)
+    if src == "file":
+        return f"{field} (in {config_path})"
+    return flag_name(field)
+
+
+def _config_error(
+    exc: ValidationError, merged: Mapping[str, Any], source: Mapping[str, str], config_path: Any
+) -> ConfigError:
+    parts: list[str] = []
+    first: str | None = None
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        ctx = err.get("ctx") or {}
+        if not field and isinstance(ctx.get("error"), _SettingError):
+            field = ctx["error"].setting
+        msg = str(ctx["error"]) if isinstance(ctx.get("error"), Exception) else err["msg"]
+        msg = msg.removeprefix("Value error, ")
+        first = first or field
+        value = f" (got {merged[field]!r})" if field in merged else ""
+        parts.append(f"{_where(field, source, config_path)}: {msg}{value}")
+    return ConfigError("; ".join(parts), field=first)

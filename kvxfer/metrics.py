@@ -1,0 +1,100 @@
+"""Prometheus metrics of one sidecar, on a registry the sidecar owns.
+
+The names, types and labels are fixed by docs/sidecar-contract.md (the dashboard and alerts are
+written against them). A private :class:`CollectorRegistry` instead of prometheus_client's global
+one lets several sidecars live in one process (tests, library mode) without clashing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from kvxfer import PROTOCOL_VERSION, __version__
+
+__all__ = ["Direction", "Outcome", "SidecarMetrics"]
+
+Direction = Literal["read", "write"]
+Outcome = Literal["ok", "failed", "aborted", "timeout"]
+
+# Transfer durations on loopback are sub-millisecond for small pulls and seconds for long
+# prompts over TCP; the buckets cover both ends in roughly 2.5x steps.
+_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_DESCRIPTOR_BUCKETS = tuple(float(2**i) for i in range(0, 19, 2))  # 1 .. 262144
+
+
+class SidecarMetrics:
+    """Every metric of the contract, registered on ``self.registry``."""
+
+    def __init__(self, backend: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.backend = backend
+        r = self.registry
+        self.build_info = Gauge(
+            "kvxfer_build_info", "kvxfer build and protocol version", ["version", "protocol"], registry=r
+        )
+        self.build_info.labels(version=__version__, protocol=str(PROTOCOL_VERSION)).set(1)
+        self.transfer_bytes = Counter(
+            "kvxfer_transfer_bytes_total", "Bytes moved by the data plane", ["direction", "backend"], registry=r
+        )
+        self.transfers = Counter("kvxfer_transfers_total", "Transfers by outcome", ["direction", "outcome"], registry=r)
+        self.failures = Counter("kvxfer_transfer_failures_total", "Failed transfers by reason", ["reason"], registry=r)
+        self.duration = Histogram(
+            "kvxfer_transfer_duration_seconds", "Transfer duration (request to completion)", ["direction"],
+            buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.descriptors = Histogram(
+            "kvxfer_transfer_descriptors", "Descriptors per transfer", ["direction"],
+            buckets=_DESCRIPTOR_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge("kvxfer_transfers_in_flight", "Transfers in flight", registry=r)
+        self.leases_active = Gauge("kvxfer_leases_active", "Published requests held under a lease", registry=r)
+        self.lease_expirations = Counter("kvxfer_lease_expirations_total", "Leases that expired", registry=r)
+        self.handshakes = Counter("kvxfer_handshakes_total", "Peer handshakes by outcome", ["outcome"], registry=r)
+        self.peers = Gauge("kvxfer_peers", "Peers with a live handshake", registry=r)
+        self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
+        # Pre-create the label sets a dashboard plots, so they read 0 instead of being absent.
+        for d in ("read", "write"):
+            self.transfer_bytes.labels(direction=d, backend=backend)
+            for o in ("ok", "failed", "aborted", "timeout"):
+                self.transfers.labels(direction=d, outcome=o)
+        for o in ("ok", "refused", "failed"):
+            self.handshakes.labels(outcome=o)
+        self._server: object | None = None
+        self._thread: threading.Thread | None = None
+
+    def transfer_done(
+        self, direction: Direction, outcome: Outcome, *, nbytes: int, descriptors: int, seconds: float,
+        reason: str | None = None,
+    ) -> None:  # fmt: skip
+        """Record one finished transfer."""
+        self.transfers.labels(direction=direction, outcome=outcome).inc()
+        if outcome == "ok":
+            self.transfer_bytes.labels(direction=direction, backend=self.backend).inc(nbytes)
+            self.duration.labels(direction=direction).observe(seconds)
+            self.descriptors.labels(direction=direction).observe(descriptors)
+        else:
+            self.failures.labels(reason=reason or outcome).inc()
+
+    def exposition(self) -> bytes:
+        """The text exposition format (what /metrics serves)."""
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on ``host:port`` in a daemon thread; returns the bound port."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        return int(server.server_port)
+
+    def stop(self) -> None:
+        """Stop the /metrics server, if any."""
+        server = self._server
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
