@@ -1,0 +1,109 @@
+{{/* Names and labels. */}}
+{{- define "kvxfer.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvxfer.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvxfer.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvxfer.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvxfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvxfer.labels" -}}
+helm.sh/chart: {{ include "kvxfer.chart" . }}
+{{ include "kvxfer.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvxfer
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one role: (dict "root" $ "role" "prefill"). */}}
+{{- define "kvxfer.roleSelectorLabels" -}}
+{{ include "kvxfer.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .role }}
+kvxfer.io/role: {{ .role }}
+{{- end -}}
+
+{{- define "kvxfer.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvxfer.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The per-role keys: global defaults that a role block (prefill:, decode:) may override.
+tests/deploy checks that this list and values.schema.json's role block agree.
+*/}}
+{{- define "kvxfer.roleKeys" -}}
+variant image vllm gpu sidecar rdma hostNetwork shm podAnnotations podLabels podSecurityContext nodeSelector tolerations affinity topologySpreadConstraints priorityClassName runtimeClassName schedulerName terminationGracePeriodSeconds extraEnv extraVolumes extraVolumeMounts
+{{- end -}}
+
+{{/* Deep merge of .src into .dst, in place: maps merge, anything else replaces. */}}
+{{- define "kvxfer.mergeInto" -}}
+{{- $dst := .dst -}}
+{{- range $k, $v := .src -}}
+{{- if and (kindIs "map" $v) (hasKey $dst $k) (kindIs "map" (index $dst $k)) -}}
+{{- include "kvxfer.mergeInto" (dict "dst" (index $dst $k) "src" $v) -}}
+{{- else -}}
+{{- $_ := set $dst $k $v -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The effective settings of one role as YAML: the global per-role keys, overridden by the role
+block. Use: $cfg := include "kvxfer.roleConfig" (dict "root" $ "role" "prefill") | fromYaml
+*/}}
+{{- define "kvxfer.roleConfig" -}}
+{{- $root := .root -}}
+{{- $cfg := dict -}}
+{{- range $k := splitList " " (include "kvxfer.roleKeys" $root) -}}
+{{- $_ := set $cfg $k (deepCopy (index $root.Values $k)) -}}
+{{- end -}}
+{{- $block := deepCopy (index $root.Values .role) -}}
+{{- include "kvxfer.mergeInto" (dict "dst" $cfg "src" $block) -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* image reference: (dict "image" $cfg.image "root" $ "variant" $cfg.variant). */}}
+{{- define "kvxfer.image" -}}
+{{- $tag := default (printf "%s-%s" .root.Chart.AppVersion .variant) .image.tag -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The vLLM --kv-transfer-config JSON: the kvxfer connector, loaded by module path. */}}
+{{- define "kvxfer.kvTransferConfig" -}}
+{{- $c := dict "kv_connector" "KvxferConnector" "kv_connector_module_path" "kvxfer.integrations.vllm" "kv_role" "kv_both" -}}
+{{- with .vllm.kvConnectorExtraConfig -}}
+{{- $_ := set $c "kv_connector_extra_config" . -}}
+{{- end -}}
+{{- toJson $c -}}
+{{- end -}}
+
+{{/* Socket volume path shared by the worker and the sidecar. */}}
+{{- define "kvxfer.socketDir" -}}/run/kvxfer{{- end -}}
