@@ -10,7 +10,15 @@ from __future__ import annotations
 import threading
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
 
 from kvxfer import PROTOCOL_VERSION, __version__
 
@@ -29,6 +37,8 @@ class SidecarMetrics:
     """Every metric of the contract, registered on ``self.registry``."""
 
     def __init__(self, backend: str, registry: CollectorRegistry | None = None) -> None:
+        # The contract lists no *_created series; they only double the exposition's size.
+        disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.backend = backend
         r = self.registry

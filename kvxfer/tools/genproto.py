@@ -46,14 +46,13 @@ def generate(out: Path, root: Path = PROTO_ROOT) -> list[Path]:
         f"-I{root}",
         f"-I{include}",
         f"--python_out={out}",
-        f"--pyi_out={out}",
         f"--grpc_python_out={out}",
         *(str(f.relative_to(root)) for f in files),
     ]
     rc = protoc.main(args)
     if rc != 0:
         raise SystemExit(f"genproto: protoc failed with exit code {rc}")
-    written = sorted(p for p in out.rglob("*") if p.is_file() and p.suffix in (".py", ".pyi"))
+    written = sorted(p for p in out.rglob("*") if p.is_file() and p.suffix == ".py")
     for path in written:
         text = path.read_text()
         fixed = _IMPORT.sub(f"from {PACKAGE}.kvxfer.v1 import ", text)
@@ -69,7 +68,7 @@ def generate(out: Path, root: Path = PROTO_ROOT) -> list[Path]:
             if d == out:
                 break
             d = d.parent
-    return sorted(p for p in out.rglob("*") if p.is_file() and p.suffix in (".py", ".pyi"))
+    return sorted(p for p in out.rglob("*") if p.is_file() and p.suffix == ".py")
 
 
 def differences(expected: Path, actual: Path) -> list[str]:
@@ -78,7 +77,7 @@ def differences(expected: Path, actual: Path) -> list[str]:
     def listing(root: Path) -> set[str]:
         return {
             str(p.relative_to(root)) for p in root.rglob("*")
-            if p.is_file() and p.suffix in (".py", ".pyi") and "__pycache__" not in p.parts
+            if p.is_file() and p.suffix == ".py" and "__pycache__" not in p.parts
         }  # fmt: skip
 
     want, have = listing(expected), (listing(actual) if actual.exists() else set())

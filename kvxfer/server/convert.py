@@ -1,0 +1,190 @@
+"""Between protobuf messages and the core's types, with errors that name the field path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2
+from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.layout import KVCacheLayout
+from kvxfer.memory import CudaIpcRef, LibraryRef, MemoryRef, SharedMemoryRef, ShmRegionRef
+from kvxfer.server.errors import InvalidArgumentError
+from kvxfer.topology import RankInfo, RegionTable
+
+__all__ = [
+    "MAX_ID_LEN",
+    "blocks_from_proto",
+    "blocks_to_proto",
+    "check_id",
+    "layout_from_proto",
+    "layout_to_proto",
+    "memory_from_proto",
+    "memory_to_proto",
+    "rank_from_proto",
+    "rank_to_proto",
+    "regions_from_proto",
+    "regions_to_proto",
+]
+
+I64 = npt.NDArray[np.int64]
+MAX_ID_LEN = 512
+
+
+def check_id(value: str, field: str) -> str:
+    """A request or engine id: non-empty, printable, at most MAX_ID_LEN characters."""
+    if not value:
+        raise InvalidArgumentError(f"{field}: must not be empty", field=field)
+    if len(value) > MAX_ID_LEN:
+        raise InvalidArgumentError(f"{field}: {len(value)} characters, at most {MAX_ID_LEN} allowed", field=field)
+    if not value.isprintable():
+        raise InvalidArgumentError(f"{field}: {value!r} contains non-printable characters", field=field)
+    return value
+
+
+def layout_from_proto(msg: Any, field: str) -> KVCacheLayout:
+    """Build and validate a layout; errors read ``<field>.<layout field>: ...``."""
+    data = {
+        "kind": msg.kind,
+        "num_layers": int(msg.num_layers),
+        "num_blocks": int(msg.num_blocks),
+        "block_size": int(msg.block_size),
+        "num_kv_heads": int(msg.num_kv_heads),
+        "head_size": int(msg.head_size),
+        "dtype": msg.dtype,
+        "order": msg.order or "HND",
+        "cross_layer": bool(msg.cross_layer),
+        "total_kv_heads": int(msg.total_kv_heads),
+    }
+    try:
+        return KVCacheLayout.from_dict(data)
+    except LayoutError as exc:
+        sub = exc.field or "layout"
+        raise InvalidArgumentError(f"{field}.{exc.message}", field=f"{field}.{sub}") from None
+
+
+def layout_to_proto(layout: KVCacheLayout) -> Any:
+    """The wire form of a layout."""
+    return common_pb2.Layout(
+        kind=layout.kind.value, num_layers=layout.num_layers, num_blocks=layout.num_blocks,
+        block_size=layout.block_size, num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
+        dtype=layout.dtype.value, order=layout.order.value, cross_layer=layout.cross_layer,
+        total_kv_heads=layout.total_kv_heads,
+    )  # fmt: skip
+
+
+def rank_from_proto(msg: Any, field: str) -> RankInfo:
+    """A rank; sizes of 0 (unset) read as 1."""
+    try:
+        return RankInfo(int(msg.tp_rank), int(msg.tp_size) or 1, int(msg.pp_rank), int(msg.pp_size) or 1)
+    except KvxferError as exc:
+        raise InvalidArgumentError(f"{field}.{exc.message}", field=f"{field}.{exc.field}") from None
+
+
+def rank_to_proto(rank: RankInfo) -> Any:
+    """The wire form of a rank."""
+    return common_pb2.Rank(tp_rank=rank.tp_rank, tp_size=rank.tp_size, pp_rank=rank.pp_rank, pp_size=rank.pp_size)
+
+
+def blocks_from_proto(lists: Sequence[Any], layouts: Mapping[str, KVCacheLayout], field: str) -> dict[str, I64]:
+    """Block ids per cache group: every registered group exactly once, ids unique and in range."""
+    out: dict[str, I64] = {}
+    for i, bl in enumerate(lists):
+        where = f"{field}[{i}]"
+        if bl.group not in layouts:
+            known = ", ".join(repr(g) for g in layouts) or "none"
+            raise InvalidArgumentError(
+                f"{where}.group: unknown cache group {bl.group!r}; registered groups: {known}", field=f"{where}.group"
+            )
+        if bl.group in out:
+            raise InvalidArgumentError(f"{where}.group: cache group {bl.group!r} given twice", field=f"{where}.group")
+        out[bl.group] = check_block_ids(
+            np.asarray(bl.block_ids, dtype=np.int64), layouts[bl.group].num_blocks, f"{field}[{bl.group}]"
+        )
+    missing = [g for g in layouts if g not in out]
+    if missing:
+        raise InvalidArgumentError(f"{field}: no block ids for cache group {missing[0]!r}", field=field)
+    return out
+
+
+def check_block_ids(ids: I64, num_blocks: int, field: str) -> I64:
+    """Non-empty, in ``[0, num_blocks)``, no repeats; the message names the first bad id and its position."""
+    if ids.size == 0:
+        raise InvalidArgumentError(f"{field}: empty block list", field=field)
+    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
+    if bad.size:
+        i = int(bad[0])
+        more = f" ({bad.size} ids out of range)" if bad.size > 1 else ""
+        raise InvalidArgumentError(
+            f"{field}: block id {int(ids[i])} at position {i} is out of range [0, {num_blocks}){more}", field=field
+        )
+    if ids.size > 1:
+        srt = np.sort(ids)
+        dup = np.flatnonzero(srt[1:] == srt[:-1])
+        if dup.size:
+            raise InvalidArgumentError(f"{field}: block id {int(srt[dup[0]])} appears more than once", field=field)
+    return ids
+
+
+def blocks_to_proto(blocks: Mapping[str, Iterable[int] | I64]) -> list[Any]:
+    """BlockList messages, one per group."""
+    return [
+        common_pb2.BlockList(group=g, block_ids=np.asarray(ids, dtype=np.int64).tolist()) for g, ids in blocks.items()
+    ]
+
+
+def memory_from_proto(msg: Any, field: str) -> MemoryRef:
+    """The memory reference a worker sent."""
+    kind = msg.WhichOneof("kind")
+    if kind == "shm":
+        return SharedMemoryRef(tuple(ShmRegionRef(r.name, int(r.offset)) for r in msg.shm.regions))
+    if kind == "cuda_ipc":
+        c = msg.cuda_ipc
+        return CudaIpcRef(tuple(c.handles), tuple(int(o) for o in c.offsets), int(c.device))
+    if kind == "library":
+        lib = msg.library
+        return LibraryRef(
+            tuple(int(a) for a in lib.addresses), int(lib.device), lib.memory_type or "DRAM", int(lib.pid)
+        )
+    raise InvalidArgumentError(f"{field}: no memory given (set shm, cuda_ipc or library)", field=field)
+
+
+def memory_to_proto(ref: MemoryRef) -> Any:
+    """The wire form of a memory reference."""
+    if isinstance(ref, SharedMemoryRef):
+        regions = [local_pb2.ShmRegion(name=r.name, offset=r.offset) for r in ref.regions]
+        return local_pb2.Memory(shm=local_pb2.SharedMemory(regions=regions))
+    if isinstance(ref, CudaIpcRef):
+        return local_pb2.Memory(
+            cuda_ipc=local_pb2.CudaIpc(handles=list(ref.handles), offsets=list(ref.offsets), device=ref.device)
+        )
+    return local_pb2.Memory(
+        library=local_pb2.LibraryMemory(
+            addresses=list(ref.addresses), device=ref.device, memory_type=ref.memory_type, pid=ref.pid
+        )
+    )
+
+
+def regions_to_proto(table: RegionTable) -> list[Any]:
+    """Region messages of a table."""
+    return [
+        common_pb2.Region(base=int(b), size=int(s), device=int(d))
+        for b, s, d in zip(table.base.tolist(), table.size.tolist(), table.device.tolist(), strict=True)
+    ]
+
+
+def regions_from_proto(regions: Sequence[Any], layout: KVCacheLayout, field: str) -> RegionTable:
+    """A remote region table, checked against the remote layout."""
+    table = RegionTable(
+        np.array([r.base for r in regions], dtype=np.uint64),
+        np.array([r.size for r in regions], dtype=np.uint64),
+        np.array([r.device for r in regions], dtype=np.uint64),
+    )
+    try:
+        table.check_layout(layout)
+    except LayoutError as exc:
+        raise InvalidArgumentError(f"{field}: {exc.message}", field=field) from None
+    return table

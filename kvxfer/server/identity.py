@@ -1,0 +1,124 @@
+"""Who a sidecar is (the handshake's content) and whether two sidecars can exchange blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer import PROTOCOL_VERSION
+from kvxfer._proto.kvxfer.v1 import peer_pb2
+from kvxfer.errors import KvxferError
+from kvxfer.layout import CacheKind, KVCacheLayout, head_range
+from kvxfer.server.convert import check_id, layout_from_proto, layout_to_proto, rank_from_proto, rank_to_proto
+from kvxfer.server.errors import InvalidArgumentError
+from kvxfer.topology import RankInfo, TransferTopology
+
+__all__ = ["Identity", "reader_differences", "remote_sources"]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A sidecar as its handshake describes it."""
+
+    protocol_version: int
+    engine_id: str
+    instance_id: str
+    epoch: int
+    rank: RankInfo
+    groups: Mapping[str, KVCacheLayout]
+    backend: str
+    agent_name: str
+    metadata: bytes
+    address: str
+    role: str
+
+    @property
+    def label(self) -> str:
+        """``engine[tp r/n]`` for messages."""
+        return f"{self.engine_id}[tp {self.rank.tp_rank}/{self.rank.tp_size}]"
+
+    def to_proto(self) -> Any:
+        """The PeerInfo message."""
+        return peer_pb2.PeerInfo(
+            protocol_version=self.protocol_version, engine_id=self.engine_id, instance_id=self.instance_id,
+            epoch=self.epoch, rank=rank_to_proto(self.rank),
+            groups=[peer_pb2.GroupLayout(name=n, layout=layout_to_proto(lay)) for n, lay in self.groups.items()],
+            data_plane=peer_pb2.DataPlane(backend=self.backend, agent_name=self.agent_name, metadata=self.metadata),
+            address=self.address, role=self.role,
+        )  # fmt: skip
+
+    @classmethod
+    def from_proto(cls, msg: Any, field: str = "info") -> Identity:
+        """Parse and validate a PeerInfo message."""
+        check_id(msg.engine_id, f"{field}.engine_id")
+        check_id(msg.instance_id, f"{field}.instance_id")
+        groups: dict[str, KVCacheLayout] = {}
+        for i, g in enumerate(msg.groups):
+            check_id(g.name, f"{field}.groups[{i}].name")
+            if g.name in groups:
+                raise InvalidArgumentError(f"{field}.groups[{i}].name: group {g.name!r} given twice", field=field)
+            groups[g.name] = layout_from_proto(g.layout, f"{field}.groups[{g.name}].layout")
+        return cls(
+            int(msg.protocol_version), msg.engine_id, msg.instance_id, int(msg.epoch),
+            rank_from_proto(msg.rank, f"{field}.rank"), groups, msg.data_plane.backend, msg.data_plane.agent_name,
+            bytes(msg.data_plane.metadata), msg.address, msg.role,
+        )  # fmt: skip
+
+
+def _rank_view(layout: KVCacheLayout, tp_size: int) -> KVCacheLayout:
+    """``layout`` as a rank of a ``tp_size``-way split holds it (head count per rank)."""
+    if layout.kind in (CacheKind.MLA, CacheKind.MAMBA):
+        return layout
+    h0, h1 = head_range(layout.total_kv_heads, tp_size, 0)
+    return dataclasses.replace(layout, num_kv_heads=h1 - h0)
+
+
+def remote_sources(local: KVCacheLayout, local_rank: RankInfo, remote_tp: int) -> set[int]:
+    """Remote TP ranks the local rank reads for one group, from the local layout alone.
+
+    Which ranks hold which heads depends only on the kind, the total head count and the TP sizes,
+    so this works before any remote layout is known (it picks the ranks to handshake with).
+    """
+    topo = TransferTopology(local, _rank_view(local, remote_tp), local_rank, remote_tp, local_rank.pp_size)
+    return {s.remote_rank for s in topo.sources()}
+
+
+def reader_differences(reader: Identity, publisher: Identity) -> list[str]:
+    """Every reason ``reader`` cannot read from ``publisher`` ("local" = the reader in layout diffs)."""
+    diffs: list[str] = []
+    if reader.protocol_version != publisher.protocol_version:
+        diffs.append(f"protocol_version: reader {reader.protocol_version}, publisher {publisher.protocol_version}")
+    if reader.protocol_version != PROTOCOL_VERSION and publisher.protocol_version != PROTOCOL_VERSION:
+        diffs.append(f"protocol_version: neither side speaks this build's version {PROTOCOL_VERSION}")
+    if reader.backend != publisher.backend:
+        diffs.append(f"backend: reader {reader.backend}, publisher {publisher.backend}")
+    if publisher.role == "decode":
+        diffs.append(f"role: {publisher.label} is a decode-only sidecar; it publishes nothing")
+    if reader.role == "prefill":
+        diffs.append(f"role: {reader.label} is a prefill-only sidecar; it does not pull")
+    if reader.rank.pp_size != publisher.rank.pp_size:
+        diffs.append(f"pp_size: reader {reader.rank.pp_size}, publisher {publisher.rank.pp_size}")
+    elif reader.rank.pp_rank != publisher.rank.pp_rank:
+        diffs.append(
+            f"pp_rank: reader {reader.rank.pp_rank}, publisher {publisher.rank.pp_rank} (a rank reads from the "
+            "same pipeline stage)"
+        )
+    for name in reader.groups.keys() - publisher.groups.keys():
+        diffs.append(f"cache group {name!r}: registered by the reader, not by the publisher")
+    for name in publisher.groups.keys() - reader.groups.keys():
+        diffs.append(f"cache group {name!r}: registered by the publisher, not by the reader")
+    for name, local in reader.groups.items():
+        remote = publisher.groups.get(name)
+        if remote is None:
+            continue
+        layout_diffs = local.incompatibilities(remote)
+        diffs.extend(f"group {name!r}: {d}" for d in layout_diffs)
+        if layout_diffs or reader.rank.pp_size != publisher.rank.pp_size:
+            continue
+        try:
+            TransferTopology(local, remote, reader.rank, publisher.rank.tp_size, publisher.rank.pp_size)
+        except KvxferError as exc:
+            diffs.append(f"group {name!r}: {exc.message}")
+    return sorted(set(diffs), key=diffs.index)

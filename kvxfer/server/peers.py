@@ -1,0 +1,192 @@
+"""Outgoing peer connections: one gRPC channel and one cached handshake per peer address.
+
+A session is handshaken on first use and reused; it is dropped (and the peer re-handshaken on
+next use) when a call to it fails at the transport level, when the peer's instance id changes
+(it restarted) or when its registration epoch changes (its memory, hence its data-plane metadata,
+changed). Concurrent first uses of one address share a single handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvxfer._proto.kvxfer.v1 import peer_pb2, peer_pb2_grpc
+from kvxfer.logs import get_logger
+from kvxfer.server.errors import DeadlineError, FailedPreconditionError, NotFoundError, PeerUnavailableError
+from kvxfer.server.identity import Identity, reader_differences
+
+__all__ = ["PeerDirectory", "PeerSession", "peer_error"]
+
+log = get_logger("kvxfer.server.peers")
+
+
+@dataclass
+class PeerSession:
+    """A handshaken peer: its identity, the stub to call it and its data-plane name here."""
+
+    address: str
+    identity: Identity
+    stub: Any
+    dp_name: str
+    alive: bool = True
+    users: int = field(default=0)
+
+
+def peer_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
+    """Turn a failed peer call into the sidecar error the worker sees."""
+    code, details = exc.code(), exc.details() or ""
+    msg = f"{what} at peer {address}: {details}"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFoundError(details or msg, field="request_id")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineError(f"{what} at peer {address} ran past its deadline", field="timeout_seconds")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPreconditionError(msg, field="remote_addresses")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+        return PeerUnavailableError(f"peer {address} is unreachable ({what}): {details}", field="remote_addresses")
+    out = PeerUnavailableError(msg, field="remote_addresses")
+    out.status = code.name  # type: ignore[misc]  # keep the peer's code (UNAUTHENTICATED, INVALID_ARGUMENT...)
+    return out
+
+
+class PeerDirectory:
+    """Sessions to the peers this sidecar reads from."""
+
+    def __init__(
+        self,
+        *,
+        me: Callable[[], Identity],
+        load_peer: Callable[[bytes], str],
+        forget_peer: Callable[[str], None],
+        channel_options: Sequence[tuple[str, Any]],
+        credentials: grpc.ChannelCredentials | None,
+        metadata: tuple[tuple[str, str], ...],
+        on_handshake: Callable[[str], None],
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self._me = me
+        self._load_peer = load_peer
+        self._forget_peer = forget_peer
+        self._options = list(channel_options)
+        self._credentials = credentials
+        self.metadata = metadata
+        self._on_handshake = on_handshake
+        self._timeout = handshake_timeout
+        self._sessions: dict[str, PeerSession] = {}
+        self._pending: dict[str, asyncio.Future[PeerSession]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def stub(self, address: str) -> Any:
+        """A Peer stub on the (shared) channel to ``address``."""
+        ch = self._channels.get(address)
+        if ch is None:
+            if self._credentials is not None:
+                ch = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+            else:
+                ch = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = ch
+        return peer_pb2_grpc.PeerStub(ch)
+
+    async def session(self, address: str, *, budget: float | None = None) -> PeerSession:
+        """The handshaken session to ``address`` (handshaking now if there is none)."""
+        s = self._sessions.get(address)
+        if s is not None and s.alive:
+            return s
+        fut = self._pending.get(address)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[address] = fut
+            try:
+                s = await self._handshake(address, budget)
+            except BaseException as exc:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else PeerUnavailableError(str(exc)))
+                    fut.exception()  # mark retrieved: waiters may be gone
+                raise
+            finally:
+                self._pending.pop(address, None)
+            fut.set_result(s)
+            return s
+        return await asyncio.shield(fut)
+
+    async def _handshake(self, address: str, budget: float | None) -> PeerSession:
+        me = self._me()
+        stub = self.stub(address)
+        try:
+            resp = await stub.Handshake(
+                peer_pb2.HandshakeRequest(info=me.to_proto()),
+                timeout=min(budget or self._timeout, self._timeout),
+                metadata=self.metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            self._on_handshake("refused" if refused else "failed")
+            if refused:
+                raise FailedPreconditionError(
+                    f"handshake with {address} refused: {exc.details()}", field="remote_addresses"
+                ) from None
+            raise peer_error(exc, address, "handshake") from None
+        try:
+            them = Identity.from_proto(resp.info, "handshake.info")
+        except Exception as exc:
+            self._on_handshake("failed")
+            raise PeerUnavailableError(
+                f"peer {address} sent a bad handshake: {exc}", field="remote_addresses"
+            ) from None
+        diffs = reader_differences(me, them)
+        if diffs:
+            self._on_handshake("refused")
+            raise FailedPreconditionError(
+                f"incompatible peer {them.label} at {address} (local = this sidecar, remote = the peer): "
+                + "; ".join(diffs),
+                field="remote_addresses",
+            )
+        try:
+            dp_name = self._load_peer(them.metadata)
+        except Exception:
+            self._on_handshake("failed")
+            raise
+        old = self._sessions.get(address)
+        if old is not None and old.dp_name != dp_name:
+            self._forget_peer(old.dp_name)
+        s = PeerSession(address, them, stub, dp_name)
+        self._sessions[address] = s
+        self._on_handshake("ok")
+        log.info("handshake ok", extra={"peer": them.label, "address": address, "epoch": them.epoch})
+        return s
+
+    def invalidate(self, address: str) -> None:
+        """Drop the session to ``address``; the next use handshakes again."""
+        s = self._sessions.pop(address, None)
+        if s is not None:
+            s.alive = False
+            self._forget_peer(s.dp_name)
+
+    def sessions(self) -> list[PeerSession]:
+        """Live sessions."""
+        return list(self._sessions.values())
+
+    async def call(self, address: str, what: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+        """Run ``fn(stub)``; transport failures invalidate the session and become sidecar errors."""
+        try:
+            return await fn(self.stub(address))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.invalidate(address)
+            raise peer_error(exc, address, what) from None
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for addr in list(self._sessions):
+            self.invalidate(addr)
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            await ch.close()

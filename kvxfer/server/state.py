@@ -1,0 +1,90 @@
+"""The sidecar's bookkeeping: registered caches, published requests (leases) and pulls in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.layout import KVCacheLayout
+from kvxfer.memory import AttachedMemory
+from kvxfer.topology import RankInfo
+
+__all__ = ["Group", "PublishEntry", "PullEntry", "ReaderKey", "Registration"]
+
+I64 = npt.NDArray[np.int64]
+ReaderKey = tuple[str, str, int, int]  # engine id, instance id, tp rank, pp rank
+
+
+@dataclass
+class Group:
+    """One registered cache group."""
+
+    name: str
+    layout: KVCacheLayout
+    memory: AttachedMemory
+    dp_handle: Any
+
+
+@dataclass
+class Registration:
+    """What the worker registered."""
+
+    worker_id: str
+    rank: RankInfo
+    groups: dict[str, Group]
+    epoch: int
+
+    @property
+    def layouts(self) -> dict[str, KVCacheLayout]:
+        """Layouts by group name, in registration order."""
+        return {n: g.layout for n, g in self.groups.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Registered bytes."""
+        return sum(g.memory.nbytes for g in self.groups.values())
+
+
+@dataclass
+class PublishEntry:
+    """A published request held under a lease."""
+
+    request_id: str
+    blocks: dict[str, I64]
+    lease_seconds: float
+    expires_at: float  # time.monotonic()
+    timer: asyncio.TimerHandle | None = None
+    expected_readers: set[int] | None = None  # reader TP ranks that must confirm
+    reader_tp_size: int = 0
+    readers: dict[ReaderKey, str] = field(default_factory=dict)  # who fetched it -> their address
+    done_readers: set[int] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def expires_unix_ms(self) -> int:
+        """Expiry as wall-clock milliseconds."""
+        return int((time.time() + self.expires_at - time.monotonic()) * 1000)
+
+
+@dataclass
+class PullEntry:
+    """A pull in flight."""
+
+    transfer_id: str
+    request_id: str
+    remote_engine_id: str
+    addresses: list[str]
+    deadline: float  # time.monotonic()
+    started: float
+    task: asyncio.Task[None] | None = None
+    posted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    abort_reason: str | None = None
+    abort_from_peer: bool = False
+    stage: str = "starting"
+    contacted: list[str] = field(default_factory=list)  # addresses that handed out the request
