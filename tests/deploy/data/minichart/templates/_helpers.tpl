@@ -1,0 +1,3 @@
+{{- define "mini.label" -}}
+{{ .Chart.Name }}-{{ .Release.Name }}
+{{- end -}}

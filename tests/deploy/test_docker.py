@@ -1,0 +1,117 @@
+"""docker/Dockerfile: hadolint, plus the project's own rules (no Docker engine runs here)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from .conftest import ROOT, run, tool
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+IGNORE = ROOT / "docker" / "Dockerfile.dockerignore"
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.lstrip().startswith("#") and not buf:
+            continue
+        if line.lstrip().startswith("#"):
+            continue
+        buf += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            if buf.strip():
+                word, _, rest = buf.strip().partition(" ")
+                out.append((word.upper(), rest.strip()))
+            buf = ""
+    return out
+
+
+def _stages() -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for ins in _instructions():
+        if ins[0] == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append(ins)
+    return stages
+
+
+def test_hadolint() -> None:
+    out = run([tool("hadolint"), "--failure-threshold", "info", str(DOCKERFILE)])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_base_images_pinned() -> None:
+    ins = _instructions()
+    global_args = {}
+    for word, rest in ins:
+        if word == "FROM":
+            break
+        if word == "ARG" and "=" in rest:
+            k, v = rest.split("=", 1)
+            global_args[k] = v.strip('"')
+    stage_names: set[str] = set()
+    for word, rest in ins:
+        if word != "FROM":
+            continue
+        parts = rest.split()
+        image = parts[0]
+        if image in stage_names:
+            continue
+        m = re.fullmatch(r"\$\{(\w+)\}", image)
+        if m:
+            image = global_args[m.group(1)]
+        assert ":" in image.split("/")[-1] or "@sha256:" in image, f"FROM {image} has no tag"
+        tag = image.split("@")[0].rsplit(":", 1)[1]
+        assert tag != "latest", f"FROM {image}: pin a versioned tag"
+        assert re.search(r"\d", tag), f"FROM {image}: pin a versioned tag, not {tag!r}"
+        if len(parts) == 3 and parts[1].upper() == "AS":
+            stage_names.add(parts[2])
+    assert "latest" not in DOCKERFILE.read_text().replace("--upgrade", "")
+
+
+def test_runtime_stage() -> None:
+    final = _stages()[-1]
+    words = [w for w, _ in final]
+    assert "HEALTHCHECK" not in [w for w, _ in _instructions()], "Kubernetes probes do health checks"
+    users = [rest for w, rest in final if w == "USER"]
+    assert users, "the final stage must switch to a non-root USER"
+    user = users[-1].split(":")[0]
+    assert user not in {"root", "0"}, users
+    assert ("ENTRYPOINT", '["kvxfer"]') in final
+    assert ("CMD", '["serve"]') in final
+    assert words.index("USER") > max(i for i, w in enumerate(words) if w == "RUN"), "USER after the last RUN"
+    labels = " ".join(rest for w, rest in final if w == "LABEL")
+    for key in ("title", "description", "version", "revision", "source", "licenses", "created"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+    apt = " ".join(rest for w, rest in final if w == "RUN" and "apt-get install" in rest)
+    for pkg in ("libibverbs1", "librdmacm1", "libnuma1", "ibverbs-providers"):
+        assert pkg in shlex.split(apt), pkg
+    assert "--no-install-recommends" in apt
+    assert "rm -rf /var/lib/apt/lists" in apt
+    # Only the venv comes from the build stage: no compilers, no sources.
+    copies = [rest for w, rest in final if w == "COPY"]
+    assert copies == ["--from=build /opt/kvxfer /opt/kvxfer"], copies
+
+
+def test_variants() -> None:
+    text = DOCKERFILE.read_text()
+    assert "ARG VARIANT=" in text
+    assert "mooncake-cpu" in text
+    assert "mooncake-cuda" in text
+    assert "download.pytorch.org/whl/cpu" in text
+    # nixl[cu12] comes with kvxfer's own dependencies (pyproject.toml).
+    assert '"nixl[cu12]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_dockerignore_is_an_allow_list() -> None:
+    lines = [x for x in IGNORE.read_text().splitlines() if x and not x.startswith("#")]
+    assert lines[0] == "*"
+    assert {"!pyproject.toml", "!README.md", "!kvxfer/"} <= set(lines)
+    # Every file the Dockerfile COPYs from the context is allowed.
+    for word, rest in [i for i in _instructions() if i[0] == "COPY" and "--from" not in i[1]]:
+        for src in rest.split()[:-1]:
+            assert f"!{src.rstrip('/')}" in {x.rstrip("/") for x in lines}, f"{word} {src} is ignored"

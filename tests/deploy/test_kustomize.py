@@ -1,0 +1,54 @@
+"""deploy/: the kustomize overlays render offline and validate strictly; the base is the chart's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import OVERLAYS, ROOT, load_docs, run, tool, validate_manifests
+from .test_chart import check_worker_pod, pod_specs
+
+
+def _kustomize(overlay: Path) -> str:
+    out = run([tool("kubectl"), "kustomize", str(overlay)])
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_overlays_exist() -> None:
+    assert {p.name for p in OVERLAYS} >= {"cpu", "rdma"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_overlay_validates(overlay: Path, tmp_path: Path) -> None:
+    docs = load_docs(_kustomize(overlay))
+    validate_manifests(docs, tmp_path)
+    pods = pod_specs(docs)
+    assert set(pods) == {"prefill", "decode"}
+    for role, spec in pods.items():
+        check_worker_pod(role, spec)
+
+
+def test_cpu_overlay_has_no_gpu() -> None:
+    text = _kustomize(ROOT / "deploy" / "overlays" / "cpu")
+    assert "nvidia.com/gpu" not in text
+    assert "NVIDIA_VISIBLE_DEVICES" not in text
+    assert "ghcr.io/kvxfer/kvxfer:0.1.0-cpu" in text
+
+
+def test_rdma_overlay_resources() -> None:
+    docs = load_docs(_kustomize(ROOT / "deploy" / "overlays" / "rdma"))
+    for spec in pod_specs(docs).values():
+        sidecar = spec["initContainers"][0]
+        assert sidecar["resources"]["limits"]["rdma/ib"] == 1
+        assert sidecar["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        env = {e["name"] for e in sidecar["env"]}
+        assert {"UCX_TLS", "UCX_NET_DEVICES", "UCX_IB_GID_INDEX"} <= env
+    assert any(d["kind"] == "ServiceMonitor" for d in docs)
+
+
+def test_base_is_generated_from_the_chart(helm_render: Path) -> None:
+    out = run([sys.executable, "deploy/generate_base.py", "--check", "--renderer", str(helm_render)])
+    assert out.returncode == 0, out.stdout + out.stderr
