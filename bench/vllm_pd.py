@@ -135,6 +135,10 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+class _Skip(Exception):  # noqa: N818 - control flow only
+    """Leaves the reference phase early (``--skip-reference``)."""
+
+
 class DeadlineError(Exception):
     """The whole run took longer than ``--deadline``."""
 
@@ -160,6 +164,9 @@ class InstanceSpec:
 ConnectorSetup = Callable[[str, Path, Path], InstanceSpec]
 
 
+_ARGS: argparse.Namespace | None = None
+
+
 def nixl_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
     """vLLM's NixlConnector on the CPU: DRAM regions registered with NIXL/UCX, side channel on loopback."""
     cfg = {
@@ -169,11 +176,20 @@ def nixl_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
         "engine_id": f"{role}-{os.getpid()}",
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }
+    if _ARGS is not None and _ARGS.nixl_threads is not None:
+        cfg["kv_connector_extra_config"]["num_threads"] = _ARGS.nixl_threads
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
     }
     return InstanceSpec(cfg, env)
+
+
+def omp_bind_env(role: str) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for this role from ``--omp-bind "P|D"`` (empty: vLLM's default)."""
+    if _ARGS is None or not _ARGS.omp_bind:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": _ARGS.omp_bind.split("|")[0 if role == "prefill" else 1]}
 
 
 def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
@@ -220,7 +236,9 @@ def start_vllm(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Pa
     """Start ``vllm serve`` for the tiny model on 127.0.0.1 (CPU backend settings)."""
     port = free_port()
     cmd = [
-        args.python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        # `vllm serve` (vllm.entrypoints.cli.main) dies at start with vllm-cpu 0.32.0: it asks
+        # importlib.metadata for the distribution "vllm", which is named "vllm-cpu" there.
+        args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--block-size", str(args.block_size),
@@ -229,15 +247,18 @@ def start_vllm(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Pa
         "--max-num-seqs", str(args.max_num_seqs),
         "--enforce-eager",
         "--seed", "0",
+        "--dtype", args.dtype,
         "--no-enable-prefix-caching",
     ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if spec is not None:
+        env.update(omp_bind_env(name))
         env.update(spec.env)
         if spec.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
@@ -448,9 +469,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 1. reference: one ordinary instance
     ref: dict[str, StreamResult] = {}
-    with _phase("reference instance"):
-        single = start_vllm("single", args, model_dir, log_dir, None)
+    if args.skip_reference:
+        report["single_startup_s"] = report["single_concurrent_wall_s"] = float("nan")
+    with contextlib.nullcontext() if args.skip_reference else _phase("reference instance"):
+        single = None if args.skip_reference else start_vllm("single", args, model_dir, log_dir, None)
         try:
+            if single is None:
+                raise _Skip
             report["single_startup_s"] = wait_ready([single], args.startup_timeout)
             _stream(single.port or 0, _gen_body(prompts[seq_names[0]], 2), args.request_timeout)  # warm-up
             for k in seq_names:
@@ -466,8 +491,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for k, f in futs.items():
                     ref[k] = f.result()
             report["single_concurrent_wall_s"] = time.perf_counter() - t0
+        except _Skip:
+            pass
         finally:
-            stop(single)
+            if single is not None:
+                stop(single)
 
     # 2. disaggregated: prefill + decode joined by the connector
     setup = CONNECTORS[args.connector]
@@ -497,6 +525,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # 3. compare and summarise
     rows = []
     mismatches = []
+    if args.skip_reference:
+        empty = StreamResult([], float("nan"), float("nan"), None)
+        ref = {k: empty for k in prompts}
     for k in prompts:
         same = pd[k].token_ids == ref[k].token_ids
         if not same:
@@ -577,12 +608,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=int, default=900, help="seconds for the whole run")
     ap.add_argument("--log-dir", default=None, help="instance logs (default: a temp dir)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument(
+        "--dtype", default="bfloat16", help="vLLM --dtype (bf16 selects the AMX attention kernel on AMX CPUs)"
+    )
+    ap.add_argument("--omp-bind", default=None, help='VLLM_CPU_OMP_THREADS_BIND for prefill|decode, e.g. "0|1"')
+    ap.add_argument("--nixl-threads", type=int, default=None, help="NixlConnector num_threads (vLLM default 4)")
+    ap.add_argument("--skip-reference", action="store_true", help="debugging: no single instance, no comparison")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run, print, write JSON; 0 when every decode output equals the reference."""
+    global _ARGS
     args = parse_args(argv)
+    _ARGS = args
     atexit.register(stop_all)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
