@@ -258,3 +258,40 @@ def test_tls_and_token_files(helm_render: Path, tmp_path: Path) -> None:
         assert "--token-file=/etc/kvxfer/auth/token" in args
         secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
         assert secrets == {"t", "a"}
+        settings = sidecar_settings(spec, tmp_path)
+        assert settings.tls_ca is not None
+        assert settings.token_file is not None
+
+
+# ------------------------------------------------------------------ the sidecar accepts them
+def _kubelet_expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def sidecar_settings(spec: dict[str, Any], tmp_path: Path) -> Any:
+    """Parse a pod's sidecar args and KVXFER_* env with kvxfer's own settings loader, as
+    `kvxfer serve` would in the pod (files named by flags are stood in for by temp files)."""
+    from kvxfer.config import load_settings
+
+    sidecar = spec["initContainers"][0]
+    downward = {"POD_NAME": "kvxfer-decode-7c9f-abcde", "POD_IP": "10.1.2.3"}
+    flags: dict[str, str] = {}
+    for arg in sidecar["args"][1:]:
+        name, _, value = arg.partition("=")
+        value = _kubelet_expand(value, downward)
+        if name in {"--tls-cert", "--tls-key", "--tls-ca", "--token-file"}:
+            stand_in = tmp_path / name.strip("-")
+            stand_in.write_text("stand-in\n")
+            value = str(stand_in)
+        flags[name.removeprefix("--")] = value
+    env = {e["name"]: e["value"] for e in sidecar["env"] if e["name"].startswith("KVXFER_") and "value" in e}
+    env.pop("KVXFER_TOKEN_FILE", None)  # the same file as --token-file, stood in for above
+    return load_settings(flags, env)
+
+
+@pytest.mark.parametrize("values", VALUES, ids=_ids(VALUES))
+def test_sidecar_accepts_rendered_settings(values: Path, helm_render: Path, tmp_path: Path) -> None:
+    for role, spec in pod_specs(_render(helm_render, values)).items():
+        settings = sidecar_settings(spec, tmp_path)
+        assert settings.role == role
+        assert settings.engine_id == "kvxfer-decode-7c9f-abcde"
