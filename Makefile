@@ -7,13 +7,16 @@ STAMP := $(VENV)/.kvxfer-installed
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test lint typecheck proto proto-check clean sysdeps
+.PHONY: setup demo test lint typecheck proto proto-check clean sysdeps check-deploy
 
-# Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts.
+# Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts; the chart's test
+# renderer (tools/helm-render) builds with Debian's Go and its sprig/yaml sources.
+APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 sysdeps:
-	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
-	  echo "installing libibverbs1 librdmacm1 libnuma1 (needed by the Mooncake transfer engine)"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 librdmacm1 libnuma1; \
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing apt packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
 $(STAMP): pyproject.toml | sysdeps
@@ -42,6 +45,9 @@ proto: setup
 
 proto-check: setup
 	$(BIN)/python -m kvxfer.tools.genproto --check
+
+check-deploy: setup
+	scripts/check-deploy.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
