@@ -77,9 +77,7 @@ class ProbeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self._log_path = Path(
-            extra.get("probe_log") or os.environ.get("KVXFER_PROBE_LOG") or "/tmp/kvxfer-probe.jsonl"
-        )
+        self._log_path = Path(extra.get("probe_log") or os.environ.get("KVXFER_PROBE_LOG") or "/tmp/kvxfer-probe.jsonl")
         self._step = 0
         self._max_step_logs = int(extra.get("probe_max_steps", 40))
         self._log(
@@ -89,7 +87,11 @@ class ProbeConnector(KVConnectorBase_V1):
             block_size=vllm_config.cache_config.block_size,
             num_blocks=kv_cache_config.num_blocks,
             kv_cache_groups=[
-                {"layers": list(g.layer_names), "spec": type(g.kv_cache_spec).__name__, "spec_repr": repr(g.kv_cache_spec)}
+                {
+                    "layers": list(g.layer_names),
+                    "spec": type(g.kv_cache_spec).__name__,
+                    "spec_repr": repr(g.kv_cache_spec),
+                }
                 for g in kv_cache_config.kv_cache_groups
             ],
             kv_cache_tensors=[repr(t) for t in kv_cache_config.kv_cache_tensors],
@@ -190,8 +192,10 @@ class ProbeConnector(KVConnectorBase_V1):
             self._log(
                 "build_connector_meta",
                 step=self._step,
-                new_reqs={r.req_id: {"block_ids": r.block_ids, "num_computed_tokens": r.num_computed_tokens}
-                          for r in scheduler_output.scheduled_new_reqs},
+                new_reqs={
+                    r.req_id: {"block_ids": r.block_ids, "num_computed_tokens": r.num_computed_tokens}
+                    for r in scheduler_output.scheduled_new_reqs
+                },
                 num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
                 finished_req_ids=fin,
             )
