@@ -163,7 +163,10 @@ class _Segment:
             self.size = os.fstat(fd).st_size
             if self.size == 0:
                 raise MemoryRegistrationError(f"shm segment {str(path)!r} is empty", field="shm.name")
-            self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE maps every page now: otherwise the first transfer into each page pays a
+            # page fault inside the data plane (measured: early pulls ran at half speed).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.mm = mmap.mmap(fd, self.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.array: U8 | None = np.frombuffer(self.mm, dtype=np.uint8)

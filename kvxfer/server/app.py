@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
 import stat
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -297,8 +299,14 @@ def _prepare_socket(path: Path) -> Path:
     return path
 
 
-def serve_main(settings: Settings) -> int:
-    """``kvxfer serve``: run until SIGTERM/SIGINT or a Drain call, drain, exit 0."""
+def serve_main(settings: Settings, *, hard_exit: bool = True) -> int:
+    """``kvxfer serve``: run until SIGTERM/SIGINT or a Drain call, drain, exit 0.
+
+    With ``hard_exit`` the process ends with ``os._exit`` once everything is shut down and flushed:
+    native data-plane libraries can crash in their exit-time destructors (here: two copies of
+    libnl, one bundled with NIXL's UCX and one pulled in by the system libibverbs), which would
+    turn a clean drain into exit code 139 for Kubernetes.
+    """
     configure_logging(settings.log_level, settings.log_format)
     log.info("settings", extra={"settings": settings.redacted()})
     try:
@@ -307,7 +315,13 @@ def serve_main(settings: Settings) -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a dependency; fall back only so a broken install still serves
         runner = asyncio.run
-    return int(runner(_serve(settings)))
+    code = int(runner(_serve(settings)))
+    if hard_exit:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 async def _serve(settings: Settings) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from typing import Any, Protocol
 
@@ -66,6 +67,44 @@ def create_data_plane(backend: str, name: str, *, options: dict[str, Any] | None
     raise DataPlaneError(f"backend: {backend!r} is not available in this build (kvxfer.transport)", field="backend")
 
 
+def _progress_delay_us() -> int:
+    import os
+
+    try:
+        return max(0, int(os.environ.get("KVXFER_NIXL_PROGRESS_DELAY_US", "100")))
+    except ValueError:
+        return 100
+
+
+def _agent_with_progress_delay(name: str, config: Any, factory: Any, delay_us: int) -> Any:
+    """A NIXL agent whose progress thread sleeps ``delay_us`` between rounds.
+
+    nixl_agent hard-codes a zero delay, so its progress thread spins a whole core per agent even
+    when idle (measured: 95% CPU per idle sidecar, which on a 2-core host halves everyone's speed).
+    The binding's config has the knob; the wrapper class below keeps nixl_agent from zeroing it.
+    """
+    try:
+        api = sys.modules[factory.__module__]
+        base = api.nixlBind.nixlAgentConfig
+    except (AttributeError, KeyError):
+        return factory(name, config)
+
+    class _Config(base):  # type: ignore[misc,valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - the binding's name
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, delay_us)
+
+    api.nixlBind.nixlAgentConfig = _Config
+    try:
+        return factory(name, config)
+    finally:
+        api.nixlBind.nixlAgentConfig = base
+
+
 class _InterimNixl:
     """NIXL agent with just what the sidecar needs (stands in until kvxfer.transport lands)."""
 
@@ -77,7 +116,9 @@ class _InterimNixl:
         except ImportError as exc:
             raise DataPlaneError(f"backend: NIXL is not installed ({exc})", field="backend") from None
         self.agent_name = name
-        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._agent = _agent_with_progress_delay(
+            name, nixl_agent_config(backends=list(backends)), nixl_agent, _progress_delay_us()
+        )
 
     def register(self, table: RegionTable, mem_type: str) -> Any:
         descs = np.stack([table.base, table.size, table.device], axis=1).astype(np.uint64)

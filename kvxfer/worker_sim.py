@@ -1,0 +1,227 @@
+"""A synthetic inference worker: KV memory in shared memory, a sidecar client, checkable contents.
+
+The content of a request's KV cache is a function of *logical* coordinates only - layer, token
+position in the request, global KV-head entry and word within the row - and a per-request salt.
+Any rank of any TP size, block size or physical order (NHD/HND) can therefore write its share
+(:func:`fill_blocks`) or check what it received (:func:`verify_blocks`) without knowing the other
+side: a decode rank that got every byte from the right place of the right prefill rank sees
+exactly the expected values, and anything misplaced, stale or missing shows up as mismatches.
+
+:func:`worker_main` (``python -m kvxfer.worker_sim``) runs a worker process driven by JSON lines
+on stdin (the demo and the soak script use it): it creates its shared-memory cache, registers it
+with its sidecar, then prefills-and-publishes or pulls-and-verifies on command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.layout import CacheKind, KVCacheLayout, Order, head_range
+from kvxfer.topology import RankInfo
+
+__all__ = ["WorkerConfig", "fill_blocks", "global_entries", "verify_blocks", "worker_main"]
+
+I64 = npt.NDArray[np.int64]
+POISON = 0xA5  # what a decode rank writes into its destination blocks before a pull
+
+
+def global_entries(layout: KVCacheLayout, rank: RankInfo) -> I64:
+    """Global entry index of each local entry on the head axis (K heads, then V heads if quantized)."""
+    if layout.kind in (CacheKind.MLA, CacheKind.MAMBA):
+        return np.zeros(1, dtype=np.int64)
+    h0, _ = head_range(layout.total_kv_heads, rank.tp_size, rank.tp_rank)
+    local = np.arange(layout.entries, dtype=np.int64)
+    group, head = local // layout.num_kv_heads, local % layout.num_kv_heads
+    return group * layout.total_kv_heads + h0 + head
+
+
+def _word(layout: KVCacheLayout) -> type[np.unsignedinteger[Any]]:
+    return np.uint32 if layout.row_bytes % 4 == 0 else np.uint8
+
+
+def _expected(layout: KVCacheLayout, rank: RankInfo, layer: int, ntok: int, salt: int) -> npt.NDArray[Any]:
+    """(tokens, entries, words) of the request's content for one layer on this rank."""
+    w = _word(layout)
+    words = layout.row_bytes // np.dtype(w).itemsize
+    mask = np.uint64((1 << (8 * np.dtype(w).itemsize)) - 1)
+    ge = global_entries(layout, rank).astype(np.uint64)
+    j = np.arange(words, dtype=np.uint64)
+    t = np.arange(ntok, dtype=np.uint64)
+    # Odd multipliers spread layer, entry, word, token and salt over all bits of the word; the
+    # small tables are built in uint64 and the big sum wraps in the word type (one pass).
+    base = ge[:, None] * np.uint64(0x9E3779B1) + j[None, :] * np.uint64(0x85EBCA77)
+    base += np.uint64((layer * 0xC2B2AE3D + salt * 0x27D4EB2F) & 0xFFFFFFFF)
+    tok = (t * np.uint64(0x165667B1)) & mask
+    return (base & mask).astype(w)[None, :, :] + tok.astype(w)[:, None, None]
+
+
+def _logical(layout: KVCacheLayout, pages: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
+    """(blocks, tokens, entries, words) view of gathered pages (blocks, page_bytes)."""
+    w = _word(layout)
+    n, e, words = layout.tokens_per_page, layout.entries, layout.row_bytes // np.dtype(w).itemsize
+    v = pages.view(w)
+    if layout.order is Order.HND:
+        return v.reshape(-1, e, n, words).transpose(0, 2, 1, 3)
+    return v.reshape(-1, n, e, words)
+
+
+def fill_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: int) -> int:
+    """Write the request's content into ``blocks`` of a :class:`~kvxfer.memory.SharedKVBuffer`; returns bytes."""
+    layout: KVCacheLayout = buf.layout
+    ids = np.asarray(blocks, dtype=np.int64)
+    ntok = ids.size * layout.tokens_per_page
+    for layer in range(layout.num_layers):
+        exp = _expected(layout, rank, layer, ntok, salt)
+        exp = exp.reshape(ids.size, layout.tokens_per_page, layout.entries, -1)
+        if layout.order is Order.HND:
+            exp = exp.transpose(0, 2, 1, 3)
+        buf.pages(layer)[ids] = np.ascontiguousarray(exp).view(np.uint8).reshape(ids.size, layout.page_bytes)
+    return int(ids.size * layout.page_bytes * layout.num_layers)
+
+
+def poison_blocks(buf: Any, blocks: Sequence[int] | I64) -> None:
+    """Overwrite ``blocks`` so that a pull that moved nothing cannot pass verification."""
+    ids = np.asarray(blocks, dtype=np.int64)
+    for layer in range(buf.layout.num_layers):
+        buf.pages(layer)[ids] = POISON
+
+
+def verify_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: int) -> tuple[int, int]:
+    """Check ``blocks`` against the request's content; returns (bytes checked, bytes that differ)."""
+    layout: KVCacheLayout = buf.layout
+    ids = np.asarray(blocks, dtype=np.int64)
+    ntok = ids.size * layout.tokens_per_page
+    bad = 0
+    for layer in range(layout.num_layers):
+        got = _logical(layout, buf.pages(layer)[ids]).reshape(ntok, layout.entries, -1)
+        exp = _expected(layout, rank, layer, ntok, salt)
+        if not np.array_equal(got, exp):
+            g8 = np.ascontiguousarray(got).view(np.uint8)
+            e8 = np.ascontiguousarray(exp).view(np.uint8)
+            bad += int(np.count_nonzero(g8 != e8))
+    return int(ids.size * layout.page_bytes * layout.num_layers), bad
+
+
+# ---------------------------------------------------------------------------- worker process
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a synthetic worker process needs."""
+
+    name: str
+    target: str  # its sidecar's local API
+    layouts: dict[str, dict[str, Any]]  # group -> KVCacheLayout.to_dict()
+    rank: tuple[int, int]  # tp_rank, tp_size
+    token: str | None = None
+    watch: bool = False  # follow the completion stream (prefill: count releases)
+
+    def to_json(self) -> str:
+        """The command-line form."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        """Inverse of :meth:`to_json`."""
+        d = json.loads(text)
+        d["rank"] = tuple(d["rank"])
+        return cls(**d)
+
+
+def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
+    """Serve JSON-line commands from ``inp`` until ``["stop"]``; answers ``{"ok": result}`` or ``{"error": text}``."""
+    from kvxfer.client import Client
+    from kvxfer.memory import SharedKVBuffer
+
+    def reply(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    rank = RankInfo(cfg.rank[0], cfg.rank[1])
+    layouts = {g: KVCacheLayout.from_dict(d) for g, d in cfg.layouts.items()}
+    buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
+    events: dict[str, int] = {}
+    client = Client(cfg.target, token=cfg.token, timeout=60.0)
+    try:
+        client.wait_ready(60.0)
+        client.register_caches({g: (layouts[g], b.ref()) for g, b in buffers.items()}, rank=rank, worker_id=cfg.name)
+        if cfg.watch:
+            threading.Thread(target=_watch, args=(client, events), daemon=True).start()
+        reply({"ok": {"name": cfg.name, "bytes": sum(lay.total_bytes for lay in layouts.values())}})
+        for line in inp:
+            cmd = json.loads(line)
+            if cmd[0] == "stop":
+                reply({"ok": dict(events)})
+                return 0
+            try:
+                reply({"ok": _handle(cmd, client, buffers, rank)})
+            except Exception as exc:
+                reply({"error": f"{type(exc).__name__}: {exc}"})
+        return 0
+    except Exception:
+        reply({"error": traceback.format_exc()})
+        return 1
+    finally:
+        client.close()
+        for b in buffers.values():
+            b.close()
+
+
+def _watch(client: Any, events: dict[str, int]) -> None:
+    try:
+        for ev in client.watch_completions():
+            events[ev.kind] = events.get(ev.kind, 0) + 1
+    except Exception:  # the stream ends when the sidecar stops
+        return
+
+
+def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo) -> dict[str, Any]:
+    op = cmd[0]
+    if op == "prefill":
+        _, rid, blocks, salt, lease = cmd
+        t0 = time.perf_counter()
+        nbytes = sum(fill_blocks(buffers[g], rank, ids, salt) for g, ids in blocks.items())
+        t1 = time.perf_counter()
+        client.publish(rid, blocks, lease_seconds=lease)
+        return {"bytes": nbytes, "fill_s": t1 - t0, "publish_s": time.perf_counter() - t1}
+    if op == "pull":
+        _, rid, addresses, blocks, salt, engine = cmd
+        for g, ids in blocks.items():
+            poison_blocks(buffers[g], ids)
+        t0 = time.perf_counter()
+        res = client.pull(rid, addresses, blocks, remote_engine_id=engine, wait=True)
+        latency = time.perf_counter() - t0
+        checked = bad = 0
+        for g, ids in blocks.items():
+            c, b = verify_blocks(buffers[g], rank, ids, salt)
+            checked, bad = checked + c, bad + b
+        return {
+            "latency_s": latency, "data_s": res.data_seconds, "bytes": res.bytes, "descriptors": res.descriptors,
+            "checked": checked, "mismatched": bad, "verify_s": time.perf_counter() - t0 - latency,
+            "warnings": list(res.warnings),
+        }  # fmt: skip
+    if op == "status":
+        return dict(client.status())
+    raise ValueError(f"unknown command {op!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvxfer.worker_sim '<WorkerConfig JSON>'``: commands on stdin, answers on stdout."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m kvxfer.worker_sim '<WorkerConfig JSON>'", file=sys.stderr)
+        return 2
+    return worker_main(WorkerConfig.from_json(args[0]), sys.stdin, sys.stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
