@@ -99,6 +99,7 @@ class SidecarCore:
         self._on_serving = on_serving
         self._identity: Identity | None = None
         self._topologies: dict[tuple[Any, ...], TransferTopology] = {}
+        self._all_readers: dict[tuple[Any, ...], set[int]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._drained: asyncio.Future[Any] | None = None
         self.drain_done = asyncio.Event()  # set once a drain has finished
@@ -433,6 +434,9 @@ class SidecarCore:
                     self._abort_publishers(entry, err.message)
                 elif outcome != "aborted":
                     self._notify_publishers(entry, "failed", err.message, 0)
+                else:
+                    entry.contacted.clear()
+                    self._notify_publishers(entry, "failed", err.message, 0)  # only the unread replicas
                 if not entry.posted.done():
                     entry.posted.set_exception(err)
                     entry.posted.exception()
@@ -457,6 +461,11 @@ class SidecarCore:
                     field="remote_addresses",
                 ) from None
         ranks = sorted(needed)
+        if reg.rank.tp_rank == 0:
+            # Remote ranks that no local rank reads (replicated heads or MLA latents) would hold their
+            # blocks until the lease expires; local rank 0 tells them to free at once.
+            everyone = self._ranks_read_by_all(reg, remote_tp)
+            entry.unread = [entry.addresses[q] for q in range(remote_tp) if q not in everyone]
         # 2. Handshake (cached) and fetch the published request from each needed rank.
         entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
         fetched = await asyncio.gather(*(self._fetch(entry, q, sessions) for q in ranks))
@@ -584,6 +593,18 @@ class SidecarCore:
             return blocks, tables, mem_type
         raise PeerUnavailableError(f"peer {address}: could not get a stable handshake", field="remote_addresses")
 
+    def _ranks_read_by_all(self, reg: Registration, remote_tp: int) -> set[int]:
+        key = ("<all>", reg.epoch, remote_tp)
+        cached = self._all_readers.get(key)
+        if cached is None:
+            cached = set()
+            for g in reg.groups.values():
+                for r in range(reg.rank.tp_size):
+                    rank = RankInfo(r, reg.rank.tp_size, reg.rank.pp_rank, reg.rank.pp_size)
+                    cached |= remote_sources(g.layout, rank, remote_tp)
+            self._all_readers[key] = cached
+        return cached
+
     def _topology(
         self, name: str, local: KVCacheLayout, remote: KVCacheLayout, rank: RankInfo, remote_tp: int
     ) -> TransferTopology:
@@ -607,16 +628,18 @@ class SidecarCore:
             ) from None
 
     def _notify_publishers(self, entry: PullEntry, outcome: str, message: str, nbytes: int) -> None:
-        if not entry.contacted:
+        reg = self.registration
+        if reg is None:
             return
-        reg = self._require_registration()
-        req = peer_pb2.NotifyRequest(
-            request_id=entry.request_id, engine_id=self.settings.engine_id, instance_id=self.instance_id,
-            rank=rank_to_proto(reg.rank), message=message, bytes=nbytes,
-            outcome=peer_pb2.NotifyRequest.DONE if outcome == "done" else peer_pb2.NotifyRequest.FAILED,
-        )  # fmt: skip
+        kinds = {"done": peer_pb2.NotifyRequest.DONE, "failed": peer_pb2.NotifyRequest.FAILED}
 
-        async def send(address: str) -> None:
+        def request(kind: Any, msg: str, n: int) -> Any:
+            return peer_pb2.NotifyRequest(
+                request_id=entry.request_id, engine_id=self.settings.engine_id, instance_id=self.instance_id,
+                rank=rank_to_proto(reg.rank), message=msg, bytes=n, outcome=kind,
+            )  # fmt: skip
+
+        async def send(address: str, req: Any) -> None:
             try:
                 await self.peers.call(
                     address, "Notify",
@@ -627,7 +650,10 @@ class SidecarCore:
                     "peer": address, "error": exc.message})  # fmt: skip
 
         for address in entry.contacted:
-            self._spawn(send(address))
+            self._spawn(send(address, request(kinds[outcome], message, nbytes)))
+        unread = request(peer_pb2.NotifyRequest.UNREAD, "no decode rank reads this replica", 0)
+        for address in entry.unread:
+            self._spawn(send(address, unread))
 
     def _abort_publishers(self, entry: PullEntry, reason: str) -> None:
         req = peer_pb2.PeerAbortRequest(
@@ -726,6 +752,13 @@ class SidecarCore:
         entry = self.publishes.get(rid)
         if entry is None:
             return peer_pb2.NotifyResponse(released=False)
+        if req.outcome == peer_pb2.NotifyRequest.UNREAD and not entry.readers:
+            self._drop_publish(rid)
+            msg = f"no rank of {req.engine_id} reads this rank's copy (replicated elsewhere); released"
+            self.hub.emit(Kind.RELEASED, rid, message=msg, peer=req.engine_id)
+            return peer_pb2.NotifyResponse(released=True)
+        if req.outcome == peer_pb2.NotifyRequest.UNREAD:
+            return peer_pb2.NotifyResponse(released=False)  # someone did read it: wait for them
         rank = int(req.rank.tp_rank)
         entry.done_readers.add(rank)
         if req.outcome == peer_pb2.NotifyRequest.FAILED:

@@ -88,3 +88,4 @@ class PullEntry:
     abort_from_peer: bool = False
     stage: str = "starting"
     contacted: list[str] = field(default_factory=list)  # addresses that handed out the request
+    unread: list[str] = field(default_factory=list)  # remote ranks no local rank reads (replicas)
