@@ -1,0 +1,184 @@
+"""Test harness: real sidecars (in this process or as processes) and in-process synthetic workers."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvxfer.client import AsyncClient, KvxferRpcError, PullResult
+from kvxfer.config import load_settings
+from kvxfer.layout import KVCacheLayout
+from kvxfer.memory import LibraryRef, SharedKVBuffer
+from kvxfer.server.app import Sidecar
+from kvxfer.server.dataplane import DataPlane
+from kvxfer.topology import RankInfo
+from kvxfer.worker_sim import fill_blocks, poison_blocks, verify_blocks
+
+Blocks = Mapping[str, Sequence[int] | npt.NDArray[np.integer]]
+
+
+class Worker:
+    """An in-process synthetic worker: one shared-memory buffer per cache group and a client."""
+
+    def __init__(
+        self, sidecar: Sidecar, layouts: Mapping[str, KVCacheLayout], rank: RankInfo, *, token: str | None = None,
+        library: bool = False,
+    ) -> None:  # fmt: skip
+        self.sidecar = sidecar
+        self.layouts = dict(layouts)
+        self.rank = rank
+        self.library = library
+        self.buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
+        self.client = AsyncClient(sidecar.local_target, token=token, timeout=30.0)
+
+    async def register(self) -> dict[str, Any]:
+        """Register every group (shared memory, or raw addresses in library mode)."""
+        if self.library:
+            groups = {g: (self.layouts[g], LibraryRef.from_arrays(b.regions)) for g, b in self.buffers.items()}
+        else:
+            groups = {g: (self.layouts[g], b.ref()) for g, b in self.buffers.items()}
+        return await self.client.register_caches(groups, rank=self.rank, worker_id=f"w{self.rank.tp_rank}")
+
+    async def prefill(self, rid: str, blocks: Blocks, salt: int, lease: float = 0.0) -> int:
+        """Write the request's contents and publish it."""
+        for g, ids in blocks.items():
+            fill_blocks(self.buffers[g], self.rank, ids, salt)
+        return await self.client.publish(rid, blocks, lease_seconds=lease)
+
+    async def pull(self, rid: str, remotes: Sequence[Sidecar | str], blocks: Blocks, **kw: Any) -> PullResult:
+        """Poison the destination blocks and pull."""
+        self.poison(blocks)
+        addresses = [r if isinstance(r, str) else r.peer_address for r in remotes]
+        return await self.client.pull(rid, addresses, blocks, **kw)
+
+    def poison(self, blocks: Blocks) -> None:
+        """Overwrite destination blocks."""
+        for g, ids in blocks.items():
+            poison_blocks(self.buffers[g], ids)
+
+    def verify(self, blocks: Blocks, salt: int) -> tuple[int, int]:
+        """(bytes checked, bytes wrong) over every group."""
+        checked = bad = 0
+        for g, ids in blocks.items():
+            c, b = verify_blocks(self.buffers[g], self.rank, ids, salt)
+            checked, bad = checked + c, bad + b
+        return checked, bad
+
+    async def close(self) -> None:
+        await self.client.close()
+        for b in self.buffers.values():
+            b.close()
+
+
+class Harness:
+    """Creates sidecars and workers for one test and tears them all down."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        # Unix socket paths are limited to 108 bytes: keep them short.
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="kx-"))
+        self.sidecars: list[Sidecar] = []
+        self.workers: list[Worker] = []
+        self._n = 0
+
+    async def sidecar(
+        self, name: str | None = None, *, role: str = "both", engine_id: str | None = None,
+        data_plane: DataPlane | None = None, **settings: Any,
+    ) -> Sidecar:  # fmt: skip
+        """Start an in-process sidecar on loopback (ephemeral ports)."""
+        self._n += 1
+        name = name or f"s{self._n}"
+        flags: dict[str, Any] = {
+            "engine_id": engine_id or name, "role": role, "peer_listen": "127.0.0.1:0",
+            "local_socket": str(self.sock_dir / f"{name}.sock"), "metrics_listen": "", "log_level": "warning",
+            "drain_seconds": 5, **settings,
+        }  # fmt: skip
+        sc = Sidecar(load_settings(flags, env={}), data_plane=data_plane)
+        await sc.start()
+        self.sidecars.append(sc)
+        return sc
+
+    async def worker(
+        self, sidecar: Sidecar, layouts: Mapping[str, KVCacheLayout], rank: tuple[int, int] = (0, 1), *,
+        register: bool = True, **kw: Any,
+    ) -> Worker:  # fmt: skip
+        """An in-process worker bound to ``sidecar`` (registered unless told otherwise)."""
+        w = Worker(sidecar, layouts, RankInfo(*rank), **kw)
+        self.workers.append(w)
+        if register:
+            await w.register()
+        return w
+
+    async def deployment(
+        self, prefill: Mapping[str, KVCacheLayout] | Sequence[Mapping[str, KVCacheLayout]],
+        decode: Mapping[str, KVCacheLayout] | Sequence[Mapping[str, KVCacheLayout]],
+        *, prefill_tp: int = 1, decode_tp: int = 1, **sidecar_settings: Any,
+    ) -> tuple[list[Sidecar], list[Worker], list[Sidecar], list[Worker]]:  # fmt: skip
+        """One sidecar + worker per rank on each side (``prefill`` engine and ``decode`` engine)."""
+
+        def per_rank(spec: Any, n: int) -> list[Mapping[str, KVCacheLayout]]:
+            return list(spec) if isinstance(spec, Sequence) else [spec] * n
+
+        ps, pw, ds, dw = [], [], [], []
+        for q, lay in enumerate(per_rank(prefill, prefill_tp)):
+            sc = await self.sidecar(f"p{q}-{self._n}", role="prefill", engine_id="prefill", **sidecar_settings)
+            ps.append(sc)
+            pw.append(await self.worker(sc, lay, (q, prefill_tp)))
+        for r, lay in enumerate(per_rank(decode, decode_tp)):
+            sc = await self.sidecar(f"d{r}-{self._n}", role="decode", engine_id="decode", **sidecar_settings)
+            ds.append(sc)
+            dw.append(await self.worker(sc, lay, (r, decode_tp)))
+        return ps, pw, ds, dw
+
+    async def close(self) -> None:
+        for w in self.workers:
+            await w.close()
+        await asyncio.gather(*(s.stop(0) for s in self.sidecars), return_exceptions=True)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+async def transfer(
+    pw: Sequence[Worker], ps: Sequence[Sidecar], dw: Sequence[Worker], rid: str, p_blocks: Blocks, d_blocks: Blocks,
+    salt: int, **pull_kw: Any,
+) -> list[PullResult]:  # fmt: skip
+    """Publish on every prefill rank, pull on every decode rank, verify every byte; returns the pulls."""
+    for w in pw:
+        await w.prefill(rid, p_blocks, salt)
+    results = await asyncio.gather(*(w.pull(rid, ps, d_blocks, **pull_kw) for w in dw))
+    for w in dw:
+        checked, bad = w.verify(d_blocks, salt)
+        assert bad == 0, f"{bad} of {checked} bytes differ on decode rank {w.rank.tp_rank}"
+        assert checked == sum(
+            np.asarray(ids).size * w.layouts[g].page_bytes * w.layouts[g].num_layers for g, ids in d_blocks.items()
+        )
+    return list(results)
+
+
+async def expect_error(code: grpc.StatusCode, coro: Any, *fragments: str) -> KvxferRpcError:
+    """Await ``coro``; assert it fails with ``code`` and a message containing every fragment."""
+    with pytest.raises(KvxferRpcError) as info:
+        await coro
+    exc = info.value
+    assert exc.code == code, f"expected {code.name}, got {exc.code.name}: {exc.details}"
+    for f in fragments:
+        assert f in exc.details, f"{f!r} not in message {exc.details!r}"
+    return exc
+
+
+def attention(
+    layers: int = 4, blocks: int = 64, block_size: int = 16, heads: int = 8, tp: int = 1, **kw: Any
+) -> KVCacheLayout:
+    """A small attention layout of a ``heads``-head model split over ``tp`` ranks."""
+    return KVCacheLayout.attention(
+        num_layers=layers, num_blocks=blocks, block_size=block_size, num_kv_heads=heads // tp, total_kv_heads=heads,
+        head_size=kw.pop("head_size", 64), **kw,
+    )  # fmt: skip

@@ -1,0 +1,148 @@
+"""End to end through real gRPC servers and real NIXL (UCX) on loopback: every byte verified."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvxfer.layout import KVCacheLayout
+from tests.sidecar.helpers import Harness, attention, transfer
+
+FRAGMENTED_P = [5, 6, 7, 1, 30, 31, 12, 40, 41, 42, 43, 2]
+FRAGMENTED_D = [9, 3, 4, 50, 51, 52, 20, 21, 0, 60, 61, 62]
+
+
+async def test_homogeneous_hnd_exact_bytes(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=1)
+    # Same layout on both sides: the decode pages equal the prefill pages, byte for byte.
+    src, dst = pw[0].buffers["kv"], dw[0].buffers["kv"]
+    for layer in range(lay.num_layers):
+        assert np.array_equal(dst.pages(layer)[FRAGMENTED_D], src.pages(layer)[FRAGMENTED_P])
+    assert res.done
+    assert res.bytes == len(FRAGMENTED_D) * lay.page_bytes * lay.num_layers
+    assert res.remote_ranks == (0,)
+    # Coalescing: runs contiguous on both sides become one descriptor per layer (9 runs here).
+    assert res.descriptors == 9 * lay.num_layers
+
+
+async def test_homogeneous_nhd(harness: Harness) -> None:
+    lay = attention(order="NHD")
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=2)
+
+
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+async def test_heterogeneous_tp_prefill2_decode1(harness: Harness, order: str) -> None:
+    ps, pw, _ds, dw = await harness.deployment(
+        {"kv": attention(tp=2, order=order)}, {"kv": attention(tp=1, order=order)}, prefill_tp=2, decode_tp=1
+    )
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=3)
+    assert res.remote_ranks == (0, 1)
+    if order == "NHD":
+        assert any("NHD" in w for w in res.warnings)
+
+
+async def test_heterogeneous_tp_prefill1_decode2(harness: Harness) -> None:
+    ps, pw, _ds, dw = await harness.deployment(
+        {"kv": attention(tp=1)}, {"kv": attention(tp=2)}, prefill_tp=1, decode_tp=2
+    )
+    events = asyncio.ensure_future(_first_event(pw[0], "RELEASED"))
+    results = await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=4)
+    assert [r.remote_ranks for r in results] == [(0,), (0,)]
+    # The one prefill rank frees its blocks only once both decode ranks confirmed.
+    ev = await asyncio.wait_for(events, 10)
+    assert ev.request_id == "r1"
+    assert (await pw[0].client.status())["leases"] == 0
+
+
+async def test_mla_replicated_reads_one_rank_and_frees_the_other(harness: Harness) -> None:
+    lay = KVCacheLayout.mla(num_layers=3, num_blocks=64, block_size=16, latent_dim=576)
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, prefill_tp=2, decode_tp=1)
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=5)
+    assert res.remote_ranks == (0,)
+    # Rank 1's replica is never read: it is released by an UNREAD notice, not by lease expiry.
+    for w in pw:
+        for _ in range(100):
+            if (await w.client.status())["leases"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await w.client.status())["leases"] == 0
+
+
+async def test_hybrid_attention_plus_mamba_layer(harness: Harness) -> None:
+    layouts = {
+        "attention": attention(layers=3),
+        "mamba": KVCacheLayout.mamba(num_layers=1, num_blocks=64, page_size_bytes=4000),
+    }
+    ps, pw, _ds, dw = await harness.deployment(layouts, layouts)
+    (res,) = await transfer(
+        pw, ps, dw, "r1", {"attention": FRAGMENTED_P, "mamba": [7, 8]}, {"attention": FRAGMENTED_D, "mamba": [33, 1]},
+        salt=6,
+    )  # fmt: skip
+    assert res.bytes == 12 * layouts["attention"].page_bytes * 3 + 2 * 4000
+
+
+async def test_cross_layer_cache_one_descriptor_per_run(harness: Harness) -> None:
+    lay = attention(layers=8, cross_layer=True)
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": list(range(10, 30))}, {"kv": list(range(40, 60))}, salt=7)
+    assert res.descriptors == 1  # every layer of every block: one span on both sides
+
+
+async def test_quantized_fp8_and_block_size_change(harness: Harness) -> None:
+    p = KVCacheLayout.quantized(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=4, head_size=64)
+    d = KVCacheLayout.quantized(num_layers=2, num_blocks=64, block_size=32, num_kv_heads=4, head_size=64)
+    ps, pw, _ds, dw = await harness.deployment({"kv": p}, {"kv": d})
+    await transfer(pw, ps, dw, "r1", {"kv": [3, 4, 9, 10, 20, 21]}, {"kv": [7, 2, 30]}, salt=8)
+
+
+async def test_library_mode_and_many_requests_in_flight(harness: Harness) -> None:
+    lay = attention(blocks=128)
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    pw = await harness.worker(p, {"kv": lay}, library=True)
+    dw = await harness.worker(d, {"kv": lay}, library=True)
+    rng = np.random.default_rng(0)
+    p_ids, d_ids = rng.permutation(128), rng.permutation(128)
+    for i in range(8):
+        await pw.prefill(f"r{i}", {"kv": p_ids[i * 16 : (i + 1) * 16]}, salt=100 + i)
+    for i in range(8):
+        dw.poison({"kv": d_ids[i * 16 : (i + 1) * 16]})
+    pulls = [dw.client.pull(f"r{i}", [p.peer_address], {"kv": d_ids[i * 16 : (i + 1) * 16]}) for i in range(8)]
+    await asyncio.gather(*pulls)
+    for i in range(8):
+        assert dw.verify({"kv": d_ids[i * 16 : (i + 1) * 16]}, 100 + i) == (16 * lay.page_bytes * 4, 0)
+
+
+async def test_completion_stream_and_non_waiting_pull(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    released = asyncio.ensure_future(_first_event(pw[0], "RELEASED"))
+    pulled = asyncio.ensure_future(_first_event(dw[0], "PULLED"))
+    await asyncio.sleep(0.05)  # both streams are open
+    await pw[0].prefill("r1", {"kv": [1, 2, 3]}, salt=9)
+    dw[0].poison({"kv": [4, 5, 6]})
+    res = await dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [4, 5, 6]}, wait=False)
+    assert res.transfer_id
+    ev = await asyncio.wait_for(pulled, 10)
+    assert (ev.request_id, ev.transfer_id, ev.bytes) == ("r1", res.transfer_id, 3 * lay.page_bytes * 4)
+    assert dw[0].verify({"kv": [4, 5, 6]}, 9)[1] == 0
+    rel = await asyncio.wait_for(released, 10)
+    assert rel.peer == "decode"
+    # A late watcher can replay what it missed.
+    seen = []
+    async for e in dw[0].client.watch_completions(replay=True):
+        seen.append(e.kind)
+        break
+    assert seen == ["PULLED"]
+
+
+async def _first_event(worker: object, kind: str) -> object:
+    async for ev in worker.client.watch_completions():  # type: ignore[attr-defined]
+        if ev.kind == kind:
+            return ev
+    raise AssertionError("stream ended")
