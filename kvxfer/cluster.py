@@ -7,6 +7,7 @@ temporary directory that :meth:`LocalCluster.close` removes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -45,14 +46,6 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.integer):
         return int(obj)
     raise TypeError(f"cannot send {type(obj).__name__} to a worker")
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the process that started us dies (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -163,6 +156,10 @@ class LocalCluster:
         self.log_level = log_level
         self.extra_flags = list(extra_flags)
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="kvxfer-cluster-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Children run in their own sessions (so a kill reaches their threads); make sure an
+        # exiting parent does not leave them behind.
+        atexit.register(self.close)
         self._own_dir = workdir is None
         self.sidecars: list[SidecarProc] = []
         self.workers: list[WorkerProc] = []
@@ -172,9 +169,11 @@ class LocalCluster:
             self._token_file.write_text(token)
             self._token_file.chmod(0o600)
 
-    def start_sidecar(self, name: str, engine_id: str, role: str, *, flags: Sequence[str] = ()) -> SidecarProc:
-        """Start ``python -m kvxfer.server`` (not waiting for it: the workers wait)."""
-        port, mport = free_port(), free_port()
+    def start_sidecar(
+        self, name: str, engine_id: str, role: str, *, flags: Sequence[str] = (), port: int = 0
+    ) -> SidecarProc:
+        """Start ``python -m kvxfer.server`` (not waiting for it: the workers wait); ``port``: its peer port."""
+        port, mport = port or free_port(), free_port()
         sock = str(self.dir / f"{name}.sock")
         log_path = self.dir / f"{name}.log"
         argv = [
@@ -186,10 +185,7 @@ class LocalCluster:
             argv += ["--token-file", str(self._token_file)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_") or k.startswith("KVXFER_NIXL")}
         with open(log_path, "wb") as logf:
-            proc = subprocess.Popen(
-                argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )  # fmt: skip
+            proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         sc = SidecarProc(name, proc, f"127.0.0.1:{port}", sock, mport, log_path)
         self.sidecars.append(sc)
         return sc
@@ -205,7 +201,7 @@ class LocalCluster:
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvxfer.worker_sim", cfg.to_json()], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=logf, text=True, start_new_session=True, preexec_fn=_die_with_parent,
+                stdout=subprocess.PIPE, stderr=logf, text=True, start_new_session=True,
             )  # fmt: skip
         w = WorkerProc(name, proc, log_path)
         self.workers.append(w)
@@ -265,6 +261,7 @@ class LocalCluster:
 
     def close(self) -> None:
         """Stop everything and remove the working directory."""
+        atexit.unregister(self.close)
         with contextlib.suppress(Exception):
             self.stop()
         if self._own_dir:

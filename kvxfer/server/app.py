@@ -131,6 +131,9 @@ class Sidecar:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Reconnect to a restarted peer within a second, not after gRPC's default backoff.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         token = s.token()
         interceptors = [TokenInterceptor(token)] if token else []

@@ -400,7 +400,7 @@ class SidecarCore:
                 )
                 for s in sessions.values():
                     if entry.stage.startswith("reading"):
-                        self.peers.invalidate(s.address)
+                        self.peers.invalidate(s.address, reconnect=True)
             except asyncio.CancelledError:
                 outcome, reason = "aborted", "aborted"
                 why = entry.abort_reason or "the sidecar is shutting down"
@@ -621,7 +621,7 @@ class SidecarCore:
         try:
             await self.dp.read(s.dp_name, local, remote, mem_type=mem, remote_mem_type=rmem)
         except KvxferError as exc:
-            self.peers.invalidate(s.address)
+            self.peers.invalidate(s.address, reconnect=True)
             raise PeerUnavailableError(
                 f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                 field="remote_addresses",

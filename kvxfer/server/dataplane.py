@@ -153,15 +153,21 @@ class _InterimNixl:
         except Exception as exc:
             raise DataPlaneError(f"NIXL could not prepare a READ from {peer}: {exc}", field="data_plane") from None
         try:
-            state = agent.transfer(handle)
-            delay = 20e-6
             start = time.monotonic()
-            while state == "PROC":
-                # Sleep-poll with a growing interval: small transfers finish in microseconds,
-                # large ones should not spin a core.
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.002)
-                state = agent.check_xfer_state(handle)
+            try:
+                state = agent.transfer(handle)
+                delay = 20e-6
+                while state == "PROC":
+                    # Sleep-poll with a growing interval: small transfers finish in microseconds,
+                    # large ones should not spin a core.
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.002)
+                    state = agent.check_xfer_state(handle)
+            except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError for a dead peer
+                raise DataPlaneError(
+                    f"NIXL READ from {peer} failed after {time.monotonic() - start:.3f}s: {type(exc).__name__}: {exc}",
+                    field="data_plane",
+                ) from None
             if state != "DONE":
                 raise DataPlaneError(
                     f"NIXL READ from {peer} failed after {time.monotonic() - start:.3f}s (state {state})",

@@ -80,6 +80,7 @@ class PeerDirectory:
         self._sessions: dict[str, PeerSession] = {}
         self._pending: dict[str, asyncio.Future[PeerSession]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -129,6 +130,8 @@ class PeerDirectory:
         except grpc.aio.AioRpcError as exc:
             refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
             self._on_handshake("refused" if refused else "failed")
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.invalidate(address, reconnect=True)
             if refused:
                 raise FailedPreconditionError(
                     f"handshake with {address} refused: {exc.details()}", field="remote_addresses"
@@ -163,12 +166,22 @@ class PeerDirectory:
         log.info("handshake ok", extra={"peer": them.label, "address": address, "epoch": them.epoch})
         return s
 
-    def invalidate(self, address: str) -> None:
-        """Drop the session to ``address``; the next use handshakes again."""
+    def invalidate(self, address: str, *, reconnect: bool = False) -> None:
+        """Drop the session to ``address``; the next use handshakes again.
+
+        With ``reconnect`` the channel is replaced too: a channel whose peer died sits in gRPC's
+        reconnect backoff (up to minutes) and would fail calls fast even after the peer is back.
+        """
         s = self._sessions.pop(address, None)
         if s is not None:
             s.alive = False
             self._forget_peer(s.dp_name)
+        if reconnect:
+            ch = self._channels.pop(address, None)
+            if ch is not None:
+                task = asyncio.get_running_loop().create_task(ch.close(grace=None))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     def sessions(self) -> list[PeerSession]:
         """Live sessions."""
@@ -180,7 +193,7 @@ class PeerDirectory:
             return await fn(self.stub(address))
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self.invalidate(address)
+                self.invalidate(address, reconnect=True)
             raise peer_error(exc, address, what) from None
 
     async def close(self) -> None:

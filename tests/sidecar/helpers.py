@@ -30,15 +30,16 @@ class Worker:
     """An in-process synthetic worker: one shared-memory buffer per cache group and a client."""
 
     def __init__(
-        self, sidecar: Sidecar, layouts: Mapping[str, KVCacheLayout], rank: RankInfo, *, token: str | None = None,
-        library: bool = False,
+        self, sidecar: Sidecar | str, layouts: Mapping[str, KVCacheLayout], rank: RankInfo, *,
+        token: str | None = None, library: bool = False,
     ) -> None:  # fmt: skip
         self.sidecar = sidecar
         self.layouts = dict(layouts)
         self.rank = rank
         self.library = library
         self.buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
-        self.client = AsyncClient(sidecar.local_target, token=token, timeout=30.0)
+        target = sidecar if isinstance(sidecar, str) else sidecar.local_target
+        self.client = AsyncClient(target, token=token, timeout=30.0)
 
     async def register(self) -> dict[str, Any]:
         """Register every group (shared memory, or raw addresses in library mode)."""
@@ -182,3 +183,45 @@ def attention(
         num_layers=layers, num_blocks=blocks, block_size=block_size, num_kv_heads=heads // tp, total_kv_heads=heads,
         head_size=kw.pop("head_size", 64), **kw,
     )  # fmt: skip
+
+
+class DelayedDataPlane:
+    """FAULT INJECTOR (not a mock): the real NIXL data plane, with a hold before each READ is posted.
+
+    Loopback moves a test-sized request in well under a millisecond, so "abort / kill / drain while a
+    transfer is in flight" cannot be produced reliably by size alone; this holds each READ for
+    ``delay`` seconds (like a slow network) and then performs it for real. ``reading`` is set when
+    a READ reached the data plane, so a test can act exactly then.
+    """
+
+    def __init__(self, name: str, delay: float) -> None:
+        from kvxfer.server.dataplane import create_data_plane
+
+        self.inner = create_data_plane("nixl", name)
+        self.backend = self.inner.backend
+        self.agent_name = self.inner.agent_name
+        self.delay = delay
+        self.reading = asyncio.Event()
+
+    def register(self, table: Any, mem_type: str) -> Any:
+        return self.inner.register(table, mem_type)
+
+    def deregister(self, handle: Any) -> None:
+        self.inner.deregister(handle)
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.inner.add_peer(metadata)
+
+    def remove_peer(self, name: str) -> None:
+        self.inner.remove_peer(name)
+
+    async def read(self, peer: str, local: Any, remote: Any, *, mem_type: str, remote_mem_type: str) -> None:
+        self.reading.set()
+        await asyncio.sleep(self.delay)
+        await self.inner.read(peer, local, remote, mem_type=mem_type, remote_mem_type=remote_mem_type)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,310 @@
+"""Faults: each asserts the status code, the message, and that other transfers still move exact bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxfer._proto.kvxfer.v1 import local_pb2
+from kvxfer.client import AsyncClient, KvxferRpcError
+from kvxfer.cluster import LocalCluster
+from kvxfer.layout import KVCacheLayout
+from kvxfer.memory import CudaIpcRef, LibraryRef, SharedMemoryRef, ShmRegionRef
+from kvxfer.server.app import Sidecar
+from kvxfer.server.convert import layout_to_proto
+from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, transfer
+
+LAY = attention()
+OK = grpc.StatusCode
+
+
+async def _pair(harness: Harness, *, delay: float | None = None, **settings: object) -> tuple[
+    Sidecar, Worker, Sidecar, Worker, DelayedDataPlane | None
+]:  # fmt: skip
+    p = await harness.sidecar(role="prefill", engine_id="prefill", **settings)
+    dp = DelayedDataPlane("decode-delayed", delay) if delay is not None else None
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp, **settings)
+    return p, await harness.worker(p, {"kv": LAY}), d, await harness.worker(d, {"kv": LAY}), dp
+
+
+async def _still_works(pw: Worker, p: Sidecar, dw: Worker, rid: str = "other", salt: int = 77) -> None:
+    """Another transfer through the same sidecars moves every byte right."""
+    await transfer([pw], [p], [dw], rid, {"kv": [40, 41, 7]}, {"kv": [50, 2, 3]}, salt=salt)
+
+
+async def _wait(pred: object, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if await pred():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_unknown_request_fails_fast_with_not_found(harness: Harness) -> None:
+    p, pw, _d, dw, _ = await _pair(harness)
+    t0 = time.monotonic()
+    await expect_error(OK.NOT_FOUND, dw.pull("nope", [p], {"kv": [1]}), "'nope' is not published", p.peer_address)
+    assert time.monotonic() - t0 < 2.0
+    await _still_works(pw, p, dw)
+
+
+async def test_duplicate_request_ids(harness: Harness) -> None:
+    p, pw, _d, dw, dp = await _pair(harness, delay=0.5)
+    await pw.prefill("dup", {"kv": [1, 2]}, salt=1)
+    await expect_error(OK.ALREADY_EXISTS, pw.prefill("dup", {"kv": [3]}, salt=1), "request_id", "already published")
+    first = asyncio.ensure_future(dw.pull("dup", [p], {"kv": [4, 5]}))
+    assert dp is not None
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await expect_error(OK.ALREADY_EXISTS, dw.client.pull("dup", [p.peer_address], {"kv": [6, 7]}), "already in flight")
+    await first
+    assert dw.verify({"kv": [4, 5]}, 1) == (2 * LAY.page_bytes * LAY.num_layers, 0)
+    await _still_works(pw, p, dw)
+
+
+async def test_lease_expiry_releases_counts_and_then_not_found(harness: Harness) -> None:
+    p, pw, _d, dw, _ = await _pair(harness)
+    expired = asyncio.ensure_future(_first_event(pw, "EXPIRED"))
+    await asyncio.sleep(0.05)
+    await pw.prefill("short", {"kv": [1, 2]}, salt=1, lease=0.3)
+    ev = await asyncio.wait_for(expired, 5)
+    assert ev.request_id == "short"
+    assert "lease of 0.3s expired" in ev.message
+    assert (await pw.client.status())["leases"] == 0
+    assert p.metrics is not None
+    assert p.metrics.lease_expirations._value.get() == 1
+    await expect_error(OK.NOT_FOUND, dw.pull("short", [p], {"kv": [1, 2]}), "'short' is not published")
+    await _still_works(pw, p, dw)
+
+
+async def test_abort_from_decode_side_frees_both_sides(harness: Harness) -> None:
+    p, pw, _d, dw, dp = await _pair(harness, delay=1.0)
+    prefill_aborted = asyncio.ensure_future(_first_event(pw, "ABORTED"))
+    await asyncio.sleep(0.05)
+    await pw.prefill("a1", {"kv": [1, 2, 3]}, salt=1)
+    pull = asyncio.ensure_future(dw.pull("a1", [p], {"kv": [4, 5, 6]}))
+    assert dp is not None
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    assert await dw.client.abort("a1", "user cancelled") == (1, False)
+    await expect_error(OK.ABORTED, pull, "aborted", "user cancelled")
+    ev = await asyncio.wait_for(prefill_aborted, 5)
+    assert "aborted by peer decode" in ev.message
+    assert (await pw.client.status())["leases"] == 0
+    assert (await dw.client.status())["transfers_in_flight"] == 0
+    dp.delay = 0.0
+    await _still_works(pw, p, dw)
+
+
+async def test_abort_from_prefill_side_stops_the_decode_pull(harness: Harness) -> None:
+    p, pw, _d, dw, dp = await _pair(harness, delay=1.0)
+    await pw.prefill("a2", {"kv": [1, 2, 3]}, salt=1)
+    pull = asyncio.ensure_future(dw.pull("a2", [p], {"kv": [4, 5, 6]}))
+    assert dp is not None
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    assert await pw.client.abort("a2", "prefill preempted") == (0, True)
+    await expect_error(OK.ABORTED, pull, "aborted by peer prefill", "prefill preempted")
+    assert (await pw.client.status())["leases"] == 0
+    await _wait(lambda: _in_flight_zero(dw))
+    dp.delay = 0.0
+    await _still_works(pw, p, dw)
+
+
+async def test_peer_killed_mid_transfer_fails_within_deadline_then_rehandshakes(harness: Harness) -> None:
+    dp = DelayedDataPlane("decode-killed", 0.5)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    dw = await harness.worker(d, {"kv": LAY})
+    # A healthy prefill sidecar in this process: its transfers must not be disturbed.
+    healthy = await harness.sidecar(role="prefill", engine_id="healthy")
+    hw = await harness.worker(healthy, {"kv": LAY})
+    with LocalCluster(workdir=str(harness.sock_dir / "cluster")) as cluster:
+        victim = cluster.start_sidecar("victim", "prefill", "prefill")
+        vw = Worker(victim.local_socket, {"kv": LAY}, dw.rank)
+        harness.workers.append(vw)
+        await vw.client.wait_ready(60)
+        await vw.register()
+        await vw.prefill("k1", {"kv": [1, 2, 3, 4]}, salt=1)
+        pull = asyncio.ensure_future(dw.pull("k1", [victim.peer_address], {"kv": [5, 6, 7, 8]}, deadline=5.0))
+        await asyncio.wait_for(dp.reading.wait(), 10)
+        cluster.kill_sidecar(victim)  # SIGKILL while the READ is in flight
+        t0 = time.monotonic()
+        # UNAVAILABLE (the data plane reports the dead peer) or DEADLINE_EXCEEDED, never a hang.
+        with pytest.raises(KvxferRpcError) as info:
+            await pull
+        exc = info.value
+        assert time.monotonic() - t0 < 6.0
+        assert exc.code in (OK.UNAVAILABLE, OK.DEADLINE_EXCEEDED), exc
+        assert victim.peer_address in exc.details or "did not finish within 5s" in exc.details
+        dp.delay = 0.0
+        # Nothing else was disturbed: the healthy peer still serves with exact bytes.
+        await transfer([hw], [healthy], [dw], "h1", {"kv": [9, 10]}, {"kv": [11, 12]}, salt=2)
+        # The victim comes back on the same address: the decode side re-handshakes on next use.
+        port = int(victim.peer_address.rsplit(":", 1)[1])
+        back = cluster.start_sidecar("victim", "prefill", "prefill", port=port)
+        await vw.client.close()
+        vw.client = AsyncClient(back.local_socket)
+        await vw.client.wait_ready(60)
+        await vw.register()
+        assert d.metrics is not None
+        before = d.metrics.handshakes.labels(outcome="ok")._value.get()
+        await vw.prefill("k2", {"kv": [1, 2]}, salt=3)
+        res = await dw.pull("k2", [back.peer_address], {"kv": [20, 21]})
+        assert res.done
+        assert dw.verify({"kv": [20, 21]}, 3)[1] == 0
+        assert d.metrics.handshakes.labels(outcome="ok")._value.get() == before + 1
+
+
+async def test_malformed_and_invalid_requests_name_the_field(harness: Harness) -> None:
+    p, pw, _d, dw, _ = await _pair(harness)
+    channel = grpc.aio.insecure_channel(p.local_target)
+    raw = channel.unary_unary("/kvxfer.v1.Local/Publish")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw(b"\xff\xff\xff\xff garbage", timeout=5)
+        assert info.value.code() == OK.INVALID_ARGUMENT
+        assert "malformed kvxfer.v1.PublishRequest" in (info.value.details() or "")
+    finally:
+        await channel.close()
+    c = pw.client
+    await expect_error(OK.INVALID_ARGUMENT, c.publish("", {"kv": [1]}), "request_id: must not be empty")
+    await expect_error(OK.INVALID_ARGUMENT, c.publish("x", {"kv": [1, 64]}),
+                       "blocks[kv]: block id 64 at position 1 is out of range [0, 64)")  # fmt: skip
+    await expect_error(OK.INVALID_ARGUMENT, c.publish("x", {"kv": [3, 3]}), "block id 3 appears more than once")
+    await expect_error(OK.INVALID_ARGUMENT, c.publish("x", {"nope": [1]}), "unknown cache group 'nope'")
+    await expect_error(OK.INVALID_ARGUMENT, c.publish("x", {"kv": [1]}, lease_seconds=-1), "lease_seconds")
+    await pw.prefill("v1", {"kv": [1, 2]}, salt=1)
+    await expect_error(OK.INVALID_ARGUMENT, dw.client.pull("v1", [p.peer_address], {"kv": [1, 99]}),
+                       "local_blocks[kv]: block id 99 at position 1 is out of range [0, 64)")  # fmt: skip
+    three = dw.client.pull("v1", [p.peer_address], {"kv": [1, 2, 3]})
+    await expect_error(OK.INVALID_ARGUMENT, three, "length mismatch", "3 local blocks")
+    await expect_error(OK.INVALID_ARGUMENT, dw.client.pull("v1", ["not-an-address"], {"kv": [1, 2]}),
+                       "remote_addresses[0]")  # fmt: skip
+    req = local_pb2.RegisterCachesRequest(groups=[local_pb2.CacheGroup(name="kv", layout=layout_to_proto(LAY))])
+    req.groups[0].layout.num_layers = 0
+    stub = dw.client._stub
+    with pytest.raises(grpc.aio.AioRpcError) as info2:
+        await stub.RegisterCaches(req, timeout=5)
+    assert info2.value.code() == OK.INVALID_ARGUMENT
+    assert "groups[0].layout.num_layers: must be a positive integer, got 0" in (info2.value.details() or "")
+    missing = SharedMemoryRef(tuple(ShmRegionRef("missing-seg", 0) for _ in range(4)))
+    await expect_error(
+        OK.INVALID_ARGUMENT, dw.client.register_caches({"kv": (LAY, missing)}),
+        "groups[0].memory.shm.regions[0].name", "'missing-seg'", "does not exist",
+    )  # fmt: skip
+    await expect_error(OK.UNIMPLEMENTED, dw.client.register_caches({"kv": (LAY, CudaIpcRef((), ()))}),
+                       "CUDA IPC", "issue 7")  # fmt: skip
+    await expect_error(OK.INVALID_ARGUMENT,
+                       dw.client.register_caches({"kv": (LAY, LibraryRef((1, 2, 3, 4), pid=1))}),
+                       "library-mode addresses belong to process 1")  # fmt: skip
+    # The failed registrations left the old one in place: transfers still work.
+    await _still_works(pw, p, dw)
+
+
+async def test_oversized_message_is_resource_exhausted(harness: Harness) -> None:
+    p, pw, _d, dw, _ = await _pair(harness, max_message_bytes=65536)
+    huge = {"kv": np.full(100_000, 1_000_000, dtype=np.int64)}
+    await expect_error(OK.RESOURCE_EXHAUSTED, pw.client.publish("big", huge), "65536")
+    await _still_works(pw, p, dw)
+
+
+async def test_token_required_on_local_and_peer_apis(harness: Harness, token_file: object) -> None:
+    good = token_file("s3cret-token")  # type: ignore[operator]
+    wrong = token_file("other-token", "wrong")  # type: ignore[operator]
+    p = await harness.sidecar(role="prefill", engine_id="prefill", token_file=good)
+    d = await harness.sidecar(role="decode", engine_id="decode", token_file=good)
+    d_wrong = await harness.sidecar(role="decode", engine_id="intruder", token_file=wrong)
+    for target in (p, d):
+        c = AsyncClient(target.local_target)
+        err = await expect_error(OK.UNAUTHENTICATED, c.status(), "missing 'authorization: Bearer <token>'")
+        assert "s3cret" not in err.details
+        await c.close()
+        c = AsyncClient(target.local_target, token="guess")
+        err = await expect_error(OK.UNAUTHENTICATED, c.status(), "not valid")
+        assert "guess" not in err.details
+        assert "s3cret" not in err.details
+        await c.close()
+    # Health stays open for Kubernetes probes (no metadata).
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(p.peer_address) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    pw = await harness.worker(p, {"kv": LAY}, token="s3cret-token")
+    dw = await harness.worker(d, {"kv": LAY}, token="s3cret-token")
+    iw = await harness.worker(d_wrong, {"kv": LAY}, token="other-token")
+    await pw.prefill("t1", {"kv": [1, 2]}, salt=1)
+    # A sidecar holding another token is refused by the prefill sidecar's peer API.
+    await expect_error(OK.UNAUTHENTICATED, iw.pull("t1", [p], {"kv": [3, 4]}), "not valid")
+    res = await dw.pull("t1", [p], {"kv": [3, 4]})
+    assert res.done
+    assert dw.verify({"kv": [3, 4]}, 1)[1] == 0
+    await _still_works(pw, p, dw)
+
+
+async def test_incompatible_layouts_are_refused_listing_every_difference(harness: Harness) -> None:
+    p, pw, _d, dw, _ = await _pair(harness)
+    other = KVCacheLayout.attention(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=8, head_size=128,
+                                    dtype="fp16")  # fmt: skip
+    odd = await harness.sidecar(role="decode", engine_id="odd")
+    ow = await harness.worker(odd, {"kv": other})
+    await pw.prefill("i1", {"kv": [1, 2]}, salt=1)
+    err = await expect_error(OK.FAILED_PRECONDITION, ow.pull("i1", [p], {"kv": [1, 2]}), "incompatible peer")
+    for diff in ("dtype: local fp16, remote bf16", "num_layers: local 3, remote 4", "head_size: local 128, remote 64"):
+        assert diff in err.details
+    assert odd.metrics is not None
+    assert odd.metrics.handshakes.labels(outcome="refused")._value.get() == 1
+    res = await dw.pull("i1", [p], {"kv": [3, 4]})  # the compatible reader is unaffected
+    assert res.done
+    assert dw.verify({"kv": [3, 4]}, 1)[1] == 0
+
+
+async def test_transfer_deadline(harness: Harness) -> None:
+    p, pw, _d, dw, _dp = await _pair(harness, delay=3.0)
+    await pw.prefill("slow", {"kv": [1, 2]}, salt=1)
+    t0 = time.monotonic()
+    await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("slow", [p], {"kv": [3, 4]}, deadline=0.5),
+                       "did not finish within 0.5s", "reading from rank 0")  # fmt: skip
+    assert time.monotonic() - t0 < 2.0
+
+
+async def test_wrong_role_and_no_registration(harness: Harness) -> None:
+    p = await harness.sidecar(role="prefill")
+    c = AsyncClient(p.local_target)
+    await expect_error(OK.FAILED_PRECONDITION, c.publish("r", {"kv": [1]}), "no KV caches registered")
+    await c.close()
+    pw = await harness.worker(p, {"kv": LAY})
+    await expect_error(OK.FAILED_PRECONDITION, pw.pull("r", [p], {"kv": [1]}), "--role prefill")
+
+
+async def test_drain_finishes_in_flight_work_and_refuses_new(harness: Harness) -> None:
+    p, pw, d, dw, dp = await _pair(harness, delay=0.5)
+    await pw.prefill("d1", {"kv": [1, 2]}, salt=1)
+    await pw.prefill("d2", {"kv": [3]}, salt=2)  # never pulled: released by the drain
+    pull = asyncio.ensure_future(dw.pull("d1", [p], {"kv": [5, 6]}))
+    assert dp is not None
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    drain = asyncio.ensure_future(d.drain(5.0))
+    await asyncio.sleep(0.05)
+    await expect_error(OK.UNAVAILABLE, dw.pull("d2", [p], {"kv": [7]}), "draining")
+    res = await pull  # the in-flight pull finishes during the drain
+    assert res.done
+    assert dw.verify({"kv": [5, 6]}, 1)[1] == 0
+    summary = await drain
+    assert (summary.completed, summary.abandoned) == (1, 0)
+    p_drain = await pw.client.drain(0.2)
+    assert p_drain["released_leases"] == 1  # d2
+    await expect_error(OK.UNAVAILABLE, pw.client.publish("d3", {"kv": [1]}), "draining")
+
+
+async def _in_flight_zero(w: Worker) -> bool:
+    return bool((await w.client.status())["transfers_in_flight"] == 0)
+
+
+async def _first_event(worker: Worker, kind: str) -> object:
+    async for ev in worker.client.watch_completions():
+        if ev.kind == kind:
+            return ev
+    raise AssertionError("stream ended")
