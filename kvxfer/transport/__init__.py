@@ -1,0 +1,40 @@
+"""Data planes behind one interface: NIXL (default) and the Mooncake transfer engine."""
+
+from kvxfer.transport.base import (
+    MemType,
+    Notification,
+    Op,
+    Registration,
+    TransferResult,
+    Transport,
+    TransportConfig,
+)
+from kvxfer.transport.errors import (
+    BackendUnavailableError,
+    PeerUnknownError,
+    RegistrationError,
+    TransferFailedError,
+    TransferTimeoutError,
+    TransportError,
+)
+from kvxfer.transport.registry import available_transports, create_transport, register_transport, transport_class
+
+__all__ = [
+    "BackendUnavailableError",
+    "MemType",
+    "Notification",
+    "Op",
+    "PeerUnknownError",
+    "Registration",
+    "RegistrationError",
+    "TransferFailedError",
+    "TransferResult",
+    "TransferTimeoutError",
+    "Transport",
+    "TransportConfig",
+    "TransportError",
+    "available_transports",
+    "create_transport",
+    "register_transport",
+    "transport_class",
+]

@@ -1,0 +1,162 @@
+"""The one interface the sidecar uses for a data plane.
+
+A :class:`Transport` owns one agent of a transfer library. It registers the regions of a
+:class:`~kvxfer.topology.RegionTable`, exports metadata that peers load, and moves (N, 3)
+descriptor arrays (address, length, device id; uint64) as produced by
+:meth:`kvxfer.topology.RankPlan.descriptors`. Transfers are awaited on the asyncio loop without
+spinning a core, time out, can be cancelled, and may carry a notification that the peer receives
+exactly once.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.topology import RegionTable
+
+__all__ = ["MemType", "Notification", "Op", "Registration", "TransferResult", "Transport", "TransportConfig"]
+
+U64 = npt.NDArray[np.uint64]
+Op = Literal["READ", "WRITE"]
+MemType = Literal["DRAM", "VRAM"]
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Backend settings; each backend reads the fields that concern it."""
+
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    nixl_progress_delay_us: int = 200  # progress-thread sleep; 0 spins a core per agent
+    listen_host: str = "127.0.0.1"  # Mooncake: address this engine is reached at
+    data_port: int = 0  # Mooncake: handshake port (0: pick one)
+    protocol: str = "tcp"  # Mooncake: tcp or rdma
+    device_names: str = ""  # Mooncake: RDMA devices (empty: auto)
+    poll_min_s: float = 20e-6  # first completion poll; doubles up to poll_max_s
+    poll_max_s: float = 2e-3
+
+    def replace(self, **changes: Any) -> TransportConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What :meth:`Transport.register` returns; hand it back to :meth:`Transport.deregister`."""
+
+    table: RegionTable
+    mem_type: MemType
+    handle: Any
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A completed transfer."""
+
+    bytes: int
+    descriptors: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A completion notice a peer attached to its transfer."""
+
+    peer: str
+    message: bytes
+
+
+class Transport(abc.ABC):
+    """One agent of a data-plane library (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
+        self.agent_name = agent_name
+        self.config = config or TransportConfig()
+
+    @property
+    def backend(self) -> str:
+        """The registry name of this transport."""
+        return self.name
+
+    @abc.abstractmethod
+    def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:
+        """Register every region of ``table`` so peers can reach it."""
+
+    @abc.abstractmethod
+    def deregister(self, registration: Registration) -> None:
+        """Undo :meth:`register`; peers lose access."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer passes to :meth:`add_peer` to reach this agent (call after registering)."""
+
+    @abc.abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer name. Reloading (a restarted peer) replaces it."""
+
+    @abc.abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer; unknown peers are ignored."""
+
+    @abc.abstractmethod
+    async def transfer(
+        self,
+        op: Op,
+        local: U64,
+        remote: U64,
+        peer: str,
+        *,
+        timeout: float,
+        notify: bytes | None = None,
+        mem_type: MemType = "DRAM",
+        remote_mem_type: MemType = "DRAM",
+    ) -> TransferResult:
+        """READ ``remote`` into ``local`` (or WRITE ``local`` to ``remote``) on ``peer``.
+
+        Raises :class:`~kvxfer.transport.errors.TransferTimeoutError` after ``timeout`` seconds (the
+        transfer is cancelled), :class:`~kvxfer.transport.errors.TransferFailedError` when the library
+        reports an error. Cancelling the awaiting task cancels the transfer.
+        """
+
+    async def read(
+        self,
+        peer: str,
+        local: U64,
+        remote: U64,
+        *,
+        timeout: float = 30.0,
+        notify: bytes | None = None,
+        mem_type: MemType = "DRAM",
+        remote_mem_type: MemType = "DRAM",
+    ) -> TransferResult:
+        """Shorthand for a READ (pull)."""
+        return await self.transfer(
+            "READ", local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type,
+            remote_mem_type=remote_mem_type,
+        )  # fmt: skip
+
+    @abc.abstractmethod
+    def poll_notifications(self) -> list[Notification]:
+        """Notifications received since the last call, each returned once."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the agent and everything it registered."""
+
+
+def check_descriptors(local: U64, remote: U64) -> tuple[U64, U64]:
+    """Validate a pair of (N, 3) uint64 descriptor arrays; returns them contiguous."""
+    local = np.ascontiguousarray(local, dtype=np.uint64)
+    remote = np.ascontiguousarray(remote, dtype=np.uint64)
+    if local.ndim != 2 or local.shape[1] != 3 or remote.shape != local.shape:
+        raise ValueError(f"descriptors: expected two (N, 3) arrays of one shape, got {local.shape} and {remote.shape}")
+    if not np.array_equal(local[:, 1], remote[:, 1]):
+        raise ValueError("descriptors: local and remote lengths differ")
+    return local, remote

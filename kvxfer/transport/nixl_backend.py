@@ -1,0 +1,230 @@
+"""NIXL data plane (UCX by default; the backend list is configurable).
+
+Descriptor arrays go to NIXL as numpy (N, 3) arrays in one call, never through a Python loop.
+Prepared descriptor lists (``prep_xfer_dlist`` + ``make_prepped_xfer``) pay when the same fixed
+pages are addressed by index again and again; kvxfer's descriptors are coalesced per request
+(few, of varying length), so each transfer builds its list directly with ``initialize_xfer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvxfer.topology import RegionTable
+from kvxfer.transport.base import (
+    U64,
+    MemType,
+    Notification,
+    Op,
+    Registration,
+    TransferResult,
+    Transport,
+    TransportConfig,
+    check_descriptors,
+)
+from kvxfer.transport.errors import (
+    BackendUnavailableError,
+    PeerUnknownError,
+    RegistrationError,
+    TransferFailedError,
+    TransferTimeoutError,
+    describe_span,
+)
+from kvxfer.transport.registry import register_transport
+
+__all__ = ["NixlTransport"]
+
+
+def _make_agent(name: str, config: TransportConfig) -> Any:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise BackendUnavailableError("NIXL is not installed", backend="nixl", detail=str(exc)) from None
+    conf = nixl_agent_config(backends=list(config.nixl_backends))
+    return _with_progress_delay(nixl_agent, name, conf, config.nixl_progress_delay_us)
+
+
+def _with_progress_delay(factory: Any, name: str, conf: Any, delay_us: int) -> Any:
+    """Create the agent with its progress thread sleeping ``delay_us`` between rounds.
+
+    The Python wrapper hard-codes a zero delay, which makes every agent's progress thread spin a
+    whole core even when idle. The binding's config has the knob; a subclass whose setter keeps
+    our value is installed only for the duration of the constructor call.
+    """
+    api = sys.modules.get(factory.__module__)
+    found = getattr(getattr(api, "nixlBind", None), "nixlAgentConfig", None)
+    if found is None or delay_us <= 0:
+        return factory(name, conf)
+    base: Any = found
+
+    class _Config(base):  # type: ignore[misc]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - the binding's name
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, delay_us)
+
+    api.nixlBind.nixlAgentConfig = _Config  # type: ignore[union-attr]
+    try:
+        return factory(name, conf)
+    finally:
+        api.nixlBind.nixlAgentConfig = base  # type: ignore[union-attr]
+
+
+@register_transport("nixl")
+class NixlTransport(Transport):
+    """A NIXL agent."""
+
+    def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
+        super().__init__(agent_name, config)
+        try:
+            self._agent: Any = _make_agent(agent_name, self.config)
+        except BackendUnavailableError:
+            raise
+        except Exception as exc:  # the binding raises its own exception types
+            raise BackendUnavailableError(
+                f"could not start agent {agent_name!r} with backends {list(self.config.nixl_backends)}",
+                backend="nixl",
+                detail=f"{type(exc).__name__}: {exc}",
+            ) from None
+        missing = [b for b in self.config.nixl_backends if b not in self._agent.backends]
+        if missing:
+            raise BackendUnavailableError(
+                f"backend plugins {missing} are not available; plugins found: {self._agent.get_plugin_list()}",
+                backend="nixl",
+            )
+        self._peers: set[str] = set()
+
+    # ------------------------------------------------------------------ memory
+    def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:
+        descs = np.stack([table.base, table.size, table.device], axis=1).astype(np.uint64)
+        try:
+            handle = self._agent.register_memory(descs, mem_type)
+        except Exception as exc:
+            raise RegistrationError(
+                f"register_memory of {describe_span(descs)} as {mem_type} failed",
+                backend="nixl",
+                detail=f"{type(exc).__name__}: {exc}",
+            ) from None
+        return Registration(table, mem_type, handle)
+
+    def deregister(self, registration: Registration) -> None:
+        try:
+            self._agent.deregister_memory(registration.handle)
+        except Exception as exc:
+            raise RegistrationError("deregister_memory failed", backend="nixl", detail=str(exc)) from None
+
+    # ------------------------------------------------------------------ peers
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as first:
+            # A restarted peer comes back under its old name with new metadata: replace it.
+            known = [p for p in self._peers if p.encode() in metadata]
+            for p in known:
+                self.remove_peer(p)
+            try:
+                name = self._agent.add_remote_agent(metadata)
+            except Exception:
+                raise TransferFailedError(
+                    "could not load the peer's metadata", backend="nixl", detail=f"{type(first).__name__}: {first}"
+                ) from None
+        peer = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers.add(peer)
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        self._peers.discard(peer)
+        with contextlib.suppress(Exception):  # forgetting an unknown peer is not an error
+            self._agent.remove_remote_agent(peer)
+
+    # ------------------------------------------------------------------ transfers
+    async def transfer(
+        self,
+        op: Op,
+        local: U64,
+        remote: U64,
+        peer: str,
+        *,
+        timeout: float,
+        notify: bytes | None = None,
+        mem_type: MemType = "DRAM",
+        remote_mem_type: MemType = "DRAM",
+    ) -> TransferResult:
+        if peer not in self._peers:
+            raise PeerUnknownError("peer was never added (or was removed)", backend="nixl", peer=peer)
+        local, remote = check_descriptors(local, remote)
+        agent = self._agent
+        start = time.monotonic()
+        try:
+            ld = agent.get_xfer_descs(local, mem_type)
+            rd = agent.get_xfer_descs(remote, remote_mem_type)
+            handle = agent.initialize_xfer(op, ld, rd, peer, notify or b"")
+        except Exception as exc:
+            raise TransferFailedError(
+                f"could not prepare {op} of local {describe_span(local)} / remote {describe_span(remote)}",
+                backend="nixl",
+                peer=peer,
+                detail=f"{type(exc).__name__}: {exc}",
+            ) from None
+        try:
+            state = agent.transfer(handle)
+            delay = self.config.poll_min_s
+            deadline = start + timeout
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    raise TransferTimeoutError(
+                        f"{op} of {describe_span(local)} did not complete within {timeout:.3f}s; cancelled",
+                        backend="nixl",
+                        peer=peer,
+                    )
+                # Small transfers finish in microseconds, large ones should not spin a core.
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.config.poll_max_s)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferFailedError(
+                    f"{op} of local {describe_span(local)} / remote {describe_span(remote)} ended in state {state}",
+                    backend="nixl",
+                    peer=peer,
+                )
+        except (TransferTimeoutError, TransferFailedError):
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # e.g. nixlRemoteDisconnectError when the peer died
+            raise TransferFailedError(
+                f"{op} of local {describe_span(local)} failed after {time.monotonic() - start:.3f}s",
+                backend="nixl",
+                peer=peer,
+                detail=f"{type(exc).__name__}: {exc}",
+            ) from None
+        finally:
+            # Releasing an active handle cancels it; one NIXL cannot release stays with the agent.
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
+        return TransferResult(int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - start)
+
+    def poll_notifications(self) -> list[Notification]:
+        notifs = self._agent.get_new_notifs()
+        return [
+            Notification(peer.decode() if isinstance(peer, bytes) else str(peer), bytes(msg))
+            for peer, msgs in notifs.items()
+            for msg in msgs
+        ]
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        self._agent = None
