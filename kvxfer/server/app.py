@@ -143,7 +143,8 @@ class Sidecar:
             self._dp = create_data_plane(
                 s.backend, agent,
                 options={"nixl_backends": s.nixl_backends, "mooncake_protocol": s.mooncake_protocol,
-                         "mooncake_device": s.mooncake_device, "data_port": s.data_port},
+                         "mooncake_device": s.mooncake_device, "data_port": s.data_port,
+                         "listen_host": s.advertise_address(0).rsplit(":", 1)[0].strip("[]")},
             )  # fmt: skip
         for svc in HEALTH_SERVICES:
             await self.health.set(svc, NOT_SERVING)

@@ -618,10 +618,17 @@ class SidecarCore:
         return topo
 
     async def _read(self, entry: PullEntry, s: PeerSession, local: U64, remote: U64, mem: str, rmem: str) -> None:
+        remaining = max(entry.deadline - time.monotonic(), 0.001)
         try:
-            await self.dp.read(s.dp_name, local, remote, mem_type=mem, remote_mem_type=rmem)
+            await self.dp.read(s.dp_name, local, remote, mem_type=mem, remote_mem_type=rmem, budget=remaining)
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True)
+            if exc.status == "DEADLINE_EXCEEDED":
+                raise DeadlineError(
+                    f"data plane READ from {s.identity.label} at {s.address} did not finish within {remaining:.3g}s "
+                    f"(while {entry.stage}): {exc.message}",
+                    field="timeout_seconds",
+                ) from None
             raise PeerUnavailableError(
                 f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                 field="remote_addresses",

@@ -1,15 +1,16 @@
 """The data plane as the sidecar uses it: register memory, exchange metadata, READ descriptor arrays.
 
 :class:`DataPlane` is the small surface the control plane needs. :func:`create_data_plane` builds
-one from :mod:`kvxfer.transport` (the NIXL and Mooncake backends) when that package provides the
-backend; until then an interim NIXL adapter (:class:`_InterimNixl`) is used so the sidecar works
-end to end.
+one from :mod:`kvxfer.transport` (the NIXL and Mooncake backends, one registry); while that
+package does not provide a backend yet, NIXL falls back to an interim adapter
+(:class:`_InterimNixl`) so the sidecar works end to end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import sys
 import time
 from typing import Any, Protocol
@@ -52,7 +53,9 @@ class DataPlane(Protocol):
     def remove_peer(self, name: str) -> None:
         """Forget a peer."""
 
-    async def read(self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str) -> None:
+    async def read(
+        self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str, budget: float
+    ) -> None:
         """READ ``remote`` (N, 3) descriptors of ``peer`` into ``local`` ones; cancellable."""
 
     def close(self) -> None:
@@ -60,11 +63,64 @@ class DataPlane(Protocol):
 
 
 def create_data_plane(backend: str, name: str, *, options: dict[str, Any] | None = None) -> DataPlane:
-    """A data plane for ``backend`` (``nixl`` or ``mooncake``) named ``name``."""
+    """A data plane for ``backend`` (``nixl`` or ``mooncake``) named ``name``.
+
+    ``options``: ``nixl_backends``, ``data_port``, ``mooncake_protocol``, ``mooncake_device``,
+    ``listen_host`` (the address peers reach this host at).
+    """
     options = options or {}
+    try:
+        transport_pkg = importlib.import_module("kvxfer.transport")
+    except ImportError:
+        transport_pkg = None
+    if transport_pkg is not None:
+        config = transport_pkg.TransportConfig(
+            nixl_backends=tuple(options.get("nixl_backends", ("UCX",))),
+            listen_host=str(options.get("listen_host", "127.0.0.1")),
+            data_port=int(options.get("data_port", 0)),
+            protocol=str(options.get("mooncake_protocol", "tcp")),
+            device_names=str(options.get("mooncake_device", "")),
+        )
+        try:
+            return _TransportAdapter(transport_pkg.create_transport(backend, name, config))
+        except KvxferError as exc:
+            if backend != "nixl":
+                raise DataPlaneError(f"backend: {exc.message}", field="backend") from None
     if backend == "nixl":
         return _InterimNixl(name, backends=tuple(options.get("nixl_backends", ("UCX",))))
     raise DataPlaneError(f"backend: {backend!r} is not available in this build (kvxfer.transport)", field="backend")
+
+
+class _TransportAdapter:
+    """A :mod:`kvxfer.transport` Transport seen through :class:`DataPlane`."""
+
+    def __init__(self, transport: Any) -> None:
+        self._t = transport
+        self.backend = str(transport.backend)
+        self.agent_name = str(transport.agent_name)
+
+    def register(self, table: RegionTable, mem_type: str) -> Any:
+        return self._t.register(table, mem_type)
+
+    def deregister(self, handle: Any) -> None:
+        self._t.deregister(handle)
+
+    def metadata(self) -> bytes:
+        return bytes(self._t.metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        return str(self._t.add_peer(metadata))
+
+    def remove_peer(self, name: str) -> None:
+        self._t.remove_peer(name)
+
+    async def read(
+        self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str, budget: float
+    ) -> None:
+        await self._t.read(peer, local, remote, timeout=budget, mem_type=mem_type, remote_mem_type=remote_mem_type)
+
+    def close(self) -> None:
+        self._t.close()
 
 
 def _progress_delay_us() -> int:
@@ -144,7 +200,9 @@ class _InterimNixl:
         with contextlib.suppress(Exception):  # forgetting an unknown peer is not an error
             self._agent.remove_remote_agent(name)
 
-    async def read(self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str) -> None:
+    async def read(
+        self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str, budget: float
+    ) -> None:
         agent = self._agent
         try:
             ld = agent.get_xfer_descs(np.ascontiguousarray(local), mem_type)

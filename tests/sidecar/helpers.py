@@ -218,10 +218,12 @@ class DelayedDataPlane:
     def remove_peer(self, name: str) -> None:
         self.inner.remove_peer(name)
 
-    async def read(self, peer: str, local: Any, remote: Any, *, mem_type: str, remote_mem_type: str) -> None:
+    async def read(
+        self, peer: str, local: Any, remote: Any, *, mem_type: str, remote_mem_type: str, budget: float
+    ) -> None:
         self.reading.set()
         await asyncio.sleep(self.delay)
-        await self.inner.read(peer, local, remote, mem_type=mem_type, remote_mem_type=remote_mem_type)
+        await self.inner.read(peer, local, remote, mem_type=mem_type, remote_mem_type=remote_mem_type, budget=budget)
 
     def close(self) -> None:
         self.inner.close()
