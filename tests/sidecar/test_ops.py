@@ -1,0 +1,200 @@
+"""What the deployment relies on: health, reflection, metrics names, settings, SIGTERM and `kvxfer drain`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvxfer.client import AsyncClient
+from kvxfer.cluster import free_port
+from kvxfer.config import ConfigError, Settings, load_settings
+from kvxfer.memory import SharedKVBuffer
+from kvxfer.server.cli import drain_main
+from tests.sidecar.helpers import Harness, attention, transfer
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# docs/sidecar-contract.md, "Metrics": name -> labels.
+CONTRACT_METRICS = {
+    "kvxfer_build_info": {"version", "protocol"},
+    "kvxfer_transfer_bytes_total": {"direction", "backend"},
+    "kvxfer_transfers_total": {"direction", "outcome"},
+    "kvxfer_transfer_failures_total": {"reason"},
+    "kvxfer_transfer_duration_seconds": {"direction"},
+    "kvxfer_transfer_descriptors": {"direction"},
+    "kvxfer_transfers_in_flight": set(),
+    "kvxfer_leases_active": set(),
+    "kvxfer_lease_expirations_total": set(),
+    "kvxfer_handshakes_total": {"outcome"},
+    "kvxfer_peers": set(),
+    "kvxfer_registered_bytes": set(),
+}
+
+
+async def _health(address: str, service: str) -> int:
+    async with grpc.aio.insecure_channel(address) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return int(resp.status)
+
+
+async def test_health_follows_registration_and_drain(harness: Harness) -> None:
+    s = await harness.sidecar(role="both")
+    assert await _health(s.peer_address, "") == NOT_SERVING  # no caches yet
+    assert await _health(s.peer_address, "liveness") == SERVING
+    w = await harness.worker(s, {"kv": attention()})
+    await asyncio.sleep(0.05)
+    for svc in ("", "kvxfer.v1.Peer"):
+        assert await _health(s.peer_address, svc) == SERVING
+    await w.client.drain(0.1)
+    await asyncio.sleep(0.05)
+    assert await _health(s.peer_address, "") == NOT_SERVING
+    assert await _health(s.peer_address, "liveness") == SERVING
+
+
+async def test_reflection_lists_the_services(harness: Harness) -> None:
+    s = await harness.sidecar()
+    async with grpc.aio.insecure_channel(s.peer_address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        call = stub.ServerReflectionInfo(timeout=5)
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        resp = await call.read()
+        await call.done_writing()
+        names = {svc.name for svc in resp.list_services_response.service}
+    assert {"kvxfer.v1.Peer", "grpc.health.v1.Health"} <= names
+
+
+async def test_metrics_endpoint_has_every_contract_metric(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, metrics_listen="127.0.0.1:0")
+    await transfer(pw, ps, dw, "m1", {"kv": [1, 2, 3]}, {"kv": [4, 5, 6]}, salt=1)
+    with pytest.raises(Exception, match="NOT_FOUND"):
+        await dw[0].client.pull("missing", [ps[0].peer_address], {"kv": [1]})
+    port = ds[0].metrics_port
+    assert port
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
+    body = text.decode()
+    for name, labels in CONTRACT_METRICS.items():
+        assert f"# TYPE {name.removesuffix('_total')}" in body or f"# TYPE {name}" in body, name
+        samples = [ln for ln in body.splitlines() if ln.startswith(name) and not ln.startswith("#")]
+        assert samples, f"no samples of {name}"
+        for ln in samples:
+            got = set(re.findall(r'(\w+)="', ln)) - {"le"}
+            assert got == labels, (name, ln)
+    assert "_created" not in body
+    assert ":" not in "".join(re.findall(r"^(kvxfer_\S+?)[{ ]", body, re.M))
+    assert 'kvxfer_transfers_total{direction="read",outcome="ok"} 1.0' in body
+    assert 'kvxfer_transfer_failures_total{reason="not_found"} 1.0' in body
+    assert f'kvxfer_transfer_bytes_total{{backend="nixl",direction="read"}} {3 * lay.page_bytes * 4}.0' in body
+    assert "kvxfer_registered_bytes " in body
+    # Each sidecar has its own registry: the prefill side counted no reads.
+    assert ps[0].metrics is not None
+    assert b'outcome="ok"} 0.0' in ps[0].metrics.exposition()
+
+
+def test_settings_precedence_and_errors(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvxfer.yaml"
+    cfg.write_text("lease-seconds: 5\ndrain_seconds: 7\nnixl_backends: [UCX, GDS]\nrole: prefill  # comment\n")
+    env = {"KVXFER_CONFIG": str(cfg), "KVXFER_LEASE_SECONDS": "9", "KVXFER_ROLE": "decode"}
+    s = load_settings({"role": "both"}, env=env)
+    assert (s.lease_seconds, s.drain_seconds, s.role, s.nixl_backends) == (9.0, 7.0, "both", ("UCX", "GDS"))
+    assert load_settings({}, env={}).lease_seconds == Settings().lease_seconds == 30.0
+    (tmp_path / "c.json").write_text(json.dumps({"lease_seconds": 3, "bogus": 1}))
+    with pytest.raises(ConfigError, match="unknown setting 'bogus'") as info:
+        load_settings({"config": str(tmp_path / "c.json")}, env={})
+    assert info.value.field == "bogus"
+    with pytest.raises(ConfigError, match=r"KVXFER_TRANSFER_TIMEOUT_SECONDS: .*greater than 0") as info2:
+        load_settings({}, env={"KVXFER_TRANSFER_TIMEOUT_SECONDS": "-1"})
+    assert info2.value.field == "transfer_timeout_seconds"
+    with pytest.raises(ConfigError, match=r"--peer-listen: 'nowhere' is not host:port"):
+        load_settings({"peer_listen": "nowhere"}, env={})
+    with pytest.raises(ConfigError, match="--tls-key"):
+        load_settings({"tls_cert": str(cfg)}, env={})
+    with pytest.raises(ConfigError, match=r"--token-file: .*does not exist"):
+        load_settings({"token_file": str(tmp_path / "nope")}, env={})
+
+
+def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, str]:
+    port = free_port()
+    sock = str(tmp / "sc.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvxfer.server", "--engine-id", "ops", "--peer-listen", f"127.0.0.1:{port}",
+         "--local-socket", sock, "--metrics-listen", "", "--drain-seconds", "3", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "UCX_MODULES": "^efa"},
+    )  # fmt: skip
+    return proc, f"127.0.0.1:{port}", sock
+
+
+async def test_sigterm_drains_and_exits_zero(harness: Harness) -> None:
+    proc, addr, sock = _serve(harness.sock_dir)
+    lay = attention()
+    buf = SharedKVBuffer.create(lay)
+    try:
+        c = AsyncClient(sock)
+        await c.wait_ready(60)
+        await c.register_caches({"kv": (lay, buf.ref())})
+        await c.publish("held", {"kv": [1, 2]})
+        assert await _health(addr, "") == SERVING
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        assert await _health(addr, "") == NOT_SERVING  # draining: the lease is still held
+        with pytest.raises(Exception, match="UNAVAILABLE"):
+            await c.publish("new", {"kv": [3]})
+        code = await asyncio.to_thread(proc.wait, 20)
+        assert code == 0
+        assert time.monotonic() - t0 < 3 + 5  # --drain-seconds 3, then the lease is released
+        out = proc.stdout.read().decode() if proc.stdout else ""
+        events = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        assert any(e["msg"] == "drained" and e["released_leases"] == 1 for e in events), out[-2000:]
+        await c.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        buf.close()
+
+
+async def test_kvxfer_drain_ends_the_process(harness: Harness, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc123\n")
+    proc, _addr, sock = _serve(harness.sock_dir, "--token-file", str(token))
+    try:
+        c = AsyncClient(sock, token="abc123")
+        await c.wait_ready(60)
+        await c.close()
+        result = await asyncio.to_thread(drain_main, sock, token_file=str(token))
+        assert result == {"completed": 0, "abandoned": 0, "released_leases": 0}
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+        out = proc.stdout.read().decode() if proc.stdout else ""
+        assert "abc123" not in out  # the token is never logged
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_invalid_flag_stops_startup_naming_it() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.server", "--lease-seconds", "-5"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "--lease-seconds" in out.stderr
+
+
+def test_generated_code_is_up_to_date() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvxfer.tools.genproto", "--check"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
