@@ -133,6 +133,39 @@ def bench_topology(
     out.print(table)
 
 
+@bench_app.command("transport")
+def bench_transport(
+    backend: Annotated[str, typer.Option(help="nixl or mooncake.")] = "nixl",
+    size_mib: Annotated[int, typer.Option(help="Bytes to move, in MiB.")] = 256,
+    layers: Annotated[int, typer.Option(help="Layers (regions) the bytes are spread over.")] = 16,
+    repeat: Annotated[int, typer.Option(help="Runs per case; the best counts.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Raw library vs kvxfer (coalesced) vs per-block descriptors vs memcpy, across two processes."""
+    from kvxfer.bench.transport import run
+
+    r = run(backend=backend, size_mib=size_mib, layers=layers, repeat=repeat)
+    if as_json:
+        print(json.dumps(r))
+    else:
+        out = Console(width=max(Console().width, 120))
+        table = Table("case", "descriptors", "GB/s")
+        table.add_row("(a) raw, one descriptor", "1", f"{r['gbps_raw']:.2f}")
+        table.add_row("(b) kvxfer, coalesced", str(r["descriptors_kvxfer"]), f"{r['gbps_kvxfer']:.2f}")
+        table.add_row("(c) per block per layer", str(r["descriptors_per_block"]), f"{r['gbps_per_block']:.2f}")
+        table.add_row("(d) numpy memcpy", "-", f"{r['gbps_memcpy']:.2f}")
+        out.print(
+            f"{backend}: {r['bytes'] >> 20} MiB, {r['layers']} layers x {r['blocks']} blocks of {r['page_bytes']} B"
+        )
+        out.print(table)
+        out.print(
+            f"b/a = {r['ratio_kvxfer_raw']:.2f}   b/c = {r['ratio_kvxfer_per_block']:.2f}   "
+            f"b/d = {r['ratio_kvxfer_memcpy']:.2f}   verified: {r['verified']}"
+        )
+    if not r["verified"]:
+        raise typer.Exit(code=1)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

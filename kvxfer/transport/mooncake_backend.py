@@ -41,10 +41,14 @@ from kvxfer.transport.errors import (
 )
 from kvxfer.transport.registry import register_transport
 
-__all__ = ["MooncakeTransport"]
+__all__ = ["MAX_BATCH", "MooncakeTransport"]
+
+# batch_transfer_sync returns -1 for batches over 1024 descriptors (measured with
+# mooncake-transfer-engine-non-cuda 0.3.13); larger transfers are split.
+MAX_BATCH = 1024
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -68,7 +72,7 @@ class MooncakeTransport(Transport):
         self._notify_cls = TransferNotify
         self._ops = {"READ": TransferOpcode.Read, "WRITE": TransferOpcode.Write}
         cfg = self.config
-        port = cfg.data_port or _free_port(cfg.listen_host)
+        port = cfg.data_port or free_port(cfg.listen_host)
         self._engine: Any = TransferEngine()
         rc = self._engine.initialize(f"{cfg.listen_host}:{port}", "P2PHANDSHAKE", cfg.protocol, cfg.device_names)
         if rc != 0:
@@ -134,9 +138,10 @@ class MooncakeTransport(Transport):
             raise PeerUnknownError("peer was never added (or was removed)", backend="mooncake", peer=peer)
         local, remote = check_descriptors(local, remote)
         notice = self._notify_cls(self.agent_name, notify.decode("latin-1")) if notify else None
-        args = (session, local[:, 0].tolist(), remote[:, 0].tolist(), local[:, 1].tolist(), self._ops[op], notice)
         start = time.monotonic()
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._engine.batch_transfer_sync, *args)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._pool, self._run_batches, session, local, remote, self._ops[op], notice
+        )
         try:
             rc = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -152,6 +157,25 @@ class MooncakeTransport(Transport):
                 detail="see the engine's log for the reason (connection refused, address outside registered buffers)",
             )
         return TransferResult(int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - start)
+
+    def _run_batches(self, session: str, local: U64, remote: U64, opcode: Any, notice: Any) -> int:
+        """Submit ``MAX_BATCH``-sized batches in order; the notice rides on the last one."""
+        n = local.shape[0]
+        for lo in range(0, n, MAX_BATCH):
+            hi = min(n, lo + MAX_BATCH)
+            rc = int(
+                self._engine.batch_transfer_sync(
+                    session,
+                    local[lo:hi, 0].tolist(),
+                    remote[lo:hi, 0].tolist(),
+                    local[lo:hi, 1].tolist(),
+                    opcode,
+                    notice if hi == n else None,
+                )
+            )
+            if rc != 0:
+                return rc
+        return 0
 
     def poll_notifications(self) -> list[Notification]:
         return [Notification(n.name, n.msg.encode("latin-1")) for n in self._engine.get_notifies()]
