@@ -88,6 +88,9 @@ class _PeerApi:
     async def notify(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
         return await self.core.peer_notify(req)
 
+    async def notify_batch(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+        return await self.core.peer_notify_batch(req)
+
     async def abort(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
         return await self.core.peer_abort(req)
 
@@ -157,7 +160,7 @@ class Sidecar:
             s, self._dp, self.metrics, peer_address=self.peer_address, channel_options=opts,
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
         )  # fmt: skip
-        peer_limits = {"Handshake": 30.0, "GetPublished": 30.0, "Notify": 30.0, "Abort": 30.0}
+        peer_limits = {"Handshake": 30.0, "GetPublished": 30.0, "Notify": 30.0, "NotifyBatch": 30.0, "Abort": 30.0}
         peer.add_generic_rpc_handlers((service_handler(PEER_SERVICE, _PeerApi(self.core), limits=peer_limits),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, peer)
         reflection.enable_server_reflection(

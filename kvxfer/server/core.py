@@ -100,6 +100,10 @@ class SidecarCore:
         self._identity: Identity | None = None
         self._topologies: dict[tuple[Any, ...], TransferTopology] = {}
         self._all_readers: dict[tuple[Any, ...], set[int]] = {}
+        self._sources: dict[tuple[Any, ...], set[int]] = {}
+        self._regions_msg: dict[tuple[str, int], list[Any]] = {}
+        self._notices: dict[str, list[Any]] = {}
+        self._notice_senders: set[str] = set()
         self._background: set[asyncio.Task[Any]] = set()
         self._drained: asyncio.Future[Any] | None = None
         self.drain_done = asyncio.Event()  # set once a drain has finished
@@ -186,6 +190,9 @@ class SidecarCore:
         self.registration = Registration(req.worker_id, rank, groups, self._epoch)
         self._identity = None
         self._topologies.clear()
+        self._sources.clear()
+        self._all_readers.clear()
+        self._regions_msg.clear()
         if old is not None:
             self._release_groups(old.groups.values())
         self.metrics.registered_bytes.set(self.registration.nbytes)
@@ -454,7 +461,11 @@ class SidecarCore:
         needed: set[int] = set()
         for name, g in reg.groups.items():
             try:
-                needed |= remote_sources(g.layout, reg.rank, remote_tp)
+                key = (name, reg.epoch, remote_tp)
+                got = self._sources.get(key)
+                if got is None:
+                    got = self._sources[key] = remote_sources(g.layout, reg.rank, remote_tp)
+                needed |= got
             except KvxferError as exc:
                 raise FailedPreconditionError(
                     f"remote_addresses: {remote_tp} remote ranks do not fit group {name!r}: {exc.message}",
@@ -646,21 +657,40 @@ class SidecarCore:
                 rank=rank_to_proto(reg.rank), message=msg, bytes=n, outcome=kind,
             )  # fmt: skip
 
-        async def send(address: str, req: Any) -> None:
-            try:
-                await self.peers.call(
-                    address, "Notify",
-                    lambda s: s.Notify(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata),
-                )  # fmt: skip
-            except KvxferError as exc:
-                log.warning("completion notice not delivered; the peer's lease will expire", extra={
-                    "peer": address, "error": exc.message})  # fmt: skip
-
         for address in entry.contacted:
-            self._spawn(send(address, request(kinds[outcome], message, nbytes)))
-        unread = request(peer_pb2.NotifyRequest.UNREAD, "no decode rank reads this replica", 0)
-        for address in entry.unread:
-            self._spawn(send(address, unread))
+            self._queue_notice(address, request(kinds[outcome], message, nbytes))
+        if entry.unread:
+            unread = request(peer_pb2.NotifyRequest.UNREAD, "no decode rank reads this replica", 0)
+            for address in entry.unread:
+                self._queue_notice(address, unread)
+
+    def _queue_notice(self, address: str, req: Any) -> None:
+        """Send a completion notice; notices owed to one peer while a send is under way go as one batch."""
+        queue = self._notices.setdefault(address, [])
+        queue.append(req)
+        if len(queue) == 1 and address not in self._notice_senders:
+            self._notice_senders.add(address)
+            self._spawn(self._send_notices(address))
+
+    async def _send_notices(self, address: str) -> None:
+        try:
+            while self._notices.get(address):
+                batch = self._notices.pop(address)
+                if len(batch) == 1:
+                    what, msg = "Notify", batch[0]
+                else:
+                    what, msg = "NotifyBatch", peer_pb2.NotifyBatchRequest(notices=batch)
+
+                def send(stub: Any, w: str = what, m: Any = msg) -> Any:
+                    return getattr(stub, w)(m, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
+
+                try:
+                    await self.peers.call(address, what, send)
+                except KvxferError as exc:
+                    log.warning("completion notices not delivered; the peer's leases will expire", extra={
+                        "peer": address, "error": exc.message, "notices": len(batch)})  # fmt: skip
+        finally:
+            self._notice_senders.discard(address)
 
     def _abort_publishers(self, entry: PullEntry, reason: str) -> None:
         req = peer_pb2.PeerAbortRequest(
@@ -730,11 +760,18 @@ class SidecarCore:
         for name, g in reg.groups.items():
             resp.groups.append(
                 peer_pb2.PublishedGroup(
-                    name=name, block_ids=entry.blocks[name].tolist(), regions=regions_to_proto(g.memory.table),
+                    name=name, block_ids=entry.blocks[name].tolist(), regions=self._regions_of(name, reg),
                     memory_type=g.memory.mem_type,
                 )
             )  # fmt: skip
         return resp
+
+    def _regions_of(self, name: str, reg: Registration) -> list[Any]:
+        key = (name, reg.epoch)
+        msgs = self._regions_msg.get(key)
+        if msgs is None:
+            msgs = self._regions_msg[key] = regions_to_proto(reg.groups[name].memory.table)
+        return msgs
 
     def _expected_readers(self, reader: Identity, tp_size: int, reg: Registration) -> set[int]:
         """Reader TP ranks that read from this rank, for every group (who must confirm)."""
@@ -781,6 +818,13 @@ class SidecarCore:
             code, msg = 0, f"decode side ({req.engine_id}) has the blocks; released"
         self.hub.emit(Kind.RELEASED, rid, code=code, message=msg, peer=req.engine_id)
         return peer_pb2.NotifyResponse(released=True)
+
+    async def peer_notify_batch(self, req: Any) -> Any:
+        """NotifyBatch: several notices at once."""
+        released = 0
+        for n in req.notices:
+            released += int((await self.peer_notify(n)).released)
+        return peer_pb2.NotifyBatchResponse(released=released)
 
     async def peer_abort(self, req: Any) -> Any:
         """Abort from a peer: drop our publish and/or cancel our pull of that request."""

@@ -49,6 +49,11 @@ class PeerStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.NotifyRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.NotifyResponse.FromString,
                 _registered_method=True)
+        self.NotifyBatch = channel.unary_unary(
+                '/kvxfer.v1.Peer/NotifyBatch',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.NotifyBatchRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.NotifyBatchResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvxfer.v1.Peer/Abort',
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
@@ -81,6 +86,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NotifyBatch(self, request, context):
+        """Several notices at once (a busy reader batches the notices it owes one publisher).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Stop a request on the receiving side (publisher: drop the lease; reader: cancel the pull).
         """
@@ -105,6 +117,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Notify,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.NotifyRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.NotifyResponse.SerializeToString,
+            ),
+            'NotifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.NotifyBatch,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.NotifyBatchRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.NotifyBatchResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -193,6 +210,33 @@ class Peer:
             '/kvxfer.v1.Peer/Notify',
             kvxfer_dot_v1_dot_peer__pb2.NotifyRequest.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.NotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NotifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Peer/NotifyBatch',
+            kvxfer_dot_v1_dot_peer__pb2.NotifyBatchRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.NotifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,165 @@
+"""Many concurrent small pulls through two sidecars: requests/s and control-plane overhead.
+
+The two sidecars run as their own processes (``python -m kvxfer.server``, real gRPC, real NIXL);
+this script plays both workers. Requests are published on the prefill side ahead of time, then
+the decode side pulls them with ``--concurrency`` pulls in flight. For every pull:
+
+* ``latency``: the decode worker's wall time for the Pull call (``wait=True``);
+* ``data``: the data movement itself, as the decode sidecar measured it (READ posted -> done);
+* ``overhead`` = latency - data: everything the control plane adds (local RPC, handshake
+  cache, GetPublished round trip to the prefill sidecar, validation, descriptor building,
+  completion bookkeeping) plus any queueing behind the other in-flight pulls.
+
+It also runs the same pulls one at a time (``--serial`` of them), where the overhead has no
+queueing in it: that is the per-pull cost of the control plane. Every pulled byte is verified.
+
+    python bench/load.py [--pulls 4000] [--concurrency 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvxfer.client import AsyncClient
+from kvxfer.cluster import BlockAllocator, LocalCluster
+from kvxfer.layout import KVCacheLayout
+from kvxfer.memory import SharedKVBuffer
+from kvxfer.topology import RankInfo
+from kvxfer.worker_sim import fill_blocks, verify_blocks
+
+
+async def run(
+    pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int
+) -> dict[str, Any]:
+    """Start the sidecars, publish, pull concurrently and serially; return the figures."""
+    lay = KVCacheLayout.attention(
+        num_layers=layers, num_blocks=max(4096, 2 * concurrency * blocks_per_pull), block_size=16, num_kv_heads=8,
+        head_size=128,
+    )  # fmt: skip
+    rank = RankInfo(0, 1)
+    rng = np.random.default_rng(seed)
+    os.environ.setdefault("UCX_MODULES", "^efa")  # see tests/sidecar/conftest.py
+    with LocalCluster(extra_flags=["--lease-seconds", "600"]) as cluster:
+        p = cluster.start_sidecar("prefill", "prefill", "prefill")
+        d = cluster.start_sidecar("decode", "decode", "decode")
+        pbuf, dbuf = SharedKVBuffer.create(lay), SharedKVBuffer.create(lay)
+        pc, dc = AsyncClient(p.local_socket), AsyncClient(d.local_socket)
+        try:
+            await pc.wait_ready(90)
+            await dc.wait_ready(90)
+            await pc.register_caches({"kv": (lay, pbuf.ref())}, rank=rank)
+            await dc.register_caches({"kv": (lay, dbuf.ref())}, rank=rank)
+            # Every request reads the same source blocks (filled once) into its own destination blocks.
+            src = np.arange(blocks_per_pull)
+            fill_blocks(pbuf, rank, src, salt=7)
+            d_alloc = BlockAllocator(lay.num_blocks, rng, max_run=blocks_per_pull)
+            await _pull_batch(pc, dc, p.peer_address, src, d_alloc, 20, 4, "warm", dbuf, rank)  # handshake, UCX
+            t0 = time.perf_counter()
+            conc = await _pull_batch(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "c", dbuf, rank)
+            conc_s = time.perf_counter() - t0
+            one = await _pull_batch(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", dbuf, rank)
+        finally:
+            await pc.close()
+            await dc.close()
+            pbuf.close()
+            dbuf.close()
+    return {
+        "pulls": pulls,
+        "concurrency": concurrency,
+        "bytes_per_pull": blocks_per_pull * lay.page_bytes * layers,
+        "requests_per_s": pulls / conc_s,
+        "concurrent": _stats(conc),
+        "serial": _stats(one),
+        "verified_pulls": pulls + serial,
+        "mismatched_bytes": int(sum(r["bad"] for r in conc + one)),
+    }
+
+
+async def _pull_batch(
+    pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, n: int, concurrency: int,
+    tag: str, dbuf: SharedKVBuffer, rank: RankInfo,
+) -> list[dict[str, float]]:  # fmt: skip
+    # Publish everything first (leases of 600 s): the measurement is about pulls.
+    sem = asyncio.Semaphore(64)
+
+    async def publish(i: int) -> None:
+        async with sem:
+            await pc.publish(f"{tag}{i}", {"kv": src})
+
+    await asyncio.gather(*(publish(i) for i in range(n)))
+    out: list[dict[str, float]] = []
+    gate = asyncio.Semaphore(concurrency)
+
+    async def pull(i: int) -> None:
+        async with gate:
+            dst = alloc.allocate(len(src))
+            try:
+                t = time.perf_counter()
+                res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
+                lat = time.perf_counter() - t
+                _, bad = verify_blocks(dbuf, rank, dst, salt=7)
+                out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds, "bad": bad})
+            finally:
+                alloc.release(dst)
+
+    await asyncio.gather(*(pull(i) for i in range(n)))
+    return out
+
+
+def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
+    lat = np.array([r["latency"] for r in rows]) * 1e3
+    data = np.array([r["data"] for r in rows]) * 1e3
+    side = np.array([r["sidecar"] for r in rows]) * 1e3
+    over = lat - data
+    return {
+        "latency_p50_ms": float(np.percentile(lat, 50)),
+        "latency_p99_ms": float(np.percentile(lat, 99)),
+        "data_p50_ms": float(np.percentile(data, 50)),
+        "overhead_p50_ms": float(np.percentile(over, 50)),
+        "overhead_p99_ms": float(np.percentile(over, 99)),
+        "sidecar_overhead_p50_ms": float(np.percentile(side - data, 50)),
+        "sidecar_overhead_p99_ms": float(np.percentile(side - data, 99)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pulls", type=int, default=4000)
+    ap.add_argument("--concurrency", type=int, default=200)
+    ap.add_argument("--serial", type=int, default=300, help="pulls run one at a time afterwards")
+    ap.add_argument("--blocks", type=int, default=1, help="blocks per pull (small pulls: 1)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    import uvloop
+
+    r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed))
+    if a.json:
+        print(json.dumps(r))
+    else:
+        c, s = r["concurrent"], r["serial"]
+        print(f"{r['pulls']} pulls of {r['bytes_per_pull']} B, {r['concurrency']} in flight: "
+              f"{r['requests_per_s']:.0f} pulls/s")  # fmt: skip
+        print(f"  latency p50 {c['latency_p50_ms']:.2f} ms  p99 {c['latency_p99_ms']:.2f} ms; overhead beyond "
+              f"data p50 {c['overhead_p50_ms']:.2f} ms  p99 {c['overhead_p99_ms']:.2f} ms")  # fmt: skip
+        print(f"  inside the decode sidecar: overhead p50 {c['sidecar_overhead_p50_ms']:.2f} ms  "
+              f"p99 {c['sidecar_overhead_p99_ms']:.2f} ms")  # fmt: skip
+        print(f"one at a time ({a.serial}): latency p50 {s['latency_p50_ms']:.2f} ms; overhead p50 "
+              f"{s['overhead_p50_ms']:.2f} ms  p99 {s['overhead_p99_ms']:.2f} ms (sidecar-internal p50 "
+              f"{s['sidecar_overhead_p50_ms']:.2f} ms)")  # fmt: skip
+        print(f"verified pulls: {r['verified_pulls']}, mismatched bytes: {r['mismatched_bytes']}")
+    return 0 if r["mismatched_bytes"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
