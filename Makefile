@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml | sysdeps
 setup: sysdeps $(STAMP)
 
 demo: setup
-	$(BIN)/kvxfer plan --layers 32 --kv-heads 8 --head-size 128 --block-size 16 --prefill-tp 2 --decode-tp 1 --blocks 0:64,100:164
+	$(BIN)/kvxfer demo
 
 test: setup
 	$(BIN)/python -m pytest -q

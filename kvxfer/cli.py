@@ -108,6 +108,58 @@ def plan(
         out.print(f"[yellow]note:[/yellow] {w}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def serve(ctx: typer.Context) -> None:
+    """Run the sidecar. Flags, KVXFER_* variables and --config are listed by `kvxfer serve --help`."""
+    from kvxfer.server.cli import main as serve_cli
+
+    raise typer.Exit(code=serve_cli(list(ctx.args)))
+
+
+@app.command()
+def drain(
+    target: Annotated[str, typer.Option(help="Local API: Unix socket path or host:port.")] = "/run/kvxfer/kvxfer.sock",
+    token_file: Annotated[str | None, typer.Option(help="File holding the shared token.")] = None,
+    timeout_seconds: Annotated[float, typer.Option(help="Drain budget (0: the sidecar's --drain-seconds).")] = 0.0,
+) -> None:
+    """Ask a running sidecar to drain gracefully and wait for it (a Kubernetes preStop hook)."""
+    from kvxfer.server.cli import drain_main
+
+    print(json.dumps(drain_main(target, token_file=token_file, timeout_seconds=timeout_seconds)))
+
+
+@app.command()
+def demo(
+    backend: Annotated[str, typer.Option(help="Data plane: nixl or mooncake.")] = "nixl",
+    prefill_tp: Annotated[int, typer.Option(help="Prefill TP size (one worker + sidecar per rank).")] = 1,
+    decode_tp: Annotated[int, typer.Option(help="Decode TP size (one worker + sidecar per rank).")] = 1,
+    layout: Annotated[str, typer.Option(help="Physical order: HND or NHD.")] = "HND",
+    kind: Annotated[str, typer.Option(help="attention, quantized, mla or mamba.")] = "attention",
+    layers: Annotated[int, typer.Option(help="Model layers.")] = 32,
+    kv_heads: Annotated[int, typer.Option(help="Model KV heads (before TP).")] = 8,
+    head_size: Annotated[int, typer.Option(help="Head size.")] = 128,
+    dtype: Annotated[str, typer.Option(help="Cache dtype.")] = "bf16",
+    block_size: Annotated[int, typer.Option(help="Tokens per block.")] = 16,
+    cross_layer: Annotated[bool, typer.Option(help="Cross-layer (block-major) caches.")] = False,
+    requests: Annotated[int, typer.Option(help="Requests to move.")] = 32,
+    min_tokens: Annotated[int, typer.Option(help="Shortest prompt, tokens.")] = 128,
+    max_tokens: Annotated[int, typer.Option(help="Longest prompt, tokens.")] = 1024,
+    memory_mib: Annotated[int, typer.Option(help="Cache memory per side, MiB.")] = 1024,
+    seed: Annotated[int, typer.Option(help="Random seed for block lists and contents.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Two sidecars and two synthetic workers on loopback move a Llama-3-8B-shaped cache, verified."""
+    from kvxfer.demo import demo_main
+
+    code = demo_main(
+        as_json=as_json, backend=backend, prefill_tp=prefill_tp, decode_tp=decode_tp, order=layout.upper(), kind=kind,
+        layers=layers, kv_heads=kv_heads, head_size=head_size, dtype=dtype, block_size=block_size,
+        cross_layer=cross_layer, requests=requests, min_tokens=min_tokens, max_tokens=max_tokens,
+        memory_mib=memory_mib, seed=seed,
+    )  # fmt: skip
+    raise typer.Exit(code=code)
+
+
 @bench_app.command("topology")
 def bench_topology(
     layers: int = 80,
