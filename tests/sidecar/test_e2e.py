@@ -146,3 +146,13 @@ async def _first_event(worker: object, kind: str) -> object:
         if ev.kind == kind:
             return ev
     raise AssertionError("stream ended")
+
+
+async def test_mooncake_backend_hetero_tp(harness: Harness) -> None:
+    ps, pw, _ds, dw = await harness.deployment(
+        {"kv": attention(tp=2)}, {"kv": attention(tp=1)}, prefill_tp=2, decode_tp=1, backend="mooncake"
+    )
+    assert ps[0].core is not None
+    assert ps[0].core.dp.backend == "mooncake"
+    (res,) = await transfer(pw, ps, dw, "m1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=11)
+    assert res.remote_ranks == (0, 1)
