@@ -198,3 +198,35 @@ def test_generated_code_is_up_to_date() -> None:
     out = subprocess.run([sys.executable, "-m", "kvxfer.tools.genproto", "--check"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _certs(d: Path) -> tuple[str, str, str]:
+    """A throwaway CA and a certificate for 127.0.0.1/localhost signed by it (openssl CLI)."""
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=kvxfer-test-ca")  # fmt: skip
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=localhost")
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
+        "-days", "1", "-extfile", "ext")  # fmt: skip
+    return str(d / "s.pem"), str(d / "s.key"), str(d / "ca.pem")
+
+
+async def test_mutual_tls_on_the_peer_api(harness: Harness, tmp_path: Path) -> None:
+    cert, key, ca = _certs(tmp_path)
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, tls_cert=cert, tls_key=key, tls_ca=ca)
+    await transfer(pw, ps, dw, "tls1", {"kv": [1, 2, 3]}, {"kv": [4, 5, 6]}, salt=1)
+    # A plaintext client cannot talk to the TLS peer port, and an untrusted client certificate is refused.
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    no_client_cert = grpc.ssl_channel_credentials(root_certificates=await asyncio.to_thread(Path(ca).read_bytes))
+    async with grpc.aio.secure_channel(ps[0].peer_address, no_client_cert) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
