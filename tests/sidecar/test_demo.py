@@ -1,0 +1,48 @@
+"""`kvxfer demo`: real sidecar and worker processes, one JSON object, non-zero exit on a bad byte."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvxfer import demo
+from kvxfer.demo import run_demo
+
+
+def test_demo_json_is_one_object_with_the_figures() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "demo", "--json", "--requests", "6", "--layers", "8"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    for key in ("requests", "verified_bytes", "gbps", "p50_ms", "p99_ms", "descriptors_per_request"):
+        assert key in r
+    assert r["ok"] is True
+    assert r["requests"] == 6
+    assert r["mismatched_bytes"] == 0
+    assert r["verified_bytes"] == r["moved_bytes"] > 0
+    assert r["released"] == 6
+    assert r["descriptors_per_request"] < r["per_block_descriptors_per_request"]
+
+
+def test_demo_heterogeneous_tp_nhd() -> None:
+    r = run_demo(progress=False, requests=4, layers=4, prefill_tp=2, decode_tp=1, order="NHD")
+    assert r["ok"], r
+    assert r["mismatched_bytes"] == 0
+    assert set(r["sidecar_exit_codes"]) == {"prefill-0", "prefill-1", "decode-0"}
+    assert any("NHD" in w for w in r["warnings"])
+
+
+def test_demo_exits_non_zero_when_a_byte_differs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def corrupted(**_opts: object) -> dict[str, object]:
+        return {"ok": False, "requests": 1, "verified_bytes": 10, "mismatched_bytes": 3}
+
+    monkeypatch.setattr(demo, "run_demo", corrupted)
+    assert demo.demo_main(as_json=True) == 1
+    assert json.loads(capsys.readouterr().out)["mismatched_bytes"] == 3
