@@ -183,7 +183,7 @@ class LocalCluster:
         ]  # fmt: skip
         if self._token_file is not None:
             argv += ["--token-file", str(self._token_file)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_") or k.startswith("KVXFER_NIXL")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_")}
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         sc = SidecarProc(name, proc, f"127.0.0.1:{port}", sock, mport, log_path)
