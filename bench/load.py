@@ -8,7 +8,8 @@ the decode side pulls them with ``--concurrency`` pulls in flight. For every pul
 * ``data``: the data movement itself, as the decode sidecar measured it (READ posted -> done);
 * ``overhead`` = latency - data: everything the control plane adds (local RPC, handshake
   cache, GetPublished round trip to the prefill sidecar, validation, descriptor building,
-  completion bookkeeping) plus any queueing behind the other in-flight pulls.
+  completion bookkeeping) plus any queueing behind the other in-flight pulls;
+* CPU time per pull of each process (the cost that bounds throughput on a small host).
 
 It also runs the same pulls one at a time (``--serial`` of them), where the overhead has no
 queueing in it: that is the per-pull cost of the control plane. Every pulled byte is verified.
@@ -62,9 +63,11 @@ async def run(
             fill_blocks(pbuf, rank, src, salt=7)
             d_alloc = BlockAllocator(lay.num_blocks, rng, max_run=blocks_per_pull)
             await _pull_batch(pc, dc, p.peer_address, src, d_alloc, 20, 4, "warm", dbuf, rank)  # handshake, UCX
+            cpu0 = {"prefill": _cpu(p.proc.pid), "decode": _cpu(d.proc.pid), "driver": _cpu(os.getpid())}
             t0 = time.perf_counter()
             conc = await _pull_batch(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "c", dbuf, rank)
             conc_s = time.perf_counter() - t0
+            cpu1 = {"prefill": _cpu(p.proc.pid), "decode": _cpu(d.proc.pid), "driver": _cpu(os.getpid())}
             one = await _pull_batch(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", dbuf, rank)
         finally:
             await pc.close()
@@ -78,6 +81,7 @@ async def run(
         "requests_per_s": pulls / conc_s,
         "concurrent": _stats(conc),
         "serial": _stats(one),
+        "cpu_ms_per_pull": {k: (cpu1[k] - cpu0[k]) * 1e3 / pulls for k in cpu0},
         "verified_pulls": pulls + serial,
         "mismatched_bytes": int(sum(r["bad"] for r in conc + one)),
     }
@@ -112,6 +116,13 @@ async def _pull_batch(
 
     await asyncio.gather(*(pull(i) for i in range(n)))
     return out
+
+
+def _cpu(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -157,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one at a time ({a.serial}): latency p50 {s['latency_p50_ms']:.2f} ms; overhead p50 "
               f"{s['overhead_p50_ms']:.2f} ms  p99 {s['overhead_p99_ms']:.2f} ms (sidecar-internal p50 "
               f"{s['sidecar_overhead_p50_ms']:.2f} ms)")  # fmt: skip
+        cpu = r["cpu_ms_per_pull"]
+        print("  CPU per pull (concurrent phase): " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items()))
         print(f"verified pulls: {r['verified_pulls']}, mismatched bytes: {r['mismatched_bytes']}")
     return 0 if r["mismatched_bytes"] == 0 else 1
 

@@ -230,3 +230,24 @@ async def test_mutual_tls_on_the_peer_api(harness: Harness, tmp_path: Path) -> N
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_json_logs_carry_context_and_never_a_token() -> None:
+    import io
+    import logging
+
+    from kvxfer.logs import configure_logging, get_logger, log_context
+
+    buf = io.StringIO()
+    configure_logging("info", "json", stream=buf)
+    try:
+        with log_context(request_id="r-9", transfer_id="t-1", peer="prefill[tp 0/2]"):
+            get_logger("kvxfer.test").info("metadata was authorization: Bearer s3cret", extra={"bytes": 5})
+        line = json.loads(buf.getvalue().splitlines()[-1])
+    finally:
+        configure_logging("warning", "json")
+        logging.getLogger("kvxfer").setLevel(logging.WARNING)
+    got = (line["request_id"], line["transfer_id"], line["peer"], line["bytes"])
+    assert got == ("r-9", "t-1", "prefill[tp 0/2]", 5)
+    assert "s3cret" not in json.dumps(line)
+    assert line["level"] == "info"
