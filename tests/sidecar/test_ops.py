@@ -245,8 +245,12 @@ def test_json_logs_carry_context_and_never_a_token() -> None:
             get_logger("kvxfer.test").info("metadata was authorization: Bearer s3cret", extra={"bytes": 5})
         line = json.loads(buf.getvalue().splitlines()[-1])
     finally:
-        configure_logging("warning", "json")
-        logging.getLogger("kvxfer").setLevel(logging.WARNING)
+        # Leave the "kvxfer" logger as pytest found it (propagating, no handler of ours).
+        logger = logging.getLogger("kvxfer")
+        for h in [h for h in logger.handlers if getattr(h, "_kvxfer", False)]:
+            logger.removeHandler(h)
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
     got = (line["request_id"], line["transfer_id"], line["peer"], line["bytes"])
     assert got == ("r-9", "t-1", "prefill[tp 0/2]", 5)
     assert "s3cret" not in json.dumps(line)
