@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvxfer-installed
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test lint typecheck proto proto-check clean sysdeps check-deploy
+.PHONY: setup demo test lint typecheck proto proto-check clean sysdeps check-deploy lock
 
 # Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts; the chart's test
 # renderer (tools/helm-render) builds with Debian's Go and its sprig/yaml sources.
@@ -19,12 +19,12 @@ sysdeps:
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-$(STAMP): pyproject.toml | sysdeps
+$(STAMP): pyproject.toml constraints.txt | sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first: otherwise a dependency pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e '.[dev,mooncake-cpu]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,mooncake-cpu]'
 	touch $(STAMP)
 
 setup: sysdeps $(STAMP)
@@ -48,6 +48,11 @@ proto-check: setup
 
 check-deploy: setup
 	scripts/check-deploy.sh
+
+# Re-pin constraints.txt to what the current .venv resolved (after changing dependencies).
+lock: setup
+	{ sed -n '1,2p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v -i -E '^(torch|nvidia-|triton|kvxfer)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

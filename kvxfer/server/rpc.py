@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-from google.protobuf.message_factory import GetMessageClass  # type: ignore[import-untyped]
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
 from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger, log_context
