@@ -51,7 +51,7 @@ check-deploy: setup
 
 # Re-pin constraints.txt to what the current .venv resolved (after changing dependencies).
 lock: setup
-	{ sed -n '1,2p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v -i -E '^(torch|nvidia-|triton|kvxfer)=='; } > constraints.txt.new
+	{ sed -n '1,2p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v -i -E '^(torch==|nvidia-|triton==|kvxfer)'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 clean:
