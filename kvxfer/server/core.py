@@ -165,6 +165,16 @@ class SidecarCore:
                 field="groups",
             )
         rank = rank_from_proto(req.rank, "rank")
+        held = self.registration
+        if held is not None and (held.rank.tp_rank, held.rank.pp_rank) != (rank.tp_rank, rank.pp_rank):
+            # Two ranks sharing a sidecar would silently replace each other's memory: refuse the second.
+            raise FailedPreconditionError(
+                f"rank: this sidecar serves tp rank {held.rank.tp_rank}/{held.rank.tp_size} pp rank "
+                f"{held.rank.pp_rank}/{held.rank.pp_size} (worker {held.worker_id!r}); worker {req.worker_id!r} "
+                f"registered tp rank {rank.tp_rank}/{rank.tp_size} pp rank {rank.pp_rank}/{rank.pp_size}. One sidecar "
+                "serves one worker rank: run one sidecar per rank",
+                field="rank",
+            )
         if not req.groups:
             raise InvalidArgumentError("groups: at least one cache group is needed", field="groups")
         groups: dict[str, Group] = {}
@@ -479,7 +489,9 @@ class SidecarCore:
             entry.unread = [entry.addresses[q] for q in range(remote_tp) if q not in everyone]
         # 2. Handshake (cached) and fetch the published request from each needed rank.
         entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
+        t_fetch = time.monotonic()
         fetched = await asyncio.gather(*(self._fetch(entry, q, sessions) for q in ranks))
+        fetch_seconds = time.monotonic() - t_fetch
         published = dict(zip(ranks, fetched, strict=True))
         # 3. Validate and build descriptors per remote rank.
         entry.stage = "building descriptors"
@@ -487,20 +499,27 @@ class SidecarCore:
         warnings: list[str] = []
         for name, g in reg.groups.items():
             by_list: dict[bytes, list[int]] = {}
+            chosen: dict[bytes, I64] = {}
+            given = remote_given.get(name)
             for q in ranks:
                 rids = published[q][0][name]
-                given = remote_given.get(name)
-                if given is not None and not np.array_equal(given, rids):
-                    raise InvalidArgumentError(
-                        f"remote_blocks[{name}]: {_first_difference(given, rids)} (remote rank {q} at "
-                        f"{entry.addresses[q]} published {rids.size} blocks)",
-                        field=f"remote_blocks[{name}]",
-                    )
-                by_list.setdefault(rids.tobytes(), []).append(q)
-            for qs in by_list.values():
+                if given is not None:
+                    # A reader may take any part of a publish (e.g. the tail its own prefix cache lacks), but
+                    # nothing beyond it: ids that were not published are refused before any descriptor exists.
+                    unknown = _not_published(given, rids)
+                    if unknown:
+                        raise InvalidArgumentError(
+                            f"remote_blocks[{name}]: {unknown} (remote rank {q} at {entry.addresses[q]} published "
+                            f"{rids.size} blocks)",
+                            field=f"remote_blocks[{name}]",
+                        )
+                ids_key = rids.tobytes()
+                by_list.setdefault(ids_key, []).append(q)
+                chosen[ids_key] = given if given is not None else rids
+            for ids_key, qs in by_list.items():
                 session = sessions[qs[0]]
                 topo = self._topology(name, g.layout, session.identity.groups[name], reg.rank, remote_tp)
-                rids = published[qs[0]][0][name]
+                rids = chosen[ids_key]
                 try:
                     plan = topo.plan(local_blocks[name], rids)
                 except KvxferError as exc:
@@ -535,7 +554,7 @@ class SidecarCore:
         entry.stage = "done"
         return local_pb2.TransferStats(
             bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
-            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)),
+            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
         )  # fmt: skip
 
     async def _fetch(
@@ -933,11 +952,14 @@ def _parse_remote_blocks(lists: Any, layouts: dict[str, KVCacheLayout]) -> dict[
     return out
 
 
-def _first_difference(given: I64, published: I64) -> str:
-    if given.size != published.size:
-        return f"{given.size} ids given, {published.size} published"
-    i = int(np.flatnonzero(given != published)[0])
-    return f"block id {int(given[i])} at position {i} differs from the published {int(published[i])}"
+def _not_published(given: I64, published: I64) -> str:
+    """'' when every id of ``given`` was published, else which one was not."""
+    outside = np.flatnonzero(~np.isin(given, published))
+    if not outside.size:
+        return ""
+    i = int(outside[0])
+    more = f" ({outside.size} ids in all)" if outside.size > 1 else ""
+    return f"block id {int(given[i])} at position {i} was not published{more}"
 
 
 def _reason(exc: KvxferError) -> str:

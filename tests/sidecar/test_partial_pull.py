@@ -1,0 +1,48 @@
+"""A reader pulls part of a publish (the tail its own prefix cache lacks); ids never published are refused."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from tests.sidecar.helpers import Harness, attention, expect_error
+
+PUBLISHED = [5, 6, 7, 1, 30, 31, 12, 40]
+
+
+async def test_pull_a_tail_of_the_published_blocks(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    await pw[0].prefill("r1", {"kv": PUBLISHED}, salt=11)
+    tail, local = PUBLISHED[3:], [20, 21, 22, 23, 24]
+    untouched = [0, 2, 3]  # local blocks outside the pull keep their poison
+    dw[0].poison({"kv": untouched})
+    before = {layer: dw[0].buffers["kv"].pages(layer)[untouched].copy() for layer in range(lay.num_layers)}
+    res = await dw[0].pull("r1", ps, {"kv": local}, remote_blocks={"kv": tail})
+    assert res.bytes == len(tail) * lay.page_bytes * lay.num_layers
+    src, dst = pw[0].buffers["kv"], dw[0].buffers["kv"]
+    for layer in range(lay.num_layers):
+        assert np.array_equal(dst.pages(layer)[local], src.pages(layer)[tail])
+        assert np.array_equal(dst.pages(layer)[untouched], before[layer])
+    # 1 (alone), 30-31, 12, 40 are runs on the prefill side against 20..24 here: 4 descriptors per layer.
+    assert res.descriptors == 4 * lay.num_layers
+
+
+async def test_pull_of_an_unpublished_id_is_refused(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    await pw[0].prefill("r1", {"kv": PUBLISHED}, salt=12)
+    await pw[0].prefill("r2", {"kv": [50, 51]}, salt=13)
+    await expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        dw[0].pull("r1", ps, {"kv": [1, 2]}, remote_blocks={"kv": [7, 8]}),
+        "remote_blocks[kv]: block id 8 at position 1 was not published",
+        "published 8 blocks",
+    )
+    # The reader gave up on r1, so the prefill side freed it; r2 is untouched and moves exactly.
+    assert (await pw[0].client.status())["leases"] == 1
+    res = await dw[0].pull("r2", ps, {"kv": [1, 2]}, remote_blocks={"kv": [51, 50]})
+    src, dst = pw[0].buffers["kv"], dw[0].buffers["kv"]
+    for layer in range(lay.num_layers):
+        assert np.array_equal(dst.pages(layer)[[1, 2]], src.pages(layer)[[51, 50]])
+    assert res.bytes == 2 * lay.page_bytes * lay.num_layers
