@@ -1,4 +1,4 @@
-"""KV memory the sidecar can reach: shared memory (CPU), CUDA IPC (GPU, not yet), or in-process.
+"""KV memory the sidecar can reach: shared memory (CPU), CUDA IPC (GPU), or in-process.
 
 A worker hands its KV cache to the sidecar in one of three ways:
 
@@ -7,9 +7,10 @@ A worker hands its KV cache to the sidecar in one of three ways:
   the sidecar the segment name and each region's offset. :class:`SharedKVBuffer` creates such a
   segment; the sidecar maps the same pages with :func:`attach` and registers them with the data
   plane, so transfers land directly in the worker's memory (no copy through the sidecar).
-* **CUDA IPC** (GPU workers): handles of the worker's KV tensors, opened in the sidecar. Not
-  implemented yet: :func:`attach` and :meth:`CudaIpcRef.from_tensors` raise
-  :class:`UnsupportedMemoryError` naming it (the GPU data path is issue 7).
+* **CUDA IPC** (GPU workers): :meth:`CudaIpcRef.from_tensors` exports the worker's KV tensors (no
+  copy: a handle of each tensor's ``cudaMalloc`` allocation and the tensor's offset in it);
+  :func:`attach` opens the handles in the sidecar (:mod:`kvxfer.cuda_ipc`) and the data plane
+  registers them as VRAM. The worker keeps the tensors alive while they are registered.
 * **Library mode**: the sidecar runs inside the worker process and uses the tensors' addresses as
   they are (:meth:`LibraryRef.from_arrays`).
 
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import mmap
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer import cuda_ipc
 from kvxfer.errors import KvxferError
 from kvxfer.layout import KVCacheLayout
 from kvxfer.topology import RegionTable
@@ -65,15 +68,9 @@ class MemoryRegistrationError(KvxferError):
 
 
 class UnsupportedMemoryError(KvxferError):
-    """A memory kind that this build cannot register yet (CUDA IPC)."""
+    """A memory kind that this build cannot register."""
 
     status = "UNIMPLEMENTED"
-
-
-CUDA_IPC_MESSAGE = (
-    "CUDA IPC memory registration is not implemented yet (GPU data path, issue 7); "
-    "use shared memory (CPU workers) or library mode (sidecar in the worker process)"
-)
 
 
 def shm_path(name: str) -> Path:
@@ -104,16 +101,79 @@ class SharedMemoryRef:
 
 @dataclass(frozen=True)
 class CudaIpcRef:
-    """CUDA IPC handles of one cache group (one per region). Reserved for the GPU data path."""
+    """CUDA IPC exports of one cache group's regions (one per region of its layout, in region order).
+
+    ``handles[i]`` names the ``cudaMalloc`` allocation holding region i and ``offsets[i]`` where the
+    region starts in it (tensors rarely start at their allocation's base). ``sizes[i]`` is the
+    tensor's byte size (0: unknown), checked against the layout. ``device`` is the worker's ordinal
+    and ``device_uuid`` the GPU's UUID, which the sidecar prefers: ordinals differ between processes
+    with different ``CUDA_VISIBLE_DEVICES``.
+    """
 
     handles: tuple[bytes, ...]
     offsets: tuple[int, ...]
     device: int = 0
+    sizes: tuple[int, ...] = ()
+    device_uuid: str = ""
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[Any]) -> CudaIpcRef:
-        """Export CUDA IPC handles of ``tensors``; not implemented yet."""
-        raise UnsupportedMemoryError(CUDA_IPC_MESSAGE, field="memory.cuda_ipc")
+        """Export CUDA ``tensors`` (one per region: per-layer KV tensors, or one cross-layer tensor).
+
+        Each tensor must be dense (contiguous, or a permutation of contiguous such as a block-major
+        cross-layer cache) and live on one device, allocated with ``cudaMalloc`` (PyTorch's default
+        caching allocator; not ``expandable_segments``). Nothing is copied; keep the tensors alive
+        while the sidecar holds the registration. Raises :class:`MemoryRegistrationError` for a bad
+        tensor and :class:`kvxfer.cuda_ipc.CudaUnavailableError` without a CUDA driver.
+        """
+        where = "memory.cuda_ipc"
+        if len(tensors) == 0:
+            raise MemoryRegistrationError(f"{where}: no tensors given (one per region)", field=where)
+        devices: set[int] = set()
+        sizes: list[int] = []
+        for i, t in enumerate(tensors):
+            if not getattr(t, "is_cuda", False):
+                raise MemoryRegistrationError(
+                    f"{where}: tensor {i} is on {getattr(t, 'device', type(t).__name__)}, not a CUDA device "
+                    "(CPU workers share memory with SharedKVBuffer)",
+                    field=where,
+                )
+            devices.add(int(t.device.index or 0))
+            sizes.append(_dense_nbytes(t, f"{where}: tensor {i}"))
+        if len(devices) > 1:
+            raise MemoryRegistrationError(
+                f"{where}: tensors are on devices {sorted(devices)}; one registration covers one GPU", field=where
+            )
+        device = devices.pop()
+        drv = cuda_ipc.driver()
+        exports = []
+        for i, t in enumerate(tensors):
+            try:
+                exports.append(drv.export(device, int(t.data_ptr())))
+            except cuda_ipc.CudaIpcError as exc:
+                raise MemoryRegistrationError(f"{where}: tensor {i}: {exc.message}", field=where) from None
+        return cls(
+            tuple(e.handle for e in exports), tuple(e.offset for e in exports), device, tuple(sizes),
+            drv.device_uuid(device),
+        )  # fmt: skip
+
+
+def _dense_nbytes(t: Any, what: str) -> int:
+    """Bytes of a tensor whose elements fill one gap-free span starting at ``data_ptr()``."""
+    n = int(t.numel())
+    if n == 0:
+        raise MemoryRegistrationError(f"{what} is empty", field="memory.cuda_ipc")
+    expected = 1
+    # Any dim order is fine (a cross-layer cache is a permuted view); gaps and overlaps are not.
+    for stride, size in sorted((int(st), int(sz)) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1):
+        if stride != expected:
+            raise MemoryRegistrationError(
+                f"{what} is not dense (shape {tuple(t.shape)}, strides {tuple(t.stride())}): pass the whole "
+                "cache tensor, not a slice of it",
+                field="memory.cuda_ipc",
+            )
+        expected *= size
+    return n * int(t.element_size())
 
 
 @dataclass(frozen=True)
@@ -266,10 +326,14 @@ def _align(n: int) -> int:
 class AttachedMemory:
     """Sidecar side: a cache group's regions mapped into this process, as a :class:`RegionTable`."""
 
-    def __init__(self, table: RegionTable, mem_type: str, segments: Sequence[_Segment] = ()) -> None:
+    def __init__(
+        self, table: RegionTable, mem_type: str, segments: Sequence[_Segment] = (),
+        release: Sequence[Callable[[], None]] = (),
+    ) -> None:  # fmt: skip
         self.table = table
         self.mem_type = mem_type
         self._segments = list(segments)
+        self._release = list(release)
 
     @property
     def nbytes(self) -> int:
@@ -277,16 +341,23 @@ class AttachedMemory:
         return int(self.table.size.sum())
 
     def close(self) -> None:
-        """Unmap the segments (never unlinks them: the worker owns them)."""
+        """Unmap the segments and CUDA IPC mappings (never frees them: the worker owns them).
+
+        Call after the data plane deregistered the memory.
+        """
         for s in self._segments:
             s.close()
         self._segments.clear()
+        release, self._release = self._release, []
+        for fn in release:
+            with contextlib.suppress(KvxferError):  # a failed unmap must not keep the others mapped
+                fn()
 
 
 def attach(ref: MemoryRef, layout: KVCacheLayout, *, field: str = "memory") -> AttachedMemory:
     """Map the memory a worker described for ``layout``; raises naming ``field`` on any mismatch."""
     if isinstance(ref, CudaIpcRef):
-        raise UnsupportedMemoryError(CUDA_IPC_MESSAGE, field=f"{field}.cuda_ipc")
+        return _attach_cuda_ipc(ref, layout, field)
     if isinstance(ref, LibraryRef):
         return _attach_library(ref, layout, field)
     return _attach_shm(ref, layout, field)
@@ -360,3 +431,89 @@ def _attach_shm(ref: SharedMemoryRef, layout: KVCacheLayout, field: str) -> Atta
             s.close()
         raise
     return AttachedMemory(RegionTable.for_layout(layout, bases), "DRAM", list(segments.values()))
+
+
+def _attach_cuda_ipc(ref: CudaIpcRef, layout: KVCacheLayout, field: str) -> AttachedMemory:
+    where = f"{field}.cuda_ipc"
+    n = len(ref.handles)
+    _count(n, layout, f"{where}.handles")
+    for name, values in (("offsets", ref.offsets), ("sizes", ref.sizes)):
+        if len(values) != n and (name == "offsets" or values):
+            raise MemoryRegistrationError(
+                f"{where}.{name}: {len(values)} given for {n} handles", field=f"{where}.{name}"
+            )
+    for i, h in enumerate(ref.handles):
+        if len(h) != cuda_ipc.HANDLE_BYTES:
+            raise MemoryRegistrationError(
+                f"{where}.handles[{i}]: {len(h)} bytes; a CUDA IPC handle has {cuda_ipc.HANDLE_BYTES}",
+                field=f"{where}.handles[{i}]",
+            )
+    for i, size in enumerate(ref.sizes):
+        if size and size < layout.region_bytes:
+            raise MemoryRegistrationError(
+                f"{where}.sizes[{i}]: the tensor has {size} bytes, the layout's region needs {layout.region_bytes} "
+                f"({'all layers' if layout.cross_layer else 'one layer'} of {layout.num_blocks} blocks)",
+                field=f"{where}.sizes[{i}]",
+            )
+    if ref.device < 0:
+        raise MemoryRegistrationError(f"{where}.device: {ref.device} is negative", field=f"{where}.device")
+    maps = cuda_ipc.mappings
+    try:
+        drv = maps.driver()
+    except cuda_ipc.CudaUnavailableError as exc:
+        raise cuda_ipc.CudaUnavailableError(
+            f"{where}: this sidecar cannot open CUDA IPC handles: {exc.message}. Run it on the worker's GPU "
+            "node with the NVIDIA driver mounted, or register shared memory instead",
+            field=where,
+        ) from None
+    ordinal = _sidecar_device(drv, ref, where)
+    opened: list[bytes] = []
+    bases: list[int] = []
+    try:
+        for i, (h, off) in enumerate(zip(ref.handles, ref.offsets, strict=True)):
+            try:
+                base, alloc = maps.acquire(ordinal, h)
+            except cuda_ipc.CudaIpcError as exc:
+                raise cuda_ipc.CudaIpcError(
+                    f"{where}.handles[{i}]: cannot open the worker's CUDA IPC handle on device {ordinal}: "
+                    f"{exc.message}. The worker must be alive, in another process than the sidecar (same "
+                    "process: use library mode), and on a GPU this sidecar can reach",
+                    code=exc.code, field=f"{where}.handles[{i}]",
+                ) from None  # fmt: skip
+            opened.append(h)
+            if alloc and off + layout.region_bytes > alloc:
+                raise MemoryRegistrationError(
+                    f"{where}.offsets[{i}]: a region of {layout.region_bytes} bytes at offset {off} overruns the "
+                    f"worker's allocation of {alloc} bytes",
+                    field=f"{where}.offsets[{i}]",
+                )
+            bases.append(base + off)
+    except BaseException:
+        for h in opened:
+            with contextlib.suppress(KvxferError):
+                maps.release(ordinal, h)
+        raise
+    release = [functools.partial(maps.release, ordinal, h) for h in opened]
+    return AttachedMemory(RegionTable.for_layout(layout, bases, device=ordinal), "VRAM", release=release)
+
+
+def _sidecar_device(drv: cuda_ipc.CudaDriver, ref: CudaIpcRef, where: str) -> int:
+    """This process's ordinal of the worker's GPU: by UUID when given, else the worker's ordinal."""
+    count = drv.device_count()
+    if ref.device_uuid:
+        seen = [drv.device_uuid(o) for o in range(count)]
+        for o, u in enumerate(seen):
+            if u.lower() == ref.device_uuid.lower():
+                return o
+        raise cuda_ipc.CudaUnavailableError(
+            f"{where}.device_uuid: the worker's GPU {ref.device_uuid} is not visible to this sidecar (it sees "
+            f"{', '.join(seen) or 'none'}); give the sidecar the worker's GPU (CUDA_VISIBLE_DEVICES, the pod's "
+            "GPU resources)",
+            field=f"{where}.device_uuid",
+        )
+    if ref.device >= count:
+        raise cuda_ipc.CudaUnavailableError(
+            f"{where}.device: device {ref.device} is not visible to this sidecar ({count} visible)",
+            field=f"{where}.device",
+        )
+    return ref.device

@@ -143,7 +143,10 @@ def memory_from_proto(msg: Any, field: str) -> MemoryRef:
         return SharedMemoryRef(tuple(ShmRegionRef(r.name, int(r.offset)) for r in msg.shm.regions))
     if kind == "cuda_ipc":
         c = msg.cuda_ipc
-        return CudaIpcRef(tuple(c.handles), tuple(int(o) for o in c.offsets), int(c.device))
+        return CudaIpcRef(
+            tuple(bytes(h) for h in c.handles), tuple(int(o) for o in c.offsets), int(c.device),
+            tuple(int(n) for n in c.sizes), c.device_uuid,
+        )  # fmt: skip
     if kind == "library":
         lib = msg.library
         return LibraryRef(
@@ -159,8 +162,11 @@ def memory_to_proto(ref: MemoryRef) -> Any:
         return local_pb2.Memory(shm=local_pb2.SharedMemory(regions=regions))
     if isinstance(ref, CudaIpcRef):
         return local_pb2.Memory(
-            cuda_ipc=local_pb2.CudaIpc(handles=list(ref.handles), offsets=list(ref.offsets), device=ref.device)
-        )
+            cuda_ipc=local_pb2.CudaIpc(
+                handles=list(ref.handles), offsets=list(ref.offsets), device=ref.device, sizes=list(ref.sizes),
+                device_uuid=ref.device_uuid,
+            )
+        )  # fmt: skip
     return local_pb2.Memory(
         library=local_pb2.LibraryMemory(
             addresses=list(ref.addresses), device=ref.device, memory_type=ref.memory_type, pid=ref.pid

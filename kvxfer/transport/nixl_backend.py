@@ -4,14 +4,22 @@ Descriptor arrays go to NIXL as numpy (N, 3) arrays in one call, never through a
 Prepared descriptor lists (``prep_xfer_dlist`` + ``make_prepped_xfer``) pay when the same fixed
 pages are addressed by index again and again; kvxfer's descriptors are coalesced per request
 (few, of varying length), so each transfer builds its list directly with ``initialize_xfer``.
+
+GPU memory: the UCX backend is created with :data:`UCX_DEFAULTS` as its ``engine_config``. Without
+``CUDA_IPC_ENABLE_GET_ZCOPY=y``, UCX turns the cuda_ipc transport's READ (get) off whenever NVML
+reports no NVLink (PCIe cards, GPUs passed through into a VM) and a VRAM READ crawls through host
+memory over tcp (0.5 GB/s against 1300 GB/s on the lent H100; docs/notes/gpu.md). A ``UCX_<KEY>``
+variable in the environment always wins: that key is left out of ``engine_config``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,7 +46,21 @@ from kvxfer.transport.errors import (
 )
 from kvxfer.transport.registry import register_transport
 
-__all__ = ["NixlTransport"]
+__all__ = ["UCX_DEFAULTS", "NixlTransport", "ucx_engine_config"]
+
+# UCX settings (without the UCX_ prefix) that kvxfer needs for GPU memory; harmless on CPUs.
+UCX_DEFAULTS: dict[str, str] = {
+    # READ of VRAM over cuda_ipc even when NVML shows no NVLink (see the module docstring).
+    "CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+    # Let two agents of one process (library mode, tests) use cuda_ipc between them.
+    "CUDA_IPC_ENABLE_SAME_PROCESS": "y",
+}
+
+
+def ucx_engine_config(env: Mapping[str, str] | None = None) -> str:
+    """The UCX backend's ``engine_config``: :data:`UCX_DEFAULTS` minus keys the user set as ``UCX_<KEY>``."""
+    env = os.environ if env is None else env
+    return ",".join(f"{k}={v}" for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in env)
 
 
 def _make_agent(name: str, config: TransportConfig) -> Any:
@@ -46,8 +68,16 @@ def _make_agent(name: str, config: TransportConfig) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise BackendUnavailableError("NIXL is not installed", backend="nixl", detail=str(exc)) from None
-    conf = nixl_agent_config(backends=list(config.nixl_backends))
-    return _with_progress_delay(nixl_agent, name, conf, config.nixl_progress_delay_us)
+    # Backends are created below rather than by the constructor, which cannot pass init params.
+    conf = nixl_agent_config(backends=[])
+    agent = _with_progress_delay(nixl_agent, name, conf, config.nixl_progress_delay_us)
+    plugins = agent.get_plugin_list()
+    for backend in config.nixl_backends:
+        if backend not in plugins:
+            continue  # reported by the caller with the list of plugins found
+        engine_config = ucx_engine_config() if backend == "UCX" else ""
+        agent.create_backend(backend, {"engine_config": engine_config} if engine_config else {})
+    return agent
 
 
 def _with_progress_delay(factory: Any, name: str, conf: Any, delay_us: int) -> Any:

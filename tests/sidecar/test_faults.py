@@ -194,8 +194,8 @@ async def test_malformed_and_invalid_requests_name_the_field(harness: Harness) -
         OK.INVALID_ARGUMENT, dw.client.register_caches({"kv": (LAY, missing)}),
         "groups[0].memory.shm.regions[0].name", "'missing-seg'", "does not exist",
     )  # fmt: skip
-    await expect_error(OK.UNIMPLEMENTED, dw.client.register_caches({"kv": (LAY, CudaIpcRef((), ()))}),
-                       "CUDA IPC", "issue 7")  # fmt: skip
+    await expect_error(OK.INVALID_ARGUMENT, dw.client.register_caches({"kv": (LAY, CudaIpcRef((), ()))}),
+                       "groups[0].memory.cuda_ipc.handles: the layout has 4 regions")  # fmt: skip
     await expect_error(OK.INVALID_ARGUMENT,
                        dw.client.register_caches({"kv": (LAY, LibraryRef((1, 2, 3, 4), pid=1))}),
                        "library-mode addresses belong to process 1")  # fmt: skip

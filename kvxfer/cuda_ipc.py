@@ -1,0 +1,278 @@
+"""CUDA IPC through the driver API (ctypes on ``libcuda.so.1``): export on the worker, open in the sidecar.
+
+Legacy CUDA IPC shares a whole ``cudaMalloc`` allocation: a handle always names the allocation's
+base, so a tensor that starts inside a larger block (PyTorch's caching allocator packs tensors into
+2 MiB+ segments) travels as (handle of the block, offset of the tensor in it). The sidecar opens each
+distinct handle once per process (the driver refuses to map the same handle twice) and counts its
+users, so re-registering the same tensors while the old registration is still alive works.
+
+Nothing here imports torch: the sidecar needs no CUDA runtime, only the driver that the GPU node
+mounts. On a host without one, :func:`driver` raises :class:`CudaUnavailableError`, which the
+sidecar answers as FAILED_PRECONDITION naming the field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import uuid as uuid_mod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kvxfer.errors import KvxferError
+
+__all__ = [
+    "HANDLE_BYTES",
+    "CudaDriver",
+    "CudaIpcError",
+    "CudaUnavailableError",
+    "Exported",
+    "IpcMappings",
+    "driver",
+    "mappings",
+]
+
+HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
+LIBCUDA = "libcuda.so.1"  # the driver library; the NVIDIA container runtime mounts it
+_LAZY_ENABLE_PEER_ACCESS = 0x1
+_ATTR_IS_LEGACY_IPC_CAPABLE = 18  # CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+_ERR_NO_DEVICE = 100
+
+
+class CudaUnavailableError(KvxferError):
+    """This process cannot use CUDA (no driver library, no device, driver too old)."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class CudaIpcError(KvxferError):
+    """A CUDA IPC call failed (handle from a dead or the same process, memory not shareable, ...)."""
+
+    status = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, *, code: int = 0, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.code = code
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+@dataclass(frozen=True)
+class Exported:
+    """One tensor's IPC export: the handle of its allocation and where the tensor sits in it."""
+
+    handle: bytes
+    offset: int
+    allocation_bytes: int
+
+
+class CudaDriver:
+    """The few driver calls kvxfer needs; every call runs with the device's primary context current.
+
+    The primary context is the one PyTorch, the CUDA runtime and UCX use, so pointers opened here are
+    valid for the data plane in the same process.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._ctx: dict[int, ctypes.c_void_p] = {}
+        self._lock = threading.Lock()
+        for name, argtypes in {
+            "cuInit": [ctypes.c_uint],
+            "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+            "cuCtxPushCurrent_v2": [ctypes.c_void_p],
+            "cuCtxPopCurrent_v2": [ctypes.POINTER(ctypes.c_void_p)],
+            "cuMemGetAddressRange_v2": [
+                ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64,
+            ],
+            "cuIpcGetMemHandle": [ctypes.POINTER(_Handle), ctypes.c_uint64],
+            "cuIpcOpenMemHandle_v2": [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint],
+            "cuIpcCloseMemHandle": [ctypes.c_uint64],
+            "cuPointerGetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64],
+            "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+            "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        }.items():  # fmt: skip
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+        uuid_fn = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
+        uuid_fn.argtypes = [ctypes.POINTER(_Uuid), ctypes.c_int]
+        uuid_fn.restype = ctypes.c_int
+        self._uuid_fn = uuid_fn
+        rc = lib.cuInit(0)
+        if rc == _ERR_NO_DEVICE:
+            raise CudaUnavailableError("no CUDA device is visible to this process (cuInit: CUDA_ERROR_NO_DEVICE)")
+        if rc:
+            raise CudaUnavailableError(f"the CUDA driver did not initialize (cuInit: {self.error_text(rc)})")
+
+    # ------------------------------------------------------------------ basics
+    def error_text(self, rc: int) -> str:
+        """``NAME (description)`` of a driver error code."""
+        name, text = ctypes.c_char_p(), ctypes.c_char_p()
+        self._lib.cuGetErrorName(rc, ctypes.byref(name))
+        self._lib.cuGetErrorString(rc, ctypes.byref(text))
+        n = name.value.decode() if name.value else f"CUDA error {rc}"
+        return f"{n} ({text.value.decode()})" if text.value else n
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            raise CudaIpcError(f"{what}: {self.error_text(rc)}", code=rc)
+
+    def device_count(self) -> int:
+        """Devices visible to this process."""
+        n = ctypes.c_int()
+        self._check(self._lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        return int(n.value)
+
+    def device_uuid(self, ordinal: int) -> str:
+        """``GPU-xxxxxxxx-...`` as nvidia-smi prints it; stable across CUDA_VISIBLE_DEVICES renumbering."""
+        dev = self._device(ordinal)
+        u = _Uuid()
+        self._check(self._uuid_fn(ctypes.byref(u), dev), "cuDeviceGetUuid")
+        return "GPU-" + str(uuid_mod.UUID(bytes=bytes(u.bytes)))
+
+    def _device(self, ordinal: int) -> int:
+        dev = ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(dev), int(ordinal)), f"cuDeviceGet({ordinal})")
+        return int(dev.value)
+
+    @contextlib.contextmanager
+    def _current(self, ordinal: int) -> Iterator[None]:
+        """The device's primary context, current on this thread for the block."""
+        with self._lock:
+            ctx = self._ctx.get(ordinal)
+            if ctx is None:
+                ctx = ctypes.c_void_p()
+                dev = self._device(ordinal)
+                self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+                self._ctx[ordinal] = ctx  # kept for the process's life, as the runtime does
+        self._check(self._lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            popped = ctypes.c_void_p()
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
+
+    def allocation_range(self, ordinal: int, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation that holds device address ``ptr``."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        with self._current(ordinal):
+            rc = self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+        self._check(rc, f"cuMemGetAddressRange(0x{ptr:x})")
+        return int(base.value), int(size.value)
+
+    # ------------------------------------------------------------------ worker side
+    def export(self, ordinal: int, ptr: int) -> Exported:
+        """IPC handle of the allocation holding ``ptr`` on device ``ordinal``, and ``ptr``'s offset in it."""
+        capable = ctypes.c_int(1)
+        h = _Handle()
+        base, size = self.allocation_range(ordinal, ptr)
+        with self._current(ordinal):
+            # Drivers that do not know the attribute answer an error: then only cuIpcGetMemHandle decides.
+            attr = self._lib.cuPointerGetAttribute(ctypes.byref(capable), _ATTR_IS_LEGACY_IPC_CAPABLE, ptr)
+            rc = self._lib.cuIpcGetMemHandle(ctypes.byref(h), base)
+        if attr == 0 and not capable.value:
+            raise CudaIpcError(
+                "the memory was not allocated with cudaMalloc (e.g. cuMemCreate/VMM, or PyTorch with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), so legacy CUDA IPC cannot share it"
+            )
+        self._check(rc, "cuIpcGetMemHandle")
+        return Exported(bytes(h.reserved), ptr - base, size)
+
+    # ------------------------------------------------------------------ sidecar side
+    def open(self, ordinal: int, handle: bytes) -> int:
+        """Map another process's allocation; returns its base address in this process."""
+        h = _Handle()
+        ctypes.memmove(ctypes.byref(h), handle, HANDLE_BYTES)
+        ptr = ctypes.c_uint64()
+        with self._current(ordinal):
+            rc = self._lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS)
+        self._check(rc, "cuIpcOpenMemHandle")
+        return int(ptr.value)
+
+    def close(self, ordinal: int, ptr: int) -> None:
+        """Unmap what :meth:`open` mapped."""
+        with self._current(ordinal):
+            rc = self._lib.cuIpcCloseMemHandle(ptr)
+        self._check(rc, "cuIpcCloseMemHandle")
+
+
+_driver: CudaDriver | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> CudaDriver:
+    """The process's driver binding; raises :class:`CudaUnavailableError` without a usable driver."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            try:
+                lib = ctypes.CDLL(LIBCUDA)
+            except OSError as exc:
+                raise CudaUnavailableError(f"no CUDA driver in this process ({exc})") from None
+            _driver = CudaDriver(lib)
+        return _driver
+
+
+@dataclass
+class _Mapping:
+    base: int
+    size: int
+    refs: int
+
+
+class IpcMappings:
+    """Opened handles of this process, shared by every registration and counted."""
+
+    def __init__(self, get_driver: Callable[[], CudaDriver] | None = None) -> None:
+        self._get_driver = get_driver or (lambda: driver())
+        self._open: dict[tuple[int, bytes], _Mapping] = {}
+        self._lock = threading.Lock()
+
+    def driver(self) -> CudaDriver:
+        """The driver these mappings use (raises :class:`CudaUnavailableError` without one)."""
+        return self._get_driver()
+
+    def acquire(self, ordinal: int, handle: bytes) -> tuple[int, int]:
+        """(base, allocation bytes; 0 if unknown) of ``handle`` on device ``ordinal``, mapped on first use."""
+        key = (ordinal, bytes(handle))
+        with self._lock:
+            m = self._open.get(key)
+            if m is None:
+                drv = self._get_driver()
+                base = drv.open(ordinal, key[1])
+                try:
+                    _, size = drv.allocation_range(ordinal, base)
+                except CudaIpcError:
+                    size = 0  # unknown: the sizes the worker sent are then the only bound
+                m = self._open[key] = _Mapping(base, size, 0)
+            m.refs += 1
+            return m.base, m.size
+
+    def release(self, ordinal: int, handle: bytes) -> None:
+        """Drop one use; the last one unmaps."""
+        key = (ordinal, bytes(handle))
+        with self._lock:
+            m = self._open.get(key)
+            if m is None:
+                return
+            m.refs -= 1
+            if m.refs > 0:
+                return
+            del self._open[key]
+            self._get_driver().close(ordinal, m.base)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+mappings = IpcMappings()

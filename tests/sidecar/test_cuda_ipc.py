@@ -1,0 +1,243 @@
+"""CUDA IPC registration without a GPU: validation, errors, and the mapping bookkeeping (fake driver).
+
+The real driver path runs on the lent GPU machine (bench/gpu/cuda_ipc_check.py); these tests pin
+everything around it: what a worker sends, what the sidecar refuses and with which status and field,
+that each allocation is mapped once however many regions or registrations use it, and that every
+mapping is closed again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from kvxfer import cuda_ipc
+from kvxfer.cuda_ipc import CudaIpcError, CudaUnavailableError, Exported, IpcMappings
+from kvxfer.memory import CudaIpcRef, MemoryRegistrationError, attach
+from kvxfer.server.convert import memory_from_proto, memory_to_proto
+from kvxfer.transport.nixl_backend import UCX_DEFAULTS, ucx_engine_config
+from tests.sidecar.helpers import Harness, attention, expect_error
+
+LAY = attention(layers=4, blocks=8)  # region_bytes = 8 blocks * 8 heads * 16 tokens * 2 * 64 * 2 bytes
+UUIDS = ("GPU-00000000-0000-0000-0000-00000000000a", "GPU-00000000-0000-0000-0000-00000000000b")
+
+
+def handle(n: int) -> bytes:
+    return bytes([n]) * cuda_ipc.HANDLE_BYTES
+
+
+@dataclass
+class FakeDriver:
+    """Two GPUs; allocation ``handle(n)`` lives at 0x1000_0000 * n and has ``alloc_bytes`` bytes."""
+
+    alloc_bytes: int = 1 << 30
+    fail_open: set[bytes] = field(default_factory=set)
+    opened: list[tuple[int, bytes]] = field(default_factory=list)
+    closed: list[tuple[int, int]] = field(default_factory=list)
+
+    def device_count(self) -> int:
+        return len(UUIDS)
+
+    def device_uuid(self, ordinal: int) -> str:
+        return UUIDS[ordinal]
+
+    def open(self, ordinal: int, h: bytes) -> int:
+        if h in self.fail_open:
+            raise CudaIpcError("cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE (invalid argument)", code=1)
+        self.opened.append((ordinal, h))
+        return 0x1000_0000 * h[0]
+
+    def allocation_range(self, ordinal: int, ptr: int) -> tuple[int, int]:
+        return ptr, self.alloc_bytes
+
+    def close(self, ordinal: int, ptr: int) -> None:
+        self.closed.append((ordinal, ptr))
+
+    def export(self, ordinal: int, ptr: int) -> Exported:
+        return Exported(handle(ptr >> 28), ptr & 0xFFF_FFFF, self.alloc_bytes)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    drv = FakeDriver()
+    monkeypatch.setattr(cuda_ipc, "mappings", IpcMappings(lambda: drv))  # type: ignore[arg-type, return-value]
+    monkeypatch.setattr(cuda_ipc, "driver", lambda: drv)
+    return drv
+
+
+@pytest.fixture
+def no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process has no libcuda.so.1, whatever the machine has."""
+
+    monkeypatch.setattr(cuda_ipc, "_driver", None)
+    monkeypatch.setattr(cuda_ipc, "LIBCUDA", "libkvxfer-test-no-cuda.so.1")
+    monkeypatch.setattr(cuda_ipc, "mappings", IpcMappings())
+
+
+def ref(**kw: Any) -> CudaIpcRef:
+    n = LAY.num_regions
+    base = dict(handles=tuple(handle(1) for _ in range(n)), offsets=tuple(i * LAY.region_bytes for i in range(n)),
+                device=0, sizes=(LAY.region_bytes,) * n, device_uuid="")  # fmt: skip
+    return CudaIpcRef(**{**base, **kw})  # type: ignore[arg-type]
+
+
+class FakeCudaTensor:
+    """What from_tensors reads of a CUDA tensor, backed by a CPU tensor's shape and strides."""
+
+    is_cuda = True
+
+    def __init__(self, t: torch.Tensor, ptr: int, device: int = 0) -> None:
+        self._t, self._ptr, self.device = t, ptr, torch.device("cuda", device)
+        self.shape = t.shape
+
+    def numel(self) -> int:
+        return self._t.numel()
+
+    def stride(self) -> tuple[int, ...]:
+        return self._t.stride()
+
+    def element_size(self) -> int:
+        return self._t.element_size()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+# ---------------------------------------------------------------------------- worker side
+def test_from_tensors_refuses_cpu_and_empty() -> None:
+    with pytest.raises(MemoryRegistrationError, match=r"memory.cuda_ipc: tensor 1 is on cpu, not a CUDA device"):
+        CudaIpcRef.from_tensors([FakeCudaTensor(torch.zeros(4), 0x1000_0000), torch.zeros(4)])
+    with pytest.raises(MemoryRegistrationError, match="no tensors given"):
+        CudaIpcRef.from_tensors([])
+
+
+def test_from_tensors_exports_offsets_sizes_and_uuid(fake: FakeDriver) -> None:
+    per_layer = [
+        FakeCudaTensor(torch.zeros(8, 16, 64, dtype=torch.bfloat16), 0x1000_0000 + i * 0x4000) for i in range(3)
+    ]
+    r = CudaIpcRef.from_tensors(per_layer)
+    assert r.handles == (handle(1),) * 3
+    assert r.offsets == (0, 0x4000, 0x8000)
+    assert r.sizes == (8 * 16 * 64 * 2,) * 3
+    assert (r.device, r.device_uuid) == (0, UUIDS[0])
+    # A cross-layer cache is a permuted view (layers, blocks, ...) of block-major memory: dense, accepted.
+    cross = torch.zeros(8, 4, 16, 32).permute(1, 0, 2, 3)
+    assert CudaIpcRef.from_tensors([FakeCudaTensor(cross, 0x2000_0100, 1)]).sizes == (cross.numel() * 4,)
+
+
+def test_from_tensors_refuses_gaps_and_mixed_devices(fake: FakeDriver) -> None:
+    sliced = torch.zeros(8, 16, 64)[:, :8]
+    with pytest.raises(MemoryRegistrationError, match=r"tensor 0 is not dense .*not a slice"):
+        CudaIpcRef.from_tensors([FakeCudaTensor(sliced, 0x1000_0000)])
+    with pytest.raises(MemoryRegistrationError, match=r"devices \[0, 1\]"):
+        CudaIpcRef.from_tensors([FakeCudaTensor(torch.zeros(4), 0x1000_0000, 0),
+                                 FakeCudaTensor(torch.zeros(4), 0x1000_0000, 1)])  # fmt: skip
+
+
+def test_from_tensors_without_driver_says_so(no_driver: None) -> None:
+    with pytest.raises(CudaUnavailableError, match="no CUDA driver in this process"):
+        CudaIpcRef.from_tensors([FakeCudaTensor(torch.zeros(4), 0x1000_0000)])
+
+
+def test_proto_round_trip() -> None:
+    r = ref(device=3, device_uuid=UUIDS[1])
+    assert memory_from_proto(memory_to_proto(r), "memory") == r
+    old = memory_to_proto(ref(sizes=()))  # a worker that sends no sizes
+    assert memory_from_proto(old, "memory").sizes == ()
+
+
+# ---------------------------------------------------------------------------- sidecar side
+def test_attach_maps_each_allocation_once_and_closes_it(fake: FakeDriver) -> None:
+    a = attach(ref(), LAY)
+    assert a.mem_type == "VRAM"
+    assert a.table.base.tolist() == [0x1000_0000 + i * LAY.region_bytes for i in range(LAY.num_regions)]
+    assert a.table.device.tolist() == [0] * LAY.num_regions
+    assert fake.opened == [(0, handle(1))]  # four regions, one allocation, one mapping
+    b = attach(ref(), LAY)  # re-registration while the old one is alive: no second open
+    assert fake.opened == [(0, handle(1))]
+    a.close()
+    assert fake.closed == []
+    b.close()
+    b.close()  # idempotent
+    assert fake.closed == [(0, 0x1000_0000)]
+    assert len(cuda_ipc.mappings) == 0
+
+
+def test_attach_finds_the_gpu_by_uuid(fake: FakeDriver) -> None:
+    a = attach(ref(device=0, device_uuid=UUIDS[1].upper()), LAY)
+    assert a.table.device.tolist() == [1] * LAY.num_regions
+    assert fake.opened == [(1, handle(1))]
+    a.close()
+    with pytest.raises(CudaUnavailableError, match=r"memory.cuda_ipc.device_uuid: the worker's GPU GPU-x .*GPU-0") as e:
+        attach(ref(device_uuid="GPU-x"), LAY)
+    assert e.value.status == "FAILED_PRECONDITION"
+    with pytest.raises(CudaUnavailableError, match=r"memory.cuda_ipc.device: device 5 is not visible"):
+        attach(ref(device=5), LAY)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"handles": (handle(1),)}, r"memory.cuda_ipc.handles: the layout has 4 regions \(one per layer\), got 1"),
+        ({"offsets": (0, 0)}, r"memory.cuda_ipc.offsets: 2 given for 4 handles"),
+        ({"sizes": (1,)}, r"memory.cuda_ipc.sizes: 1 given for 4 handles"),
+        ({"handles": (b"short",) * 4}, r"memory.cuda_ipc.handles\[0\]: 5 bytes; a CUDA IPC handle has 64"),
+        ({"sizes": (LAY.region_bytes, 100, 0, 0)}, r"memory.cuda_ipc.sizes\[1\]: the tensor has 100 bytes"),
+        ({"device": -1}, r"memory.cuda_ipc.device: -1 is negative"),
+    ],
+)
+def test_attach_refuses_bad_refs_before_touching_cuda(fake: FakeDriver, kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(MemoryRegistrationError, match=message) as e:
+        attach(ref(**kw), LAY)
+    assert e.value.status == "INVALID_ARGUMENT"
+    assert fake.opened == []
+
+
+def test_attach_cleans_up_when_a_later_region_fails(fake: FakeDriver) -> None:
+    handles = (handle(1), handle(2), handle(3), handle(4))
+    fake.fail_open = {handle(3)}
+    with pytest.raises(CudaIpcError, match=r"memory.cuda_ipc.handles\[2\]: cannot open .*CUDA_ERROR_INVALID_VALUE"):
+        attach(ref(handles=handles), LAY)
+    assert sorted(fake.closed) == [(0, 0x1000_0000), (0, 0x2000_0000)]
+    fake.fail_open = set()
+    fake.alloc_bytes = 2 * LAY.region_bytes
+    with pytest.raises(MemoryRegistrationError, match=r"offsets\[2\]: a region of \d+ bytes at offset \d+ overruns"):
+        attach(ref(), LAY)
+    assert len(cuda_ipc.mappings) == 0
+
+
+def test_attach_without_driver_names_the_field(no_driver: None) -> None:
+    with pytest.raises(CudaUnavailableError) as e:
+        attach(ref(), LAY, field="groups[0].memory")
+    assert e.value.status == "FAILED_PRECONDITION"
+    assert e.value.field == "groups[0].memory.cuda_ipc"
+    assert "groups[0].memory.cuda_ipc: this sidecar cannot open CUDA IPC handles: no CUDA driver" in e.value.message
+
+
+async def test_sidecar_answers_failed_precondition_without_cuda(harness: Harness, no_driver: None) -> None:
+    sc = await harness.sidecar(role="decode")
+    w = await harness.worker(sc, {"kv": LAY}, register=False)
+    await expect_error(
+        grpc.StatusCode.FAILED_PRECONDITION, w.client.register_caches({"kv": (LAY, ref())}),
+        "groups[0].memory.cuda_ipc: this sidecar cannot open CUDA IPC handles", "no CUDA driver",
+    )  # fmt: skip
+    await expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT, w.client.register_caches({"kv": (LAY, ref(handles=(b"x",) * 4))}),
+        "groups[0].memory.cuda_ipc.handles[0]: 1 bytes",
+    )  # fmt: skip
+    await w.register()  # shared memory still registers
+    assert (await w.client.status())["registered"]
+
+
+# ---------------------------------------------------------------------------- UCX settings
+def test_ucx_engine_config_respects_the_users_env() -> None:
+    assert ucx_engine_config({}) == ",".join(f"{k}={v}" for k, v in UCX_DEFAULTS.items())
+    assert "CUDA_IPC_ENABLE_GET_ZCOPY=y" in ucx_engine_config({})
+    mine = ucx_engine_config({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"})
+    assert "GET_ZCOPY" not in mine
+    assert "CUDA_IPC_ENABLE_SAME_PROCESS=y" in mine
+    assert ucx_engine_config({f"UCX_{k}": "n" for k in UCX_DEFAULTS}) == ""
