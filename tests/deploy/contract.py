@@ -83,9 +83,22 @@ def _registry_metrics() -> dict[str, Metric]:
 
 
 def exported_metrics() -> dict[str, Metric]:
-    """Name -> metric, for every metric the sidecar exports.
+    """Name -> metric, for every metric the sidecar really exports: read from its registry.
 
-    Source: the contract's metrics table. To check against the live registry instead, return
-    `_registry_metrics()` here (the one line to change).
+    tests/deploy/test_dashboard.py also checks that the contract's table says the same.
     """
+    return _registry_metrics()
+
+
+def contract_metrics() -> dict[str, Metric]:
+    """Name -> metric, as docs/sidecar-contract.md's table lists them."""
     return _contract_metrics()
+
+
+def port_name(kind: str, rank: int) -> str:
+    """The Kubernetes name of rank ``rank``'s sidecar port ``kind`` (peer, metrics, data).
+
+    Rank 0 keeps the contract's names; a port name has at most 15 characters, so rank r > 0 uses
+    ``<kind>-<r>`` ("kvxfer-metrics-1" would have 16).
+    """
+    return f"kvxfer-{kind}" if rank == 0 else f"{kind}-{rank}"

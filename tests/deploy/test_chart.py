@@ -42,6 +42,11 @@ BAD_VALUES = {
     "latest-tag": ({"image": {"tag": "latest"}}, "latest"),
     "bad-env-entry": ({"extraEnv": [{"name": "A", "val": "b"}]}, "val"),
     "rdma-resource-count": ({"rdma": {"resources": {"rdma/ib": "one"}}}, "one"),
+    "zero-tensor-parallel": ({"vllm": {"tensorParallelSize": 0}}, "0"),
+    "wrong-type-pipeline-parallel": ({"decode": {"vllm": {"pipelineParallelSize": "2"}}}, "2"),
+    "net-devices-by-rank-not-a-list": ({"sidecar": {"ucx": {"netDevicesByRank": "mlx5_0:1"}}}, "mlx5_0:1"),
+    "message-size-below-the-sidecars-minimum": ({"sidecar": {"maxMessageBytes": 1024}}, "1024"),
+    "lease-above-the-sidecars-maximum": ({"sidecar": {"leaseSeconds": 100000}}, "100000"),
 }
 
 
@@ -120,64 +125,148 @@ def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     }
 
 
+def sidecars(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's kvxfer sidecar containers, in rank order (kvxfer-0, kvxfer-1, ...)."""
+    found = [c for c in spec.get("initContainers", []) if c["name"].startswith("kvxfer")]
+    assert [c["name"] for c in found] == [f"kvxfer-{r}" for r in range(len(found))], [c["name"] for c in found]
+    return found
+
+
+def _opts(container: dict[str, Any]) -> dict[str, str]:
+    return dict(a.split("=", 1) for a in container["args"][1:] if "=" in a)
+
+
+def _arg(args: list[str], flag: str, default: str | None = None) -> str:
+    values = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    if not values and default is not None:
+        return default
+    (value,) = values
+    return value
+
+
+def worker_ranks(vllm: dict[str, Any]) -> int:
+    """Worker ranks of the pod's vLLM instance: tensor x pipeline parallel size."""
+    args = vllm["args"]
+    tp = int(_arg(args, "--tensor-parallel-size"))
+    pp = int(_arg(args, "--pipeline-parallel-size", "1"))
+    return tp * pp
+
+
+def parse_drain(command: list[str]) -> dict[str, Any]:
+    """Parse a preStop command with kvxfer's own CLI (`kvxfer drain`), without running it."""
+    import typer.main
+
+    from kvxfer.cli import app
+
+    assert command[:2] == ["kvxfer", "drain"], command
+    # Typer's click (vendored in recent typer) parses exactly as `kvxfer drain` would.
+    drain = typer.main.get_command(app).get_command(None, "drain")  # type: ignore[attr-defined]
+    assert drain is not None, "kvxfer has no drain command"
+    try:
+        ctx = drain.make_context("drain", list(command[2:]))
+    except Exception as exc:  # the CLI's usage error: unknown option, bad value
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        raise AssertionError(f"`{' '.join(command)}`: {message}") from None
+    return dict(ctx.params)
+
+
+def kv_transfer_config(role: str) -> dict[str, str]:
+    return json.loads(KV_TRANSFER_CONFIG.replace("kv_both", "kv_producer" if role == "prefill" else "kv_consumer"))
+
+
 def check_worker_pod(role: str, spec: dict[str, Any]) -> None:
-    """What every prefill/decode pod must look like, chart or plain manifests."""
-    (sidecar,) = [c for c in spec["initContainers"] if c["name"] == "kvxfer"]
+    """What every prefill/decode pod must look like, chart or plain manifests: one native sidecar
+    per worker rank, each with its own socket, ports, probes and drain."""
     (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
-    # Native sidecar.
-    assert sidecar["restartPolicy"] == "Always"
-    # Flags and environment only from the contract.
-    args = sidecar["args"]
-    assert args[0] == "serve"
-    for a in args[1:]:
-        flag = a.split("=", 1)[0]
-        assert flag in contract.flags(), f"{role}: {flag} is not in docs/sidecar-contract.md"
-    opts = dict(a.split("=", 1) for a in args[1:] if "=" in a)
-    assert opts["--role"] == role
+    side = sidecars(spec)
+    ranks = worker_ranks(vllm)
+    assert len(side) == ranks, f"{role}: {ranks} worker ranks but {len(side)} sidecars"
+    assert len(spec["initContainers"]) == ranks, "only the sidecars are init containers"
+    vllm_env = {e["name"]: e for e in vllm["env"]}
+    socket_template = vllm_env["KVXFER_LOCAL_SOCKET"]["value"]
+    assert "{rank}" in socket_template, socket_template
     contract_env = {contract.env_var(f) for f in contract.flags()}
-    for e in sidecar.get("env", []):
-        if e["name"].startswith("KVXFER_"):
-            assert e["name"] in contract_env, e["name"]
-    # Ports named as in the contract; probes on grpc.health.v1 at the peer port.
-    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-    assert set(contract.ports()) <= set(ports)
-    peer = ports["kvxfer-peer"]
-    assert opts["--peer-listen"] == f"0.0.0.0:{peer}"
-    assert opts["--metrics-listen"] == f"0.0.0.0:{ports['kvxfer-metrics']}"
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert sidecar[probe]["grpc"]["port"] == peer, probe
-    # The startup probe gates the worker's start: it must not wait for the worker.
-    assert sidecar["startupProbe"]["grpc"]["service"] == "liveness"
-    assert sidecar["readinessProbe"]["grpc"]["service"] == ""
-    # Drain on the way out, with time for it.
-    assert sidecar["lifecycle"]["preStop"]["exec"]["command"] == ["kvxfer", "drain"]
-    assert spec["terminationGracePeriodSeconds"] > float(opts["--drain-seconds"])
-    # Security.
-    sc = sidecar["securityContext"]
-    assert sc["runAsNonRoot"] is True
-    assert sc["allowPrivilegeEscalation"] is False
-    assert sc["readOnlyRootFilesystem"] is True
-    assert "ALL" in sc["capabilities"]["drop"]
-    assert set(sc["capabilities"].get("add", [])) <= {"IPC_LOCK"}
-    assert spec.get("hostNetwork", False) is False or spec["dnsPolicy"] == "ClusterFirstWithHostNet"
-    # Volumes: the socket directory shared, /dev/shm in memory.
     volumes = {v["name"]: v for v in spec["volumes"]}
-    mounts = {c["name"]: {m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (sidecar, vllm)}
-    socket_dir = opts["--local-socket"].rsplit("/", 1)[0]
-    assert mounts["kvxfer"][socket_dir] == mounts["vllm"][socket_dir]
-    assert "emptyDir" in volumes[mounts["kvxfer"][socket_dir]]
-    if "/dev/shm" in mounts["kvxfer"]:
-        assert volumes[mounts["kvxfer"]["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-        assert mounts["vllm"]["/dev/shm"] == mounts["kvxfer"]["/dev/shm"]
-    # Files named by flags are mounted.
-    for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--token-file"):
-        if flag in opts:
-            assert any(opts[flag].startswith(p + "/") for p in mounts["kvxfer"]), flag
-    # The worker loads the kvxfer connector.
+    vllm_mounts = {m["mountPath"]: m["name"] for m in vllm["volumeMounts"]}
+    pod_port_names: list[str] = []
+    pod_port_numbers: list[int] = [p["containerPort"] for p in vllm["ports"]]
+    base = _opts(side[0])
+    base_peer = int(base["--peer-listen"].rsplit(":", 1)[1])
+    base_metrics = int(base["--metrics-listen"].rsplit(":", 1)[1])
+    for r, sidecar in enumerate(side):
+        where = f"{role} {sidecar['name']}"
+        # Native sidecar.
+        assert sidecar["restartPolicy"] == "Always", where
+        # Flags and environment only from the contract.
+        args = sidecar["args"]
+        assert args[0] == "serve"
+        for a in args[1:]:
+            flag = a.split("=", 1)[0]
+            assert flag in contract.flags(), f"{where}: {flag} is not in docs/sidecar-contract.md"
+        opts = _opts(sidecar)
+        assert opts["--role"] == role
+        # One engine id for the whole instance (the rank tells its sidecars apart).
+        assert opts["--engine-id"] == base["--engine-id"] == "$(POD_NAME)", where
+        for e in sidecar.get("env", []):
+            if e["name"].startswith("KVXFER_"):
+                assert e["name"] in contract_env, e["name"]
+        # Rank r: its own socket (what the worker of rank r gets from the {rank} template), and
+        # ports base + r, named as in the contract for rank 0 and <kind>-<r> otherwise.
+        assert opts["--local-socket"] == socket_template.replace("{rank}", str(r)), where
+        ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+        assert ports[contract.port_name("peer", r)] == base_peer + r, where
+        assert ports[contract.port_name("metrics", r)] == base_metrics + r, where
+        if r == 0:
+            assert set(contract.ports()) <= set(ports)
+        assert opts["--peer-listen"] == f"0.0.0.0:{base_peer + r}"
+        assert opts["--metrics-listen"] == f"0.0.0.0:{base_metrics + r}"
+        if int(opts["--data-port"]):
+            assert ports[contract.port_name("data", r)] == int(opts["--data-port"]), where
+        pod_port_names += list(ports)
+        pod_port_numbers += list(ports.values())
+        # Probes on grpc.health.v1 at this rank's peer port.
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert sidecar[probe]["grpc"]["port"] == base_peer + r, (where, probe)
+        # The startup probe gates the worker's start: it must not wait for the worker.
+        assert sidecar["startupProbe"]["grpc"]["service"] == "liveness"
+        assert sidecar["readinessProbe"]["grpc"]["service"] == ""
+        # Drain this rank's sidecar on the way out (with the token when there is one), with time for it.
+        drain = parse_drain(sidecar["lifecycle"]["preStop"]["exec"]["command"])
+        assert drain["target"] == opts["--local-socket"], where
+        assert drain["token_file"] == opts.get("--token-file"), where
+        assert spec["terminationGracePeriodSeconds"] > float(opts["--drain-seconds"])
+        # Security.
+        sc = sidecar["securityContext"]
+        assert sc["runAsNonRoot"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert "ALL" in sc["capabilities"]["drop"]
+        assert set(sc["capabilities"].get("add", [])) <= {"IPC_LOCK"}
+        # Volumes: the socket directory shared with the worker, /dev/shm in memory.
+        mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+        socket_dir = opts["--local-socket"].rsplit("/", 1)[0]
+        assert mounts[socket_dir] == vllm_mounts[socket_dir]
+        assert "emptyDir" in volumes[mounts[socket_dir]]
+        if "/dev/shm" in mounts:
+            assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+            assert vllm_mounts["/dev/shm"] == mounts["/dev/shm"]
+        # Files named by flags are mounted.
+        for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--token-file"):
+            if flag in opts:
+                assert any(opts[flag].startswith(p + "/") for p in mounts), flag
+        if "--token-file" in opts:
+            assert vllm_env["KVXFER_TOKEN_FILE"]["value"] == opts["--token-file"]
+    # Port names and numbers are unique in the pod; names fit Kubernetes' 15 characters.
+    assert len(pod_port_names) == len(set(pod_port_names)), pod_port_names
+    assert len(pod_port_numbers) == len(set(pod_port_numbers)), pod_port_numbers
+    assert all(len(n) <= 15 for n in pod_port_names), pod_port_names
+    assert spec.get("hostNetwork", False) is False or spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # The worker loads the kvxfer connector, as producer (prefill) or consumer (decode).
     i = vllm["args"].index("--kv-transfer-config")
-    assert json.loads(vllm["args"][i + 1]) == json.loads(KV_TRANSFER_CONFIG)
-    assert {"name": "KVXFER_LOCAL_SOCKET", "value": opts["--local-socket"]} in vllm["env"]
+    assert json.loads(vllm["args"][i + 1]) == kv_transfer_config(role)
     assert any(p["name"] == "http" for p in vllm["ports"])
+    gpus = {k: v for k, v in vllm.get("resources", {}).get("limits", {}).items() if k.endswith("/gpu")}
+    assert all(v == ranks for v in gpus.values()), (gpus, ranks)
 
 
 @pytest.mark.parametrize("values", VALUES, ids=_ids(VALUES))
@@ -190,30 +279,158 @@ def test_rendered_worker_pods(values: Path, helm_render: Path) -> None:
 
 def test_default_render_exact_kv_transfer_config(helm_render: Path) -> None:
     out = render_chart(helm_render)
-    assert f"'{KV_TRANSFER_CONFIG}'" in out.stdout
+    for kv_role in ("kv_producer", "kv_consumer"):
+        assert "'" + KV_TRANSFER_CONFIG.replace("kv_both", kv_role) + "'" in out.stdout
+    assert "kv_both" not in out.stdout
+
+
+def _render_values(helm_render: Path, tmp_path: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = run([tool("check-jsonschema"), "--schemafile", str(SCHEMA), str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = render_chart(helm_render, path)
+    assert out.returncode == 0, out.stderr
+    return load_docs(out.stdout)
+
+
+def test_one_sidecar_per_rank(helm_render: Path, tmp_path: Path) -> None:
+    """TP=4: four sidecars per pod, rank r on its own socket and ports, one GPU per rank."""
+    docs = _render_values(helm_render, tmp_path, {"vllm": {"tensorParallelSize": 4}})
+    validate_manifests(docs, tmp_path)
+    for role, spec in pod_specs(docs).items():
+        check_worker_pod(role, spec)
+        side = sidecars(spec)
+        assert [_opts(c)["--local-socket"] for c in side] == [f"/run/kvxfer/kvxfer-{r}.sock" for r in range(4)]
+        assert [_opts(c)["--peer-listen"] for c in side] == [f"0.0.0.0:{50051 + r}" for r in range(4)]
+        assert [_opts(c)["--metrics-listen"] for c in side] == [f"0.0.0.0:{9400 + r}" for r in range(4)]
+        assert [[p["name"] for p in c["ports"]] for c in side] == [
+            ["kvxfer-peer", "kvxfer-metrics"],
+            ["peer-1", "metrics-1"],
+            ["peer-2", "metrics-2"],
+            ["peer-3", "metrics-3"],
+        ]
+        assert [c["readinessProbe"]["grpc"]["port"] for c in side] == [50051, 50052, 50053, 50054]
+        assert [c["lifecycle"]["preStop"]["exec"]["command"][-1] for c in side] == [
+            f"--target=/run/kvxfer/kvxfer-{r}.sock" for r in range(4)
+        ]
+        (vllm,) = spec["containers"]
+        assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_pipeline_parallel_ranks(helm_render: Path, tmp_path: Path) -> None:
+    """TP=2 x PP=2 is four ranks in the pod; roles may differ (decode at TP=1 keeps one sidecar)."""
+    docs = _render_values(
+        helm_render,
+        tmp_path,
+        {"prefill": {"vllm": {"tensorParallelSize": 2, "pipelineParallelSize": 2}}},
+    )
+    pods = pod_specs(docs)
+    for role, spec in pods.items():
+        check_worker_pod(role, spec)
+    assert len(sidecars(pods["prefill"])) == 4
+    assert len(sidecars(pods["decode"])) == 1
+    (vllm,) = pods["prefill"]["containers"]
+    assert "--pipeline-parallel-size=2" in vllm["args"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def _metrics_ports(spec: dict[str, Any]) -> dict[str, int]:
+    out = {}
+    for r, c in enumerate(sidecars(spec)):
+        (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == contract.port_name("metrics", r)]
+        out[contract.port_name("metrics", r)] = port
+    return out
+
+
+def check_metrics_objects(docs: list[dict[str, Any]]) -> None:
+    """The metrics Services and the ServiceMonitor/PodMonitor reach every rank's metrics port."""
+    pods = pod_specs(docs)
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    wanted: dict[str, set[str]] = {}
+    for role, spec in pods.items():
+        metrics = _metrics_ports(spec)
+        (svc,) = [
+            s
+            for s in services.values()
+            if s["metadata"]["labels"].get("app.kubernetes.io/component") == "metrics"
+            and s["metadata"]["labels"].get("kvxfer.io/role") == role
+        ]
+        assert svc["spec"]["selector"]["kvxfer.io/role"] == role, "a role's metrics Service selects that role only"
+        got = {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]}
+        assert got == {name: (port, port) for name, port in metrics.items()}, (role, got, metrics)
+        for name in metrics:
+            wanted.setdefault(name, set()).add(role)
+    for d in docs:
+        if d["kind"] not in {"ServiceMonitor", "PodMonitor"}:
+            continue
+        endpoints = d["spec"]["endpoints" if d["kind"] == "ServiceMonitor" else "podMetricsEndpoints"]
+        assert {e["port"] for e in endpoints} == set(wanted), d["kind"]
+        for e in endpoints:
+            rank = 0 if e["port"] == "kvxfer-metrics" else int(e["port"].split("-")[1])
+            relabel = {r["targetLabel"]: r for r in e["relabelings"]}
+            assert relabel["role"]["sourceLabels"] == ["__meta_kubernetes_pod_label_kvxfer_io_role"]
+            assert relabel["rank"]["replacement"] == str(rank)
+
+
+@pytest.mark.parametrize("values", VALUES, ids=_ids(VALUES))
+def test_metrics_cover_every_rank(values: Path, helm_render: Path) -> None:
+    check_metrics_objects(_render(helm_render, values))
+
+
+@pytest.mark.parametrize("monitor", ["serviceMonitor", "podMonitor"])
+def test_monitors_cover_every_rank(monitor: str, helm_render: Path, tmp_path: Path) -> None:
+    docs = _render_values(
+        helm_render,
+        tmp_path,
+        {
+            "metrics": {monitor: {"enabled": True}},
+            "prefill": {"vllm": {"tensorParallelSize": 4}},
+            "decode": {"vllm": {"tensorParallelSize": 2}},
+        },
+    )
+    (mon,) = [d for d in docs if d["kind"] in {"ServiceMonitor", "PodMonitor"}]
+    validate_manifests(docs, tmp_path)
+    check_metrics_objects(docs)
+    endpoints = mon["spec"]["endpoints" if monitor == "serviceMonitor" else "podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == ["kvxfer-metrics", "metrics-1", "metrics-2", "metrics-3"]
 
 
 def test_rdma_and_per_role_overrides(helm_render: Path) -> None:
     pods = pod_specs(_render(helm_render, CHART / "examples" / "hetero-tp.yaml"))
     tp = {}
     for role, spec in pods.items():
-        (sidecar,) = spec["initContainers"]
         (vllm,) = spec["containers"]
         tp[role] = vllm["resources"]["limits"]["nvidia.com/gpu"]
         assert f"--tensor-parallel-size={tp[role]}" in vllm["args"]
-        assert sidecar["resources"]["limits"]["rdma/ib"] == sidecar["resources"]["requests"]["rdma/ib"] == 2
-        assert sidecar["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-        env = {e["name"]: e.get("value") for e in sidecar["env"]}
-        assert env["UCX_TLS"] == "rc,ud,sm,self,cuda_copy,cuda_ipc"
-        assert env["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
-        assert env["UCX_IB_GID_INDEX"] == "3"
+        assert len(sidecars(spec)) == tp[role]
+        for r, sidecar in enumerate(sidecars(spec)):
+            assert sidecar["resources"]["limits"]["rdma/ib"] == sidecar["resources"]["requests"]["rdma/ib"] == 1
+            assert sidecar["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+            env = {e["name"]: e.get("value") for e in sidecar["env"]}
+            assert env["UCX_TLS"] == "rc,ud,sm,self,cuda_copy,cuda_ipc"
+            # Each rank on the HCA next to its GPU.
+            assert env["UCX_NET_DEVICES"] == f"mlx5_{r}:1"
+            assert env["UCX_IB_GID_INDEX"] == "3"
     assert tp == {"prefill": 4, "decode": 2}
     # decode overrides one sidecar key; the other sidecar keys keep their global defaults.
-    dec = pods["decode"]["initContainers"][0]["args"]
-    pre = pods["prefill"]["initContainers"][0]["args"]
-    assert "--transfer-timeout-seconds=60" in dec
-    assert "--transfer-timeout-seconds=30" in pre
-    assert "--lease-seconds=30" in dec
+    for dec in sidecars(pods["decode"]):
+        assert "--transfer-timeout-seconds=60" in dec["args"]
+        assert "--lease-seconds=30" in dec["args"]
+    for pre in sidecars(pods["prefill"]):
+        assert "--transfer-timeout-seconds=30" in pre["args"]
+
+
+def test_mooncake_devices_and_data_ports_per_rank(helm_render: Path) -> None:
+    pods = pod_specs(_render(helm_render, CHART / "examples" / "mooncake-rdma.yaml"))
+    data = {"prefill": 50100, "decode": 51100}
+    for role, spec in pods.items():
+        assert spec["hostNetwork"] is True
+        for r, sidecar in enumerate(sidecars(spec)):
+            opts = _opts(sidecar)
+            assert opts["--backend"] == "mooncake"
+            assert opts["--mooncake-device"] == f"mlx5_{r}"
+            assert opts["--data-port"] == str(data[role] + r)
 
 
 def test_host_network_is_off_by_default(helm_render: Path) -> None:
@@ -231,12 +448,60 @@ def test_host_network_is_off_by_default(helm_render: Path) -> None:
             "enable one of them",
         ),
         ({"gpu": {"sidecarAccess": "resourceClaims"}}, "needs gpu.resourceClaims"),
+        (
+            {"vllm": {"tensorParallelSize": 2}, "sidecar": {"ports": {"data": 50052}}},
+            "port 50052 is both sidecar.ports.data and sidecar.ports.peer+1 (rank 1)",
+        ),
+        (
+            {"decode": {"vllm": {"tensorParallelSize": 4, "port": 9402}}},
+            "decode: port 9402 is both vllm.port and sidecar.ports.metrics+2 (rank 2)",
+        ),
+        (
+            {"vllm": {"tensorParallelSize": 2, "pipelineParallelSize": 2}, "sidecar": {"ports": {"metrics": 50049}}},
+            "port 50051 is both sidecar.ports.peer and sidecar.ports.metrics+2 (rank 2)",
+        ),
+        (
+            {"vllm": {"tensorParallelSize": 8}, "sidecar": {"ports": {"peer": 65530}}},
+            "sidecar.ports.peer+6 (rank 6) = 65536 is above 65535",
+        ),
+        (
+            {"vllm": {"tensorParallelSize": 4}, "sidecar": {"ucx": {"netDevicesByRank": ["mlx5_0:1", "mlx5_1:1"]}}},
+            "sidecar.ucx.netDevicesByRank has 2 entries for 4 ranks",
+        ),
+        (
+            {"vllm": {"tensorParallelSize": 2}, "sidecar": {"mooncake": {"deviceByRank": ["mlx5_0"]}}},
+            "sidecar.mooncake.deviceByRank has 1 entries for 2 ranks",
+        ),
+        (
+            {"sidecar": {"extraArgs": ["--local-socket=/run/kvxfer/kvxfer.sock"]}},
+            "sidecar.extraArgs: --local-socket is set by the chart, per rank",
+        ),
+        (
+            {"terminationGracePeriodSeconds": 20},
+            "terminationGracePeriodSeconds (20) must exceed sidecar.drainSeconds (20)",
+        ),
     ],
-    ids=["tls-without-secret", "auth-without-secret", "two-monitors", "claims-without-claims"],
+    ids=[
+        "tls-without-secret",
+        "auth-without-secret",
+        "two-monitors",
+        "claims-without-claims",
+        "data-port-collides-with-rank-1",
+        "vllm-port-collides-with-rank-2",
+        "metrics-range-overlaps-peer-range",
+        "port-above-65535",
+        "net-devices-short",
+        "mooncake-devices-short",
+        "extra-args-chart-flag",
+        "grace-not-above-drain",
+    ],
 )
 def test_render_refuses(values: dict[str, Any], message: str, helm_render: Path, tmp_path: Path) -> None:
     path = tmp_path / "values.yaml"
     path.write_text(yaml.safe_dump(values))
+    # The schema accepts these: only the chart, seeing all values at once, can tell.
+    out = run([tool("check-jsonschema"), "--schemafile", str(SCHEMA), str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
     out = render_chart(helm_render, path)
     assert out.returncode != 0, out.stdout
     assert message in out.stderr, out.stderr
@@ -245,22 +510,31 @@ def test_render_refuses(values: dict[str, Any], message: str, helm_render: Path,
 def test_tls_and_token_files(helm_render: Path, tmp_path: Path) -> None:
     path = tmp_path / "values.yaml"
     path.write_text(
-        yaml.safe_dump({"tls": {"enabled": True, "secretName": "t"}, "auth": {"enabled": True, "secretName": "a"}})
+        yaml.safe_dump(
+            {
+                "tls": {"enabled": True, "secretName": "t"},
+                "auth": {"enabled": True, "secretName": "a"},
+                "vllm": {"tensorParallelSize": 2},
+            }
+        )
     )
     out = render_chart(helm_render, path)
     assert out.returncode == 0, out.stderr
     for role, spec in pod_specs(load_docs(out.stdout)).items():
         check_worker_pod(role, spec)
-        args = spec["initContainers"][0]["args"]
-        assert "--tls-cert=/etc/kvxfer/tls/tls.crt" in args
-        assert "--tls-key=/etc/kvxfer/tls/tls.key" in args
-        assert "--tls-ca=/etc/kvxfer/tls/ca.crt" in args
-        assert "--token-file=/etc/kvxfer/auth/token" in args
+        for sidecar in sidecars(spec):
+            args = sidecar["args"]
+            assert "--tls-cert=/etc/kvxfer/tls/tls.crt" in args
+            assert "--tls-key=/etc/kvxfer/tls/tls.key" in args
+            assert "--tls-ca=/etc/kvxfer/tls/ca.crt" in args
+            assert "--token-file=/etc/kvxfer/auth/token" in args
+            # The preStop drain calls the local API, which wants the token too.
+            assert "--token-file=/etc/kvxfer/auth/token" in sidecar["lifecycle"]["preStop"]["exec"]["command"]
         secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
         assert secrets == {"t", "a"}
-        settings = sidecar_settings(spec, tmp_path)
-        assert settings.tls_ca is not None
-        assert settings.token_file is not None
+        for settings in sidecar_settings(spec, tmp_path):
+            assert settings.tls_ca is not None
+            assert settings.token_file is not None
 
 
 # ------------------------------------------------------------------ the sidecar accepts them
@@ -268,30 +542,60 @@ def _kubelet_expand(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
 
 
-def sidecar_settings(spec: dict[str, Any], tmp_path: Path) -> Any:
-    """Parse a pod's sidecar args and KVXFER_* env with kvxfer's own settings loader, as
+def sidecar_settings(spec: dict[str, Any], tmp_path: Path) -> list[Any]:
+    """Parse every sidecar's args and KVXFER_* env with kvxfer's own settings loader, as
     `kvxfer serve` would in the pod (files named by flags are stood in for by temp files)."""
     from kvxfer.config import load_settings
 
-    sidecar = spec["initContainers"][0]
     downward = {"POD_NAME": "kvxfer-decode-7c9f-abcde", "POD_IP": "10.1.2.3"}
-    flags: dict[str, str] = {}
-    for arg in sidecar["args"][1:]:
-        name, _, value = arg.partition("=")
-        value = _kubelet_expand(value, downward)
-        if name in {"--tls-cert", "--tls-key", "--tls-ca", "--token-file"}:
-            stand_in = tmp_path / name.strip("-")
-            stand_in.write_text("stand-in\n")
-            value = str(stand_in)
-        flags[name.removeprefix("--")] = value
-    env = {e["name"]: e["value"] for e in sidecar["env"] if e["name"].startswith("KVXFER_") and "value" in e}
-    env.pop("KVXFER_TOKEN_FILE", None)  # the same file as --token-file, stood in for above
-    return load_settings(flags, env)
+    out = []
+    for sidecar in sidecars(spec):
+        flags: dict[str, str] = {}
+        for arg in sidecar["args"][1:]:
+            name, _, value = arg.partition("=")
+            value = _kubelet_expand(value, downward)
+            if name in {"--tls-cert", "--tls-key", "--tls-ca", "--token-file"}:
+                stand_in = tmp_path / name.strip("-")
+                stand_in.write_text("stand-in\n")
+                value = str(stand_in)
+            flags[name.removeprefix("--")] = value
+        env = {e["name"]: e["value"] for e in sidecar["env"] if e["name"].startswith("KVXFER_") and "value" in e}
+        env.pop("KVXFER_TOKEN_FILE", None)  # the same file as --token-file, stood in for above
+        out.append(load_settings(flags, env))
+    return out
 
 
 @pytest.mark.parametrize("values", VALUES, ids=_ids(VALUES))
 def test_sidecar_accepts_rendered_settings(values: Path, helm_render: Path, tmp_path: Path) -> None:
     for role, spec in pod_specs(_render(helm_render, values)).items():
-        settings = sidecar_settings(spec, tmp_path)
-        assert settings.role == role
-        assert settings.engine_id == "kvxfer-decode-7c9f-abcde"
+        base = None
+        for r, settings in enumerate(sidecar_settings(spec, tmp_path)):
+            assert settings.role == role
+            assert settings.engine_id == "kvxfer-decode-7c9f-abcde"
+            port = settings.peer_host_port[1]
+            base = port if base is None else base
+            assert port == base + r
+            # What the sidecar tells its worker (and the worker tells decode) to dial.
+            assert settings.advertise_address() == f"10.1.2.3:{base + r}"
+
+
+# The sidecar's bounds (kvxfer/config.py) and the schema's must agree: a value the schema lets
+# through must start the sidecar.
+SCHEMA_BOUNDS = {
+    "leaseSeconds": "lease_seconds",
+    "transferTimeoutSeconds": "transfer_timeout_seconds",
+    "drainSeconds": "drain_seconds",
+    "maxMessageBytes": "max_message_bytes",
+}
+
+
+@pytest.mark.parametrize("bound", ["minimum", "maximum"])
+def test_schema_bounds_start_the_sidecar(bound: str, helm_render: Path, tmp_path: Path) -> None:
+    props = json.loads(SCHEMA.read_text())["definitions"]["sidecar"]["properties"]
+    sidecar = {key: props[key][bound] for key in SCHEMA_BOUNDS}
+    values = {"sidecar": sidecar, "terminationGracePeriodSeconds": int(sidecar["drainSeconds"]) + 30}
+    docs = _render_values(helm_render, tmp_path, values)
+    for spec in pod_specs(docs).values():
+        (settings,) = sidecar_settings(spec, tmp_path)
+        for key, field in SCHEMA_BOUNDS.items():
+            assert getattr(settings, field) == sidecar[key], key

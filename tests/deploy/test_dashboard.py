@@ -1,4 +1,8 @@
-"""deploy/grafana: the dashboard queries only metrics (and labels) the sidecar exports."""
+"""deploy/grafana: the dashboard queries only metrics (and labels) the sidecar exports.
+
+"Exports" is read from the sidecar's own registry (kvxfer.metrics.SidecarMetrics), and the
+contract's metric table must say the same, so neither the docs nor the dashboard can drift.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,9 @@ from . import contract
 from .conftest import ROOT
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvxfer.json"
-# Labels Prometheus adds on scrape (ServiceMonitor/PodMonitor; `role` by their relabeling).
-TARGET_LABELS = {"namespace", "pod", "container", "service", "endpoint", "job", "instance", "role"}
+# Labels Prometheus adds on scrape (ServiceMonitor/PodMonitor; `role` and `rank` by their
+# relabelings, which tests/deploy/test_chart.py checks).
+TARGET_LABELS = {"namespace", "pod", "container", "service", "endpoint", "job", "instance", "role", "rank"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
@@ -40,6 +45,17 @@ def _metric(token: str, exported: dict[str, contract.Metric]) -> contract.Metric
     return None
 
 
+def test_contract_table_matches_the_registry() -> None:
+    registry = contract.exported_metrics()
+    table = contract.contract_metrics()
+    assert registry, "the sidecar registers no metrics"
+    assert table == registry, (
+        "docs/sidecar-contract.md's metric table differs from kvxfer.metrics: "
+        f"only in the table {sorted(set(table) - set(registry))}, only exported {sorted(set(registry) - set(table))}, "
+        f"different {sorted(k for k in set(table) & set(registry) if table[k] != registry[k])}"
+    )
+
+
 def test_queries_use_exported_metrics_only() -> None:
     exported = contract.exported_metrics()
     used: set[str] = set()
@@ -49,7 +65,7 @@ def test_queries_use_exported_metrics_only() -> None:
         metrics = []
         for token in tokens:
             m = _metric(token, exported)
-            assert m is not None, f"{title}: {token} is not exported (docs/sidecar-contract.md)"
+            assert m is not None, f"{title}: {token} is not exported by kvxfer.metrics.SidecarMetrics"
             metrics.append(m)
             used.add(m.name)
         allowed = TARGET_LABELS.union(*(m.labels for m in metrics))

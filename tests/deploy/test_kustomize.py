@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import OVERLAYS, ROOT, load_docs, run, tool, validate_manifests
-from .test_chart import check_worker_pod, pod_specs
+from .test_chart import check_metrics_objects, check_worker_pod, pod_specs, sidecars
 
 
 def _kustomize(overlay: Path) -> str:
@@ -29,6 +29,7 @@ def test_overlay_validates(overlay: Path, tmp_path: Path) -> None:
     assert set(pods) == {"prefill", "decode"}
     for role, spec in pods.items():
         check_worker_pod(role, spec)
+    check_metrics_objects(docs)
 
 
 def test_cpu_overlay_has_no_gpu() -> None:
@@ -36,12 +37,19 @@ def test_cpu_overlay_has_no_gpu() -> None:
     assert "nvidia.com/gpu" not in text
     assert "NVIDIA_VISIBLE_DEVICES" not in text
     assert "ghcr.io/kvxfer/kvxfer:0.1.0-cpu" in text
+    pods = pod_specs(load_docs(text))
+    for spec in pods.values():
+        (vllm,) = spec["containers"]
+        # The overlay appends to vLLM's args: each role keeps its own kv_role from the base.
+        assert vllm["args"][-2:] == ["--block-size=32", "--max-num-seqs=16"]
+        (sidecar,) = sidecars(spec)
+        assert {"name": "UCX_TLS", "value": "tcp,sm,self"} in sidecar["env"]
 
 
 def test_rdma_overlay_resources() -> None:
     docs = load_docs(_kustomize(ROOT / "deploy" / "overlays" / "rdma"))
     for spec in pod_specs(docs).values():
-        sidecar = spec["initContainers"][0]
+        (sidecar,) = sidecars(spec)
         assert sidecar["resources"]["limits"]["rdma/ib"] == 1
         assert sidecar["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
         env = {e["name"] for e in sidecar["env"]}

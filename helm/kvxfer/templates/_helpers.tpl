@@ -96,14 +96,51 @@ block. Use: $cfg := include "kvxfer.roleConfig" (dict "root" $ "role" "prefill")
 {{- end -}}
 {{- end -}}
 
-{{/* The vLLM --kv-transfer-config JSON: the kvxfer connector, loaded by module path. */}}
+{{/*
+The vLLM --kv-transfer-config JSON: the kvxfer connector, loaded by module path, producing KV on
+prefill pods and consuming it on decode pods. (dict "cfg" $cfg "role" "prefill")
+*/}}
 {{- define "kvxfer.kvTransferConfig" -}}
-{{- $c := dict "kv_connector" "KvxferConnector" "kv_connector_module_path" "kvxfer.integrations.vllm" "kv_role" "kv_both" -}}
-{{- with .vllm.kvConnectorExtraConfig -}}
+{{- $kvRole := ternary "kv_producer" "kv_consumer" (eq .role "prefill") -}}
+{{- $c := dict "kv_connector" "KvxferConnector" "kv_connector_module_path" "kvxfer.integrations.vllm" "kv_role" $kvRole -}}
+{{- with .cfg.vllm.kvConnectorExtraConfig -}}
 {{- $_ := set $c "kv_connector_extra_config" . -}}
 {{- end -}}
 {{- toJson $c -}}
 {{- end -}}
 
-{{/* Socket volume path shared by the worker and the sidecar. */}}
+{{/* Socket volume path shared by the worker and the sidecars. */}}
 {{- define "kvxfer.socketDir" -}}/run/kvxfer{{- end -}}
+
+{{/*
+Worker ranks of one pod (one sidecar each): tensorParallelSize x pipelineParallelSize of the
+role's effective settings. Use: int (include "kvxfer.ranks" $cfg)
+*/}}
+{{- define "kvxfer.ranks" -}}
+{{- mul (int .vllm.tensorParallelSize) (int .vllm.pipelineParallelSize) -}}
+{{- end -}}
+
+{{/*
+Name of one rank's sidecar port: (dict "kind" "metrics" "rank" 0). Rank 0 keeps the contract's
+names (kvxfer-peer, kvxfer-metrics, kvxfer-data); rank r > 0 is <kind>-<r>, because a port name
+has at most 15 characters and "kvxfer-metrics-1" has 16.
+*/}}
+{{- define "kvxfer.portName" -}}
+{{- if eq (int .rank) 0 -}}
+kvxfer-{{ .kind }}
+{{- else -}}
+{{ .kind }}-{{ int .rank }}
+{{- end -}}
+{{- end -}}
+
+{{/* The most worker ranks of any enabled role's pod: what the metrics objects must cover. */}}
+{{- define "kvxfer.maxRanks" -}}
+{{- $max := 0 -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- if (index $.Values $role).enabled -}}
+{{- $cfg := include "kvxfer.roleConfig" (dict "root" $ "role" $role) | fromYaml -}}
+{{- $max = max $max (int (include "kvxfer.ranks" $cfg)) -}}
+{{- end -}}
+{{- end -}}
+{{- $max -}}
+{{- end -}}
