@@ -105,12 +105,17 @@ def test_variants() -> None:
     assert "download.pytorch.org/whl/cpu" in text
     # nixl[cu12] comes with kvxfer's own dependencies (pyproject.toml).
     assert '"nixl[cu12]' in (ROOT / "pyproject.toml").read_text()
+    # Every package but torch at the versions CI tests.
+    (install,) = [rest for w, rest in _stages()[0] if w == "RUN" and "pip install" in rest and "torch==" in rest]
+    assert "pip install -c constraints.txt " in install, install
+    for extra in ("mooncake-cpu", "mooncake-cuda"):
+        assert f"{extra} = [" in (ROOT / "pyproject.toml").read_text(), extra
 
 
 def test_dockerignore_is_an_allow_list() -> None:
     lines = [x for x in IGNORE.read_text().splitlines() if x and not x.startswith("#")]
     assert lines[0] == "*"
-    assert {"!pyproject.toml", "!README.md", "!kvxfer/"} <= set(lines)
+    assert {"!pyproject.toml", "!README.md", "!constraints.txt", "!kvxfer/"} <= set(lines)
     # Every file the Dockerfile COPYs from the context is allowed.
     for word, rest in [i for i in _instructions() if i[0] == "COPY" and "--from" not in i[1]]:
         for src in rest.split()[:-1]:
