@@ -116,6 +116,13 @@ def test_rendered_chart_validates(values: Path, helm_render: Path, tmp_path: Pat
     validate_manifests(docs, tmp_path, min_kube_version(values))
 
 
+def test_chart_needs_native_sidecars(helm_render: Path) -> None:
+    """Native sidecars (restartPolicy: Always init containers) are on by default from 1.29."""
+    out = render_chart(helm_render, extra=["-kube-version", "1.28.15"])
+    assert out.returncode != 0
+    assert "incompatible with Kubernetes v1.28.15" in out.stderr, out.stderr
+
+
 def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """role -> pod spec of every Deployment."""
     return {

@@ -64,3 +64,12 @@ def test_required_and_strict(helm_render: Path, tmp_path: Path) -> None:
     rc, _, err = _render(helm_render, "-f", str(missing))
     assert rc != 0
     assert 'map has no entry for key "list"' in err
+
+
+def test_kube_version_constraint(helm_render: Path) -> None:
+    """Chart.yaml's kubeVersion is enforced like `helm template --kube-version`."""
+    rc, _, err = _render(helm_render, "-kube-version", "1.28.15")
+    assert rc != 0
+    assert "chart requires kubeVersion: >=1.29.0-0 which is incompatible with Kubernetes v1.28.15" in err
+    rc, _, err = _render(helm_render, "-kube-version", "v1.29.0")
+    assert rc == 0, err

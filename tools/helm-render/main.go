@@ -12,7 +12,9 @@
 //     .Template are populated; .Files is not supported;
 //   - files whose base name starts with "_" only define templates; NOTES.txt is rendered but
 //     printed only with -notes;
-//   - -strict (the default) executes with missingkey=error, like `helm lint --strict`.
+//   - -strict (the default) executes with missingkey=error, like `helm lint --strict`;
+//   - a Chart.yaml kubeVersion constraint that -kube-version does not meet is an error, as in
+//     `helm template --kube-version`.
 //
 // Output: every non-empty document, each preceded by "---" and a "# Source:" comment, as
 // `helm template` prints it. Every document is parsed as YAML before it is printed.
@@ -31,6 +33,7 @@ import (
 	"strings"
 	"text/template"
 
+	"github.com/Masterminds/semver/v3"
 	"github.com/Masterminds/sprig/v3"
 	"gopkg.in/yaml.v3"
 )
@@ -152,6 +155,11 @@ func render(chartDir string, valueFiles []string, releaseName, namespace, kubeVe
 	if len(kv) < 2 {
 		return "", fmt.Errorf("bad -kube-version %q", kubeVersion)
 	}
+	if meta.KubeVersion != "" {
+		if err := checkKubeVersion(meta.KubeVersion, kubeVersion); err != nil {
+			return "", err
+		}
+	}
 	caps := Capabilities{
 		KubeVersion: KubeVersion{Version: "v" + strings.TrimPrefix(kubeVersion, "v"), Major: kv[0], Minor: kv[1],
 			GitVersion: "v" + strings.TrimPrefix(kubeVersion, "v")},
@@ -238,6 +246,24 @@ func render(chartDir string, valueFiles []string, releaseName, namespace, kubeVe
 		fmt.Fprintf(&out, "\nNOTES:\n%s\n", notesOut)
 	}
 	return out.String(), nil
+}
+
+// checkKubeVersion refuses a cluster version outside the chart's kubeVersion range, with Helm's
+// message.
+func checkKubeVersion(constraint, kubeVersion string) error {
+	c, err := semver.NewConstraint(constraint)
+	if err != nil {
+		return fmt.Errorf("Chart.yaml kubeVersion %q: %w", constraint, err)
+	}
+	v, err := semver.NewVersion(kubeVersion)
+	if err != nil {
+		return fmt.Errorf("bad -kube-version %q: %w", kubeVersion, err)
+	}
+	if !c.Check(v) {
+		return fmt.Errorf("chart requires kubeVersion: %s which is incompatible with Kubernetes v%s",
+			constraint, strings.TrimPrefix(kubeVersion, "v"))
+	}
+	return nil
 }
 
 func funcMap(t *template.Template) template.FuncMap {
