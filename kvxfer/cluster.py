@@ -192,11 +192,14 @@ class LocalCluster:
 
     def start_worker(
         self, name: str, sidecar: SidecarProc, layouts: dict[str, KVCacheLayout], rank: tuple[int, int], *,
-        watch: bool = False,
+        watch: bool = False, memory: str = "shm",
     ) -> WorkerProc:  # fmt: skip
-        """Start a synthetic worker process bound to ``sidecar``; its first answer comes when it registered."""
+        """Start a synthetic worker process bound to ``sidecar``; its first answer comes when it registered.
+
+        ``memory``: ``shm``, or ``cuda:<device>`` for KV tensors on that GPU shared by CUDA IPC.
+        """
         cfg = WorkerConfig(name, sidecar.local_socket, {g: lay.to_dict() for g, lay in layouts.items()}, rank,
-                           self.token, watch)  # fmt: skip
+                           self.token, watch, memory)  # fmt: skip
         log_path = self.dir / f"{name}.log"
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from kvxfer.layout import CacheKind, KVCacheLayout, Order, head_range
 from kvxfer.topology import RankInfo
 
-__all__ = ["WorkerConfig", "fill_blocks", "global_entries", "verify_blocks", "worker_main"]
+__all__ = ["CudaKVBuffer", "WorkerConfig", "fill_blocks", "global_entries", "verify_blocks", "worker_main"]
 
 I64 = npt.NDArray[np.int64]
 POISON = 0xA5  # what a decode rank writes into its destination blocks before a pull
@@ -113,6 +113,71 @@ def verify_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: i
     return int(ids.size * layout.page_bytes * layout.num_layers), bad
 
 
+# ---------------------------------------------------------------------------- GPU memory
+class _GpuPages:
+    """A (num_blocks, page_bytes) view of one layer on a GPU, indexed by numpy block ids like a numpy view."""
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    def _index(self, ids: Any) -> Any:
+        import torch
+
+        return torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self._view.device)
+
+    def __getitem__(self, ids: Any) -> npt.NDArray[np.uint8]:
+        return np.asarray(self._view[self._index(ids)].cpu().numpy())
+
+    def __setitem__(self, ids: Any, value: Any) -> None:
+        import torch
+
+        if isinstance(value, int | np.integer):
+            self._view[self._index(ids)] = int(value)
+        else:
+            self._view[self._index(ids)] = torch.from_numpy(np.ascontiguousarray(value)).to(self._view.device)
+        # The sidecar's data plane copies on its own streams in another process: the bytes must be in
+        # place before the worker publishes or pulls, not merely queued.
+        if self._view.is_cuda:
+            torch.cuda.synchronize(self._view.device)
+
+
+class CudaKVBuffer:
+    """GPU twin of :class:`~kvxfer.memory.SharedKVBuffer`: one CUDA tensor per region, shared by CUDA IPC.
+
+    Each region is its own allocation; with ``pad`` > 0 the region starts ``pad`` bytes into it, the
+    way a tensor carved from a caching allocator's segment does. :func:`fill_blocks`,
+    :func:`poison_blocks` and :func:`verify_blocks` work on it unchanged (through host copies).
+    """
+
+    def __init__(self, layout: KVCacheLayout, device: int | str = 0, *, pad: int = 0) -> None:
+        import torch
+
+        self.layout = layout
+        # A string names any torch device ("cpu" lets the page logic be tested without a GPU).
+        self.device = torch.device(device) if isinstance(device, str) else torch.device("cuda", device)
+        self._raw = [torch.empty(pad + layout.region_bytes, dtype=torch.uint8, device=self.device)
+                     for _ in range(layout.num_regions)]  # fmt: skip
+        self.regions = [r[pad:] for r in self._raw]
+
+    def ref(self) -> Any:
+        """What the sidecar needs: :meth:`kvxfer.memory.CudaIpcRef.from_tensors` of the regions."""
+        from kvxfer.memory import CudaIpcRef
+
+        return CudaIpcRef.from_tensors(self.regions)
+
+    def pages(self, layer: int) -> _GpuPages:
+        """(num_blocks, page_bytes) view of one layer's pages."""
+        lay = self.layout
+        region = self.regions[lay.region_of_layer(layer)]
+        view = region[lay.layer_offset(layer) :].as_strided((lay.num_blocks, lay.page_bytes), (lay.block_stride, 1))
+        return _GpuPages(view)
+
+    def close(self) -> None:
+        """Drop the tensors (after the sidecar let go of them)."""
+        self.regions = []
+        self._raw = []
+
+
 # ---------------------------------------------------------------------------- worker process
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -124,6 +189,7 @@ class WorkerConfig:
     rank: tuple[int, int]  # tp_rank, tp_size
     token: str | None = None
     watch: bool = False  # follow the completion stream (prefill: count releases)
+    memory: str = "shm"  # "shm" (shared memory) or "cuda:<device>" (GPU tensors shared by CUDA IPC)
 
     def to_json(self) -> str:
         """The command-line form."""
@@ -148,7 +214,12 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
 
     rank = RankInfo(cfg.rank[0], cfg.rank[1])
     layouts = {g: KVCacheLayout.from_dict(d) for g, d in cfg.layouts.items()}
-    buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
+    buffers: dict[str, Any]
+    if cfg.memory.startswith("cuda"):
+        device = int(cfg.memory.partition(":")[2] or 0)
+        buffers = {g: CudaKVBuffer(lay, device, pad=4096) for g, lay in layouts.items()}
+    else:
+        buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
     events: dict[str, int] = {}
     client = Client(cfg.target, token=cfg.token, timeout=60.0)
     try:

@@ -9,7 +9,8 @@ with. Everything travels in ``.whl/`` (git-ignored), within the 64 MiB a call ma
   loads. :func:`trim` rewrites it without them (about 16 MB) and fixes its RECORD so pip accepts it.
 * ``nixl==1.5.1`` (the ``import nixl`` shim that picks nixl_cu12/nixl_cu13), grpcio and protobuf at
   the versions this repo generated its code with, grpcio-health-checking, grpcio-reflection,
-  pydantic, pydantic-core, annotated-types, typing-inspection.
+  pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions (pydantic needs
+  >= 4.16). Installed with ``--target`` and put first on PYTHONPATH, they shadow the image's copies.
 
 Usage: ``python3 bench/gpu/prep_wheels.py`` (downloads with pip, trims, prints the total size).
 """
@@ -28,7 +29,7 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 WHEELS = (
     "nixl-cu13==1.5.1", "nixl==1.5.1", "grpcio==1.85.1", "protobuf==7.36.2", "grpcio-health-checking==1.85.1",
     "grpcio-reflection==1.85.1", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
-    "typing-inspection==0.4.5",
+    "typing-inspection==0.4.5", "typing-extensions==4.16.0",
 )  # fmt: skip
 KEEP_PLUGINS = ("libplugin_UCX.so",)
 LIMIT = 64 * 2**20

@@ -241,3 +241,20 @@ def test_ucx_engine_config_respects_the_users_env() -> None:
     assert "GET_ZCOPY" not in mine
     assert "CUDA_IPC_ENABLE_SAME_PROCESS=y" in mine
     assert ucx_engine_config({f"UCX_{k}": "n" for k in UCX_DEFAULTS}) == ""
+
+
+# ---------------------------------------------------------------------------- the synthetic GPU worker
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_cuda_kv_buffer_pages_round_trip_on_cpu(cross_layer: bool) -> None:
+    from kvxfer.topology import RankInfo
+    from kvxfer.worker_sim import CudaKVBuffer, fill_blocks, poison_blocks, verify_blocks
+
+    lay = attention(layers=3, blocks=10, cross_layer=cross_layer)
+    buf = CudaKVBuffer(lay, "cpu", pad=4096)
+    assert [r.numel() for r in buf.regions] == [lay.region_bytes] * lay.num_regions
+    rank = RankInfo(0, 1)
+    fill_blocks(buf, rank, [7, 2, 3], salt=5)
+    assert verify_blocks(buf, rank, [7, 2, 3], salt=5) == (3 * lay.page_bytes * 3, 0)
+    poison_blocks(buf, [2])
+    _, bad = verify_blocks(buf, rank, [7, 2, 3], salt=5)
+    assert 0 < bad <= lay.page_bytes * lay.num_layers  # only block 2 of the request was hit
