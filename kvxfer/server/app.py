@@ -200,7 +200,7 @@ class Sidecar:
             extra={"engine_id": s.engine_id, "peer_address": self.peer_address, "local": self.local_target,
                    "metrics_port": self.metrics_port, "backend": s.backend, "role": s.role,
                    "version": __version__, "protocol": PROTOCOL_VERSION, "auth": bool(token),
-                   "tls": s.tls_enabled},
+                   "tls": s.tls_enabled, "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]},
         )  # fmt: skip
 
     def _bind(self, server: grpc.aio.Server, address: str, setting: str, *, secure: bool) -> int:

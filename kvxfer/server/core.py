@@ -405,7 +405,8 @@ class SidecarCore:
         stats: Any = None
         err: KvxferError | None = None
         sessions: dict[int, PeerSession] = {}
-        with log_context(request_id=rid, transfer_id=entry.transfer_id, peer=entry.remote_engine_id or None):
+        peer = entry.remote_engine_id or ",".join(entry.addresses)
+        with log_context(request_id=rid, transfer_id=entry.transfer_id, peer=peer):
             try:
                 async with asyncio.timeout(budget):
                     stats = await self._pull_steps(entry, reg, local_blocks, remote_given, sessions)
@@ -438,6 +439,8 @@ class SidecarCore:
                     "read", "ok", nbytes=stats.bytes, descriptors=stats.descriptors, seconds=elapsed
                 )
                 self.hub.emit(Kind.PULLED, rid, transfer_id=entry.transfer_id, peer=entry.remote_engine_id, stats=stats)
+                log.debug("pull done", extra={"bytes": stats.bytes, "descriptors": stats.descriptors,
+                                              "seconds": round(elapsed, 6)})  # fmt: skip
                 self._notify_publishers(entry, "done", "", stats.bytes)
                 if not entry.done.done():
                     entry.done.set_result(stats)
@@ -590,6 +593,8 @@ class SidecarCore:
             def get(stub: Any, r: Any = req, t: float = call_timeout) -> Any:
                 return stub.GetPublished(r, timeout=t, metadata=self.peers.metadata)
 
+            if address not in entry.asked:
+                entry.asked.append(address)  # an abort from here on must reach it, answered or not
             try:
                 resp = await self.peers.call(address, "GetPublished", get)
             except NotFoundError:
@@ -617,11 +622,32 @@ class SidecarCore:
                 layout = them.groups.get(pg.name)
                 if layout is None:
                     raise PeerUnavailableError(f"peer {address} published unknown group {pg.name!r}", field="groups")
-                blocks[pg.name] = np.asarray(pg.block_ids, dtype=np.int64)
-                tables[pg.name] = regions_from_proto(pg.regions, layout, f"peer {address} regions[{pg.name}]")
+                # What a peer sends is checked like a worker's input: the READ may only touch the
+                # regions its handshake announced, through block ids inside its layout.
+                try:
+                    blocks[pg.name] = check_block_ids(
+                        np.asarray(pg.block_ids, dtype=np.int64), layout.num_blocks,
+                        f"peer {address} published block_ids[{pg.name}]",
+                    )  # fmt: skip
+                    tables[pg.name] = self._remote_regions(session, pg, layout)
+                except InvalidArgumentError as exc:
+                    msg = f"{exc.message}; refusing to read"
+                    raise FailedPreconditionError(msg, field="remote_addresses") from None
                 mem_type = pg.memory_type or "DRAM"
             return blocks, tables, mem_type
         raise PeerUnavailableError(f"peer {address}: could not get a stable handshake", field="remote_addresses")
+
+    @staticmethod
+    def _remote_regions(session: PeerSession, pg: Any, layout: KVCacheLayout) -> RegionTable:
+        """A publisher's region table; fixed for one instance and epoch, so parsed once per session."""
+        raw = tuple((r.base, r.size, r.device) for r in pg.regions)
+        cached = session.regions.get(pg.name)
+        if cached is not None and cached[0] == raw:
+            table: RegionTable = cached[1]
+            return table
+        table = regions_from_proto(pg.regions, layout, f"peer {session.address} regions[{pg.name}]")
+        session.regions[pg.name] = (raw, table)
+        return table
 
     def _ranks_read_by_all(self, reg: Registration, remote_tp: int) -> set[int]:
         key = ("<all>", reg.epoch, remote_tp)
@@ -704,6 +730,9 @@ class SidecarCore:
                     return getattr(stub, w)(m, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
 
                 try:
+                    if any(n.outcome == peer_pb2.NotifyRequest.UNREAD for n in batch):
+                        # A replica this rank never read from only takes notices from a sidecar it knows.
+                        await self.peers.session(address, budget=PEER_CALL_SECONDS)
                     await self.peers.call(address, what, send)
                 except KvxferError as exc:
                     log.warning("completion notices not delivered; the peer's leases will expire", extra={
@@ -716,7 +745,7 @@ class SidecarCore:
             request_id=entry.request_id, engine_id=self.settings.engine_id, instance_id=self.instance_id,
             reason=reason,
         )  # fmt: skip
-        for address in entry.contacted:
+        for address in entry.asked:
             self._spawn(self._peer_abort(address, req))
 
     # ================================================================== peer API (publisher side)
@@ -815,6 +844,19 @@ class SidecarCore:
         entry = self.publishes.get(rid)
         if entry is None:
             return peer_pb2.NotifyResponse(released=False)
+        rank = rank_from_proto(req.rank, "rank")
+        if req.outcome == peer_pb2.NotifyRequest.UNREAD:
+            known = any(k[0] == req.engine_id and k[1] == req.instance_id for k in self.readers)
+        else:
+            known = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank) in entry.readers
+        if not known:
+            # Only a reader that handshook (UNREAD) or fetched this request (DONE/FAILED) may free its blocks.
+            raise FailedPreconditionError(
+                f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}, tp rank {rank.tp_rank}) "
+                f"{'has not handshaken with' if req.outcome == peer_pb2.NotifyRequest.UNREAD else 'did not fetch'} "
+                f"{rid!r} from this sidecar; notice refused",
+                field="engine_id",
+            )
         if req.outcome == peer_pb2.NotifyRequest.UNREAD and not entry.readers:
             self._drop_publish(rid)
             msg = f"no rank of {req.engine_id} reads this rank's copy (replicated elsewhere); released"
@@ -822,11 +864,10 @@ class SidecarCore:
             return peer_pb2.NotifyResponse(released=True)
         if req.outcome == peer_pb2.NotifyRequest.UNREAD:
             return peer_pb2.NotifyResponse(released=False)  # someone did read it: wait for them
-        rank = int(req.rank.tp_rank)
-        entry.done_readers.add(rank)
+        entry.done_readers.add(rank.tp_rank)
         if req.outcome == peer_pb2.NotifyRequest.FAILED:
-            entry.failures.append(f"{req.engine_id}[tp {rank}]: {req.message}")
-        expected = entry.expected_readers or {rank}
+            entry.failures.append(f"{req.engine_id}[tp {rank.tp_rank}]: {req.message}")
+        expected = entry.expected_readers or {rank.tp_rank}
         if not expected <= entry.done_readers:
             return peer_pb2.NotifyResponse(released=False)
         self._drop_publish(rid)
@@ -842,15 +883,29 @@ class SidecarCore:
         """NotifyBatch: several notices at once."""
         released = 0
         for n in req.notices:
-            released += int((await self.peer_notify(n)).released)
+            try:
+                released += int((await self.peer_notify(n)).released)
+            except KvxferError as exc:  # one bad notice must not cost the others
+                log.warning("completion notice refused", extra={"peer": n.engine_id, "error": exc.message})
         return peer_pb2.NotifyBatchResponse(released=released)
 
     async def peer_abort(self, req: Any) -> Any:
         """Abort from a peer: drop our publish and/or cancel our pull of that request."""
         rid = check_id(req.request_id, "request_id")
+        reader = any(k[0] == req.engine_id and k[1] == req.instance_id for k in self.readers)
+        publishers = {
+            s.address for s in self.peers.sessions()
+            if s.identity.engine_id == req.engine_id and s.identity.instance_id == req.instance_id
+        }  # fmt: skip
+        if not reader and not publishers:
+            raise FailedPreconditionError(
+                f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "
+                f"abort of {rid!r} refused",
+                field="engine_id",
+            )
         reason = f"aborted by peer {req.engine_id}" + (f": {req.reason}" if req.reason else "")
         found = False
-        entry = self._drop_publish(rid)
+        entry = self._drop_publish(rid) if reader else None
         if entry is not None:
             found = True
             self.hub.emit(Kind.ABORTED, rid, code=grpc.StatusCode.ABORTED.value[0], message=reason, peer=req.engine_id)
@@ -858,7 +913,7 @@ class SidecarCore:
         pull = self.pulls.get(rid)
         if (
             pull is not None and pull.task is not None and not pull.task.done()
-            and (not pull.remote_engine_id or pull.remote_engine_id == req.engine_id)
+            and not publishers.isdisjoint(pull.addresses)
         ):  # fmt: skip
             found = True
             pull.abort_reason, pull.abort_from_peer = reason, True
@@ -892,6 +947,8 @@ class SidecarCore:
             entry = self._drop_publish(rid)
             if entry is not None:
                 released += 1
+                with log_context(request_id=rid):
+                    log.info("lease released by the drain")
                 self.hub.emit(Kind.RELEASED, rid, code=grpc.StatusCode.UNAVAILABLE.value[0],
                               message="sidecar drained before the decode side confirmed; blocks released")  # fmt: skip
         resp = local_pb2.DrainResponse(

@@ -35,6 +35,7 @@ class PeerSession:
     dp_name: str
     alive: bool = True
     users: int = field(default=0)
+    regions: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # group -> (raw regions, RegionTable)
 
 
 def peer_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:

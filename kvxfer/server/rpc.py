@@ -74,10 +74,11 @@ def _unary(fn: Unary, req_cls: Any, full: str, limit: float | None) -> Callable[
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         req = await _parse(raw, req_cls, context)
         rid = getattr(req, "request_id", "") or None
+        peer = getattr(req, "engine_id", "") or getattr(req, "remote_engine_id", "") or None  # the calling peer
         remaining = context.time_remaining()
         budget = limit if remaining is None else (remaining if limit is None else min(remaining, limit))
         t0 = time.monotonic()
-        with log_context(request_id=rid):
+        with log_context(request_id=rid, peer=peer):
             try:
                 async with asyncio.timeout(budget):
                     return await fn(req, context)

@@ -88,4 +88,5 @@ class PullEntry:
     abort_from_peer: bool = False
     stage: str = "starting"
     contacted: list[str] = field(default_factory=list)  # addresses that handed out the request
+    asked: list[str] = field(default_factory=list)  # addresses asked for it (answered or not): aborts go there
     unread: list[str] = field(default_factory=list)  # remote ranks no local rank reads (replicas)

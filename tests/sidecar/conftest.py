@@ -12,8 +12,12 @@ import os
 
 os.environ.setdefault("UCX_MODULES", "^efa")
 
-from collections.abc import AsyncIterator, Callable
+import io
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,3 +44,35 @@ def token_file(tmp_path: Path) -> Callable[[str], str]:
         return str(p)
 
     return make
+
+
+class JsonLogs:
+    """What the ``kvxfer`` loggers wrote, one JSON object per line (as ``kvxfer serve`` writes them)."""
+
+    def __init__(self) -> None:
+        self.stream = io.StringIO()
+
+    @property
+    def text(self) -> str:
+        return self.stream.getvalue()
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def json_logs() -> Iterator[JsonLogs]:
+    """Route the kvxfer loggers (every in-process sidecar) to a buffer at debug level, in JSON."""
+    from kvxfer.logs import configure_logging
+
+    logs = JsonLogs()
+    configure_logging("debug", "json", stream=logs.stream)
+    try:
+        yield logs
+    finally:
+        # Leave the "kvxfer" logger as pytest found it (propagating, no handler of ours).
+        logger = logging.getLogger("kvxfer")
+        for h in [h for h in logger.handlers if getattr(h, "_kvxfer", False)]:
+            logger.removeHandler(h)
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)

@@ -9,13 +9,14 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxfer._proto.kvxfer.v1 import local_pb2
+from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2, local_pb2_grpc
 from kvxfer.client import AsyncClient, KvxferRpcError
 from kvxfer.cluster import LocalCluster
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import CudaIpcRef, LibraryRef, SharedMemoryRef, ShmRegionRef
 from kvxfer.server.app import Sidecar
 from kvxfer.server.convert import layout_to_proto
+from tests.sidecar.conftest import JsonLogs
 from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, transfer
 
 LAY = attention()
@@ -86,14 +87,18 @@ async def test_abort_from_decode_side_frees_both_sides(harness: Harness) -> None
     prefill_aborted = asyncio.ensure_future(_first_event(pw, "ABORTED"))
     await asyncio.sleep(0.05)
     await pw.prefill("a1", {"kv": [1, 2, 3]}, salt=1)
+    await pw.prefill("b1", {"kv": [10, 11]}, salt=2)
     pull = asyncio.ensure_future(dw.pull("a1", [p], {"kv": [4, 5, 6]}))
+    other = asyncio.ensure_future(dw.pull("b1", [p], {"kv": [20, 21]}))  # in flight beside it
     assert dp is not None
     await asyncio.wait_for(dp.reading.wait(), 5)
     assert await dw.client.abort("a1", "user cancelled") == (1, False)
-    await expect_error(OK.ABORTED, pull, "aborted", "user cancelled")
+    await expect_error(OK.ABORTED, pull, "pull of 'a1' aborted: user cancelled")
     ev = await asyncio.wait_for(prefill_aborted, 5)
-    assert "aborted by peer decode" in ev.message
-    assert (await pw.client.status())["leases"] == 0
+    assert (ev.request_id, ev.message) == ("a1", "aborted by peer decode: pull of 'a1' aborted: user cancelled")
+    assert (await other).done
+    assert dw.verify({"kv": [20, 21]}, 2) == (2 * LAY.page_bytes * LAY.num_layers, 0)
+    await _wait(lambda: _leases(pw, 0))  # a1 aborted, b1 confirmed
     assert (await dw.client.status())["transfers_in_flight"] == 0
     dp.delay = 0.0
     await _still_works(pw, p, dw)
@@ -101,13 +106,21 @@ async def test_abort_from_decode_side_frees_both_sides(harness: Harness) -> None
 
 async def test_abort_from_prefill_side_stops_the_decode_pull(harness: Harness) -> None:
     p, pw, _d, dw, dp = await _pair(harness, delay=1.0)
+    decode_aborted = asyncio.ensure_future(_first_event(dw, "ABORTED"))
+    await asyncio.sleep(0.05)
     await pw.prefill("a2", {"kv": [1, 2, 3]}, salt=1)
+    await pw.prefill("b2", {"kv": [10, 11]}, salt=2)
     pull = asyncio.ensure_future(dw.pull("a2", [p], {"kv": [4, 5, 6]}))
+    other = asyncio.ensure_future(dw.pull("b2", [p], {"kv": [20, 21]}))
     assert dp is not None
     await asyncio.wait_for(dp.reading.wait(), 5)
     assert await pw.client.abort("a2", "prefill preempted") == (0, True)
-    await expect_error(OK.ABORTED, pull, "aborted by peer prefill", "prefill preempted")
-    assert (await pw.client.status())["leases"] == 0
+    await expect_error(OK.ABORTED, pull, "pull of 'a2' aborted: aborted by peer prefill: prefill preempted")
+    ev = await asyncio.wait_for(decode_aborted, 5)
+    assert (ev.request_id, ev.code) == ("a2", OK.ABORTED)
+    assert (await other).done
+    assert dw.verify({"kv": [20, 21]}, 2) == (2 * LAY.page_bytes * LAY.num_layers, 0)
+    await _wait(lambda: _leases(pw, 0))
     await _wait(lambda: _in_flight_zero(dw))
     dp.delay = 0.0
     await _still_works(pw, p, dw)
@@ -127,8 +140,10 @@ async def test_peer_killed_mid_transfer_fails_within_deadline_then_rehandshakes(
         await vw.client.wait_ready(60)
         await vw.register()
         await vw.prefill("k1", {"kv": [1, 2, 3, 4]}, salt=1)
+        await hw.prefill("h0", {"kv": [30, 31, 32]}, salt=5)
         pull = asyncio.ensure_future(dw.pull("k1", [victim.peer_address], {"kv": [5, 6, 7, 8]}, deadline=5.0))
         await asyncio.wait_for(dp.reading.wait(), 10)
+        beside = asyncio.ensure_future(dw.pull("h0", [healthy], {"kv": [40, 41, 42]}))  # in flight during the kill
         cluster.kill_sidecar(victim)  # SIGKILL while the READ is in flight
         t0 = time.monotonic()
         # UNAVAILABLE (the data plane reports the dead peer) or DEADLINE_EXCEEDED, never a hang.
@@ -138,6 +153,8 @@ async def test_peer_killed_mid_transfer_fails_within_deadline_then_rehandshakes(
         assert time.monotonic() - t0 < 6.0
         assert exc.code in (OK.UNAVAILABLE, OK.DEADLINE_EXCEEDED), exc
         assert victim.peer_address in exc.details or "did not finish within 5s" in exc.details
+        assert (await beside).done
+        assert dw.verify({"kv": [40, 41, 42]}, 5) == (3 * LAY.page_bytes * LAY.num_layers, 0)
         dp.delay = 0.0
         # Nothing else was disturbed: the healthy peer still serves with exact bytes.
         await transfer([hw], [healthy], [dw], "h1", {"kv": [9, 10]}, {"kv": [11, 12]}, salt=2)
@@ -166,6 +183,14 @@ async def test_malformed_and_invalid_requests_name_the_field(harness: Harness) -
             await raw(b"\xff\xff\xff\xff garbage", timeout=5)
         assert info.value.code() == OK.INVALID_ARGUMENT
         assert "malformed kvxfer.v1.PublishRequest" in (info.value.details() or "")
+    finally:
+        await channel.close()
+    channel = grpc.aio.insecure_channel(p.peer_address)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await channel.unary_unary("/kvxfer.v1.Peer/Handshake")(b"\x0a\xff\xff\xff", timeout=5)
+        assert info.value.code() == OK.INVALID_ARGUMENT
+        assert "malformed kvxfer.v1.HandshakeRequest" in (info.value.details() or "")
     finally:
         await channel.close()
     c = pw.client
@@ -210,7 +235,7 @@ async def test_oversized_message_is_resource_exhausted(harness: Harness) -> None
     await _still_works(pw, p, dw)
 
 
-async def test_token_required_on_local_and_peer_apis(harness: Harness, token_file: object) -> None:
+async def test_token_required_on_local_and_peer_apis(harness: Harness, token_file: object, json_logs: JsonLogs) -> None:
     good = token_file("s3cret-token")  # type: ignore[operator]
     wrong = token_file("other-token", "wrong")  # type: ignore[operator]
     p = await harness.sidecar(role="prefill", engine_id="prefill", token_file=good)
@@ -242,6 +267,12 @@ async def test_token_required_on_local_and_peer_apis(harness: Harness, token_fil
     assert res.done
     assert dw.verify({"kv": [3, 4]}, 1)[1] == 0
     await _still_works(pw, p, dw)
+    # Every sidecar logged at debug level meanwhile: the refusals are there, no token ever is.
+    refusals = [r for r in json_logs.records() if r["msg"] == "unauthenticated call refused"]
+    assert len(refusals) >= 5, json_logs.text[-2000:]
+    assert any(r["method"] == "/kvxfer.v1.Peer/Handshake" for r in refusals)
+    for secret in ("s3cret-token", "other-token", "guess"):
+        assert secret not in json_logs.text
 
 
 async def test_incompatible_layouts_are_refused_listing_every_difference(harness: Harness) -> None:
@@ -262,12 +293,26 @@ async def test_incompatible_layouts_are_refused_listing_every_difference(harness
 
 
 async def test_transfer_deadline(harness: Harness) -> None:
-    p, pw, _d, dw, _dp = await _pair(harness, delay=3.0)
+    p, pw, d, dw, dp = await _pair(harness, delay=3.0, transfer_timeout_seconds=1.0)
     await pw.prefill("slow", {"kv": [1, 2]}, salt=1)
     t0 = time.monotonic()
     await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("slow", [p], {"kv": [3, 4]}, deadline=0.5),
-                       "did not finish within 0.5s", "reading from rank 0")  # fmt: skip
+                       "pull of 'slow' did not finish within 0.5s (while reading from rank 0")  # fmt: skip
     assert time.monotonic() - t0 < 2.0
+    # A call without any deadline of its own still ends: the sidecar's --transfer-timeout-seconds.
+    await pw.prefill("slow2", {"kv": [1, 2]}, salt=1)
+    req = local_pb2.PullRequest(request_id="slow2", remote_addresses=[p.peer_address], wait=True,
+                                local_blocks=[common_pb2.BlockList(group="kv", block_ids=[3, 4])])  # fmt: skip
+    t0 = time.monotonic()
+    async with grpc.aio.insecure_channel(d.local_target) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await local_pb2_grpc.LocalStub(ch).Pull(req)  # no timeout
+    assert info.value.code() == OK.DEADLINE_EXCEEDED
+    assert "pull of 'slow2' did not finish within 1s" in (info.value.details() or "")
+    assert time.monotonic() - t0 < 2.5
+    assert dp is not None
+    dp.delay = 0.0
+    await _still_works(pw, p, dw)
 
 
 async def test_wrong_role_and_no_registration(harness: Harness) -> None:
@@ -297,6 +342,10 @@ async def test_drain_finishes_in_flight_work_and_refuses_new(harness: Harness) -
     p_drain = await pw.client.drain(0.2)
     assert p_drain["released_leases"] == 1  # d2
     await expect_error(OK.UNAVAILABLE, pw.client.publish("d3", {"kv": [1]}), "draining")
+
+
+async def _leases(w: Worker, n: int) -> bool:
+    return bool((await w.client.status())["leases"] == n)
 
 
 async def _in_flight_zero(w: Worker) -> bool:

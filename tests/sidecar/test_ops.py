@@ -23,6 +23,7 @@ from kvxfer.cluster import free_port
 from kvxfer.config import ConfigError, Settings, load_settings
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.server.cli import drain_main
+from tests.sidecar.conftest import JsonLogs
 from tests.sidecar.helpers import Harness, attention, transfer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,14 +69,18 @@ async def test_health_follows_registration_and_drain(harness: Harness) -> None:
 
 async def test_reflection_lists_the_services(harness: Harness) -> None:
     s = await harness.sidecar()
-    async with grpc.aio.insecure_channel(s.peer_address) as ch:
-        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        call = stub.ServerReflectionInfo(timeout=5)
-        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-        resp = await call.read()
-        await call.done_writing()
-        names = {svc.name for svc in resp.list_services_response.service}
-    assert {"kvxfer.v1.Peer", "grpc.health.v1.Health"} <= names
+
+    async def services(target: str) -> set[str]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(timeout=5)
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            resp = await call.read()
+            await call.done_writing()
+            return {svc.name for svc in resp.list_services_response.service}
+
+    reflection = "grpc.reflection.v1alpha.ServerReflection"
+    assert await services(s.peer_address) == {"kvxfer.v1.Peer", "grpc.health.v1.Health", reflection}
+    assert await services(s.local_target) == {"kvxfer.v1.Local", "grpc.health.v1.Health", reflection}
 
 
 async def test_metrics_endpoint_has_every_contract_metric(harness: Harness) -> None:
@@ -128,19 +133,22 @@ def test_settings_precedence_and_errors(tmp_path: Path) -> None:
         load_settings({"token_file": str(tmp_path / "nope")}, env={})
 
 
-def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, str]:
+KVXFER = [sys.executable, "-m", "kvxfer.cli"]  # the `kvxfer` console script, in this interpreter
+
+
+def _serve(tmp: Path, *extra: str, cli: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
     sock = str(tmp / "sc.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvxfer.server", "--engine-id", "ops", "--peer-listen", f"127.0.0.1:{port}",
+        [*(cli or [sys.executable, "-m", "kvxfer.server"]), "--engine-id", "ops", "--peer-listen", f"127.0.0.1:{port}",
          "--local-socket", sock, "--metrics-listen", "", "--drain-seconds", "3", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "UCX_MODULES": "^efa"},
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}", sock
 
 
-async def test_sigterm_drains_and_exits_zero(harness: Harness) -> None:
-    proc, addr, sock = _serve(harness.sock_dir)
+async def test_kvxfer_serve_on_uvloop_sigterm_drains_and_exits_zero(harness: Harness) -> None:
+    proc, addr, sock = _serve(harness.sock_dir, cli=[*KVXFER, "serve"])
     lay = attention()
     buf = SharedKVBuffer.create(lay)
     try:
@@ -160,7 +168,11 @@ async def test_sigterm_drains_and_exits_zero(harness: Harness) -> None:
         assert time.monotonic() - t0 < 3 + 5  # --drain-seconds 3, then the lease is released
         out = proc.stdout.read().decode() if proc.stdout else ""
         events = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        started = next(e for e in events if e["msg"] == "sidecar started")
+        assert (started["event_loop"], started["engine_id"]) == ("uvloop", "ops")
         assert any(e["msg"] == "drained" and e["released_leases"] == 1 for e in events), out[-2000:]
+        released = [e for e in events if e["msg"] == "lease released by the drain"]
+        assert [e["request_id"] for e in released] == ["held"]
         await c.close()
     finally:
         if proc.poll() is None:
@@ -186,12 +198,22 @@ async def test_kvxfer_drain_ends_the_process(harness: Harness, tmp_path: Path) -
             proc.kill()
 
 
-def test_invalid_flag_stops_startup_naming_it() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvxfer.server", "--lease-seconds", "-5"], capture_output=True, text=True, timeout=60
-    )
+@pytest.mark.parametrize("cli", [[sys.executable, "-m", "kvxfer.server"], [*KVXFER, "serve"]], ids=["module", "kvxfer"])
+def test_invalid_setting_stops_startup_naming_it(cli: list[str], tmp_path: Path) -> None:
+    out = subprocess.run([*cli, "--lease-seconds", "-5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert "--lease-seconds" in out.stderr
+    err = json.loads(out.stderr.strip().splitlines()[-1])
+    assert err["setting"] == "lease_seconds"
+    assert err["msg"] == "invalid setting: --lease-seconds: Input should be greater than 0 (got '-5')"
+    env = {**os.environ, "KVXFER_ROLE": "sideways"}
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    assert "KVXFER_ROLE: Input should be 'prefill', 'decode' or 'both' (got 'sideways')" in out.stderr
+    cfg = tmp_path / "kvxfer.yaml"
+    cfg.write_text("drain_seconds: lots\n")
+    out = subprocess.run([*cli, "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"drain_seconds (in {cfg}): Input should be a valid number" in out.stderr
 
 
 def test_generated_code_is_up_to_date() -> None:
@@ -230,6 +252,34 @@ async def test_mutual_tls_on_the_peer_api(harness: Harness, tmp_path: Path) -> N
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_sidecar_logs_carry_request_transfer_and_peer(harness: Harness, json_logs: JsonLogs) -> None:
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    await pw[0].prefill("r-log", {"kv": [1, 2]}, salt=1)
+    res = await dw[0].pull("r-log", ps, {"kv": [3, 4]}, remote_engine_id="prefill")
+    with pytest.raises(Exception, match="NOT_FOUND"):
+        await dw[0].pull("r-missing", ps, {"kv": [3, 4]})
+    await pw[0].prefill("r-short", {"kv": [5]}, salt=2, lease=0.1)
+    await asyncio.sleep(0.3)
+    records = json_logs.records()
+
+    def one(msg: str, request_id: str) -> dict[str, object]:
+        found = [r for r in records if r["msg"] == msg and r.get("request_id") == request_id]
+        assert len(found) == 1, (msg, request_id, json_logs.text[-3000:])
+        return found[0]
+
+    done = one("pull done", "r-log")
+    assert (done["transfer_id"], done["peer"], done["bytes"]) == (res.transfer_id, "prefill", res.bytes)
+    failed = one("pull ended", "r-missing")
+    assert failed["peer"] == ps[0].peer_address  # no engine id given: the addresses name the peer
+    assert str(failed["transfer_id"]).startswith(dw[0].sidecar.core.instance_id[:8])  # type: ignore[union-attr]
+    assert failed["outcome"] == "failed"
+    assert "'r-missing' is not published" in str(failed["error"])
+    assert one("lease expired", "r-short")["level"] == "info"
+    for r in records:
+        assert {"ts", "level", "logger", "msg"} <= r.keys()
 
 
 def test_json_logs_carry_context_and_never_a_token() -> None:
