@@ -116,6 +116,13 @@ def test_rendered_chart_validates(values: Path, helm_render: Path, tmp_path: Pat
     validate_manifests(docs, tmp_path, min_kube_version(values))
 
 
+def test_contract_flags_are_the_sidecars_settings() -> None:
+    """The contract's flag table (what the chart may render) lists exactly kvxfer.config's settings."""
+    from kvxfer.config import Settings, flag_name
+
+    assert contract.flags() == {flag_name(f) for f in Settings.model_fields}
+
+
 def test_chart_needs_native_sidecars(helm_render: Path) -> None:
     """Native sidecars (restartPolicy: Always init containers) are on by default from 1.29."""
     out = render_chart(helm_render, extra=["-kube-version", "1.28.15"])
