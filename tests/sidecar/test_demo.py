@@ -10,6 +10,10 @@ import pytest
 
 from kvxfer import demo
 from kvxfer.demo import run_demo
+from kvxfer.layout import KVCacheLayout
+from kvxfer.memory import SharedKVBuffer
+from kvxfer.topology import RankInfo
+from kvxfer.worker_sim import fill_blocks, verify_blocks
 
 
 def test_demo_json_is_one_object_with_the_figures() -> None:
@@ -46,3 +50,19 @@ def test_demo_exits_non_zero_when_a_byte_differs(
     monkeypatch.setattr(demo, "run_demo", corrupted)
     assert demo.demo_main(as_json=True) == 1
     assert json.loads(capsys.readouterr().out)["mismatched_bytes"] == 3
+
+
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+def test_verification_finds_a_single_wrong_byte(order: str) -> None:
+    """What the demo's exit code rests on: one flipped byte in any block is counted, a good copy is not."""
+    lay = KVCacheLayout.attention(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, total_kv_heads=4,
+                                  head_size=64, order=order)  # fmt: skip
+    rank = RankInfo(1, 2)
+    with SharedKVBuffer.create(lay) as buf:
+        fill_blocks(buf, rank, [5, 1, 2], salt=9)
+        assert verify_blocks(buf, rank, [5, 1, 2], salt=9) == (3 * lay.page_bytes * 2, 0)
+        assert verify_blocks(buf, rank, [5, 1, 2], salt=10)[1] > 0  # another request's contents
+        assert verify_blocks(buf, RankInfo(0, 2), [5, 1, 2], salt=9)[1] > 0  # another rank's heads
+        buf.pages(1)[2, 777] ^= 0x01
+        assert verify_blocks(buf, rank, [5, 1, 2], salt=9) == (3 * lay.page_bytes * 2, 1)
+        assert verify_blocks(buf, rank, [5, 1], salt=9)[1] == 0  # the flip is in block 2 only

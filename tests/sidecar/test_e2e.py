@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 import pytest
 
+from kvxfer.client import KvxferRpcError
 from kvxfer.layout import KVCacheLayout
 from tests.sidecar.helpers import Harness, attention, transfer
 
@@ -46,9 +48,10 @@ async def test_heterogeneous_tp_prefill2_decode1(harness: Harness, order: str) -
         assert any("NHD" in w for w in res.warnings)
 
 
-async def test_heterogeneous_tp_prefill1_decode2(harness: Harness) -> None:
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+async def test_heterogeneous_tp_prefill1_decode2(harness: Harness, order: str) -> None:
     ps, pw, _ds, dw = await harness.deployment(
-        {"kv": attention(tp=1)}, {"kv": attention(tp=2)}, prefill_tp=1, decode_tp=2
+        {"kv": attention(tp=1, order=order)}, {"kv": attention(tp=2, order=order)}, prefill_tp=1, decode_tp=2
     )
     events = asyncio.ensure_future(_first_event(pw[0], "RELEASED"))
     results = await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=4)
@@ -156,3 +159,19 @@ async def test_mooncake_backend_hetero_tp(harness: Harness) -> None:
     assert ps[0].core.dp.backend == "mooncake"
     (res,) = await transfer(pw, ps, dw, "m1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=11)
     assert res.remote_ranks == (0, 1)
+
+
+async def test_release_drops_a_publish_and_later_pulls_find_nothing(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    await pw[0].prefill("gone", {"kv": [1, 2]}, salt=1)
+    await pw[0].prefill("kept", {"kv": [3, 4]}, salt=2)
+    assert (await pw[0].client.status())["leases"] == 2
+    assert await pw[0].client.release("gone") is True
+    assert await pw[0].client.release("gone") is False  # nothing held any more
+    assert (await pw[0].client.status())["leases"] == 1
+    with pytest.raises(KvxferRpcError) as info:
+        await dw[0].pull("gone", ps, {"kv": [5, 6]})
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    res = await dw[0].pull("kept", ps, {"kv": [7, 8]})
+    assert dw[0].verify({"kv": [7, 8]}, 2) == (res.bytes, 0)
