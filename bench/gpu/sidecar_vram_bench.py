@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""Two sidecars and two GPU workers: KV blocks pulled VRAM to VRAM through ``kvxfer serve`` processes.
+
+Real processes from :class:`kvxfer.cluster.LocalCluster`: a prefill and a decode sidecar
+(``python -m kvxfer.server``, NIXL/UCX) and two synthetic workers (``python -m kvxfer.worker_sim
+--memory cuda:<dev>``) whose KV caches are torch tensors on the GPU, registered with their sidecar
+by CUDA IPC (no copy). The cache is Llama-3-8B's (32 layers, 8 KV heads, head 128, bf16, block 16,
+HND: 64 KiB pages, 2 MiB per block over all layers). For each request the prefill worker writes
+checkable contents into a fragmented block list and publishes; the decode worker poisons its own
+fragmented block list, pulls (its sidecar READs from the prefill sidecar) and verifies every byte.
+Block lists: runs of 1 to ``--max-run`` free blocks as a paged allocator leaves them (64 as in
+``kvxfer bench transport``), and fully contiguous lists (the best case: one descriptor per layer).
+
+Figures: the sidecar's data-plane time (READ posted -> done) and the worker's end-to-end pull
+latency, as GB/s and as a fraction of the device-to-device copy rate measured in the same run
+(torch, bytes moved once; across GPUs, the copy between them).
+
+  python3 bench/gpu/sidecar_vram_bench.py --out $OUT                     # one GPU
+  python3 bench/gpu/sidecar_vram_bench.py --out $OUT --decode-device 1   # prefill GPU 0 -> decode GPU 1
+  .venv/bin/python bench/gpu/sidecar_vram_bench.py --cpu-smoke           # the same flow on shared memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for kvxfer
+
+import numpy as np
+
+
+def llama3_8b(num_blocks: int) -> Any:
+    from kvxfer.layout import KVCacheLayout
+
+    return KVCacheLayout.attention(num_layers=32, num_blocks=num_blocks, block_size=16, num_kv_heads=8,
+                                   head_size=128, dtype="bf16", order="HND")  # fmt: skip
+
+
+def smoke_layout(num_blocks: int) -> Any:
+    from kvxfer.layout import KVCacheLayout
+
+    return KVCacheLayout.attention(num_layers=4, num_blocks=num_blocks, block_size=16, num_kv_heads=8, head_size=64)
+
+
+def copy_rate(nbytes: int, src: int | None, dst: int | None) -> float:
+    """GB/s of a device copy (torch, CUDA events, median of 20, bytes moved once); numpy on the CPU."""
+    if src is None or dst is None:
+        a = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        b = np.empty_like(a)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times) / 1e9
+    import torch
+
+    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{src}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(src)
+    torch.cuda.synchronize(dst)
+    times = []
+    for _ in range(20):
+        with torch.cuda.device(src):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            b.copy_(a)
+            e1.record()
+            e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def proto_lines(log: Path) -> list[str]:
+    """What UCX_PROTO_INFO said about READ (get) of GPU memory."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for i, ln in enumerate(lines):
+        if "remote memory read" in ln:
+            # A header, rules and column titles, then one row per size range ("| 0..inf | zero-copy | cuda_ipc/cuda |").
+            out += [ln.strip(), *[x.strip() for x in lines[i + 1 : i + 9] if ".." in x][:3]]
+        elif "software emulation" in ln or "nvlinks" in ln:
+            out.append(ln.strip())
+    return out[:12]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvxfer.cluster import BlockAllocator, ClusterError, LocalCluster
+
+    smoke = args.cpu_smoke
+    layout = (smoke_layout if smoke else llama3_8b)(args.blocks)
+    memory_p = "shm" if smoke else "cuda:0"
+    memory_d = "shm" if smoke else f"cuda:{args.decode_device}"
+    facts: dict[str, Any] = {"layout": layout.to_dict(), "page_bytes": layout.page_bytes,
+                             "memory": [memory_p, memory_d]}  # fmt: skip
+    if not smoke:
+        import torch
+
+        facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        facts["torch"] = torch.__version__
+    copy_bytes = 1 << 30 if not smoke else 64 << 20
+    src, dst = (None, None) if smoke else (0, args.decode_device)
+    copy = copy_rate(copy_bytes, src, dst)
+    facts["copy_GBps"] = copy
+    if not smoke and args.decode_device != 0:
+        facts["copy_same_gpu_GBps"] = copy_rate(copy_bytes, 0, 0)
+    print(f"device copy {src}->{dst}: {copy:.0f} GB/s (bytes moved once)", flush=True)
+    if args.proto_info:
+        os.environ["UCX_PROTO_INFO"] = "y"  # the sidecars inherit it; tables land in their logs
+    rng = np.random.default_rng(args.seed)
+    # Unix socket paths must stay under 108 bytes: the cluster lives under /tmp, not under --out.
+    workdir = Path(tempfile.mkdtemp(prefix="kvx-gpu-"))
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    with LocalCluster(backend="nixl", workdir=str(workdir)) as cluster:
+        pre = cluster.start_sidecar("prefill-0", "prefill", "prefill")
+        dec = cluster.start_sidecar("decode-0", "decode", "decode")
+        pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory_p)
+        dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory_d)
+        cluster.wait_workers(timeout=300)
+        facts["setup_s"] = time.perf_counter() - t_start
+        print(f"cluster up in {facts['setup_s']:.1f} s: {pw.info} / {dw.info}", flush=True)
+        n = 0
+
+        def one(max_run: int, blocks: int, tag: str) -> dict[str, Any]:
+            nonlocal n
+            n += 1
+            p_alloc = BlockAllocator(layout.num_blocks, rng, max_run)
+            d_alloc = BlockAllocator(layout.num_blocks, rng, max_run)
+            p_ids, d_ids = p_alloc.allocate(blocks), d_alloc.allocate(blocks)
+            rid = f"{tag}-{n}"
+            try:
+                fill = pw.call("prefill", rid, {"kv": p_ids}, 1000 + n, 0.0, timeout=600)
+                res = dw.call("pull", rid, [pre.peer_address], {"kv": d_ids}, 1000 + n, "prefill", timeout=600)
+            except ClusterError as exc:
+                raise ClusterError(f"{exc}\n{cluster.logs(40)}") from None
+            res["fill_s"] = fill["fill_s"]
+            return res
+
+        for max_run, label in (
+            (args.max_run, f"fragmented (runs 1..{args.max_run})"),
+            (layout.num_blocks, "contiguous"),
+        ):
+            for tokens in args.sizes:
+                blocks = -(-tokens // layout.block_size)
+                one(max_run, blocks, "warm")  # first pull: handshake, UCX endpoints, IPC mappings
+                got = [one(max_run, blocks, "bench") for _ in range(args.reps)]
+                nbytes = got[0]["bytes"]
+                data = statistics.median(r["data_s"] for r in got)
+                lat = statistics.median(r["latency_s"] for r in got)
+                row = {
+                    "blocks": label, "tokens": tokens, "MiB": nbytes / 2**20,
+                    "descriptors": statistics.median(r["descriptors"] for r in got),
+                    "data_GBps": nbytes / data / 1e9, "e2e_GBps": nbytes / lat / 1e9,
+                    "best_data_GBps": nbytes / min(r["data_s"] for r in got) / 1e9,
+                    "data_ms": data * 1e3, "latency_ms": lat * 1e3,
+                    "verified_bytes": sum(r["checked"] - r["mismatched"] for r in got),
+                    "mismatched_bytes": sum(r["mismatched"] for r in got), "reps": len(got),
+                }  # fmt: skip
+                row["data_vs_copy"] = row["data_GBps"] / copy
+                row["e2e_vs_copy"] = row["e2e_GBps"] / copy
+                rows.append(row)
+                print(
+                    f"{label:28} {tokens:6} tok {row['MiB']:7.0f} MiB {row['descriptors']:6.0f} desc  "
+                    f"data {row['data_GBps']:7.1f} GB/s ({row['data_vs_copy']:.3f} of copy)  "
+                    f"e2e {row['e2e_GBps']:7.1f} GB/s ({row['e2e_vs_copy']:.3f})  "
+                    f"verified {row['verified_bytes']:,} B, mismatched {row['mismatched_bytes']}",
+                    flush=True,
+                )
+                if time.perf_counter() - t_start > args.budget_s:
+                    print("budget reached; stopping", flush=True)
+                    break
+        codes = cluster.stop()
+        facts["sidecar_exit_codes"] = codes
+        for s in ("decode-0", "prefill-0"):
+            log = workdir / f"{s}.log"
+            if log.exists():
+                shutil.copy(log, Path(args.out) / f"{s}.log")
+        facts["ucx_read_protocol"] = proto_lines(workdir / "decode-0.log")
+    shutil.rmtree(workdir, ignore_errors=True)
+    ok = bool(rows) and all(r["mismatched_bytes"] == 0 and r["verified_bytes"] > 0 for r in rows)
+    return {"ok": ok, "facts": facts, "rows": rows, "wall_s": time.perf_counter() - t_start}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvxfer-gpu-bench"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="shared memory, a small layout: checks the flow here")
+    ap.add_argument("--decode-device", type=int, default=0, help="GPU of the decode worker (prefill is on 0)")
+    ap.add_argument("--blocks", type=int, default=0, help="blocks per worker (default 2048 = 4 GiB; smoke 256)")
+    ap.add_argument("--sizes", default="", help="request sizes in tokens (default 1024,8192; smoke 128,1024)")
+    ap.add_argument("--reps", type=int, default=0, help="timed pulls per size (default 4; smoke 2)")
+    ap.add_argument("--max-run", type=int, default=64, help="longest run of contiguous blocks in a fragmented list")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--no-proto-info", dest="proto_info", action="store_false")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    args.blocks = args.blocks or (256 if smoke else 2048)
+    args.sizes = [int(x) for x in (args.sizes or ("128,1024" if smoke else "1024,8192")).split(",")]
+    args.reps = args.reps or (2 if smoke else 4)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    try:
+        result = run(args)
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc()}
+        print(result["error"], flush=True)
+    (Path(args.out) / "sidecar_bench.json").write_text(json.dumps(result, indent=1, default=str))
+    facts = result.get("facts", {})
+    for line in facts.get("ucx_read_protocol", []):
+        print(f"UCX: {line}")
+    print(json.dumps({"ok": result["ok"], "copy_GBps": facts.get("copy_GBps"),
+                      "rows": [{k: r[k] for k in ("blocks", "tokens", "data_GBps", "data_vs_copy", "e2e_GBps",
+                                                  "descriptors", "verified_bytes", "mismatched_bytes")}
+                               for r in result.get("rows", [])]}, default=str))  # fmt: skip
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
