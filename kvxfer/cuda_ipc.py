@@ -57,7 +57,8 @@ class CudaIpcError(KvxferError):
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+    # c_ubyte, not c_char: a c_char array field reads back as bytes cut at the first NUL.
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]
 
 
 class _Uuid(ctypes.Structure):

@@ -258,3 +258,111 @@ def test_cuda_kv_buffer_pages_round_trip_on_cpu(cross_layer: bool) -> None:
     poison_blocks(buf, [2])
     _, bad = verify_blocks(buf, rank, [7, 2, 3], salt=5)
     assert 0 < bad <= lay.page_bytes * lay.num_layers  # only block 2 of the request was hit
+
+
+# ---------------------------------------------------------------------------- the ctypes layer itself
+class FakeLibCuda:
+    """A libcuda.so.1 made of ctypes callbacks: checks what CudaDriver marshals, byte for byte."""
+
+    HANDLE = bytes([0, 1, 0, 2]) * 16  # NULs inside: a handle is raw bytes, not a C string
+
+    def __init__(self, init_rc: int = 0) -> None:
+        import ctypes as c
+
+        self.opened: list[bytes] = []
+        self.closed: list[int] = []
+        self.ctx_depth = 0
+        self._keep: list[Any] = []
+        h_ptr, u_ptr = c.POINTER(cuda_ipc._Handle), c.POINTER(cuda_ipc._Uuid)
+        i32 = c.c_int
+        names = {0: b"CUDA_SUCCESS", 1: b"CUDA_ERROR_INVALID_VALUE", 101: b"CUDA_ERROR_INVALID_DEVICE"}
+
+        def cb(restype: Any, *argtypes: Any) -> Any:
+            return lambda fn: self._keep.append(c.CFUNCTYPE(restype, *argtypes)(fn)) or self._keep[-1]
+
+        def set_int(p: Any, v: int) -> None:
+            p[0] = v
+
+        def retain(p: Any, dev: int) -> int:
+            p[0] = 0x1000 + dev
+            return 0
+
+        def push(_ctx: Any) -> int:
+            self.ctx_depth += 1
+            return 0
+
+        def pop(_p: Any) -> int:
+            self.ctx_depth -= 1
+            return 0
+
+        def address_range(pb: Any, ps: Any, ptr: int) -> int:
+            assert self.ctx_depth == 1, "called without a current context"
+            pb[0], ps[0] = ptr & ~0xFFFFFF, 0x1000000
+            return 0
+
+        def get_handle(ph: Any, base: int) -> int:
+            c.memmove(ph, self.HANDLE, 64)
+            return 0 if base & 0xFFFFFF == 0 else 1
+
+        def open_handle(pptr: Any, h: Any, flags: int) -> int:
+            self.opened.append(bytes(h.reserved))
+            pptr[0] = 0x7000_0000
+            return 0
+
+        def close_handle(ptr: int) -> int:
+            self.closed.append(ptr)
+            return 0
+
+        def pointer_attr(p: Any, attr: int, ptr: int) -> int:
+            c.cast(p, c.POINTER(c.c_int))[0] = 1
+            return 0
+
+        def error_name(rc: int, p: Any) -> int:
+            p[0] = names.get(rc, b"CUDA_ERROR_UNKNOWN")
+            return 0
+
+        def error_string(rc: int, p: Any) -> int:
+            p[0] = b"invalid argument" if rc == 1 else None
+            return 0
+
+        def uuid(p: Any, dev: int) -> int:
+            c.memmove(p, bytes(range(16)), 16)
+            return 0
+
+        self.cuInit = cb(i32, c.c_uint)(lambda flags: init_rc)
+        self.cuDeviceGetCount = cb(i32, c.POINTER(i32))(lambda p: set_int(p, 2) or 0)
+        self.cuDeviceGet = cb(i32, c.POINTER(i32), i32)(lambda p, o: 101 if o >= 2 else set_int(p, o) or 0)
+        self.cuDevicePrimaryCtxRetain = cb(i32, c.POINTER(c.c_void_p), i32)(retain)
+        self.cuCtxPushCurrent_v2 = cb(i32, c.c_void_p)(push)
+        self.cuCtxPopCurrent_v2 = cb(i32, c.POINTER(c.c_void_p))(pop)
+        self.cuMemGetAddressRange_v2 = cb(i32, c.POINTER(c.c_uint64), c.POINTER(c.c_size_t), c.c_uint64)(address_range)
+        self.cuIpcGetMemHandle = cb(i32, h_ptr, c.c_uint64)(get_handle)
+        self.cuIpcOpenMemHandle_v2 = cb(i32, c.POINTER(c.c_uint64), cuda_ipc._Handle, c.c_uint)(open_handle)
+        self.cuIpcCloseMemHandle = cb(i32, c.c_uint64)(close_handle)
+        self.cuPointerGetAttribute = cb(i32, c.c_void_p, i32, c.c_uint64)(pointer_attr)
+        self.cuGetErrorName = cb(i32, i32, c.POINTER(c.c_char_p))(error_name)
+        self.cuGetErrorString = cb(i32, i32, c.POINTER(c.c_char_p))(error_string)
+        self.cuDeviceGetUuid_v2 = cb(i32, u_ptr, i32)(uuid)
+
+
+def test_driver_marshals_handles_with_nul_bytes_and_offsets() -> None:
+    lib = FakeLibCuda()
+    drv = cuda_ipc.CudaDriver(lib)  # type: ignore[arg-type]
+    assert drv.device_count() == 2
+    assert drv.device_uuid(1) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    exp = drv.export(0, 0x3000_1000)
+    assert exp == Exported(FakeLibCuda.HANDLE, 0x1000, 0x1000000)
+    assert drv.open(1, exp.handle) == 0x7000_0000
+    assert lib.opened == [FakeLibCuda.HANDLE]
+    drv.close(1, 0x7000_0000)
+    assert lib.closed == [0x7000_0000]
+    assert lib.ctx_depth == 0  # every push popped
+    with pytest.raises(CudaIpcError, match=r"cuDeviceGet\(7\): CUDA_ERROR_INVALID_DEVICE"):
+        drv.device_uuid(7)
+    assert drv.error_text(1) == "CUDA_ERROR_INVALID_VALUE (invalid argument)"
+
+
+@pytest.mark.parametrize(("rc", "message"), [(100, "no CUDA device is visible"), (3, "did not initialize")])
+def test_driver_init_failures(rc: int, message: str) -> None:
+    with pytest.raises(CudaUnavailableError, match=message):
+        cuda_ipc.CudaDriver(FakeLibCuda(init_rc=rc))  # type: ignore[arg-type]
