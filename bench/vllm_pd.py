@@ -193,27 +193,19 @@ def omp_bind_env(role: str) -> dict[str, str]:
 
 
 def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
-    """kvxfer's connector, with a kvxfer sidecar started next to the instance.
+    """kvxfer's connector (``kvxfer.integrations.vllm``), with a kvxfer sidecar next to the instance.
 
-    The connector module is ``kvxfer.integrations.vllm`` (issue 5); the sidecar flags follow
-    docs/sidecar-contract.md. Fails early with a clear message while they do not exist yet.
+    One sidecar per worker rank (TP 1 here); the connector finds it through ``{rank}`` in the
+    socket template, exactly as in the Helm chart.
     """
-    try:
-        import importlib.util
-
-        if importlib.util.find_spec("kvxfer.integrations.vllm") is None:
-            raise ModuleNotFoundError("kvxfer.integrations.vllm")
-    except ModuleNotFoundError as exc:
-        raise SystemExit(f"--connector kvxfer needs {exc.name} (not written yet); use --connector nixl") from exc
     engine_id = f"{role}-{os.getpid()}"
-    sock = run_dir / f"kvxfer-{role}.sock"
-    peer = f"127.0.0.1:{free_port()}"
+    template = str(run_dir / f"kvxfer-{role}-{{rank}}.sock")
     cmd = [
         sys.executable, "-m", "kvxfer.cli", "serve",
         "--engine-id", engine_id,
         "--role", role,
-        "--peer-listen", peer,
-        "--local-socket", str(sock),
+        "--peer-listen", f"127.0.0.1:{free_port()}",
+        "--local-socket", template.format(rank=0),
         "--metrics-listen", f"127.0.0.1:{free_port()}",
         "--log-format", "text",
     ]  # fmt: skip
@@ -222,9 +214,9 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
         "kv_connector": "KvxferConnector",
         "kv_connector_module_path": "kvxfer.integrations.vllm",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-        "kv_buffer_device": "cpu",
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"sidecar_socket": str(sock)},
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"sidecar_socket": template},
     }
     return InstanceSpec(cfg, {})
 

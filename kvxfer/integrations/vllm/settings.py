@@ -1,0 +1,139 @@
+"""The connector's settings: ``kv_connector_extra_config`` first, then ``KVXFER_*`` environment.
+
+Everything has a default that matches the Helm chart and docs/sidecar-contract.md, so a vLLM
+command line needs only ``kv_connector`` and ``kv_connector_module_path``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.errors import KvxferError
+
+__all__ = ["DEFAULT_SOCKET", "ConnectorSettings", "ConnectorSettingsError"]
+
+#: One sidecar per worker rank; ``{rank}`` is the worker's rank inside its vLLM instance.
+DEFAULT_SOCKET = "/run/kvxfer/kvxfer-{rank}.sock"
+_PLACEHOLDERS = ("rank", "tp_rank", "pp_rank", "dp_rank")
+
+
+class ConnectorSettingsError(KvxferError):
+    """A connector setting is missing or malformed; the message names it."""
+
+    status = "INVALID_ARGUMENT"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the vLLM connector needs to find and use its sidecars."""
+
+    #: Unix socket (or ``host:port``) of each rank's sidecar; may hold ``{rank}``, ``{tp_rank}``,
+    #: ``{pp_rank}`` and ``{dp_rank}``.
+    sidecar_socket: str = DEFAULT_SOCKET
+    #: File holding the shared token of the local API (``KVXFER_TOKEN_FILE``); empty: no token.
+    token_file: str = ""
+    #: Lease of a published request (0: the sidecar's ``--lease-seconds``).
+    lease_seconds: float = 0.0
+    #: Deadline of one pull (the sidecar caps it at its ``--transfer-timeout-seconds``).
+    transfer_timeout_seconds: float = 30.0
+    #: How long a worker waits for its sidecar at start-up.
+    startup_timeout_seconds: float = 60.0
+    #: Deadline of one control call (register, publish, abort, status).
+    call_timeout_seconds: float = 10.0
+    #: KV cache layout asked of vLLM: ``HND`` (LBHNC, head slices contiguous: heterogeneous TP
+    #: moves one span per block and head slice), ``cross_layer`` (BLHNC: one region, one
+    #: descriptor per block run for all layers) or ``auto`` (vLLM's choice).
+    kv_cache_layout: str = "HND"
+
+    def __post_init__(self) -> None:
+        if not self.sidecar_socket.strip():
+            raise ConnectorSettingsError("sidecar_socket: must not be empty", field="sidecar_socket")
+        unknown = sorted(set(re.findall(r"{([^{}]*)}", self.sidecar_socket)) - set(_PLACEHOLDERS))
+        if unknown:
+            raise ConnectorSettingsError(
+                f"sidecar_socket: unknown placeholder {{{unknown[0]}}} in {self.sidecar_socket!r}; "
+                f"known: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)}",
+                field="sidecar_socket",
+            )
+        for name in ("lease_seconds", "transfer_timeout_seconds"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConnectorSettingsError(f"{name}: must be a number >= 0, got {value!r}", field=name)
+        for name in ("startup_timeout_seconds", "call_timeout_seconds"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConnectorSettingsError(f"{name}: must be a number > 0, got {value!r}", field=name)
+        if self.kv_cache_layout not in ("HND", "cross_layer", "auto"):
+            raise ConnectorSettingsError(
+                f"kv_cache_layout: {self.kv_cache_layout!r} is not one of HND, cross_layer, auto",
+                field="kv_cache_layout",
+            )
+
+    @classmethod
+    def load(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
+        """From vLLM's ``kv_connector_extra_config`` (wins) and the environment.
+
+        Unknown keys are refused, so a typo does not silently fall back to a default.
+        """
+        env = os.environ if env is None else env
+        extra = dict(extra or {})
+        # vLLM's own keys that may appear beside ours (e.g. copied from a NixlConnector config).
+        for ignored in ("backends", "num_threads"):
+            extra.pop(ignored, None)
+        fields = cls.__dataclass_fields__
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ConnectorSettingsError(
+                f"kv_connector_extra_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(fields))}",
+                field=unknown[0],
+            )
+        values: dict[str, Any] = {}
+        for name, f in fields.items():
+            raw: Any = extra.get(name)
+            if raw is None:
+                raw = env.get(_ENV.get(name, "KVXFER_VLLM_" + name.upper()))
+            if raw is None:
+                continue
+            values[name] = _coerce(name, raw, type(f.default))
+        return cls(**values)
+
+    def socket_for(self, *, rank: int, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0) -> str:
+        """The sidecar address of one worker rank."""
+        return self.sidecar_socket.format(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+
+    def token(self) -> str | None:
+        """The shared token, read from ``token_file`` (None when no file is set)."""
+        if not self.token_file:
+            return None
+        try:
+            with open(self.token_file, encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except OSError as exc:
+            raise ConnectorSettingsError(
+                f"token_file: cannot read {self.token_file!r}: {exc.strerror}", field="token_file"
+            ) from None
+        if not token:
+            raise ConnectorSettingsError(f"token_file: {self.token_file!r} is empty", field="token_file")
+        return token
+
+
+# The sidecar's own variables where both sides of the pod share one meaning.
+_ENV = {"sidecar_socket": "KVXFER_LOCAL_SOCKET", "token_file": "KVXFER_TOKEN_FILE"}
+
+
+def _coerce(name: str, raw: Any, kind: type) -> Any:
+    if kind is str:
+        if not isinstance(raw, str):
+            raise ConnectorSettingsError(f"{name}: must be a string, got {raw!r}", field=name)
+        return raw
+    if isinstance(raw, bool):
+        raise ConnectorSettingsError(f"{name}: must be a number, got {raw!r}", field=name)
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        raise ConnectorSettingsError(f"{name}: must be a number, got {raw!r}", field=name) from None

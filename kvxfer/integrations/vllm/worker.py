@@ -1,0 +1,263 @@
+"""The worker side of the vLLM connector, free of vLLM: one rank's caches, pulls and releases.
+
+vLLM calls the worker side from its model-runner thread and expects every call to return at
+once. All sidecar calls therefore run on a private event-loop thread (:class:`SidecarLink`);
+the runner thread only starts them and, once per step, collects what finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import threading
+import time
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+import grpc
+
+from kvxfer.client import AsyncClient, KvxferRpcError, PullResult
+from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.kvcache import SharedCaches, describe_kv_caches, share_kv_caches
+from kvxfer.integrations.vllm.plan import GROUP, PullSpec, StepPlan
+from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.logs import get_logger, log_context
+from kvxfer.topology import RankInfo
+
+__all__ = ["SidecarLink", "SidecarUnavailableError", "WorkerSide"]
+
+log = get_logger("kvxfer.vllm.worker")
+T = TypeVar("T")
+
+#: A published request whose release never arrived (sidecar restarted, stream lost) is handed
+#: back to vLLM this long after its lease ran out: the sidecar has dropped it by then anyway.
+RELEASE_GRACE_SECONDS = 10.0
+#: Completion events for ids this worker never saw published are forgotten after this long.
+EVENT_MEMORY_SECONDS = 300.0
+_RELEASE_KINDS = frozenset({"RELEASED", "EXPIRED", "ABORTED"})
+
+
+class SidecarUnavailableError(KvxferError):
+    """The worker's sidecar cannot be reached; the message names its address."""
+
+    status = "UNAVAILABLE"
+
+
+class SidecarLink:
+    """One sidecar's local API on a private event-loop thread, usable from any thread."""
+
+    def __init__(self, target: str, *, token: str | None, timeout: float) -> None:
+        self.target = target
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-link", daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncClient:
+            # grpc.aio binds a channel to the loop that creates it.
+            return AsyncClient(target, token=token, timeout=timeout)
+
+        self.client = self.call(make())
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
+        """Run ``coro`` on the link's loop; returns at once."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the link's loop and wait for its result."""
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        """Close the channel and stop the loop thread."""
+        if not self._thread.is_alive():
+            return
+        # Best effort: the process is going away.
+        with contextlib.suppress(Exception):
+            self.call(self.client.close(), timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+class WorkerSide:
+    """One worker rank: registers its caches with its sidecar, runs pulls, reports what finished."""
+
+    def __init__(
+        self, settings: ConnectorSettings, *, rank: RankInfo, local_rank: int, dp_rank: int = 0,
+        total_kv_heads: int, worker_id: str = "",
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.rank = rank
+        self.total_kv_heads = total_kv_heads
+        self.worker_id = worker_id or f"rank{local_rank}"
+        self.target = settings.socket_for(rank=local_rank, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=dp_rank)
+        self.link = SidecarLink(self.target, token=settings.token(), timeout=settings.call_timeout_seconds)
+        self.shared: SharedCaches | None = None
+        self.registration: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
+        self._aborting: set[str] = set()
+        self._published: dict[str, int] = {}
+        self._released: dict[str, float] = {}
+        self._errors: set[int] = set()
+        self._watcher: cf.Future[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ registration
+    def register(self, kv_caches: Mapping[str, Any]) -> dict[str, Any]:
+        """Describe vLLM's caches, share them with the sidecar and register them; returns its answer."""
+        desc = describe_kv_caches(kv_caches, total_kv_heads=self.total_kv_heads)
+        self.shared = share_kv_caches(desc)
+        self._wait_for_sidecar()
+        self.registration = self.link.call(self._register(), timeout=self.settings.call_timeout_seconds + 5)
+        lay = desc.layout
+        log.info(
+            "KV caches registered with the sidecar",
+            extra={"sidecar": self.target, "layers": lay.num_layers, "blocks": lay.num_blocks,
+                   "page_bytes": lay.page_bytes, "order": lay.order.value, "cross_layer": lay.cross_layer,
+                   "bytes": self.registration.get("registered_bytes"), "memory": type(self.shared.memory).__name__},
+        )  # fmt: skip
+        self._watcher = self.link.submit(self._watch())
+        return self.registration
+
+    async def _register(self) -> dict[str, Any]:
+        assert self.shared is not None
+        groups = {GROUP: (self.shared.description.layout, self.shared.memory)}
+        return await self.link.client.register_caches(groups, rank=self.rank, worker_id=self.worker_id)
+
+    def _wait_for_sidecar(self) -> None:
+        within = self.settings.startup_timeout_seconds
+        try:
+            self.link.call(self.link.client.wait_ready(within), timeout=within + 5)
+        except (KvxferRpcError, cf.TimeoutError) as exc:
+            raise SidecarUnavailableError(
+                f"sidecar_socket: no kvxfer sidecar answers at {self.target} after {within:g}s ({exc}); start "
+                "`kvxfer serve --local-socket ...` next to this worker, one per rank",
+                field="sidecar_socket",
+            ) from None
+
+    # ------------------------------------------------------------------ completions (prefill side)
+    async def _watch(self) -> None:
+        """Follow the completion stream; re-register after a sidecar restart."""
+        after, instance = 0, self.registration.get("instance_id", "")
+        while not self._closed:
+            try:
+                async for ev in self.link.client.watch_completions(replay=True, after=after):
+                    after = ev.sequence
+                    if ev.kind in _RELEASE_KINDS:
+                        with self._lock:
+                            self._released[ev.request_id] = time.monotonic()
+            except KvxferRpcError as exc:
+                log.warning("completion stream lost", extra={"sidecar": self.target, "error": exc.details})
+            if self._closed:
+                return
+            await asyncio.sleep(0.5)
+            try:
+                st = await self.link.client.status(deadline=2.0)
+                if st["instance_id"] != instance or not st["registered"]:
+                    log.warning("sidecar restarted; registering the caches again", extra={"sidecar": self.target})
+                    self.registration = await self._register()
+                    after, instance = 0, self.registration["instance_id"]
+            except KvxferError as exc:
+                log.warning("sidecar unreachable", extra={"sidecar": self.target, "error": exc.message})
+
+    # ------------------------------------------------------------------ per step
+    def on_step(self, plan: StepPlan) -> None:
+        """Start this step's pulls and aborts; remember what the prefill side published."""
+        with self._lock:
+            self._published.update(plan.published)
+        for spec in plan.pulls:
+            if spec.request_id in self._pulls:
+                log.warning("pull already running", extra={"request_id": spec.request_id})
+                continue
+            self._pulls[spec.request_id] = (spec, self.link.submit(self._pull(spec)))
+        for rid in plan.aborts:
+            running = self._pulls.get(rid)
+            if running is None or running[1].done():
+                continue
+            self._aborting.add(rid)
+            self.link.submit(self._abort(running[0]))
+
+    async def _pull(self, spec: PullSpec) -> PullResult:
+        remote = spec.remote
+        if remote is None or spec.error:
+            raise KvxferError(f"cannot load the KV of {spec.request_id!r}: {spec.error}", field="kv_transfer_params")
+        with log_context(request_id=spec.request_id, peer=remote.sidecar_engine_id or remote.engine_id or None):
+            addresses = self._stage_addresses(remote.addresses)
+            return await self.link.client.pull(
+                remote.request_id, addresses, {GROUP: spec.local_blocks}, remote_blocks={GROUP: spec.remote_blocks},
+                remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
+            )  # fmt: skip
+
+    def _stage_addresses(self, addresses: tuple[str, ...]) -> list[str]:
+        # kvxfer_addresses lists every prefill rank, pipeline stage by stage; this rank reads the
+        # tensor-parallel ranks of its own stage.
+        pp = self.rank.pp_size
+        if len(addresses) % pp:
+            raise KvxferError(
+                f"kvxfer_addresses: {len(addresses)} prefill sidecars do not split into {pp} pipeline stages",
+                field="kvxfer_addresses",
+            )
+        per = len(addresses) // pp
+        return list(addresses[self.rank.pp_rank * per : (self.rank.pp_rank + 1) * per])
+
+    async def _abort(self, spec: PullSpec) -> None:
+        if spec.remote is None:
+            return
+        try:
+            await self.link.client.abort(spec.remote.request_id, "the vLLM request finished before its KV arrived")
+        except KvxferRpcError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                log.warning("abort failed", extra={"request_id": spec.request_id, "error": exc.details})
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(requests whose published blocks vLLM may free, requests whose loads ended).
+
+        A load that failed still ends: its blocks are reported by :meth:`load_errors` so that
+        vLLM recomputes them (or fails the request, per ``kv_load_failure_policy``).
+        """
+        recving: set[str] = set()
+        for rid, (spec, fut) in list(self._pulls.items()):
+            if not fut.done():
+                continue
+            del self._pulls[rid]
+            recving.add(rid)
+            exc = fut.exception()
+            aborted = rid in self._aborting
+            self._aborting.discard(rid)
+            if exc is None:
+                res = fut.result()
+                log.debug("KV loaded", extra={"request_id": rid, "bytes": res.bytes, "descriptors": res.descriptors})
+            elif not aborted:
+                # An aborted request's blocks are freed by vLLM; naming them would mark blocks that
+                # may already belong to another request.
+                self._errors.update(spec.local_blocks)
+                log.warning("KV load failed; vLLM will recompute", extra={"request_id": rid, "error": str(exc)})
+        sending: set[str] = set()
+        now, wall_ms = time.monotonic(), time.time() * 1000
+        with self._lock:
+            for rid, expires_ms in list(self._published.items()):
+                late = wall_ms > expires_ms + RELEASE_GRACE_SECONDS * 1000
+                if rid in self._released or late:
+                    sending.add(rid)
+                    del self._published[rid]
+                    self._released.pop(rid, None)
+                    if late:
+                        log.warning("no release from the sidecar; freeing after the lease", extra={"request_id": rid})
+            for rid, at in list(self._released.items()):
+                if now - at > EVENT_MEMORY_SECONDS:
+                    del self._released[rid]
+        return sending, recving
+
+    def load_errors(self) -> set[int]:
+        """Local block ids whose load failed since the last call."""
+        out, self._errors = self._errors, set()
+        return out
+
+    def close(self) -> None:
+        """Stop the link; unlink the shared-memory name (tensors keep their mapping)."""
+        self._closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self.link.close()
+        if self.shared is not None:
+            self.shared.close()
