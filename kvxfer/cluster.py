@@ -170,9 +170,13 @@ class LocalCluster:
             self._token_file.chmod(0o600)
 
     def start_sidecar(
-        self, name: str, engine_id: str, role: str, *, flags: Sequence[str] = (), port: int = 0
-    ) -> SidecarProc:
-        """Start ``python -m kvxfer.server`` (not waiting for it: the workers wait); ``port``: its peer port."""
+        self, name: str, engine_id: str, role: str, *, flags: Sequence[str] = (), port: int = 0,
+        env: dict[str, str] | None = None,
+    ) -> SidecarProc:  # fmt: skip
+        """Start ``python -m kvxfer.server`` (not waiting for it: the workers wait); ``port``: its peer port.
+
+        ``env``: extra variables for this sidecar (set after the inherited ``KVXFER_*`` are dropped).
+        """
         port, mport = port or free_port(), free_port()
         sock = str(self.dir / f"{name}.sock")
         log_path = self.dir / f"{name}.log"
@@ -183,7 +187,7 @@ class LocalCluster:
         ]  # fmt: skip
         if self._token_file is not None:
             argv += ["--token-file", str(self._token_file)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_")} | dict(env or {})
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         sc = SidecarProc(name, proc, f"127.0.0.1:{port}", sock, mport, log_path)

@@ -19,11 +19,16 @@ import threading
 import uuid as uuid_mod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from kvxfer.errors import KvxferError
 
 __all__ = [
     "HANDLE_BYTES",
+    "CopyBatch",
     "CudaDriver",
     "CudaIpcError",
     "CudaUnavailableError",
@@ -31,13 +36,18 @@ __all__ = [
     "IpcMappings",
     "driver",
     "mappings",
+    "try_init",
 ]
 
 HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 LIBCUDA = "libcuda.so.1"  # the driver library; the NVIDIA container runtime mounts it
 _LAZY_ENABLE_PEER_ACCESS = 0x1
-_ATTR_IS_LEGACY_IPC_CAPABLE = 18  # CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+_ATTR_IS_LEGACY_IPC_CAPABLE = 10  # CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
 _ERR_NO_DEVICE = 100
+_ERR_NOT_READY = 600
+_STREAM_NON_BLOCKING = 0x1
+_EVENT_DISABLE_TIMING = 0x2
+_SRC_ACCESS_ORDER_STREAM = 0x1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 
 
 class CudaUnavailableError(KvxferError):
@@ -63,6 +73,24 @@ class _Handle(ctypes.Structure):
 
 class _Uuid(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """Device copies in flight on one device's stream; poll :meth:`CudaDriver.done`."""
+
+    ordinal: int
+    event: int
+    calls: int  # driver calls it took: 1 with cuMemcpyBatchAsync, else one per copy
 
 
 @dataclass(frozen=True)
@@ -105,6 +133,32 @@ class CudaDriver:
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
+        for name, argtypes in {
+            "cuStreamCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+            "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+            "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
+            "cuEventQuery": [ctypes.c_void_p],
+            "cuEventDestroy_v2": [ctypes.c_void_p],
+            "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        }.items():
+            fn = getattr(lib, name, None)
+            if fn is not None:  # copies are optional: registration works without them
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
+        u64p, szp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+        attrs = ctypes.POINTER(_MemcpyAttributes)
+        # CUDA 13 dropped the failIdx argument (the _v2 symbol); CUDA 12.8 has only the first form.
+        self._batch = getattr(lib, "cuMemcpyBatchAsync_v2", None)
+        self._batch_has_fail_idx = False
+        if self._batch is not None:
+            self._batch.argtypes = [u64p, u64p, szp, ctypes.c_size_t, attrs, szp, ctypes.c_size_t, ctypes.c_void_p]
+        elif getattr(lib, "cuMemcpyBatchAsync", None) is not None:
+            self._batch, self._batch_has_fail_idx = lib.cuMemcpyBatchAsync, True
+            self._batch.argtypes = [u64p, u64p, szp, ctypes.c_size_t, attrs, szp, ctypes.c_size_t, szp, ctypes.c_void_p]
+        if self._batch is not None:
+            self._batch.restype = ctypes.c_int
+        self.batch_error = ""  # why batched copies were given up, if they were
+        self._streams: dict[int, ctypes.c_void_p] = {}
         uuid_fn = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
         uuid_fn.argtypes = [ctypes.POINTER(_Uuid), ctypes.c_int]
         uuid_fn.restype = ctypes.c_int
@@ -206,6 +260,64 @@ class CudaDriver:
             rc = self._lib.cuIpcCloseMemHandle(ptr)
         self._check(rc, "cuIpcCloseMemHandle")
 
+    # ------------------------------------------------------------------ copies (same-node data path)
+    def copy_async(self, ordinal: int, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64],
+                   sizes: npt.NDArray[np.uint64]) -> CopyBatch:  # fmt: skip
+        """Queue ``dst[i] <- src[i]`` (``sizes[i]`` bytes) on device ``ordinal``'s stream; returns at once.
+
+        One ``cuMemcpyBatchAsync`` call where the driver has it (CUDA >= 12.8), else one
+        ``cuMemcpyDtoDAsync`` per copy (about 2 us of CPU each).
+        """
+        dst = np.ascontiguousarray(dst, dtype=np.uint64)
+        src = np.ascontiguousarray(src, dtype=np.uint64)
+        sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+        n = int(dst.size)
+        with self._current(ordinal):
+            stream = self._streams.get(ordinal)
+            if stream is None:
+                stream = ctypes.c_void_p()
+                self._check(self._lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
+                self._streams[ordinal] = stream
+            calls = 1
+            if not (self._batch is not None and n > 1 and self._copy_batched(dst, src, sizes, stream)):
+                calls = n
+                cpy = self._lib.cuMemcpyDtoDAsync_v2
+                for d, sr, sz in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+                    rc = cpy(d, sr, sz, stream)
+                    if rc:
+                        self._check(rc, f"cuMemcpyDtoDAsync(0x{d:x} <- 0x{sr:x}, {sz})")
+            ev = ctypes.c_void_p()
+            self._check(self._lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
+            self._check(self._lib.cuEventRecord(ev, stream), "cuEventRecord")
+        return CopyBatch(ordinal, int(ev.value or 0), calls)
+
+    def _copy_batched(self, dst: Any, src: Any, sizes: Any, stream: ctypes.c_void_p) -> bool:
+        u64p, szp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+        attr = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), 0)
+        idx = (ctypes.c_size_t * 1)(0)
+        args: list[Any] = [dst.ctypes.data_as(u64p), src.ctypes.data_as(u64p), sizes.ctypes.data_as(szp),
+                           int(dst.size), ctypes.byref(attr), idx, 1]  # fmt: skip
+        if self._batch_has_fail_idx:
+            args.append(ctypes.byref(ctypes.c_size_t(0)))
+        assert self._batch is not None
+        rc = self._batch(*args, stream)
+        if rc:
+            # Nothing was queued; remember why and use single copies from now on.
+            self.batch_error = f"cuMemcpyBatchAsync: {self.error_text(rc)}"
+            self._batch = None
+            return False
+        return True
+
+    def done(self, batch: CopyBatch) -> bool:
+        """Whether the copies of ``batch`` finished (raises if they failed); frees its event when they did."""
+        with self._current(batch.ordinal):
+            rc = self._lib.cuEventQuery(ctypes.c_void_p(batch.event))
+            if rc == _ERR_NOT_READY:
+                return False
+            self._lib.cuEventDestroy_v2(ctypes.c_void_p(batch.event))
+        self._check(rc, "device copies")
+        return True
+
 
 _driver: CudaDriver | None = None
 _driver_lock = threading.Lock()
@@ -222,6 +334,20 @@ def driver() -> CudaDriver:
                 raise CudaUnavailableError(f"no CUDA driver in this process ({exc})") from None
             _driver = CudaDriver(lib)
         return _driver
+
+
+def try_init() -> bool:
+    """Initialize the CUDA driver in this process if it has one; False without a driver or GPU.
+
+    UCX (1.18+) asks the driver for its GPUs when a context is created and does not call cuInit
+    itself: a process that creates its NIXL agent before touching CUDA gets a UCX without CUDA
+    memory support ("VRAM memory is detected as host by UCX").
+    """
+    try:
+        driver()
+    except CudaUnavailableError:
+        return False
+    return True
 
 
 @dataclass
@@ -271,6 +397,14 @@ class IpcMappings:
                 return
             del self._open[key]
             self._get_driver().close(ordinal, m.base)
+
+    def locate(self, address: int) -> tuple[int, bytes, int] | None:
+        """(device, handle, offset in the allocation) of an address inside an opened allocation."""
+        with self._lock:
+            for (ordinal, handle), m in self._open.items():
+                if m.base <= address < m.base + max(m.size, 1):
+                    return ordinal, handle, address - m.base
+        return None
 
     def __len__(self) -> int:
         return len(self._open)

@@ -100,8 +100,6 @@ def proto_lines(log: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvxfer.cluster import BlockAllocator, ClusterError, LocalCluster
-
     smoke = args.cpu_smoke
     layout = (smoke_layout if smoke else llama3_8b)(args.blocks)
     memory_p = "shm" if smoke else "cuda:0"
@@ -123,18 +121,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"  # the sidecars inherit it; tables land in their logs
     rng = np.random.default_rng(args.seed)
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    block_lists = [(args.max_run, f"fragmented (runs 1..{args.max_run})"), (layout.num_blocks, "contiguous")]
+    plans = [("cuda-ipc" if not smoke else "default", {}, block_lists, args.sizes, args.reps)]
+    if not smoke and args.nixl_reps:
+        # The same sidecars with the same-host shortcut off: what NIXL/UCX does with IPC-opened memory.
+        plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "0"}, block_lists, args.sizes[:1], args.nixl_reps))
+    for path, env, lists, sizes, reps in plans:
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"budget reached; {path} path not run", flush=True)
+            break
+        rows += run_cluster(args, layout, (memory_p, memory_d), path, env, lists, sizes, reps, rng, copy, facts,
+                            t_start)  # fmt: skip
+    ok = bool(rows) and all(r["mismatched_bytes"] == 0 and r["verified_bytes"] > 0 for r in rows)
+    return {"ok": ok, "facts": facts, "rows": rows, "wall_s": time.perf_counter() - t_start}
+
+
+def run_cluster(
+    args: argparse.Namespace, layout: Any, memory: tuple[str, str], path: str, env: dict[str, str],
+    lists: list[tuple[int, str]], sizes: list[int], reps: int, rng: np.random.Generator, copy: float,
+    facts: dict[str, Any], t_start: float,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One prefill/decode pair of sidecars and workers; every (block list, size) pulled ``reps`` times."""
+    from kvxfer.cluster import BlockAllocator, ClusterError, LocalCluster
+
     # Unix socket paths must stay under 108 bytes: the cluster lives under /tmp, not under --out.
     workdir = Path(tempfile.mkdtemp(prefix="kvx-gpu-"))
     rows: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     with LocalCluster(backend="nixl", workdir=str(workdir)) as cluster:
-        pre = cluster.start_sidecar("prefill-0", "prefill", "prefill")
-        dec = cluster.start_sidecar("decode-0", "decode", "decode")
-        pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory_p)
-        dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory_d)
+        pre = cluster.start_sidecar("prefill-0", "prefill", "prefill", env=env)
+        dec = cluster.start_sidecar("decode-0", "decode", "decode", env=env)
+        pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory[0])
+        dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory[1])
         cluster.wait_workers(timeout=300)
-        facts["setup_s"] = time.perf_counter() - t_start
-        print(f"cluster up in {facts['setup_s']:.1f} s: {pw.info} / {dw.info}", flush=True)
+        facts[f"setup_s_{path}"] = time.perf_counter() - t0
+        print(f"[{path}] cluster up in {time.perf_counter() - t0:.1f} s", flush=True)
         n = 0
 
         def one(max_run: int, blocks: int, tag: str) -> dict[str, Any]:
@@ -152,19 +175,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["fill_s"] = fill["fill_s"]
             return res
 
-        for max_run, label in (
-            (args.max_run, f"fragmented (runs 1..{args.max_run})"),
-            (layout.num_blocks, "contiguous"),
-        ):
-            for tokens in args.sizes:
+        stop = False
+        for max_run, label in lists:
+            for tokens in sizes:
                 blocks = -(-tokens // layout.block_size)
                 one(max_run, blocks, "warm")  # first pull: handshake, UCX endpoints, IPC mappings
-                got = [one(max_run, blocks, "bench") for _ in range(args.reps)]
+                got = [one(max_run, blocks, "bench") for _ in range(reps)]
                 nbytes = got[0]["bytes"]
                 data = statistics.median(r["data_s"] for r in got)
                 lat = statistics.median(r["latency_s"] for r in got)
                 row = {
-                    "blocks": label, "tokens": tokens, "MiB": nbytes / 2**20,
+                    "path": path, "blocks": label, "tokens": tokens, "MiB": nbytes / 2**20,
                     "descriptors": statistics.median(r["descriptors"] for r in got),
                     "data_GBps": nbytes / data / 1e9, "e2e_GBps": nbytes / lat / 1e9,
                     "best_data_GBps": nbytes / min(r["data_s"] for r in got) / 1e9,
@@ -176,25 +197,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["e2e_vs_copy"] = row["e2e_GBps"] / copy
                 rows.append(row)
                 print(
-                    f"{label:28} {tokens:6} tok {row['MiB']:7.0f} MiB {row['descriptors']:6.0f} desc  "
-                    f"data {row['data_GBps']:7.1f} GB/s ({row['data_vs_copy']:.3f} of copy)  "
-                    f"e2e {row['e2e_GBps']:7.1f} GB/s ({row['e2e_vs_copy']:.3f})  "
-                    f"verified {row['verified_bytes']:,} B, mismatched {row['mismatched_bytes']}",
+                    f"[{path}] {label:26} {tokens:6} tok {row['MiB']:6.0f} MiB {row['descriptors']:5.0f} desc  "
+                    f"data {row['data_GBps']:7.1f} GB/s ({row['data_vs_copy']:.3f} of copy, "
+                    f"{row['data_ms']:.2f} ms)  e2e {row['e2e_GBps']:6.1f} GB/s ({row['latency_ms']:.1f} ms)  "
+                    f"verified {row['verified_bytes']:,} B, bad {row['mismatched_bytes']}",
                     flush=True,
                 )
                 if time.perf_counter() - t_start > args.budget_s:
                     print("budget reached; stopping", flush=True)
+                    stop = True
                     break
-        codes = cluster.stop()
-        facts["sidecar_exit_codes"] = codes
-        for s in ("decode-0", "prefill-0"):
-            log = workdir / f"{s}.log"
-            if log.exists():
-                shutil.copy(log, Path(args.out) / f"{s}.log")
-        facts["ucx_read_protocol"] = proto_lines(workdir / "decode-0.log")
+            if stop:
+                break
+        facts[f"sidecar_exit_codes_{path}"] = cluster.stop()
+        log = workdir / "decode-0.log"  # the reader's side: UCX's protocol choice, fallback warnings
+        if log.exists():
+            shutil.copy(log, Path(args.out) / f"decode-0-{path}.log")
+        facts[f"ucx_read_protocol_{path}"] = proto_lines(workdir / "decode-0.log")
+        facts[f"fallback_warnings_{path}"] = [
+            ln[:300] for ln in (workdir / "decode-0.log").read_text(errors="replace").splitlines()
+            if "CUDA IPC READ unavailable" in ln
+        ][:3]  # fmt: skip
     shutil.rmtree(workdir, ignore_errors=True)
-    ok = bool(rows) and all(r["mismatched_bytes"] == 0 and r["verified_bytes"] > 0 for r in rows)
-    return {"ok": ok, "facts": facts, "rows": rows, "wall_s": time.perf_counter() - t_start}
+    return rows
 
 
 def main() -> int:
@@ -209,6 +234,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--no-proto-info", dest="proto_info", action="store_false")
+    ap.add_argument("--nixl-reps", type=int, default=2, help="pulls per case with the shortcut off (0: skip)")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     args.blocks = args.blocks or (256 if smoke else 2048)
@@ -222,10 +248,12 @@ def main() -> int:
         print(result["error"], flush=True)
     (Path(args.out) / "sidecar_bench.json").write_text(json.dumps(result, indent=1, default=str))
     facts = result.get("facts", {})
-    for line in facts.get("ucx_read_protocol", []):
-        print(f"UCX: {line}")
+    for key, lines in facts.items():
+        if key.startswith(("ucx_read_protocol", "fallback_warnings")):
+            for line in lines:
+                print(f"{key}: {line}")
     print(json.dumps({"ok": result["ok"], "copy_GBps": facts.get("copy_GBps"),
-                      "rows": [{k: r[k] for k in ("blocks", "tokens", "data_GBps", "data_vs_copy", "e2e_GBps",
+                      "rows": [{k: r[k] for k in ("path", "blocks", "tokens", "data_GBps", "data_vs_copy", "e2e_GBps",
                                                   "descriptors", "verified_bytes", "mismatched_bytes")}
                                for r in result.get("rows", [])]}, default=str))  # fmt: skip
     return 0 if result["ok"] else 1

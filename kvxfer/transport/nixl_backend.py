@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer import cuda_ipc
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
@@ -68,6 +69,8 @@ def _make_agent(name: str, config: TransportConfig) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise BackendUnavailableError("NIXL is not installed", backend="nixl", detail=str(exc)) from None
+    # UCX enumerates GPUs only in a process where CUDA is initialized (see cuda_ipc.try_init).
+    cuda_ipc.try_init()
     # Backends are created below rather than by the constructor, which cannot pass init params.
     conf = nixl_agent_config(backends=[])
     agent = _with_progress_delay(nixl_agent, name, conf, config.nixl_progress_delay_us)

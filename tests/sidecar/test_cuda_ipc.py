@@ -17,6 +17,7 @@ import torch
 
 from kvxfer import cuda_ipc
 from kvxfer.cuda_ipc import CudaIpcError, CudaUnavailableError, Exported, IpcMappings
+from kvxfer.errors import KvxferError
 from kvxfer.memory import CudaIpcRef, MemoryRegistrationError, attach
 from kvxfer.server.convert import memory_from_proto, memory_to_proto
 from kvxfer.transport.nixl_backend import UCX_DEFAULTS, ucx_engine_config
@@ -36,6 +37,7 @@ class FakeDriver:
 
     alloc_bytes: int = 1 << 30
     fail_open: set[bytes] = field(default_factory=set)
+    fail_devices: set[int] = field(default_factory=set)
     opened: list[tuple[int, bytes]] = field(default_factory=list)
     closed: list[tuple[int, int]] = field(default_factory=list)
 
@@ -46,7 +48,7 @@ class FakeDriver:
         return UUIDS[ordinal]
 
     def open(self, ordinal: int, h: bytes) -> int:
-        if h in self.fail_open:
+        if h in self.fail_open or ordinal in self.fail_devices:
             raise CudaIpcError("cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE (invalid argument)", code=1)
         self.opened.append((ordinal, h))
         return 0x1000_0000 * h[0]
@@ -59,6 +61,15 @@ class FakeDriver:
 
     def export(self, ordinal: int, ptr: int) -> Exported:
         return Exported(handle(ptr >> 28), ptr & 0xFFF_FFFF, self.alloc_bytes)
+
+    copies: list[tuple[int, list[int], list[int], list[int]]] = field(default_factory=list)
+
+    def copy_async(self, ordinal: int, dst: Any, src: Any, sizes: Any) -> cuda_ipc.CopyBatch:
+        self.copies.append((ordinal, [int(x) for x in dst], [int(x) for x in src], [int(x) for x in sizes]))
+        return cuda_ipc.CopyBatch(ordinal, len(self.copies), 1)
+
+    def done(self, batch: cuda_ipc.CopyBatch) -> bool:
+        return True
 
 
 @pytest.fixture
@@ -266,9 +277,12 @@ class FakeLibCuda:
 
     HANDLE = bytes([0, 1, 0, 2]) * 16  # NULs inside: a handle is raw bytes, not a C string
 
-    def __init__(self, init_rc: int = 0) -> None:
+    def __init__(self, init_rc: int = 0, batch_rc: int = 0) -> None:
         import ctypes as c
 
+        self.batches: list[tuple[list[int], list[int], list[int], int]] = []
+        self.single: list[tuple[int, int, int]] = []
+        self.queries = 0
         self.opened: list[bytes] = []
         self.closed: list[int] = []
         self.ctx_depth = 0
@@ -344,6 +358,39 @@ class FakeLibCuda:
         self.cuGetErrorString = cb(i32, i32, c.POINTER(c.c_char_p))(error_string)
         self.cuDeviceGetUuid_v2 = cb(i32, u_ptr, i32)(uuid)
 
+        u64p, szp = c.POINTER(c.c_uint64), c.POINTER(c.c_size_t)
+
+        def batch(d: Any, s: Any, z: Any, n: int, attrs: Any, idx: Any, nattrs: int, stream: Any) -> int:
+            assert (nattrs, idx[0], stream) == (1, 0, 0x5)
+            self.batches.append(([d[i] for i in range(n)], [s[i] for i in range(n)], [z[i] for i in range(n)],
+                                 attrs[0].srcAccessOrder))  # fmt: skip
+            return batch_rc
+
+        def single(d: int, s: int, z: int, stream: Any) -> int:
+            self.single.append((d, s, z))
+            return 0
+
+        def query(ev: Any) -> int:
+            self.queries += 1
+            return 600 if self.queries == 1 else 0  # not ready, then done
+
+        def out_ptr(v: int) -> Any:
+            def fn(p: Any, flags: int) -> int:
+                p[0] = v
+                return 0
+
+            return fn
+
+        self.cuStreamCreate = cb(i32, c.POINTER(c.c_void_p), c.c_uint)(out_ptr(0x5))
+        self.cuEventCreate = cb(i32, c.POINTER(c.c_void_p), c.c_uint)(out_ptr(0xE1))
+        self.cuEventRecord = cb(i32, c.c_void_p, c.c_void_p)(lambda ev, st: 0)
+        self.cuEventQuery = cb(i32, c.c_void_p)(query)
+        self.cuEventDestroy_v2 = cb(i32, c.c_void_p)(lambda ev: 0)
+        self.cuMemcpyDtoDAsync_v2 = cb(i32, c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p)(single)
+        self.cuMemcpyBatchAsync_v2 = cb(
+            i32, u64p, u64p, szp, c.c_size_t, c.POINTER(cuda_ipc._MemcpyAttributes), szp, c.c_size_t, c.c_void_p
+        )(batch)
+
 
 def test_driver_marshals_handles_with_nul_bytes_and_offsets() -> None:
     lib = FakeLibCuda()
@@ -366,3 +413,143 @@ def test_driver_marshals_handles_with_nul_bytes_and_offsets() -> None:
 def test_driver_init_failures(rc: int, message: str) -> None:
     with pytest.raises(CudaUnavailableError, match=message):
         cuda_ipc.CudaDriver(FakeLibCuda(init_rc=rc))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- same-host READ shortcut
+class InnerPlane:
+    """A backend that records what reaches it."""
+
+    backend = "fake"
+    agent_name = "inner"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reads: list[str] = []
+
+    def register(self, table: Any, mem_type: str) -> Any:
+        return ("reg", mem_type)
+
+    def deregister(self, handle: Any) -> None:
+        assert handle[0] == "reg"
+
+    def metadata(self) -> bytes:
+        return f"backend-metadata-of-{self.name}".encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        assert metadata.startswith(b"backend-metadata-of-"), metadata[:40]
+        return metadata.decode().rsplit("-", 1)[1]
+
+    def remove_peer(self, name: str) -> None:
+        pass
+
+    async def read(self, peer: str, local: Any, remote: Any, **kw: Any) -> None:
+        self.reads.append(f"{peer}:{kw['mem_type']}")
+
+    def close(self) -> None:
+        pass
+
+
+def _planes(fake: FakeDriver) -> tuple[Any, Any, Any]:
+    """A publisher (worker allocation handle(1) at offset 0x1000 in it) and a reader on this host."""
+    from kvxfer.server.dataplane import SameHostCudaIpc
+
+    pub, rd = SameHostCudaIpc(InnerPlane("pub")), SameHostCudaIpc(InnerPlane("rd"))  # type: ignore[arg-type]
+    rd._pid = -1  # the two "processes" are this one
+    a = attach(ref(offsets=tuple(0x1000 + i * LAY.region_bytes for i in range(4))), LAY)
+    reg = pub.register(a.table, "VRAM")
+    return pub, rd, (a, reg)
+
+
+async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: FakeDriver) -> None:
+    import numpy as np
+
+    pub, rd, (a, reg) = _planes(fake)
+    md = pub.metadata()
+    assert md.startswith(b"KVXFER-CUDA-IPC/1")
+    assert md.endswith(b"backend-metadata-of-pub")
+    assert rd.add_peer(md) == "pub"
+    base = int(a.table.base[1])  # the publisher sidecar's address of region 1
+    remote = np.array([[base + 64, 4096, 0], [base + 8192, 128, 0]], dtype=np.uint64)
+    local = np.array([[0x5000_0000, 4096, 1], [0x5000_2000, 128, 1]], dtype=np.uint64)
+    fake.opened.clear()
+    await rd.read("pub", local, remote, mem_type="VRAM", remote_mem_type="VRAM", budget=5.0)
+    assert rd.direct_reads == 1
+    assert rd._inner.reads == []
+    # The reader mapped the worker's allocation on its own GPU (1) and read at the same offsets.
+    assert fake.opened == [(1, handle(1))]
+    region1 = 0x1000_0000 + 0x1000 + LAY.region_bytes
+    assert fake.copies == [(1, [0x5000_0000, 0x5000_2000], [region1 + 64, region1 + 8192], [4096, 128])]
+    # DRAM, or a descriptor outside the peer's regions, never take the shortcut.
+    await rd.read("pub", local, remote, mem_type="DRAM", remote_mem_type="DRAM", budget=5.0)
+    assert rd._inner.reads == ["pub:DRAM"]
+    with pytest.raises(KvxferError, match="outside the peer's registered regions"):
+        await rd.read("pub", local, remote + np.array([[1 << 40, 0, 0]], dtype=np.uint64), mem_type="VRAM",
+                      remote_mem_type="VRAM", budget=5.0)  # fmt: skip
+    rd.remove_peer("pub")
+    assert (1, 0x1000_0000) in fake.closed  # the reader's mapping is gone with the peer
+    pub.deregister(reg)
+    assert pub.metadata() == b"backend-metadata-of-pub"
+    a.close()
+
+
+async def test_same_host_shortcut_falls_back_when_the_handle_will_not_open(fake: FakeDriver) -> None:
+    import numpy as np
+
+    pub, rd, (a, _reg) = _planes(fake)
+    md = pub.metadata()
+    base = int(a.table.base[0])
+    a.close()  # as if the publisher were another process: nothing of it is mapped here
+    rd.add_peer(md)
+    # Our GPU (1) cannot map it, the worker's own GPU (0, found by UUID) can: copies run there.
+    fake.fail_devices = {1}
+    desc = np.array([[base, 64, 1]], dtype=np.uint64)
+    await rd.read("pub", desc, np.array([[base, 64, 0]], dtype=np.uint64), mem_type="VRAM", remote_mem_type="VRAM",
+                  budget=5.0)  # fmt: skip
+    assert rd.direct_reads == 1
+    assert fake.opened[-1] == (0, handle(1))
+    rd.remove_peer("pub")
+    # Neither GPU can: the backend moves the bytes, for this and later READs.
+    rd.add_peer(md)
+    fake.fail_devices = {0, 1}
+    for _ in range(2):
+        await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", budget=5.0)
+    assert rd._inner.reads == ["pub:VRAM", "pub:VRAM"]
+    assert "CUDA_ERROR_INVALID_VALUE" in rd._peers["pub"].broken
+    assert len(cuda_ipc.mappings) == 0
+
+
+def test_other_hosts_and_disabled_readers_use_the_backend(fake: FakeDriver) -> None:
+    from kvxfer.server.dataplane import SameHostCudaIpc
+
+    pub, rd, (a, _reg) = _planes(fake)
+    md = pub.metadata()
+    rd._host = "another-host"
+    rd.add_peer(md)
+    assert "pub" not in rd._peers
+    off = SameHostCudaIpc(InnerPlane("off"), enabled=False)  # type: ignore[arg-type]
+    assert off.add_peer(md) == "pub"  # the envelope is stripped even when the shortcut is off
+    assert off._peers == {}
+    a.close()
+
+
+@pytest.mark.parametrize("batch_rc", [0, 1])
+def test_driver_copies_in_one_batch_or_one_call_each(batch_rc: int) -> None:
+    import numpy as np
+
+    lib = FakeLibCuda(batch_rc=batch_rc)
+    drv = cuda_ipc.CudaDriver(lib)  # type: ignore[arg-type]
+    dst = np.array([0x1000, 0x2000, 0x3000], dtype=np.uint64)
+    src = np.array([0x9000, 0xA000, 0xB000], dtype=np.uint64)
+    sizes = np.array([16, 32, 48], dtype=np.uint64)
+    b = drv.copy_async(0, dst, src, sizes)
+    assert lib.batches == [([0x1000, 0x2000, 0x3000], [0x9000, 0xA000, 0xB000], [16, 32, 48], 1)]
+    if batch_rc == 0:
+        assert (b.calls, lib.single, drv.batch_error) == (1, [], "")
+    else:  # the driver refused the batch: one copy each, now and later
+        assert b.calls == 3
+        assert lib.single == [(0x1000, 0x9000, 16), (0x2000, 0xA000, 32), (0x3000, 0xB000, 48)]
+        assert drv.batch_error.startswith("cuMemcpyBatchAsync: CUDA_ERROR_INVALID_VALUE")
+        assert drv.copy_async(0, dst, src, sizes).calls == 3
+    assert drv.done(b) is False
+    assert drv.done(b) is True
+    assert lib.ctx_depth == 0
