@@ -130,7 +130,9 @@ def _attach_child(conn: Connection, fields: dict[str, Any], layout: dict[str, An
         out["allocation_range_of_opened"] = [alloc_base == base - ref.offsets[0], alloc_size]
         legacy = ctypes.c_int(-1)
         rc = _fn("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64])(
-            ctypes.byref(legacy), 18, alloc_base
+            ctypes.byref(legacy),
+            10,
+            alloc_base,  # CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
         )
         out["imported_legacy_ipc_capable"] = [drv.error_text(rc) if rc else "ok", legacy.value]
         try:

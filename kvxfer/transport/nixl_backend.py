@@ -64,7 +64,21 @@ def ucx_engine_config(env: Mapping[str, str] | None = None) -> str:
     return ",".join(f"{k}={v}" for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in env)
 
 
+def _prepare_ucx_env(env: dict[str, str] | os._Environ[str] | None = None) -> None:
+    """Process-wide UCX settings that must be in the environment before UCX loads (a ``UCX_*`` set wins).
+
+    ``UCX_MEMTYPE_CACHE=n``: UCX's memory-type cache only learns of GPU memory allocated after it
+    loaded through the allocation calls it hooks, and takes anything it has not seen for host
+    memory. A sidecar maps its worker's GPU memory by CUDA IPC long after its agent started, so with
+    the cache on NIXL refuses it ("VRAM memory is detected as host by UCX"). Without the cache UCX
+    asks the driver, once per registration.
+    """
+    env = os.environ if env is None else env
+    env.setdefault("UCX_MEMTYPE_CACHE", "n")
+
+
 def _make_agent(name: str, config: TransportConfig) -> Any:
+    _prepare_ucx_env()
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:

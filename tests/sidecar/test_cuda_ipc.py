@@ -553,3 +553,14 @@ def test_driver_copies_in_one_batch_or_one_call_each(batch_rc: int) -> None:
     assert drv.done(b) is False
     assert drv.done(b) is True
     assert lib.ctx_depth == 0
+
+
+def test_ucx_memtype_cache_is_off_unless_the_user_says_otherwise() -> None:
+    from kvxfer.transport.nixl_backend import _prepare_ucx_env
+
+    env: dict[str, str] = {}
+    _prepare_ucx_env(env)
+    assert env == {"UCX_MEMTYPE_CACHE": "n"}
+    mine = {"UCX_MEMTYPE_CACHE": "y"}
+    _prepare_ucx_env(mine)
+    assert mine == {"UCX_MEMTYPE_CACHE": "y"}
