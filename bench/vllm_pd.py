@@ -158,6 +158,8 @@ class InstanceSpec:
 
     kv_transfer_config: dict[str, Any] | None
     env: dict[str, str] = field(default_factory=dict)
+    #: Prometheus endpoint of the instance's kvxfer sidecar (kvxfer only).
+    metrics_url: str = ""
 
 
 #: (role "prefill"/"decode", run dir, log dir) -> spec; may start helper processes (sidecars).
@@ -174,6 +176,7 @@ def nixl_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu",
         "engine_id": f"{role}-{os.getpid()}",
+        "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }
     if _ARGS is not None and _ARGS.nixl_threads is not None:
@@ -189,24 +192,26 @@ def omp_bind_env(role: str) -> dict[str, str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` for this role from ``--omp-bind "P|D"`` (empty: vLLM's default)."""
     if _ARGS is None or not _ARGS.omp_bind:
         return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": _ARGS.omp_bind.split("|")[0 if role == "prefill" else 1]}
+    return {"VLLM_CPU_OMP_THREADS_BIND": _ARGS.omp_bind.split("|")[0 if role.endswith("prefill") else 1]}
 
 
 def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
     """kvxfer's connector (``kvxfer.integrations.vllm``), with a kvxfer sidecar next to the instance.
 
     One sidecar per worker rank (TP 1 here); the connector finds it through ``{rank}`` in the
-    socket template, exactly as in the Helm chart.
+    socket template, exactly as in the Helm chart. A failed load fails the request
+    (``kv_load_failure_policy: fail``), so a silently recomputed prompt cannot pass for a transfer.
     """
     engine_id = f"{role}-{os.getpid()}"
     template = str(run_dir / f"kvxfer-{role}-{{rank}}.sock")
+    metrics = f"127.0.0.1:{free_port()}"
     cmd = [
         sys.executable, "-m", "kvxfer.cli", "serve",
         "--engine-id", engine_id,
         "--role", role,
         "--peer-listen", f"127.0.0.1:{free_port()}",
         "--local-socket", template.format(rank=0),
-        "--metrics-listen", f"127.0.0.1:{free_port()}",
+        "--metrics-listen", metrics,
         "--log-format", "text",
     ]  # fmt: skip
     spawn(f"sidecar-{role}", cmd, dict(os.environ), log_dir)
@@ -215,10 +220,23 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
         "kv_connector_module_path": "kvxfer.integrations.vllm",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "engine_id": engine_id,
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {"sidecar_socket": template},
     }
-    return InstanceSpec(cfg, {})
+    return InstanceSpec(cfg, {}, metrics_url=f"http://{metrics}/metrics")
+
+
+def sidecar_metrics(url: str) -> dict[str, float]:
+    """The kvxfer sidecar's counters that prove transfers happened (name{labels} -> value)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("kvxfer_transfers_total", "kvxfer_transfer_bytes_total", "kvxfer_lease_expirations_total",
+                            "kvxfer_transfer_failures_total", "kvxfer_leases_active")):  # fmt: skip
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 CONNECTORS: dict[str, ConnectorSetup] = {"nixl": nixl_setup, "kvxfer": kvxfer_setup}
@@ -438,6 +456,53 @@ def _phase(name: str) -> Iterator[None]:
     print(f"[vllm_pd] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
+def run_pd(
+    name: str, args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path, prompts: dict[str, list[int]]
+) -> dict[str, Any]:  # fmt: skip
+    """One prefill and one decode instance joined by connector ``name``; every prompt routed P -> D."""
+    setup = CONNECTORS[name]
+    seq_names = [k for k in prompts if k.startswith("len")]
+    conc_names = [k for k in prompts if k.startswith("conc")]
+    out: dict[str, Any] = {}
+    pd: dict[str, PDResult] = {}
+    procs: list[Proc] = []
+    try:
+        with _phase(f"prefill/decode with {name}"):
+            n0 = len(_PROCS)
+            p_spec = setup("prefill", run_dir, log_dir)
+            d_spec = setup("decode", run_dir, log_dir)
+            prefill = start_vllm(f"{name}-prefill", args, model_dir, log_dir, p_spec)
+            decode = start_vllm(f"{name}-decode", args, model_dir, log_dir, d_spec)
+            procs = _PROCS[n0:]
+            out["startup_s"] = wait_ready([prefill, decode], args.startup_timeout)
+            pp, dp = prefill.port or 0, decode.port or 0
+            # warm-up (also makes the connector's first handshake happen outside the timings)
+            warm = pd_complete(pp, dp, prompts[seq_names[0]], 2, args.request_timeout)
+            out["warmup_kv_transfer_params"] = warm.kv_transfer_params
+            for k in seq_names:
+                pd[k] = pd_complete(pp, dp, prompts[k], args.max_tokens, args.request_timeout)
+            t0 = time.perf_counter()
+            with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
+                futs = {
+                    k: ex.submit(pd_complete, pp, dp, prompts[k], args.max_tokens, args.request_timeout)
+                    for k in conc_names
+                }
+                for k, f in futs.items():
+                    pd[k] = f.result()
+            out["concurrent_wall_s"] = time.perf_counter() - t0
+            if d_spec.metrics_url:
+                time.sleep(0.5)  # the last completion notices reach the prefill side
+                out["sidecar_metrics"] = {
+                    "prefill": sidecar_metrics(p_spec.metrics_url),
+                    "decode": sidecar_metrics(d_spec.metrics_url),
+                }
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+    out["results"] = pd
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the report (also written to ``--json-out``)."""
     sys.path.insert(0, str(REPO))
@@ -451,8 +516,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(model_dir, lengths, args.concurrent)
     seq_names = [k for k in prompts if k.startswith("len")]
     conc_names = [k for k in prompts if k.startswith("conc")]
+    connectors = [c.strip() for c in args.connector.split(",") if c.strip()]
+    unknown = [c for c in connectors if c not in CONNECTORS]
+    if unknown or not connectors:
+        raise SystemExit(f"--connector: unknown {unknown or args.connector!r}; known: {', '.join(sorted(CONNECTORS))}")
     report: dict[str, Any] = {
-        "connector": args.connector,
+        "connectors": connectors,
+        "dtype": args.dtype,
         "block_size": args.block_size,
         "max_tokens": args.max_tokens,
         "prompt_lengths": {k: len(v) for k, v in prompts.items()},
@@ -461,130 +531,128 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 1. reference: one ordinary instance
     ref: dict[str, StreamResult] = {}
-    if args.skip_reference:
-        report["single_startup_s"] = report["single_concurrent_wall_s"] = float("nan")
-    with contextlib.nullcontext() if args.skip_reference else _phase("reference instance"):
-        single = None if args.skip_reference else start_vllm("single", args, model_dir, log_dir, None)
-        try:
-            if single is None:
-                raise _Skip
-            report["single_startup_s"] = wait_ready([single], args.startup_timeout)
-            _stream(single.port or 0, _gen_body(prompts[seq_names[0]], 2), args.request_timeout)  # warm-up
-            for k in seq_names:
-                ref[k] = _stream(single.port or 0, _gen_body(prompts[k], args.max_tokens), args.request_timeout)
-            t0 = time.perf_counter()
-            with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
-                futs = {
-                    k: ex.submit(
-                        _stream, single.port or 0, _gen_body(prompts[k], args.max_tokens), args.request_timeout
-                    )
-                    for k in conc_names
-                }
-                for k, f in futs.items():
-                    ref[k] = f.result()
-            report["single_concurrent_wall_s"] = time.perf_counter() - t0
-        except _Skip:
-            pass
-        finally:
-            if single is not None:
+    report["single_startup_s"] = report["single_concurrent_wall_s"] = float("nan")
+    if not args.skip_reference:
+        with _phase("reference instance"):
+            single = start_vllm("single", args, model_dir, log_dir, None)
+            try:
+                report["single_startup_s"] = wait_ready([single], args.startup_timeout)
+                port = single.port or 0
+                _stream(port, _gen_body(prompts[seq_names[0]], 2), args.request_timeout)  # warm-up
+                for k in seq_names:
+                    ref[k] = _stream(port, _gen_body(prompts[k], args.max_tokens), args.request_timeout)
+                t0 = time.perf_counter()
+                with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
+                    rfuts = {
+                        k: ex.submit(_stream, port, _gen_body(prompts[k], args.max_tokens), args.request_timeout)
+                        for k in conc_names
+                    }
+                    for k, rf in rfuts.items():
+                        ref[k] = rf.result()
+                report["single_concurrent_wall_s"] = time.perf_counter() - t0
+            finally:
                 stop(single)
-
-    # 2. disaggregated: prefill + decode joined by the connector
-    setup = CONNECTORS[args.connector]
-    pd: dict[str, PDResult] = {}
-    with _phase(f"prefill/decode with {args.connector}"):
-        p_spec = setup("prefill", run_dir, log_dir)
-        d_spec = setup("decode", run_dir, log_dir)
-        prefill = start_vllm("prefill", args, model_dir, log_dir, p_spec)
-        decode = start_vllm("decode", args, model_dir, log_dir, d_spec)
-        report["pd_startup_s"] = wait_ready([prefill, decode], args.startup_timeout)
-        pp, dp = prefill.port or 0, decode.port or 0
-        # warm-up (also makes the connector's first handshake happen outside the timings)
-        warm = pd_complete(pp, dp, prompts[seq_names[0]], 2, args.request_timeout)
-        report["warmup_kv_transfer_params"] = warm.kv_transfer_params
-        for k in seq_names:
-            pd[k] = pd_complete(pp, dp, prompts[k], args.max_tokens, args.request_timeout)
-        t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
-            pfuts = {
-                k: ex.submit(pd_complete, pp, dp, prompts[k], args.max_tokens, args.request_timeout) for k in conc_names
-            }
-            for k, pf in pfuts.items():
-                pd[k] = pf.result()
-        report["pd_concurrent_wall_s"] = time.perf_counter() - t0
-        report["decode_log_tail"] = decode.tail(5)
-
-    # 3. compare and summarise
-    rows = []
-    mismatches = []
-    if args.skip_reference:
+    else:
         empty = StreamResult([], float("nan"), float("nan"), None)
         ref = {k: empty for k in prompts}
-    for k in prompts:
-        same = pd[k].token_ids == ref[k].token_ids
-        if not same:
-            mismatches.append(k)
-        rows.append(
-            {
-                "prompt": k,
-                "tokens": len(prompts[k]),
-                "blocks": -(-len(prompts[k]) // args.block_size),
-                "match": same,
-                "single_ttft_ms": 1000 * ref[k].ttft_s,
-                "single_total_ms": 1000 * ref[k].total_s,
-                "prefill_ms": 1000 * pd[k].prefill_s,
-                "decode_ttft_ms": 1000 * pd[k].decode_ttft_s,
-                "pd_e2e_ttft_ms": 1000 * pd[k].e2e_ttft_s,
-                "pd_total_ms": 1000 * pd[k].total_s,
-                "remote_block_ids": pd[k].kv_transfer_params.get("remote_block_ids"),
-                "ref_tokens": ref[k].token_ids,
-                "pd_tokens": pd[k].token_ids,
-            }
-        )
-    report["rows"] = rows
-    report["mismatches"] = mismatches
-    report["summary"] = {
-        "sequential": {
-            "single_ttft": _summ([ref[k].ttft_s for k in seq_names]),
-            "decode_ttft": _summ([pd[k].decode_ttft_s for k in seq_names]),
-            "pd_e2e_ttft": _summ([pd[k].e2e_ttft_s for k in seq_names]),
-            "single_total": _summ([ref[k].total_s for k in seq_names]),
-            "pd_total": _summ([pd[k].total_s for k in seq_names]),
-        },
-        "concurrent": {
-            "n": len(conc_names),
-            "single_wall_s": report["single_concurrent_wall_s"],
-            "pd_wall_s": report["pd_concurrent_wall_s"],
-            "decode_ttft": _summ([pd[k].decode_ttft_s for k in conc_names]),
-            "pd_e2e_ttft": _summ([pd[k].e2e_ttft_s for k in conc_names]),
-            "single_ttft": _summ([ref[k].ttft_s for k in conc_names]),
-        },
+
+    # 2. disaggregated, once per connector, one after the other on the same prompts
+    report["runs"] = {}
+    for name in connectors:
+        got = run_pd(name, args, model_dir, run_dir, log_dir, prompts)
+        pd: dict[str, PDResult] = got.pop("results")
+        rows = []
+        mismatches = []
+        for k in prompts:
+            same = pd[k].token_ids == ref[k].token_ids
+            if not same:
+                mismatches.append(k)
+            rows.append(
+                {
+                    "prompt": k,
+                    "tokens": len(prompts[k]),
+                    "blocks": -(-len(prompts[k]) // args.block_size),
+                    "match": same,
+                    "single_ttft_ms": 1000 * ref[k].ttft_s,
+                    "single_total_ms": 1000 * ref[k].total_s,
+                    "prefill_ms": 1000 * pd[k].prefill_s,
+                    "decode_ttft_ms": 1000 * pd[k].decode_ttft_s,
+                    "pd_e2e_ttft_ms": 1000 * pd[k].e2e_ttft_s,
+                    "pd_total_ms": 1000 * pd[k].total_s,
+                    "remote_block_ids": pd[k].kv_transfer_params.get("remote_block_ids"),
+                    "kv_transfer_params": pd[k].kv_transfer_params,
+                    "ref_tokens": ref[k].token_ids,
+                    "pd_tokens": pd[k].token_ids,
+                }
+            )
+        got["rows"] = rows
+        got["mismatches"] = mismatches
+        got["summary"] = {
+            "sequential": {
+                "decode_ttft": _summ([pd[k].decode_ttft_s for k in seq_names]),
+                "pd_e2e_ttft": _summ([pd[k].e2e_ttft_s for k in seq_names]),
+                "pd_total": _summ([pd[k].total_s for k in seq_names]),
+            },
+            "concurrent": {
+                "n": len(conc_names),
+                "pd_wall_s": got["concurrent_wall_s"],
+                "decode_ttft": _summ([pd[k].decode_ttft_s for k in conc_names]),
+                "pd_e2e_ttft": _summ([pd[k].e2e_ttft_s for k in conc_names]),
+            },
+        }
+        report["runs"][name] = got
+    report["single"] = {
+        "sequential_ttft": _summ([ref[k].ttft_s for k in seq_names]),
+        "sequential_total": _summ([ref[k].total_s for k in seq_names]),
+        "concurrent_ttft": _summ([ref[k].ttft_s for k in conc_names]),
     }
+    report["mismatches"] = {n: r["mismatches"] for n, r in report["runs"].items()}
     return report
 
 
 def print_report(rep: dict[str, Any]) -> None:
-    """Human-readable table of the report."""
-    print(f"\nconnector={rep['connector']} block_size={rep['block_size']} max_tokens={rep['max_tokens']}")
-    print(f"startup: single {rep['single_startup_s']:.1f}s, prefill+decode {rep['pd_startup_s']:.1f}s")
-    print(
-        f"{'prompt':<16} {'tok':>5} {'blk':>4} {'match':>5} {'1x ttft':>9} {'1x total':>9} {'P':>9}"
-        f" {'D ttft':>9} {'P+D ttft':>9} {'P/D total':>9}"
-    )
-    for r in rep["rows"]:
-        ms = [r[k] for k in ("single_ttft_ms", "single_total_ms", "prefill_ms", "decode_ttft_ms", "pd_e2e_ttft_ms")]
-        ms.append(r["pd_total_ms"])
-        cells = " ".join(f"{x:>7.1f}ms" for x in ms)
-        print(f"{r['prompt']:<16} {r['tokens']:>5} {r['blocks']:>4} {'yes' if r['match'] else 'NO':>5} {cells}")
-    c = rep["summary"]["concurrent"]
-    print(f"concurrent x{c['n']}: wall single {c['single_wall_s']:.2f}s, P/D {c['pd_wall_s']:.2f}s")
-    print("mismatches:", rep["mismatches"] or "none")
+    """Human-readable tables of the report, one per connector, then the side-by-side summary."""
+    print(f"\ndtype={rep['dtype']} block_size={rep['block_size']} max_tokens={rep['max_tokens']}")
+    for name, run_ in rep["runs"].items():
+        print(f"\n== {name}: startup {run_['startup_s']:.1f}s (single instance {rep['single_startup_s']:.1f}s)")
+        print(
+            f"{'prompt':<16} {'tok':>5} {'blk':>4} {'match':>5} {'1x ttft':>9} {'1x total':>9} {'P':>9}"
+            f" {'D ttft':>9} {'P+D ttft':>9} {'P/D total':>9}"
+        )
+        for r in run_["rows"]:
+            keys = (
+                "single_ttft_ms",
+                "single_total_ms",
+                "prefill_ms",
+                "decode_ttft_ms",
+                "pd_e2e_ttft_ms",
+                "pd_total_ms",
+            )
+            cells = " ".join(f"{r[k]:>7.1f}ms" for k in keys)
+            print(f"{r['prompt']:<16} {r['tokens']:>5} {r['blocks']:>4} {'yes' if r['match'] else 'NO':>5} {cells}")
+        c = run_["summary"]["concurrent"]
+        print(f"concurrent x{c['n']}: wall single {rep['single_concurrent_wall_s']:.2f}s, P/D {c['pd_wall_s']:.2f}s")
+        for side, m in run_.get("sidecar_metrics", {}).items():
+            print(f"sidecar {side}: " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.items())))
+        print("mismatches:", run_["mismatches"] or "none")
+    if len(rep["runs"]) > 1:
+        print("\nside by side (p50 over the sequential prompts; concurrent wall time):")
+        print(f"{'connector':<10} {'D ttft':>9} {'P+D ttft':>9} {'P/D total':>10} {'conc wall':>10}")
+        for name, run_ in rep["runs"].items():
+            sq, cc = run_["summary"]["sequential"], run_["summary"]["concurrent"]
+            print(
+                f"{name:<10} {sq['decode_ttft']['p50_ms']:>7.1f}ms {sq['pd_e2e_ttft']['p50_ms']:>7.1f}ms"
+                f" {sq['pd_total']['p50_ms']:>8.1f}ms {cc['pd_wall_s']:>9.2f}s"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--connector", choices=sorted(CONNECTORS), default="nixl")
+    ap.add_argument(
+        "--connector", default="kvxfer,nixl",
+        help=f"comma-separated, run one after the other against one reference: {', '.join(sorted(CONNECTORS))}",
+    )  # fmt: skip
     ap.add_argument("--model-dir", default="/tmp/kvxfer-tiny-llama", help="built there if missing")
     ap.add_argument("--python", default=sys.executable, help="Python with vllm-cpu installed (for `vllm serve`)")
     ap.add_argument("--block-size", type=int, default=32, help="multiple of 32 on the CPU backend")
@@ -643,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(rep)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rep, indent=2, default=str))
-    return 1 if rep["mismatches"] else 0
+    return 1 if any(rep["mismatches"].values()) else 0
 
 
 if __name__ == "__main__":

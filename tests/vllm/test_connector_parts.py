@@ -126,6 +126,7 @@ def test_publish_then_pull_moves_exact_bytes_and_frees_the_prefill_blocks(pair: 
     assert params["kvxfer_engine_id"] == "prefill-eng"
     assert params["remote_request_id"] == "p-req"
     assert params["remote_num_tokens"] == tokens
+    assert params["remote_block_size"] == BS
     assert f"{params['remote_host']}:{params['remote_port']}" == p.peer_address
     req = Req("d-req", list(range(tokens)), dict(params), status="RUNNING")
     assert ds.matched_tokens(req, 0) == (tokens, True)
@@ -223,6 +224,8 @@ def test_unusable_params_make_the_decode_side_compute_the_prompt(pair: Callable[
         dict(base, remote_block_ids=[["a"]]),
         dict(base, kvxfer_addresses=[]),
         dict(base, remote_block_ids=[[1]], remote_num_tokens=3 * BS),  # one block cannot hold the prompt
+        dict(base, remote_block_ids=[[1, 2, 3]], remote_block_size=2 * BS),  # pages of another size
+        dict(base, remote_block_ids=[[1, 2, 3]], remote_block_size="16"),
     ]
     for params in cases:
         req = Req("d", list(range(3 * BS)), params, status="RUNNING")

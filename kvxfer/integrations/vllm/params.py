@@ -6,7 +6,7 @@ uses the same names), plus two of kvxfer's own, so existing routers work unchang
 * proxy -> prefill: ``{"do_remote_decode": true, ...}``;
 * prefill -> proxy (the response's ``kv_transfer_params``): ``do_remote_prefill``,
   ``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``, ``remote_host``,
-  ``remote_port``, ``remote_num_tokens``, ``tp_size``, ``pp_size``, and
+  ``remote_port``, ``remote_num_tokens``, ``remote_block_size``, ``tp_size``, ``pp_size``, and
   ``kvxfer_addresses`` (the peer API address of every prefill rank's sidecar, in rank order) and
   ``kvxfer_engine_id`` (the engine id those sidecars handshake with);
 * proxy -> decode: that dict, unchanged.
@@ -49,6 +49,7 @@ class RemotePrefill:
     block_ids: tuple[int, ...]
     num_tokens: int = 0
     sidecar_engine_id: str = ""
+    block_size: int = 0  # 0: not given
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
@@ -87,12 +88,16 @@ class RemotePrefill:
         sidecar_engine = params.get("kvxfer_engine_id") or ""
         if not isinstance(sidecar_engine, str):
             raise ParamsError(f"kvxfer_engine_id: must be a string, got {sidecar_engine!r}", field="kvxfer_engine_id")
-        return cls(request_id, engine_id, tuple(addresses), blocks, num_tokens, sidecar_engine)
+        block_size = params.get("remote_block_size") or 0
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+            raise ParamsError(f"remote_block_size: must be an integer >= 0, got {block_size!r}",
+                              field="remote_block_size")  # fmt: skip
+        return cls(request_id, engine_id, tuple(addresses), blocks, num_tokens, sidecar_engine, block_size)
 
 
 def prefill_response(
-    *, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, addresses: Sequence[str],
-    sidecar_engine_id: str, tp_size: int, pp_size: int,
+    *, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, block_size: int,
+    addresses: Sequence[str], sidecar_engine_id: str, tp_size: int, pp_size: int,
 ) -> dict[str, Any]:  # fmt: skip
     """The params a prefill instance returns for a request whose blocks it published."""
     host, _, port = addresses[0].rpartition(":")
@@ -105,6 +110,7 @@ def prefill_response(
         "remote_host": host,
         "remote_port": int(port),
         "remote_num_tokens": num_tokens,
+        "remote_block_size": block_size,
         "tp_size": tp_size,
         "pp_size": pp_size,
         "kvxfer_addresses": list(addresses),

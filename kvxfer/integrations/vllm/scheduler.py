@@ -95,6 +95,14 @@ class SchedulerSide:
             log.warning("unusable kv_transfer_params; computing the prompt here",
                         extra={"request_id": request.request_id, "error": exc.message})  # fmt: skip
             return 0, False
+        if remote.block_size and remote.block_size != self.block_size:
+            # Whole pages move as they are; cutting them to another block size is not done here
+            # (vLLM's CPU kernel keeps a head's K rows before its V rows inside a page).
+            log.warning(
+                "the prefill instance uses another block size; computing the prompt here",
+                extra={"request_id": request.request_id, "remote": remote.block_size, "local": self.block_size},
+            )
+            return 0, False
         if len(remote.block_ids) * self.block_size < total:
             log.warning(
                 "the prefill side published too few blocks for the prompt; computing it here",
@@ -188,7 +196,8 @@ class SchedulerSide:
         self._plan.published[rid] = min(expires)
         return prefill_response(
             engine_id=self.engine_id, request_id=rid, block_ids=block_ids, num_tokens=int(request.num_computed_tokens),
-            addresses=addresses, sidecar_engine_id=engine, tp_size=self.tp_size, pp_size=self.pp_size,
+            block_size=self.block_size, addresses=addresses, sidecar_engine_id=engine, tp_size=self.tp_size,
+            pp_size=self.pp_size,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -1,0 +1,111 @@
+"""The connector's settings and kv_transfer_params: defaults, precedence, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvxfer.integrations.vllm.params import ParamsError, RemotePrefill, prefill_response
+from kvxfer.integrations.vllm.settings import DEFAULT_SOCKET, ConnectorSettings, ConnectorSettingsError
+
+
+def test_defaults_match_the_chart() -> None:
+    s = ConnectorSettings.load({}, env={})
+    assert s.sidecar_socket == DEFAULT_SOCKET == "/run/kvxfer/kvxfer-{rank}.sock"
+    assert s.socket_for(rank=3, tp_rank=1, pp_rank=1) == "/run/kvxfer/kvxfer-3.sock"
+    assert s.token() is None
+    assert (s.lease_seconds, s.transfer_timeout_seconds, s.kv_cache_layout) == (0.0, 30.0, "HND")
+
+
+def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
+    tok = tmp_path / "tok"
+    tok.write_text("s3cret\n")
+    env = {"KVXFER_LOCAL_SOCKET": "/env/{tp_rank}-{dp_rank}.sock", "KVXFER_TOKEN_FILE": str(tok),
+           "KVXFER_VLLM_LEASE_SECONDS": "12"}  # fmt: skip
+    s = ConnectorSettings.load({"lease_seconds": 5}, env=env)
+    assert s.socket_for(rank=0, tp_rank=2, dp_rank=1) == "/env/2-1.sock"
+    assert s.token() == "s3cret"
+    assert s.lease_seconds == 5.0
+    assert ConnectorSettings.load({}, env=env).lease_seconds == 12.0
+    # vLLM's NixlConnector keys may be left in a copied config; they are ignored, not refused.
+    assert ConnectorSettings.load({"backends": ["UCX"], "num_threads": 4}, env={}) == ConnectorSettings()
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"sidecar_sockett": "/x"}, "kv_connector_extra_config: unknown key 'sidecar_sockett'"),
+        ({"sidecar_socket": "/run/{node}.sock"}, "sidecar_socket: unknown placeholder {node}"),
+        ({"sidecar_socket": " "}, "sidecar_socket: must not be empty"),
+        ({"lease_seconds": -1}, "lease_seconds: must be a number >= 0, got -1.0"),
+        ({"lease_seconds": "soon"}, "lease_seconds: must be a number, got 'soon'"),
+        ({"transfer_timeout_seconds": True}, "transfer_timeout_seconds: must be a number, got True"),
+        ({"call_timeout_seconds": 0}, "call_timeout_seconds: must be a number > 0, got 0.0"),
+        ({"kv_cache_layout": "NHD"}, "kv_cache_layout: 'NHD' is not one of HND, cross_layer, auto"),
+        ({"sidecar_socket": 5}, "sidecar_socket: must be a string, got 5"),
+    ],
+)
+def test_bad_settings_name_the_key(extra: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConnectorSettingsError) as info:
+        ConnectorSettings.load(extra, env={})
+    assert fragment in info.value.message
+
+
+def test_token_file_problems_are_named(tmp_path: Path) -> None:
+    missing = ConnectorSettings(token_file=str(tmp_path / "none"))
+    with pytest.raises(ConnectorSettingsError, match="token_file: cannot read"):
+        missing.token()
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConnectorSettingsError, match=r"token_file: .* is empty"):
+        ConnectorSettings(token_file=str(tmp_path / "empty")).token()
+
+
+def test_prefill_response_round_trips() -> None:
+    params = prefill_response(
+        engine_id="vllm-p", request_id="cmpl-1", block_ids=[4, 5, 9], num_tokens=70, block_size=32,
+        addresses=["10.0.0.7:50051", "10.0.0.7:50052"], sidecar_engine_id="pod-a", tp_size=2, pp_size=1,
+    )  # fmt: skip
+    assert params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
+    assert (params["remote_host"], params["remote_port"]) == ("10.0.0.7", 50051)
+    assert params["remote_block_ids"] == [[4, 5, 9]]
+    assert RemotePrefill.parse(params) == RemotePrefill(
+        "cmpl-1", "vllm-p", ("10.0.0.7:50051", "10.0.0.7:50052"), (4, 5, 9), 70, "pod-a", 32
+    )
+
+
+def test_legacy_params_of_one_rank_use_remote_host_and_port() -> None:
+    got = RemotePrefill.parse({"remote_request_id": "r", "remote_block_ids": [1, 2], "remote_host": "h",
+                               "remote_port": 7, "tp_size": 1})  # fmt: skip
+    assert got.addresses == ("h:7",)
+    assert got.block_ids == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({"remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"]}, "remote_request_id: must be a non-empty string"),
+        ({"remote_request_id": "r", "kvxfer_addresses": ["a:1"]}, "remote_block_ids: must be a non-empty list"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1], [2]], "kvxfer_addresses": ["a:1"]},
+         "remote_block_ids: 2 KV-cache groups"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1, -2]], "kvxfer_addresses": ["a:1"]},
+         "remote_block_ids: -2 is not a block id"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "tp_size": 2},
+         "kvxfer_addresses: missing, and tp_size is 2"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]]}, "kvxfer_addresses: missing, and so are remote_host"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": "a:1"},
+         "kvxfer_addresses: must be a non-empty list"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": ["a:1", ""]},
+         "kvxfer_addresses: every entry must be 'host:port'"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"], "remote_num_tokens": -1},
+         "remote_num_tokens: must be an integer >= 0, got -1"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"], "kvxfer_engine_id": 3},
+         "kvxfer_engine_id: must be a string, got 3"),
+    ],
+)  # fmt: skip
+def test_bad_params_name_the_key(params: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ParamsError) as info:
+        RemotePrefill.parse(params)
+    assert fragment in info.value.message
