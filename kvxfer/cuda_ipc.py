@@ -138,6 +138,7 @@ class CudaDriver:
             "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
             "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
             "cuEventQuery": [ctypes.c_void_p],
+            "cuEventSynchronize": [ctypes.c_void_p],
             "cuEventDestroy_v2": [ctypes.c_void_p],
             "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
         }.items():
@@ -307,6 +308,17 @@ class CudaDriver:
             self._batch = None
             return False
         return True
+
+    def wait(self, batch: CopyBatch) -> None:
+        """Block until the copies of ``batch`` finished (raises if they failed) and free its event.
+
+        Meant for a worker thread: the call releases the GIL, and the event loop learns of the end
+        within microseconds, where polling from the loop would wait for its (millisecond) timers.
+        """
+        with self._current(batch.ordinal):
+            rc = self._lib.cuEventSynchronize(ctypes.c_void_p(batch.event))
+            self._lib.cuEventDestroy_v2(ctypes.c_void_p(batch.event))
+        self._check(rc, "device copies")
 
     def done(self, batch: CopyBatch) -> bool:
         """Whether the copies of ``batch`` finished (raises if they failed); frees its event when they did."""

@@ -211,7 +211,7 @@ def run_cluster(
                 break
         facts[f"sidecar_exit_codes_{path}"] = cluster.stop()
         log = workdir / "decode-0.log"  # the reader's side: UCX's protocol choice, fallback warnings
-        if log.exists():
+        if args.keep_logs and log.exists():
             shutil.copy(log, Path(args.out) / f"decode-0-{path}.log")
         facts[f"ucx_read_protocol_{path}"] = proto_lines(workdir / "decode-0.log")
         facts[f"fallback_warnings_{path}"] = [
@@ -234,6 +234,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--no-proto-info", dest="proto_info", action="store_false")
+    ap.add_argument("--keep-logs", action="store_true", help="copy the decode sidecars' logs to --out")
     ap.add_argument("--nixl-reps", type=int, default=2, help="pulls per case with the shortcut off (0: skip)")
     args = ap.parse_args()
     smoke = args.cpu_smoke

@@ -71,6 +71,9 @@ class FakeDriver:
     def done(self, batch: cuda_ipc.CopyBatch) -> bool:
         return True
 
+    def wait(self, batch: cuda_ipc.CopyBatch) -> None:
+        pass
+
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
@@ -386,6 +389,7 @@ class FakeLibCuda:
         self.cuEventRecord = cb(i32, c.c_void_p, c.c_void_p)(lambda ev, st: 0)
         self.cuEventQuery = cb(i32, c.c_void_p)(query)
         self.cuEventDestroy_v2 = cb(i32, c.c_void_p)(lambda ev: 0)
+        self.cuEventSynchronize = cb(i32, c.c_void_p)(lambda ev: 0 if ev == 0xE1 else 400)
         self.cuMemcpyDtoDAsync_v2 = cb(i32, c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p)(single)
         self.cuMemcpyBatchAsync_v2 = cb(
             i32, u64p, u64p, szp, c.c_size_t, c.POINTER(cuda_ipc._MemcpyAttributes), szp, c.c_size_t, c.c_void_p
@@ -552,6 +556,9 @@ def test_driver_copies_in_one_batch_or_one_call_each(batch_rc: int) -> None:
         assert drv.copy_async(0, dst, src, sizes).calls == 3
     assert drv.done(b) is False
     assert drv.done(b) is True
+    drv.wait(drv.copy_async(0, dst, src, sizes))
+    with pytest.raises(CudaIpcError, match="device copies"):
+        drv.wait(cuda_ipc.CopyBatch(0, 0xBAD, 1))
     assert lib.ctx_depth == 0
 
 
