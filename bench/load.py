@@ -110,7 +110,8 @@ async def _pull_batch(
                 res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
                 lat = time.perf_counter() - t
                 _, bad = verify_blocks(dbuf, rank, dst, salt=7)
-                out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds, "bad": bad})
+                out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
+                            "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
             finally:
                 alloc.release(dst)
 
@@ -126,19 +127,24 @@ def _cpu(pid: int) -> float:
 
 
 def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
-    lat = np.array([r["latency"] for r in rows]) * 1e3
-    data = np.array([r["data"] for r in rows]) * 1e3
-    side = np.array([r["sidecar"] for r in rows]) * 1e3
-    over = lat - data
-    return {
-        "latency_p50_ms": float(np.percentile(lat, 50)),
-        "latency_p99_ms": float(np.percentile(lat, 99)),
-        "data_p50_ms": float(np.percentile(data, 50)),
-        "overhead_p50_ms": float(np.percentile(over, 50)),
-        "overhead_p99_ms": float(np.percentile(over, 99)),
-        "sidecar_overhead_p50_ms": float(np.percentile(side - data, 50)),
-        "sidecar_overhead_p99_ms": float(np.percentile(side - data, 99)),
+    ms = {k: np.array([r[k] for r in rows]) * 1e3 for k in ("latency", "data", "sidecar", "fetch")}
+    parts = {
+        "overhead": ms["latency"] - ms["data"],  # everything but the READ itself, queueing included
+        "local_hop": ms["latency"] - ms["sidecar"],  # worker <-> its sidecar: the Pull call's gRPC round trip
+        "peer_fetch": ms["fetch"],  # handshake (cached) + GetPublished round trip to the prefill sidecar
+        "sidecar_compute": ms["sidecar"] - ms["data"] - ms["fetch"],  # validation, planning, descriptors, post
+        "sidecar_overhead": ms["sidecar"] - ms["data"],
     }
+    out = {
+        "latency_p50_ms": float(np.percentile(ms["latency"], 50)),
+        "latency_p99_ms": float(np.percentile(ms["latency"], 99)),
+        "data_p50_ms": float(np.percentile(ms["data"], 50)),
+        "data_p99_ms": float(np.percentile(ms["data"], 99)),
+    }
+    for name, v in parts.items():
+        out[f"{name}_p50_ms"] = float(np.percentile(v, 50))
+        out[f"{name}_p99_ms"] = float(np.percentile(v, 99))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,16 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         c, s = r["concurrent"], r["serial"]
         print(f"{r['pulls']} pulls of {r['bytes_per_pull']} B, {r['concurrency']} in flight: "
-              f"{r['requests_per_s']:.0f} pulls/s")  # fmt: skip
-        print(f"  latency p50 {c['latency_p50_ms']:.2f} ms  p99 {c['latency_p99_ms']:.2f} ms; overhead beyond "
-              f"data p50 {c['overhead_p50_ms']:.2f} ms  p99 {c['overhead_p99_ms']:.2f} ms")  # fmt: skip
-        print(f"  inside the decode sidecar: overhead p50 {c['sidecar_overhead_p50_ms']:.2f} ms  "
-              f"p99 {c['sidecar_overhead_p99_ms']:.2f} ms")  # fmt: skip
-        print(f"one at a time ({a.serial}): latency p50 {s['latency_p50_ms']:.2f} ms; overhead p50 "
-              f"{s['overhead_p50_ms']:.2f} ms  p99 {s['overhead_p99_ms']:.2f} ms (sidecar-internal p50 "
-              f"{s['sidecar_overhead_p50_ms']:.2f} ms)")  # fmt: skip
+              f"{r['requests_per_s']:.0f} pulls/s (Little's law: {r['concurrency'] / r['requests_per_s'] * 1e3:.0f} ms "
+              "in the system per pull)")  # fmt: skip
+        for label, st in ((f"{r['concurrency']} in flight", c), (f"one at a time ({a.serial})", s)):
+            print(f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms, data "
+                  f"p50 {st['data_p50_ms']:.3f} ms")  # fmt: skip
+            for part in ("overhead", "local_hop", "peer_fetch", "sidecar_compute"):
+                print(f"    {part:16s} p50 {st[part + '_p50_ms']:8.3f} ms   p99 {st[part + '_p99_ms']:8.3f} ms")
         cpu = r["cpu_ms_per_pull"]
-        print("  CPU per pull (concurrent phase): " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items()))
+        print("  CPU per pull (concurrent phase): " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items())
+              + f"; sidecars together {cpu['prefill'] + cpu['decode']:.2f} ms")  # fmt: skip
         print(f"verified pulls: {r['verified_pulls']}, mismatched bytes: {r['mismatched_bytes']}")
     return 0 if r["mismatched_bytes"] == 0 else 1
 

@@ -79,6 +79,7 @@ class PullResult:
     data_seconds: float = 0.0
     remote_ranks: tuple[int, ...] = ()
     warnings: tuple[str, ...] = ()
+    fetch_seconds: float = 0.0  # handshakes + GetPublished round trips (part of duration_seconds)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def _pull_result(resp: Any) -> PullResult:
     st = resp.stats
     return PullResult(
         resp.transfer_id, resp.request_id, resp.done, st.bytes, st.descriptors, st.duration_seconds,
-        st.data_seconds, tuple(st.remote_ranks), tuple(st.warnings),
+        st.data_seconds, tuple(st.remote_ranks), tuple(st.warnings), st.fetch_seconds,
     )  # fmt: skip
 
 

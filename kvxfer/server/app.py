@@ -170,7 +170,9 @@ class Sidecar:
         local = grpc.aio.server(interceptors=interceptors, options=opts)
         self._local_server = local
         local_limits: dict[str, float | None] = {
-            "Pull": s.transfer_timeout_seconds + 5.0,
+            # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
+            # inside the core; a second timer per call would only cost time on the hot path.
+            "Pull": None,
             "Drain": s.drain_seconds + 30.0,
             "RegisterCaches": 120.0,
         }

@@ -105,6 +105,10 @@ class SidecarCore:
         self._notices: dict[str, list[Any]] = {}
         self._notice_senders: set[str] = set()
         self._background: set[asyncio.Task[Any]] = set()
+        # Gauges of the current state are read at scrape time: nothing to update on the hot path.
+        metrics.leases_active.set_function(lambda: len(self.publishes))
+        metrics.in_flight.set_function(lambda: len(self.pulls))
+        metrics.peers.set_function(self._peer_count)
         self._drained: asyncio.Future[Any] | None = None
         self.drain_done = asyncio.Event()  # set once a drain has finished
         token = settings.token()
@@ -144,10 +148,9 @@ class SidecarCore:
         if self.draining:
             raise UnavailableError(f"{what}: the sidecar is draining and accepts no new work", field="draining")
 
-    def _update_gauges(self) -> None:
-        self.metrics.leases_active.set(len(self.publishes))
-        self.metrics.in_flight.set(len(self.pulls))
-        self.metrics.peers.set(len(self.peers) + len({k[:2] for k in self.readers}))
+    def _peer_count(self) -> int:
+        # Called from the metrics server's thread: copy the keys in one step before iterating.
+        return len(self.peers) + len({k[:2] for k in tuple(self.readers)})
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -245,7 +248,6 @@ class SidecarCore:
         entry = PublishEntry(rid, blocks, lease, time.monotonic() + lease)
         self.publishes[rid] = entry
         self._arm_lease(entry)
-        self._update_gauges()
         return local_pb2.PublishResponse(request_id=rid, expires_unix_ms=entry.expires_unix_ms)
 
     def _arm_lease(self, entry: PublishEntry) -> None:
@@ -262,7 +264,6 @@ class SidecarCore:
             return
         del self.publishes[entry.request_id]
         self.metrics.lease_expirations.inc()
-        self._update_gauges()
         msg = f"lease of {entry.lease_seconds:g}s expired before the decode side confirmed; blocks released"
         with log_context(request_id=entry.request_id):
             log.info("lease expired", extra={"lease_seconds": entry.lease_seconds})
@@ -270,10 +271,8 @@ class SidecarCore:
 
     def _drop_publish(self, rid: str) -> PublishEntry | None:
         entry = self.publishes.pop(rid, None)
-        if entry is not None:
-            if entry.timer is not None:
-                entry.timer.cancel()
-            self._update_gauges()
+        if entry is not None and entry.timer is not None:
+            entry.timer.cancel()
         return entry
 
     async def release(self, req: Any) -> Any:
@@ -375,7 +374,6 @@ class SidecarCore:
             f"{self.instance_id[:8]}-{next(self._ids)}", rid, req.remote_engine_id, addresses, now + timeout, now
         )
         self.pulls[rid] = entry
-        self._update_gauges()
         entry.task = asyncio.get_running_loop().create_task(
             self._run_pull(entry, reg, local_blocks, remote_given, timeout)
         )
@@ -431,19 +429,14 @@ class SidecarCore:
                 err = KvxferError(f"internal error in pull of {rid!r}: {type(exc).__name__}: {exc}")
             finally:
                 self.pulls.pop(rid, None)
-                self._update_gauges()
             elapsed = time.monotonic() - entry.started
             code = 0 if err is None else grpc_code(err).value[0]
             if err is None:
-                self.metrics.transfer_done(
-                    "read", "ok", nbytes=stats.bytes, descriptors=stats.descriptors, seconds=elapsed
-                )
-                self.hub.emit(Kind.PULLED, rid, transfer_id=entry.transfer_id, peer=entry.remote_engine_id, stats=stats)
-                log.debug("pull done", extra={"bytes": stats.bytes, "descriptors": stats.descriptors,
-                                              "seconds": round(elapsed, 6)})  # fmt: skip
-                self._notify_publishers(entry, "done", "", stats.bytes)
                 if not entry.done.done():
                     entry.done.set_result(stats)
+                # Bookkeeping runs after the waiting Pull handler (woken by set_result, so scheduled
+                # first) has answered the worker: it is off the worker's critical path.
+                asyncio.get_running_loop().call_soon(self._pulled, entry, stats, elapsed)
             else:
                 self.metrics.transfer_done("read", outcome, nbytes=0, descriptors=0, seconds=elapsed, reason=reason)  # type: ignore[arg-type]
                 kind = Kind.ABORTED if outcome == "aborted" else Kind.PULL_FAILED
@@ -463,6 +456,15 @@ class SidecarCore:
                 if not entry.done.done():
                     entry.done.set_exception(err)
                     entry.done.exception()  # retrieved: a non-waiting Pull never awaits it
+
+    def _pulled(self, entry: PullEntry, stats: Any, elapsed: float) -> None:
+        self.metrics.transfer_done("read", "ok", nbytes=stats.bytes, descriptors=stats.descriptors, seconds=elapsed)
+        self.hub.emit(
+            Kind.PULLED, entry.request_id, transfer_id=entry.transfer_id, peer=entry.remote_engine_id, stats=stats
+        )
+        log.debug("pull done", extra={"bytes": stats.bytes, "descriptors": stats.descriptors,
+                                      "seconds": round(elapsed, 6)})  # fmt: skip
+        self._notify_publishers(entry, "done", "", stats.bytes)
 
     async def _pull_steps(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
@@ -493,7 +495,10 @@ class SidecarCore:
         # 2. Handshake (cached) and fetch the published request from each needed rank.
         entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
         t_fetch = time.monotonic()
-        fetched = await asyncio.gather(*(self._fetch(entry, q, sessions) for q in ranks))
+        if len(ranks) == 1:  # the common case: no task per rank
+            fetched = [await self._fetch(entry, ranks[0], sessions)]
+        else:
+            fetched = await asyncio.gather(*(self._fetch(entry, q, sessions) for q in ranks))
         fetch_seconds = time.monotonic() - t_fetch
         published = dict(zip(ranks, fetched, strict=True))
         # 3. Validate and build descriptors per remote rank.
@@ -772,7 +777,6 @@ class SidecarCore:
             del self.readers[old]
         self.readers[key] = reader
         self.metrics.handshakes.labels(outcome="ok").inc()
-        self._update_gauges()
         return peer_pb2.HandshakeResponse(info=me.to_proto())
 
     async def peer_get_published(self, req: Any) -> Any:

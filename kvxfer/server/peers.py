@@ -81,21 +81,24 @@ class PeerDirectory:
         self._sessions: dict[str, PeerSession] = {}
         self._pending: dict[str, asyncio.Future[PeerSession]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, Any] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def stub(self, address: str) -> Any:
-        """A Peer stub on the (shared) channel to ``address``."""
-        ch = self._channels.get(address)
-        if ch is None:
+        """The Peer stub on the (shared) channel to ``address``."""
+        # A stub builds one callable per method: made once per channel, not on every call of the hot path.
+        stub = self._stubs.get(address)
+        if stub is None:
             if self._credentials is not None:
                 ch = grpc.aio.secure_channel(address, self._credentials, options=self._options)
             else:
                 ch = grpc.aio.insecure_channel(address, options=self._options)
             self._channels[address] = ch
-        return peer_pb2_grpc.PeerStub(ch)
+            stub = self._stubs[address] = peer_pb2_grpc.PeerStub(ch)
+        return stub
 
     async def session(self, address: str, *, budget: float | None = None) -> PeerSession:
         """The handshaken session to ``address`` (handshaking now if there is none)."""
@@ -178,6 +181,7 @@ class PeerDirectory:
             s.alive = False
             self._forget_peer(s.dp_name)
         if reconnect:
+            self._stubs.pop(address, None)
             ch = self._channels.pop(address, None)
             if ch is not None:
                 task = asyncio.get_running_loop().create_task(ch.close(grace=None))
@@ -202,5 +206,6 @@ class PeerDirectory:
         for addr in list(self._sessions):
             self.invalidate(addr)
         channels, self._channels = list(self._channels.values()), {}
+        self._stubs.clear()
         for ch in channels:
             await ch.close()

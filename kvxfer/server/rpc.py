@@ -39,7 +39,11 @@ def _snake(name: str) -> str:
 def service_handler(
     service: Any, impl: object, *, limits: Mapping[str, float | None], default_limit: float = 30.0
 ) -> grpc.GenericRpcHandler:
-    """A generic handler for ``service`` (a ServiceDescriptor) calling ``impl.<snake_case method>``."""
+    """A generic handler for ``service`` (a ServiceDescriptor) calling ``impl.<snake_case method>``.
+
+    ``limits`` caps each method's run time on the server (the client's deadline, when shorter, wins);
+    a limit of None marks a method that enforces its own deadline, so no second timer is armed.
+    """
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         req_cls = GetMessageClass(method.input_type)
@@ -75,11 +79,13 @@ def _unary(fn: Unary, req_cls: Any, full: str, limit: float | None) -> Callable[
         req = await _parse(raw, req_cls, context)
         rid = getattr(req, "request_id", "") or None
         peer = getattr(req, "engine_id", "") or getattr(req, "remote_engine_id", "") or None  # the calling peer
-        remaining = context.time_remaining()
-        budget = limit if remaining is None else (remaining if limit is None else min(remaining, limit))
+        remaining = context.time_remaining() if limit is not None else None
+        budget = None if limit is None else (limit if remaining is None else min(remaining, limit))
         t0 = time.monotonic()
         with log_context(request_id=rid, peer=peer):
             try:
+                if budget is None:  # the method runs under its own deadline (see service_handler)
+                    return await fn(req, context)
                 async with asyncio.timeout(budget):
                     return await fn(req, context)
             except KvxferError as exc:

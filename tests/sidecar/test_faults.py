@@ -47,10 +47,11 @@ async def _wait(pred: object, within: float = 5.0) -> None:
 
 
 async def test_unknown_request_fails_fast_with_not_found(harness: Harness) -> None:
-    p, pw, _d, dw, _ = await _pair(harness)
+    p, pw, _d, dw, _ = await _pair(harness, transfer_timeout_seconds=30)
+    await _still_works(pw, p, dw, rid="warm")  # the handshake is done: what follows is one lookup
     t0 = time.monotonic()
     await expect_error(OK.NOT_FOUND, dw.pull("nope", [p], {"kv": [1]}), "'nope' is not published", p.peer_address)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 2.0  # an answer, not the 30 s deadline
     await _still_works(pw, p, dw)
 
 

@@ -109,6 +109,13 @@ async def test_metrics_endpoint_has_every_contract_metric(harness: Harness) -> N
     # Each sidecar has its own registry: the prefill side counted no reads.
     assert ps[0].metrics is not None
     assert b'outcome="ok"} 0.0' in ps[0].metrics.exposition()
+    # State gauges are read when scraped: one lease held, one peer on each side, nothing in flight.
+    await pw[0].prefill("held", {"kv": [7]}, salt=2)
+    prefill_text = ps[0].metrics.exposition().decode()
+    for line in ("kvxfer_leases_active 1.0", "kvxfer_peers 1.0", "kvxfer_transfers_in_flight 0.0"):
+        assert line in prefill_text.splitlines(), line
+    assert "kvxfer_peers 1.0" in body.splitlines()
+    assert float(body.split("kvxfer_registered_bytes ")[-1].split()[0]) == lay.total_bytes
 
 
 def test_settings_precedence_and_errors(tmp_path: Path) -> None:
