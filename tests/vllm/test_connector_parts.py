@@ -337,3 +337,59 @@ def test_sharing_on_cpu_keeps_tensor_identity_and_contents(pair: Callable[..., A
         buf.path, dtype=np.uint8, count=first[5].numel() * 2, offset=buf.offsets[0] + 5 * first[5].numel() * 2
     )
     assert np.array_equal(raw, first[5].view(torch.uint8).numpy().reshape(-1))
+
+
+def test_heterogeneous_tp_prefill2_decode1_through_both_halves(cluster: LocalCluster) -> None:
+    """A TP-2 prefill instance (one sidecar per rank) and a TP-1 decode instance: each head slice lands in place."""
+    p_socks = [cluster.start_sidecar(f"tp2p-{r}", "pre-tp2", "prefill") for r in range(2)]
+    d_sock = cluster.start_sidecar("tp1d-0", "dec-tp1", "decode")
+    template = str(Path(p_socks[0].local_socket).parent / "tp2p-{rank}.sock")
+    sp = ConnectorSettings(sidecar_socket=template)
+    sd = ConnectorSettings(sidecar_socket=str(Path(d_sock.local_socket).parent / "tp1d-{rank}.sock"))
+    p_workers, p_caches = [], []
+    made: list[Any] = []
+    try:
+        for r in range(2):
+            w = WorkerSide(sp, rank=RankInfo(r, 2), local_rank=r, total_kv_heads=HEADS)
+            made.append(w)
+            g = torch.Generator().manual_seed(10 + r)
+            whole = torch.randn(LAYERS, BLOCKS, HEADS // 2, BS, 2 * HEAD, generator=g).to(torch.bfloat16)
+            kv = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
+            w.register(kv)
+            p_workers.append(w)
+            p_caches.append(kv)
+        dw = WorkerSide(sd, rank=RankInfo(0, 1), local_rank=0, total_kv_heads=HEADS)
+        made.append(dw)
+        dk = vllm_cpu_caches(20)
+        dw.register(dk)
+        ps = SchedulerSide(sp, engine_id="vllm-p", block_size=BS, tp_size=2)
+        ds = SchedulerSide(sd, engine_id="vllm-d", block_size=BS)
+        made.extend([ps, ds])
+        p_blocks, d_blocks = [3, 4, 5, 60], [7, 8, 9, 1]
+        req = Req("p-tp", list(range(4 * BS)), {"do_remote_decode": True}, num_computed_tokens=4 * BS)
+        keep, params = ps.request_finished(req, p_blocks)
+        assert keep is True
+        assert params is not None
+        # Every prefill rank's sidecar, in rank order; one engine id that all of them answer with.
+        assert params["kvxfer_addresses"] == [s.peer_address for s in p_socks]
+        assert params["kvxfer_engine_id"] == "pre-tp2"
+        assert params["tp_size"] == 2
+        plan = ps.build_plan()
+        for w in p_workers:
+            w.on_step(plan)
+        dreq = Req("d-tp", list(range(4 * BS)), dict(params), status="RUNNING")
+        assert ds.matched_tokens(dreq, 0) == (4 * BS, True)
+        ds.after_alloc(dreq, d_blocks, 4 * BS)
+        dw.on_step(ds.build_plan())
+        wait_for(dw, recving="d-tp")
+        assert dw.load_errors() == set()
+        for name, t in dk.items():
+            for head in range(HEADS):
+                src = p_caches[head][name][p_blocks][:, 0]
+                assert torch.equal(t[d_blocks][:, head].view(torch.uint8), src.view(torch.uint8)), (name, head)
+        # The decode rank read both prefill ranks: each frees its blocks.
+        for w in p_workers:
+            wait_for(w, sending="p-tp")
+    finally:
+        for m in made:
+            m.close()
