@@ -21,7 +21,8 @@ pass merges whatever else is adjacent (e.g. every layer of a cross-layer block).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -73,7 +74,7 @@ class RegionTable:
     device: U64
 
     def __post_init__(self) -> None:
-        arrays = {n: np.ascontiguousarray(getattr(self, n), dtype=np.uint64) for n in ("base", "size", "device")}
+        arrays = {n: np.ascontiguousarray(getattr(self, n), dtype=np.uint64).view() for n in ("base", "size", "device")}
         if len({a.shape for a in arrays.values()}) != 1 or arrays["base"].ndim != 1:
             raise LayoutError("regions: base, size and device must be 1-D arrays of one length", field="regions")
         for n, a in arrays.items():
@@ -124,15 +125,28 @@ class Source:
 
 @dataclass(frozen=True, eq=False)
 class RankPlan:
-    """Descriptors for one remote rank, relative to regions (resolve with :meth:`descriptors`)."""
+    """Descriptors for one remote rank, relative to regions (resolve with :meth:`descriptors`).
+
+    Stored factored: descriptor ``(i, j)`` is *group* ``i`` (a region and a byte offset on each
+    side: one group per layer, or a single group when both caches are block-major) plus *pattern*
+    entry ``j`` (offsets and length inside it), group-major. Descriptors of different layers never
+    merge unless both sides are block-major, so the pattern is built and coalesced once per request
+    and only the resolved arrays have the full ``groups x pattern`` size.
+    """
 
     source: Source
     spans_per_chunk: int
-    local_region: I64
-    local_offset: I64
-    remote_region: I64
-    remote_offset: I64
-    length: I64
+    group_local_region: I64
+    group_local_offset: I64
+    group_remote_region: I64
+    group_remote_offset: I64
+    pattern_local_offset: I64
+    pattern_remote_offset: I64
+    pattern_length: I64
+
+    def __post_init__(self) -> None:
+        for f in fields(self)[2:]:
+            object.__setattr__(self, f.name, _frozen(getattr(self, f.name)))
 
     @property
     def remote_rank(self) -> int:
@@ -142,21 +156,49 @@ class RankPlan:
     @property
     def num_descriptors(self) -> int:
         """How many descriptors (on each side)."""
-        return int(self.length.size)
+        return int(self.group_local_region.size * self.pattern_length.size)
 
     @property
     def total_bytes(self) -> int:
         """Bytes moved from this rank."""
-        return int(self.length.sum())
+        return int(self.group_local_region.size) * int(self.pattern_length.sum())
+
+    @cached_property
+    def local_region(self) -> I64:
+        """Region index of every local descriptor."""
+        return _frozen(np.repeat(self.group_local_region, self.pattern_length.size))
+
+    @cached_property
+    def local_offset(self) -> I64:
+        """Byte offset of every local descriptor inside its region."""
+        return _frozen((self.group_local_offset[:, None] + self.pattern_local_offset[None, :]).ravel())
+
+    @cached_property
+    def remote_region(self) -> I64:
+        """Region index of every remote descriptor."""
+        return _frozen(np.repeat(self.group_remote_region, self.pattern_length.size))
+
+    @cached_property
+    def remote_offset(self) -> I64:
+        """Byte offset of every remote descriptor inside its region."""
+        return _frozen((self.group_remote_offset[:, None] + self.pattern_remote_offset[None, :]).ravel())
+
+    @cached_property
+    def length(self) -> I64:
+        """Length of every descriptor (the same on both sides)."""
+        return _frozen(np.tile(self.pattern_length, self.group_local_region.size))
 
     def descriptors(self, local: RegionTable, remote: RegionTable) -> tuple[U64, U64]:
         """``(local, remote)`` arrays of shape (N, 3): address, length, device id (uint64).
 
         Every descriptor is checked to lie inside its registered region on both sides.
         """
-        return _resolve(local, self.local_region, self.local_offset, self.length, "local"), _resolve(
-            remote, self.remote_region, self.remote_offset, self.length, "remote"
-        )
+        return (
+            _resolve(local, self.group_local_region, self.group_local_offset, self.pattern_local_offset,
+                     self.pattern_length, "local"),
+            _resolve(remote, self.group_remote_region, self.group_remote_offset, self.pattern_remote_offset,
+                     self.pattern_length, "remote"),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -330,44 +372,52 @@ class TransferTopology:
             )
         elif len(l_units) > 1 and loc.order is not rem.order:
             warnings.append(f"local {loc.order} vs remote {rem.order}: one span per row ({len(l_units)} per chunk)")
-        # Chunk start offsets inside each side's region (layer offset added below).
+        # Chunk start offsets inside each side's region, for layer 0.
         l_start = l_block * loc.block_stride + _token_offset(loc, l_tok)
         r_start = r_block * rem.block_stride + _token_offset(rem, r_tok)
-        layers = np.arange(loc.num_layers, dtype=np.int64)
-        l_layer_off = layers * (loc.page_bytes if loc.cross_layer else 0)
-        r_layer_off = layers * (rem.page_bytes if rem.cross_layer else 0)
-        l_layer_reg = np.zeros_like(layers) if loc.cross_layer else layers
-        r_layer_reg = np.zeros_like(layers) if rem.cross_layer else layers
-        # Lengths on the (chunk, unit) axes: one per merged run of chunks, or the unit pattern.
-        chunk_unit_len: I64
+        if loc.cross_layer and rem.cross_layer:
+            zero = np.zeros(1, np.int64)
+            lo, ro, ln = _block_major_pattern(loc, rem, l_start, r_start, l_units, r_units, u_len)
+            return RankPlan(src, spans_per_chunk, zero, zero, zero, zero, lo, ro, ln)
+        # At least one side has a region per layer, so layers never merge and every layer repeats
+        # one pattern at its own region and offset.
         if len(l_units) == 1:
-            unit = int(u_len[0])
-            # Whole-page units of every layer of a cross-layer block are one span on both sides.
-            if loc.cross_layer and rem.cross_layer and unit == loc.page_bytes == rem.page_bytes:
-                unit *= loc.num_layers
-                layers, l_layer_off, r_layer_off = layers[:1], l_layer_off[:1], r_layer_off[:1]
-                l_layer_reg, r_layer_reg = l_layer_reg[:1], r_layer_reg[:1]
-            l_start, r_start, run_len = _merge_runs(l_start + l_units[0], r_start + r_units[0], unit)
-            l_units, r_units = np.zeros(1, np.int64), np.zeros(1, np.int64)
-            chunk_unit_len = run_len[:, None]
+            lo, ro, ln = _merge_runs(l_start + l_units[0], r_start + r_units[0], int(u_len[0]))
         else:
-            chunk_unit_len = np.broadcast_to(u_len[None, :], (l_start.size, u_len.size))
-        chunk_major = loc.cross_layer and rem.cross_layer
-        # Grid axes: (layer, chunk, unit), or (chunk, layer, unit) when both sides are block-major so
-        # that adjacent layers of one block end up next to each other for the final merge.
-        if chunk_major:
-            lo = l_start[:, None, None] + l_layer_off[None, :, None] + l_units[None, None, :]
-            ro = r_start[:, None, None] + r_layer_off[None, :, None] + r_units[None, None, :]
-            lr = np.broadcast_to(l_layer_reg[None, :, None], lo.shape)
-            rr = np.broadcast_to(r_layer_reg[None, :, None], ro.shape)
-            ln = np.broadcast_to(chunk_unit_len[:, None, :], lo.shape)
-        else:
-            lo = l_layer_off[:, None, None] + l_start[None, :, None] + l_units[None, None, :]
-            ro = r_layer_off[:, None, None] + r_start[None, :, None] + r_units[None, None, :]
-            lr = np.broadcast_to(l_layer_reg[:, None, None], lo.shape)
-            rr = np.broadcast_to(r_layer_reg[:, None, None], ro.shape)
-            ln = np.broadcast_to(chunk_unit_len[None, :, :], lo.shape)
-        return RankPlan(src, spans_per_chunk, *_coalesce(lr.ravel(), lo.ravel(), rr.ravel(), ro.ravel(), ln.ravel()))
+            lo = (l_start[:, None] + l_units[None, :]).ravel()
+            ro = (r_start[:, None] + r_units[None, :]).ravel()
+            lo, ro, ln = _coalesce(lo, ro, np.tile(u_len, l_start.size))
+        layers = np.arange(loc.num_layers, dtype=np.int64)
+        return RankPlan(src, spans_per_chunk, *_layer_groups(loc, layers), *_layer_groups(rem, layers), lo, ro, ln)
+
+
+def _layer_groups(layout: KVCacheLayout, layers: I64) -> tuple[I64, I64]:
+    """Region and offset of each layer's pages: its own region, or its slot in a block-major block."""
+    if layout.cross_layer:
+        return np.zeros_like(layers), layers * layout.page_bytes
+    return layers, np.zeros_like(layers)
+
+
+def _block_major_pattern(
+    loc: KVCacheLayout, rem: KVCacheLayout, l_start: I64, r_start: I64, l_units: I64, r_units: I64, u_len: I64
+) -> tuple[I64, I64, I64]:
+    """Spans of every layer when both sides are block-major (one region each), merged across layers."""
+    layers = np.arange(loc.num_layers, dtype=np.int64)
+    if len(l_units) == 1:
+        unit = int(u_len[0])
+        if unit == loc.page_bytes == rem.page_bytes:
+            # Whole pages on both sides: all layers of a block are one span, runs of blocks merge.
+            return _merge_runs(l_start + l_units[0], r_start + r_units[0], unit * loc.num_layers)
+        l_start, r_start, run_len = _merge_runs(l_start + l_units[0], r_start + r_units[0], unit)
+        l_units, r_units = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        chunk_unit_len = run_len[:, None]
+    else:
+        chunk_unit_len = np.broadcast_to(u_len[None, :], (l_start.size, u_len.size))
+    # (chunk, layer, unit) order puts the pages of one block's layers next to each other.
+    lo = l_start[:, None, None] + (layers * loc.page_bytes)[None, :, None] + l_units[None, None, :]
+    ro = r_start[:, None, None] + (layers * rem.page_bytes)[None, :, None] + r_units[None, None, :]
+    ln = np.broadcast_to(chunk_unit_len[:, None, :], lo.shape)
+    return _coalesce(lo.ravel(), ro.ravel(), ln.ravel())
 
 
 def _token_offset(layout: KVCacheLayout, tokens: I64) -> I64:
@@ -405,8 +455,7 @@ def _unit_pattern(loc: KVCacheLayout, rem: KVCacheLayout, src: Source, g: int) -
         ro = _row_offsets(rem, re_, toks)
         ln = np.full(lo.size, row, np.int64)
     order = np.argsort(lo, kind="stable")
-    _, lo, _, ro, ln = _coalesce(np.zeros_like(lo), lo[order], np.zeros_like(ro), ro[order], ln[order])
-    return lo, ro, ln
+    return _coalesce(lo[order], ro[order], ln[order])
 
 
 def _row_offsets(layout: KVCacheLayout, entries: I64, toks: I64) -> I64:
@@ -427,25 +476,18 @@ def _merge_runs(l_start: I64, r_start: I64, unit: int) -> tuple[I64, I64, I64]:
     return l_start[starts], r_start[starts], counts * unit
 
 
-def _coalesce(lr: I64, lo: I64, rr: I64, ro: I64, ln: I64) -> tuple[I64, I64, I64, I64, I64]:
-    """Merge neighbours that are contiguous on both sides and inside the same region on both."""
+def _coalesce(lo: I64, ro: I64, ln: I64) -> tuple[I64, I64, I64]:
+    """Merge neighbours that are contiguous on both sides (all spans lie in one region per side)."""
     if lo.size <= 1:
-        return (np.ascontiguousarray(lr), np.ascontiguousarray(lo), np.ascontiguousarray(rr),
-                np.ascontiguousarray(ro), np.ascontiguousarray(ln))  # fmt: skip
+        return lo, ro, ln
     brk = np.empty(lo.size, dtype=bool)
     brk[0] = True
-    end_l = lo[:-1] + ln[:-1]
-    end_r = ro[:-1] + ln[:-1]
-    np.not_equal(lo[1:], end_l, out=brk[1:])
-    brk[1:] |= ro[1:] != end_r
-    brk[1:] |= lr[1:] != lr[:-1]
-    brk[1:] |= rr[1:] != rr[:-1]
+    np.not_equal(lo[1:], lo[:-1] + ln[:-1], out=brk[1:])
+    brk[1:] |= ro[1:] != ro[:-1] + ln[:-1]
     starts = np.flatnonzero(brk)
     if starts.size == lo.size:
-        return (np.ascontiguousarray(lr), np.ascontiguousarray(lo), np.ascontiguousarray(rr),
-                np.ascontiguousarray(ro), np.ascontiguousarray(ln))  # fmt: skip
-    lengths = np.add.reduceat(ln, starts)
-    return lr[starts], lo[starts], rr[starts], ro[starts], lengths
+        return lo, ro, ln
+    return lo[starts], ro[starts], np.add.reduceat(ln, starts)
 
 
 def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
@@ -473,30 +515,40 @@ def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
     return arr
 
 
-def _resolve(table: RegionTable, region: I64, offset: I64, length: I64, side: str) -> U64:
+def _resolve(table: RegionTable, g_region: I64, g_offset: I64, p_offset: I64, p_length: I64, side: str) -> U64:
+    """Addresses of the ``groups x pattern`` descriptors, each checked against its region's size."""
+    groups, per = g_region.size, p_offset.size
     n_regions = table.base.size
-    if region.size and (int(region.max()) >= n_regions):
+    if groups and int(g_region.max()) >= n_regions:
         raise LayoutError(
-            f"regions: {side} descriptors need region {int(region.max())}, only {n_regions} registered",
+            f"regions: {side} descriptors need region {int(g_region.max())}, only {n_regions} registered",
             field="regions",
         )
-    end = offset + length
-    # Tables are usually uniform (one size, one device): compare and fill with scalars then.
-    size = table.size[0] if n_regions and (table.size == table.size[0]).all() else np.take(table.size, region)
-    over = np.flatnonzero(end.astype(np.uint64) > size)
+    out = np.empty((groups, per, 3), dtype=np.uint64)
+    if groups == 0 or per == 0:
+        return out.reshape(-1, 3)
+    p_end = p_offset + p_length
+    # One comparison per group: the furthest byte any pattern entry reaches in it.
+    size = np.take(table.size, g_region)
+    over = np.flatnonzero((g_offset + int(p_end.max())).astype(np.uint64) > size)
     if over.size:
         i = int(over[0])
-        r = int(region[i])
+        j = int(np.flatnonzero((g_offset[i] + p_end).astype(np.uint64) > size[i])[0])
+        r = int(g_region[i])
         raise LayoutError(
-            f"regions: {side} descriptor [{int(offset[i])}, {int(end[i])}) overruns region {r} of "
-            f"{int(table.size[r])} bytes",
+            f"regions: {side} descriptor [{int(g_offset[i] + p_offset[j])}, {int(g_offset[i] + p_end[j])}) overruns "
+            f"region {r} of {int(table.size[r])} bytes",
             field="regions",
         )
-    out = np.empty((offset.size, 3), dtype=np.uint64)
-    np.add(np.take(table.base, region), offset.view(np.uint64), out=out[:, 0])
-    out[:, 1] = length
-    if n_regions and (table.device == table.device[0]).all():
-        out[:, 2] = table.device[0]
-    else:
-        out[:, 2] = np.take(table.device, region)
-    return out
+    base = np.take(table.base, g_region) + g_offset.view(np.uint64)
+    np.add(base[:, None], p_offset.view(np.uint64)[None, :], out=out[:, :, 0])
+    out[:, :, 1] = p_length.view(np.uint64)[None, :]
+    out[:, :, 2] = np.take(table.device, g_region)[:, None]
+    return out.reshape(-1, 3)
+
+
+def _frozen(a: npt.ArrayLike) -> I64:
+    # A new view, so that a caller's own array keeps its flags.
+    arr = np.ascontiguousarray(a, dtype=np.int64).view()
+    arr.flags.writeable = False
+    return arr

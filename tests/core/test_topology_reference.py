@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.layout import KVCacheLayout, head_range
-from kvxfer.topology import RankInfo, RegionTable, TransferTopology
+from kvxfer.layout import KVCacheLayout
+from kvxfer.topology import RankInfo, RegionTable, TransferPlan, TransferTopology
 
-from .reference import Side, apply_descriptors, expected_after_pull, fill_from_logical
+from .reference import Side, apply_descriptors, expected_after_pull, fill_remote, heads_of_rank, logical_values
 
 
 @dataclass(frozen=True)
@@ -38,33 +39,43 @@ class Case:
 
 
 def _block_list(draw: st.DrawFn, n_avail: int, m: int) -> tuple[int, ...]:
-    style = draw(st.sampled_from(["contiguous", "reversed", "random", "runs"]))
+    style = draw(st.sampled_from(["contiguous", "reversed", "random", "sorted", "fragmented"]))
     if style in ("contiguous", "reversed"):
         start = draw(st.integers(0, n_avail - m))
         ids = list(range(start, start + m))
         return tuple(ids[::-1] if style == "reversed" else ids)
+    if style == "fragmented":
+        # runs of 1..3 consecutive ids, the runs in random order
+        perm = draw(st.permutations(range(n_avail)))
+        out: list[int] = []
+        for first in perm:
+            run = [b for b in range(first, first + draw(st.integers(1, 3))) if b < n_avail and b not in out]
+            out.extend(run[: m - len(out)])
+            if len(out) == m:
+                break
+        return tuple(out)
     perm = draw(st.permutations(range(n_avail)))
     chosen = list(perm[:m])
-    return tuple(sorted(chosen) if style == "runs" else chosen)
+    return tuple(sorted(chosen) if style == "sorted" else chosen)
 
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     kind = draw(st.sampled_from(["attention", "quantized", "mla", "mamba"]))
     if kind == "attention":
-        dtype = draw(st.sampled_from(["bf16", "fp16", "fp32", "fp8_e4m3"]))
+        dtype = draw(st.sampled_from(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8"]))
         head_size = draw(st.sampled_from([1, 2, 4]))
     elif kind == "quantized":
         dtype = draw(st.sampled_from(["fp8_e4m3", "fp8_e5m2", "int8", "nvfp4"]))
         head_size = draw(st.sampled_from([16, 32] if dtype == "nvfp4" else [2, 4, 8]))
     elif kind == "mla":
-        dtype = draw(st.sampled_from(["bf16", "fp8_e4m3"]))
+        dtype = draw(st.sampled_from(["bf16", "fp16", "fp8_e4m3"]))
         head_size = draw(st.sampled_from([3, 8]))
     else:
         dtype, head_size = "int8", draw(st.sampled_from([1, 7, 64]))
     total_heads = draw(st.sampled_from([1, 2, 4, 8])) if kind in ("attention", "quantized") else 1
-    local_tp = draw(st.sampled_from([1, 2, 4]))
-    remote_tp = local_tp if kind == "mamba" else draw(st.sampled_from([1, 2, 4]))
+    local_tp = draw(st.sampled_from([1, 2, 4, 8]))
+    remote_tp = local_tp if kind == "mamba" else draw(st.sampled_from([1, 2, 4, 8]))
     local_rank = draw(st.integers(0, local_tp - 1))
     if kind == "mamba":
         local_tokens = remote_tokens = 1
@@ -121,40 +132,35 @@ def _layout(case: Case, local: bool, heads: int) -> KVCacheLayout:
 
 
 def _side(case: Case, local: bool, tp: int, rank: int) -> Side:
-    h0, h1 = head_range(case.total_heads, tp, rank)
+    h0, h1 = heads_of_rank(case.total_heads, tp, rank)
     return Side(
         kind=case.kind,
         dtype=case.dtype,
         layers=case.layers,
         blocks=case.local_blocks_n if local else case.remote_blocks_n,
         tokens=case.local_tokens if local else case.remote_tokens,
-        groups=2 if case.kind == "quantized" else 1,
         heads=h1 - h0,
         head_start=h0,
         head_size=case.head_size,
         order=case.local_order if local else case.remote_order,
         cross=case.local_cross if local else case.remote_cross,
+        rank=rank,
     )
 
 
-def run_case(case: Case) -> None:
-    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+def run_case(case: Case) -> TransferPlan:
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     local_side = _side(case, True, case.local_tp, case.local_rank)
     remote_sides = [_side(case, False, case.remote_tp, q) for q in range(case.remote_tp)]
-    groups = local_side.groups
-    logical = rng.integers(
-        0, 256,
-        size=(case.layers, case.remote_blocks_n, case.remote_tokens, groups, case.total_heads, local_side.row),
-        dtype=np.uint8,
-    )  # fmt: skip
+    values = logical_values(rng, remote_sides[0], case.total_heads, case.remote_tp)
     remote_bufs = []
     for side in remote_sides:
         buf = rng.integers(0, 256, size=side.buffer_bytes(), dtype=np.uint8)
-        fill_from_logical(side, logical, buf)
+        fill_remote(side, values, buf)
         remote_bufs.append(buf)
     local_buf = rng.integers(0, 256, size=local_side.buffer_bytes(), dtype=np.uint8)
     lb, rb = np.array(case.local_blocks), np.array(case.remote_blocks)
-    expected = expected_after_pull(local_side, local_buf, logical, lb, rb, case.remote_tokens)
+    expected = expected_after_pull(local_side, local_buf, values, lb, rb, case.remote_tokens)
 
     local_layout = _layout(case, True, local_side.heads)
     remote_layout = _layout(case, False, remote_sides[0].heads)
@@ -175,6 +181,7 @@ def run_case(case: Case) -> None:
     assert written.max() <= 1, "two descriptors write the same local byte"
     assert plan.total_bytes == len(lb) * case.layers * local_side.page
     np.testing.assert_array_equal(local_buf, expected)
+    return plan
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
