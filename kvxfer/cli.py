@@ -16,6 +16,7 @@ from rich.table import Table
 
 from kvxfer import __version__
 from kvxfer.errors import KvxferError
+from kvxfer.layout import CacheKind, Order
 
 app = typer.Typer(help="KV-cache transfer sidecar for disaggregated prefill/decode serving.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (figures to quote come from here).", no_args_is_help=True)
@@ -44,8 +45,8 @@ def plan(
     dtype: Annotated[str, typer.Option(help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, nvfp4, int8.")] = "bf16",
     block_size: Annotated[int, typer.Option(help="Tokens per block on the decode (local) side.")] = 16,
     remote_block_size: Annotated[int | None, typer.Option(help="Tokens per block on the prefill side.")] = None,
-    layout: Annotated[str, typer.Option(help="Physical order: HND or NHD.")] = "HND",
-    kind: Annotated[str, typer.Option(help="attention, quantized, mla or mamba.")] = "attention",
+    layout: Annotated[Order, typer.Option(help="Physical order of heads and tokens.")] = Order.HND,
+    kind: Annotated[CacheKind, typer.Option(help="What the cache holds.", case_sensitive=False)] = CacheKind.ATTENTION,
     cross_layer: Annotated[bool, typer.Option(help="Cross-layer (block-major) cache on both sides.")] = False,
     prefill_tp: Annotated[int, typer.Option(help="Tensor-parallel size of the prefill (remote) side.")] = 1,
     decode_tp: Annotated[int, typer.Option(help="Tensor-parallel size of the decode (local) side.")] = 1,
@@ -56,16 +57,14 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show the regions and descriptors a decode rank needs to pull one request, and why."""
-    from kvxfer.layout import CacheKind, DType, Order
+    from kvxfer.layout import DType
     from kvxfer.planning import ModelShape, plan_report, plan_transfer
     from kvxfer.topology import parse_block_ids
 
     try:
         local_ids = parse_block_ids(blocks)
         remote_ids = parse_block_ids(remote_blocks) if remote_blocks else local_ids
-        shape = ModelShape(
-            CacheKind(kind), layers, kv_heads, head_size, DType.parse(dtype), Order(layout.upper()), cross_layer
-        )
+        shape = ModelShape(kind, layers, kv_heads, head_size, DType.parse(dtype), layout, cross_layer)
         topo, result = plan_transfer(
             shape, prefill_tp=prefill_tp, decode_tp=decode_tp, decode_rank=decode_rank, local_blocks=local_ids,
             remote_blocks=remote_ids, block_size=block_size, remote_block_size=remote_block_size,

@@ -437,7 +437,9 @@ class KVCacheLayout:
         differ("kind", self.kind.value, other.kind.value)
         differ("dtype", self.dtype.value, other.dtype.value)
         differ("num_layers", self.num_layers, other.num_layers)
-        differ("head_size", self.head_size, other.head_size)
+        # head_size holds the latent dim of an MLA cache and the page bytes of a Mamba one.
+        size_name = {CacheKind.MLA: "latent_dim", CacheKind.MAMBA: "page_size_bytes"}.get(self.kind, "head_size")
+        differ(size_name if self.kind is other.kind else "head_size", self.head_size, other.head_size)
         differ("total_kv_heads", self.total_kv_heads, other.total_kv_heads)
         small, large = sorted((self.block_size, other.block_size))
         if large % small:
@@ -506,7 +508,7 @@ class KVCacheLayout:
         if kind is CacheKind.MLA:
             nb, n, d = dims
             layout = cls.mla(num_layers=layers, num_blocks=nb, block_size=n, latent_dim=d, dtype=dt, cross_layer=cross)
-            _expect_strides(st[1:], (d, 1), ("tokens", "latent"), first_dim=1)
+            _expect_strides(st[1:], (d, 1), ("tokens", "latent"), dims[1:], first_dim=1 + cross)
         elif kind is CacheKind.MAMBA:
             nb, one_a, one_b, page = dims
             if (one_a, one_b) != (1, 1):
@@ -514,7 +516,7 @@ class KVCacheLayout:
             if dt is not DType.INT8:
                 raise LayoutError(f"dtype: a mamba page tensor is int8, got {dt}", field="dtype")
             layout = cls.mamba(num_layers=layers, num_blocks=nb, page_size_bytes=page, cross_layer=cross)
-            _expect_strides(st[3:], (1,), ("page",), first_dim=3)
+            _expect_strides(st[3:], (1,), ("page",), dims[3:], first_dim=3 + cross)
         else:
             nb, e, n, content = dims
             groups = 2 if kind is CacheKind.QUANTIZED else 1
@@ -540,21 +542,22 @@ class KVCacheLayout:
             row_elems = content
             hnd = order is Order.HND
             expected = (n * row_elems, row_elems, 1) if hnd else (row_elems, e * row_elems, 1)
-            _expect_strides(st[1:], expected, ("heads", "tokens", "content"), first_dim=1)
+            _expect_strides(st[1:], expected, ("heads", "tokens", "content"), dims[1:], first_dim=1 + cross)
             if dt is DType.NVFP4 and content != layout.row_bytes:
                 raise LayoutError(
                     f"shape: an nvfp4 row of head_size {hs} is {layout.row_bytes} bytes, last dim is {content}",
                     field="shape",
                 )
         page_elems = layout.page_bytes * 8 // _storage_bits(dt, kind)
-        if st[0] != layout.block_stride * 8 // _storage_bits(dt, kind):
+        # The stride of a dim of size 1 never addresses anything, so any value is fine there.
+        if dims[0] > 1 and st[0] != layout.block_stride * 8 // _storage_bits(dt, kind):
             raise LayoutError(
-                f"strides: the blocks dim has stride {st[0]}, the standardized layout needs "
+                f"strides: the blocks dim (dim {int(cross)}) has stride {st[0]}, the standardized layout needs "
                 f"{layout.block_stride * 8 // _storage_bits(dt, kind)} (pages of {page_elems} elements"
                 + (f" x {layers} layers, block-major)" if cross else ")"),
                 field="strides",
             )
-        if cross and strides[0] != page_elems:
+        if cross and layers > 1 and strides[0] != page_elems:
             raise LayoutError(
                 f"strides: a cross-layer cache is block-major (stride order (1, 0, 2, ...)): the layers dim "
                 f"needs stride {page_elems}, got {strides[0]}",
@@ -591,9 +594,11 @@ def _element_strides(tensor: Any) -> tuple[int, ...]:
     return tuple(int(s) // itemsize for s in strides)
 
 
-def _expect_strides(got: Sequence[int], expected: Sequence[int], names: Sequence[str], *, first_dim: int) -> None:
-    for name, g, e, dim in zip(names, got, expected, range(first_dim, first_dim + len(names)), strict=True):
-        if g != e:
+def _expect_strides(
+    got: Sequence[int], expected: Sequence[int], names: Sequence[str], sizes: Sequence[int], *, first_dim: int
+) -> None:
+    for name, g, e, n, dim in zip(names, got, expected, sizes, range(first_dim, first_dim + len(names)), strict=True):
+        if g != e and n > 1:
             raise LayoutError(
                 f"strides: dim {dim} ({name}) has stride {g}, the standardized layout needs {e} "
                 f"(got strides {tuple(got)}, expected {tuple(expected)})",

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from kvxfer.cli import app
@@ -39,6 +40,56 @@ def test_plan_json_heterogeneous_tp_names_the_sources() -> None:
     assert r["warnings"]
 
 
+def test_plan_text_names_regions_descriptors_bytes_mean_and_per_block_count() -> None:
+    args = ["plan", "--layers", "4", "--kv-heads", "8", "--head-size", "64", "--dtype", "fp16", "--block-size", "32",
+            "--layout", "NHD", "--prefill-tp", "2", "--decode-tp", "4", "--decode-rank", "3", "--blocks", "0:3,7",
+            "--remote-blocks", "10:14"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    # decode rank 3 of 4 holds heads [6, 8); prefill rank 1 of 2 holds [4, 8): rows of 256 B, pages of
+    # 32 tokens x 2 heads; NHD needs one 512 B span per token: 4 layers x 4 blocks x 32 tokens
+    assert "regions to register: 4 x 131072 B (one per layer)" in text
+    assert "remote rank 1 holds heads [4, 8); local rank 3 needs [6, 8)" in text
+    assert "descriptors: 512 bytes: 262144 mean descriptor: 512 B per-block-per-layer scheme: 512 (1.0x more)" in text
+    assert "NHD with a head slice: 32 spans per chunk per layer (one per token)" in text
+    r = plan_json(*args[1:])
+    assert (r["descriptors"], r["bytes"], r["per_block_descriptors"]) == (512, 262144, 512)
+    assert r["sources"] == [  # type: ignore[comparison-overlap]
+        {"remote_rank": 1, "local_head": 0, "remote_head": 2, "num_heads": 2,
+         "reason": "remote rank 1 holds heads [4, 8); local rank 3 needs [6, 8)", "descriptors": 512, "bytes": 262144}
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "descriptors", "nbytes", "regions"),
+    [
+        # nvfp4 rows: 64 data + 8 scale bytes; K and V head groups: 2 heads -> 4 entries
+        (["--kind", "quantized", "--dtype", "nvfp4", "--layers", "2", "--kv-heads", "2", "--blocks", "0:4"],
+         2, 2 * 4 * 16 * 4 * 72, 2),
+        (["--kind", "mla", "--head-size", "576", "--block-size", "64", "--layers", "3", "--prefill-tp", "2",
+          "--decode-tp", "4", "--decode-rank", "3", "--blocks", "0:8"], 3, 3 * 8 * 64 * 576 * 2, 3),
+        (["--kind", "mamba", "--head-size", "4096", "--block-size", "1", "--layers", "2", "--blocks", "0:4",
+          "--remote-blocks", "4:8"], 2, 2 * 4 * 4096, 2),
+        (["--layers", "2", "--block-size", "16", "--remote-block-size", "32", "--blocks", "0:4", "--remote-blocks",
+          "2:4", "--layout", "NHD"], 2, 2 * 4 * 65536, 2),
+        (["--layers", "8", "--cross-layer", "--blocks", "0:4,9", "--remote-blocks", "20:25"], 2, 8 * 5 * 65536, 1),
+    ],
+)  # fmt: skip
+def test_plan_json_for_every_kind(args: list[str], descriptors: int, nbytes: int, regions: int) -> None:
+    r = plan_json(*args)
+    assert (r["descriptors"], r["bytes"], len(r["regions"])) == (descriptors, nbytes, regions)  # type: ignore[arg-type]
+
+
+def test_plan_refuses_unknown_layout_and_dtype() -> None:
+    result = runner.invoke(app, ["plan", "--layout", "HDN"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--layout'" in result.output
+    result = runner.invoke(app, ["plan", "--dtype", "fp9"])
+    assert result.exit_code == 2
+    assert "dtype: unknown dtype 'fp9'" in result.output
+
+
 def test_plan_bad_input_exits_2_with_the_field() -> None:
     result = runner.invoke(app, ["plan", "--blocks", "0:3", "--remote-blocks", "5,5,6"])
     assert result.exit_code == 2
@@ -49,12 +100,17 @@ def test_plan_bad_input_exits_2_with_the_field() -> None:
 
 
 def test_core_imports_nothing_heavy() -> None:
+    # A fresh interpreter: this test process has torch, typer etc. loaded already.
     code = (
         "import sys\n"
         "import kvxfer.layout, kvxfer.topology, kvxfer.planning\n"
-        "bad = [m for m in ('torch', 'grpc', 'nixl', 'mooncake', 'google.protobuf', 'prometheus_client') "
-        "if m in sys.modules]\n"
-        "print(','.join(bad))\n"
+        "tops = sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names))\n"
+        "ours = sorted(m for m in sys.modules if m.startswith('kvxfer'))\n"
+        "print(','.join(t for t in tops if not t.startswith(('_', 'kvxfer'))))\n"
+        "print(','.join(ours))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    third_party, ours = out.stdout.splitlines()
+    # numpy only: no torch, grpc, nixl, mooncake, protobuf, typer, pydantic...
+    assert third_party == "numpy"
+    assert ours == "kvxfer,kvxfer.errors,kvxfer.layout,kvxfer.planning,kvxfer.topology"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -201,3 +202,99 @@ def test_parse_block_ids() -> None:
     assert parse_block_ids("0:4,9, 11").tolist() == [0, 1, 2, 3, 9, 11]
     with pytest.raises(BlockIdError, match="cannot parse 'x'"):
         parse_block_ids("1,x")
+
+
+def test_heterogeneous_block_size_local_larger_than_remote() -> None:
+    big, small = llama(layers=2, blocks=64, block_size=32), llama(layers=2, blocks=64, block_size=16)
+    # local blocks 4 and 5 (32 tokens each) take remote 16-token blocks 10, 11 | 12, 13
+    plan = TransferTopology(big, small, RankInfo(0, 1), 1).plan([4, 5], [10, 11, 12, 13])
+    (rp,) = plan.per_rank
+    assert plan.num_chunks == 4
+    # HND: remote blocks 10 and 11 fill local block 4 head by head (head h: 16 rows from 10, then 16 from
+    # 11), 2 x 8 spans per local block. Only the last head of block 4 (from 11) and the first head of
+    # block 5 (from 12) are adjacent on both sides: 2 x 16 - 1 per layer.
+    assert plan.num_descriptors == 2 * (2 * 16 - 1)
+    assert rp.length[:3].tolist() == [16 * 512] * 3
+    # descriptors follow the remote chunks: heads 0, 1, 2 of remote block 10 first
+    assert rp.local_offset[:3].tolist() == [4 * 131072 + h * 32 * 512 for h in range(3)]
+    assert rp.remote_offset[:3].tolist() == [10 * 65536 + h * 16 * 512 for h in range(3)]
+    assert (rp.local_offset[8], rp.remote_offset[8]) == (4 * 131072 + 16 * 512, 11 * 65536)
+    with pytest.raises(BlockIdError, match=r"^remote_blocks: length mismatch: 2 local blocks x 32 tokens = 64 tokens, "
+                                           r"3 remote blocks x 16 tokens = 48 tokens"):  # fmt: skip
+        TransferTopology(big, small, RankInfo(0, 1), 1).plan([4, 5], [10, 11, 12])
+
+
+def test_nhd_head_slice_counts_one_span_per_token_exactly() -> None:
+    topo = TransferTopology(llama(2, order="NHD", layers=3), llama(1, order="NHD", layers=3), RankInfo(1, 2), 1)
+    plan = topo.plan([0, 1, 2], [7, 8, 9])
+    (rp,) = plan.per_rank
+    assert (plan.num_descriptors, plan.per_block_descriptors, rp.spans_per_chunk) == (3 * 3 * 16, 3 * 3 * 16, 16)
+    # token t of local block 0 is 4 heads x 512 B at t * 2048; remote rank 0 holds 8 heads: heads 4..8 of token t
+    assert rp.local_offset[:2].tolist() == [0, 2048]
+    assert rp.remote_offset[:2].tolist() == [7 * 65536 + 4 * 512, 7 * 65536 + 4096 + 4 * 512]
+    assert set(rp.length.tolist()) == {2048}
+    assert plan.warnings == (
+        "NHD with a head slice: 16 spans per chunk per layer (one per token); HND keeps a head slice contiguous",
+    )
+
+
+def test_sources_say_which_rank_and_why() -> None:
+    (src,) = TransferTopology(llama(2), llama(1), RankInfo(1, 2), 1).sources()
+    assert src.reason == "remote rank 0 holds heads [0, 8); local rank 1 needs [4, 8)"
+    mla = KVCacheLayout.mla(num_layers=4, num_blocks=32, block_size=16, latent_dim=576)
+    (src,) = TransferTopology(mla, mla, RankInfo(3, 4), 2).sources()
+    assert src.reason == "MLA latent is replicated on every rank: read it from remote rank 1"
+
+    def lay(tp: int) -> KVCacheLayout:
+        return KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=16, num_kv_heads=max(1, 2 // tp),
+                                       head_size=64, total_kv_heads=2)  # fmt: skip
+
+    (src,) = TransferTopology(lay(2), lay(4), RankInfo(1, 2), 4).sources()
+    assert src.reason == "remote rank 3 holds heads [1, 2); local rank 1 needs [1, 2); replicated on ranks [2, 3]"
+    # decode TP 8 over 2 heads: ranks 4..7 replicate head 1 and all read it from one prefill rank
+    assert [TransferTopology(lay(8), lay(1), RankInfo(r, 8), 1).sources()[0].remote_head for r in range(8)] == [
+        0, 0, 0, 0, 1, 1, 1, 1,
+    ]  # fmt: skip
+
+
+def test_mamba_refusal_message_and_whole_page_lengths() -> None:
+    mamba = KVCacheLayout.mamba(num_layers=2, num_blocks=10, page_size_bytes=4096)
+    plan = TransferTopology(mamba, mamba, RankInfo(0, 1), 1).plan([5, 1], [2, 3])
+    assert plan.per_rank[0].length.tolist() == [4096] * 4
+    with pytest.raises(TopologyError) as err:
+        TransferTopology(mamba, mamba, RankInfo(0, 2), 1)
+    assert str(err.value) == (
+        "tp_size: a mamba page is opaque, so heterogeneous TP (local 2, remote 1) cannot be split per head; "
+        "use the same TP size on both sides"
+    )
+
+
+def test_block_lists_are_checked_before_any_descriptor_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_descriptors(*_args: object) -> None:
+        raise AssertionError("descriptors were built for an invalid request")
+
+    monkeypatch.setattr(TransferTopology, "_plan_source", no_descriptors)
+    topo = TransferTopology(llama(layers=1), llama(layers=1), RankInfo(0, 1), 1)
+    for local, remote in [([], []), ([0, 4096], [0, 1]), ([3, 3], [0, 1]), ([0, 1, 2], [0, 1]), ([0, 1], [7, 7])]:
+        with pytest.raises(BlockIdError):
+            topo.plan(np.array(local, dtype=np.int64), np.array(remote, dtype=np.int64))
+
+
+def test_plans_and_tables_are_frozen() -> None:
+    topo = TransferTopology(llama(layers=2), llama(layers=2), RankInfo(0, 1), 1)
+    plan = topo.plan([0, 1], [5, 9])
+    (rp,) = plan.per_rank
+    for obj, attr in [(topo, "remote_tp_size"), (topo.local_rank, "tp_rank"), (rp.source, "remote_rank"),
+                      (rp, "spans_per_chunk"), (plan, "num_chunks")]:  # fmt: skip
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, 1)
+    for arr in (rp.local_offset, rp.remote_offset, rp.length, rp.local_region, rp.pattern_length):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 1
+    bases = np.array([4096, 8192], dtype=np.uint64)
+    table = RegionTable.for_layout(llama(layers=2), bases)
+    with pytest.raises(ValueError, match="read-only"):
+        table.base[0] = 0
+    own = np.array([1, 2], dtype=np.uint64)
+    RegionTable(own, own, own)
+    own[0] = 7  # the caller's array stays writable
