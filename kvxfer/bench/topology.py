@@ -3,6 +3,9 @@
 80 layers x 4096 blocks (Llama-70B-like: 8 kv heads, head size 128, bf16, block size 16), block
 lists contiguous and fully fragmented, same TP and decode TP = 2 x prefill TP. Both builders are
 timed in one run; the loop is the scheme that emits one descriptor per block, layer and source.
+Targets (issue 2, on the 2-core CPU machine): under 1 ms when runs coalesce into one descriptor per
+layer, under 20 ms when nothing coalesces (every block, layer and head slice is its own descriptor).
+Timings are the best of ``repeat`` builds, because other processes share those two cores.
 """
 
 from __future__ import annotations
@@ -68,16 +71,20 @@ def _case(topo: TransferTopology, lb: np.ndarray, rb: np.ndarray, local_t: Regio
     t_np = _best(build, repeat)
     t_loop = _best(lambda: per_block_loop(topo, lbl, rbl, local_t, remote_t), loop_repeat)
     plan = topo.plan(lb, rb)
+    coalesced = plan.num_descriptors <= topo.local.num_layers * len(plan.per_rank)
+    target_ms = 1.0 if coalesced else 20.0
     return {
         "numpy_ms": t_np * 1e3,
         "loop_ms": t_loop * 1e3,
         "speedup": t_loop / t_np,
         "descriptors": plan.num_descriptors,
         "per_block_descriptors": plan.per_block_descriptors,
+        "target_ms": target_ms,
+        "meets_target": t_np * 1e3 < target_ms,
     }
 
 
-def run(layers: int = 80, blocks: int = 4096, repeat: int = 5, loop_repeat: int = 1, seed: int = 0) -> dict[str, Any]:
+def run(layers: int = 80, blocks: int = 4096, repeat: int = 20, loop_repeat: int = 1, seed: int = 0) -> dict[str, Any]:
     """Time both builders for every case; returns one JSON-able dict."""
     rng = np.random.default_rng(seed)
     cases: dict[str, Any] = {}
