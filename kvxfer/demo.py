@@ -57,6 +57,26 @@ def _layout(opts: dict[str, Any], tp: int, num_blocks: int) -> KVCacheLayout:
     return shape.layout(tp_size=tp, num_blocks=num_blocks, block_size=block_size)
 
 
+def _check_options(opts: dict[str, Any]) -> None:
+    """Refuse a bad option before any process starts; messages name the command-line flag."""
+    choices = {
+        "backend": ("--backend", ("nixl", "mooncake")),
+        "order": ("--layout", tuple(o.value for o in Order)),
+        "kind": ("--kind", tuple(k.value for k in CacheKind)),
+    }
+    for key, (flag, allowed) in choices.items():
+        value = str(opts[key]).upper() if key == "order" else str(opts[key])
+        if value not in allowed:
+            raise KvxferError(f"{flag}: must be one of {', '.join(allowed)}, got {opts[key]!r}", field=key)
+    for key in ("prefill_tp", "decode_tp", "requests", "layers", "min_tokens", "max_tokens", "memory_mib"):
+        if int(opts[key]) < 1:
+            raise KvxferError(f"--{key.replace('_', '-')}: must be >= 1, got {opts[key]}", field=key)
+    if int(opts["min_tokens"]) > int(opts["max_tokens"]):
+        raise KvxferError(
+            f"--min-tokens: {opts['min_tokens']} is more than --max-tokens {opts['max_tokens']}", field="min_tokens"
+        )
+
+
 def run_demo(**options: Any) -> dict[str, Any]:
     """Run the demo and return its figures (see :data:`DEFAULTS` for the options).
 
@@ -67,9 +87,8 @@ def run_demo(**options: Any) -> dict[str, Any]:
     if unknown:
         raise KvxferError(f"demo: unknown options {sorted(unknown)}", field=sorted(unknown)[0])
     opts = {**DEFAULTS, **options}
+    _check_options(opts)
     p_tp, d_tp, n_req = int(opts["prefill_tp"]), int(opts["decode_tp"]), int(opts["requests"])
-    if n_req < 1:
-        raise KvxferError(f"requests: must be >= 1, got {n_req}", field="requests")
     probe = _layout(opts, 1, 1)
     bs = probe.block_size
     per_block_side = probe.page_bytes * probe.num_layers  # one block, all ranks of one side (heads split)
@@ -210,9 +229,26 @@ class _NoProgress:
         return None
 
 
+class _LineProgress(_NoProgress):
+    """Progress as plain lines on stderr (a log or a CI job has no terminal to redraw a bar in)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0, self.shown = total, 0, time.perf_counter(), 0
+
+    def update(self, *_a: Any, advance: int = 1, **_k: Any) -> None:
+        self.done += advance
+        tenth = self.done * 10 // self.total
+        if tenth > self.shown or self.done == self.total:
+            self.shown = tenth
+            print(f"transfers: {self.done}/{self.total} ({time.perf_counter() - self.t0:.1f}s)", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+
 def _progress(show: bool, total: int) -> Any:
     if not show:
         return _NoProgress()
+    if not sys.stderr.isatty():
+        return _LineProgress(total)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -225,7 +261,7 @@ def _progress(show: bool, total: int) -> Any:
 def demo_main(as_json: bool = False, **options: Any) -> int:
     """Run the demo and print a table (or one JSON object); returns the exit code (1 if any byte differs)."""
     try:
-        result = run_demo(progress=not as_json and sys.stderr.isatty(), **options)
+        result = run_demo(progress=not as_json, **options)
     except KvxferError as exc:
         if as_json:
             print(json.dumps({"ok": False, "error": str(exc)}))

@@ -66,3 +66,32 @@ def test_verification_finds_a_single_wrong_byte(order: str) -> None:
         buf.pages(1)[2, 777] ^= 0x01
         assert verify_blocks(buf, rank, [5, 1, 2], salt=9) == (3 * lay.page_bytes * 2, 1)
         assert verify_blocks(buf, rank, [5, 1], salt=9)[1] == 0  # the flip is in block 2 only
+
+
+def test_demo_shows_progress_and_a_table_without_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "demo", "--requests", "3", "--layers", "2", "--layout", "nhd"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "transfers: 3/3" in out.stderr  # no terminal here: progress comes as lines
+    assert "every byte verified" in out.stdout
+    assert "NHD" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"backend": "rdma"}, "--backend: must be one of nixl, mooncake, got 'rdma'"),
+        ({"order": "XYZ"}, "--layout: must be one of NHD, HND, got 'XYZ'"),
+        ({"kind": "ssm"}, "--kind: must be one of attention, quantized, mla, mamba, got 'ssm'"),
+        ({"decode_tp": 0}, "--decode-tp: must be >= 1, got 0"),
+        ({"min_tokens": 900, "max_tokens": 100}, "--min-tokens: 900 is more than --max-tokens 100"),
+        ({"prefill_tp": 3}, "total_kv_heads: 8 heads cannot be split evenly over tp_size 3"),
+    ],
+)
+def test_demo_refuses_bad_options_before_starting_anything(
+    option: dict[str, object], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert demo.demo_main(as_json=True, **option) == 2
+    assert json.loads(capsys.readouterr().out) == {"ok": False, "error": message}
