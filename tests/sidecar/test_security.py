@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from kvxfer import PROTOCOL_VERSION
-from kvxfer._proto.kvxfer.v1 import peer_pb2, peer_pb2_grpc
+from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2, peer_pb2, peer_pb2_grpc
+from kvxfer.memory import SharedKVBuffer
 from kvxfer.server.app import Sidecar
 from kvxfer.server.convert import rank_to_proto
+from kvxfer.topology import RankInfo
 from tests.sidecar.helpers import Harness, Worker, attention, expect_error, transfer
 
 OK = grpc.StatusCode
@@ -176,5 +178,29 @@ async def test_reader_rank_must_match_its_address(harness: Harness) -> None:
         f"remote_addresses[{q}]: the sidecar at {ps[1 - q].peer_address} does not match: it is tp rank {1 - q}/2, "
         f"but remote_addresses[{q}] must be rank {q}/2"
     )
-    await dw[0].pull("r1", ps, {"kv": [3, 4]})
+    wrong_engine = dw[0].client.pull("r1", [ps[0].peer_address, ps[1].peer_address], {"kv": [3, 4]},
+                                     remote_engine_id="another")  # fmt: skip
+    err = await expect_error(OK.FAILED_PRECONDITION, wrong_engine, "it is engine 'prefill', not 'another'")
+    assert err.details.startswith("remote_addresses[")
+    await dw[0].pull("r1", ps, {"kv": [3, 4]}, remote_engine_id="prefill")
     assert dw[0].verify({"kv": [3, 4]}, 1)[1] == 0
+
+
+async def test_registration_errors_name_the_field_and_value(harness: Harness) -> None:
+    s = await harness.sidecar()
+    w = await harness.worker(s, {"kv": attention(tp=2)}, (0, 2), register=False)
+    whole = SharedKVBuffer.create(LAY)
+    try:
+        all_heads = w.client.register_caches({"kv": (LAY, whole.ref())}, rank=RankInfo(0, 2))
+        await expect_error(OK.INVALID_ARGUMENT, all_heads,
+                           "groups[0].layout.num_kv_heads: rank 0/2 holds 4 of 8 heads, the layout says 8")  # fmt: skip
+    finally:
+        whole.close()
+    await expect_error(OK.INVALID_ARGUMENT, w.client.register_caches({}), "groups: at least one cache group is needed")
+    req = local_pb2.RegisterCachesRequest(rank=common_pb2.Rank(tp_rank=2, tp_size=2))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await w.client._stub.RegisterCaches(req, timeout=5)
+    assert (info.value.code(), info.value.details()) == (OK.INVALID_ARGUMENT, "rank.tp_rank: 2 is not in [0, 2)")
+    await expect_error(OK.FAILED_PRECONDITION, w.client.publish("r", {"kv": [1]}), "no KV caches registered")
+    await w.register()  # the failures left nothing half-registered
+    assert (await w.client.status())["registered"] is True
