@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 os.environ.setdefault("UCX_MODULES", "^efa")  # see tests/sidecar/conftest.py: avoids an exit-time crash
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs each agent's start on stdout: keep --json clean
 
 from kvxfer.client import AsyncClient
 from kvxfer.cluster import BlockAllocator

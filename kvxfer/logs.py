@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["JsonFormatter", "configure_logging", "current_context", "get_logger", "log_context"]
+__all__ = ["JsonFormatter", "adopt_logger", "configure_logging", "current_context", "get_logger", "log_context"]
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvxfer_request_id", default=None)
 _transfer_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvxfer_transfer_id", default=None)
@@ -80,7 +80,7 @@ class JsonFormatter(logging.Formatter):
         }
         for k, v in vars(record).items():
             if k not in _STD_ATTRS and not k.startswith("_"):
-                out[k] = v if isinstance(v, str | int | float | bool | type(None)) else str(v)
+                out[k] = v if isinstance(v, str | int | float | bool | dict | list | type(None)) else str(v)
         if record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))
         return json.dumps(out, default=str)
@@ -93,8 +93,12 @@ class _TextFormatter(logging.Formatter):
         return redact(f"{base} {ctx}" if ctx else base)
 
 
+_configured: logging.Handler | None = None
+
+
 def configure_logging(level: str = "info", fmt: str = "json", stream: Any = None) -> None:
     """Route the ``kvxfer`` loggers to ``stream`` (stderr) in JSON or text; idempotent."""
+    global _configured
     logger = logging.getLogger("kvxfer")
     for h in list(logger.handlers):
         if getattr(h, "_kvxfer", False):
@@ -107,4 +111,22 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: Any = None
     )
     logger.addHandler(handler)
     logger.setLevel(level.upper())
+    logger.propagate = False
+    _configured = handler
+
+
+def adopt_logger(name: str) -> None:
+    """Send a library's Python logger through the handler :func:`configure_logging` set up.
+
+    NIXL configures its ``nixl`` logger with a plain-text handler on *stdout* when it is first
+    imported; without this, ``kvxfer serve --log-format json`` would interleave those lines with its
+    JSON ones. Call it after the library was imported. Nothing happens before configure_logging.
+    """
+    if _configured is None:
+        return
+    logger = logging.getLogger(name)
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    logger.addHandler(_configured)
+    logger.setLevel(logging.getLogger("kvxfer").level)
     logger.propagate = False

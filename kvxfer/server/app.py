@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kvxfer import PROTOCOL_VERSION, __version__
 from kvxfer._proto.kvxfer.v1 import local_pb2, peer_pb2
 from kvxfer.config import ConfigError, Settings, parse_address
-from kvxfer.logs import configure_logging, get_logger
+from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.dataplane import DataPlane, create_data_plane
@@ -142,6 +143,12 @@ class Sidecar:
         interceptors = [TokenInterceptor(token)] if token else []
         self.metrics = SidecarMetrics(s.backend)
         if self._dp is None:
+            if s.backend == "nixl":
+                # Importing NIXL installs a plain-text handler on stdout for its logger; make it ours
+                # (JSON on stderr) before the agent logs its first line.
+                with contextlib.suppress(ImportError):
+                    importlib.import_module("nixl")
+                adopt_logger("nixl")
             agent = f"{s.engine_id}-{os.getpid()}-{id(self):x}"
             self._dp = create_data_plane(
                 s.backend, agent,

@@ -175,6 +175,10 @@ async def test_kvxfer_serve_on_uvloop_sigterm_drains_and_exits_zero(harness: Har
         assert time.monotonic() - t0 < 3 + 5  # --drain-seconds 3, then the lease is released
         out = proc.stdout.read().decode() if proc.stdout else ""
         events = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        assert "NIXL INFO" not in out  # NIXL's own stdout handler was replaced by the JSON one
+        assert any(e["logger"].startswith("nixl.") and "Initialized NIXL agent" in e["msg"] for e in events)
+        settings = next(e for e in events if e["msg"] == "settings")["settings"]
+        assert (settings["engine_id"], settings["drain_seconds"]) == ("ops", 3.0)
         started = next(e for e in events if e["msg"] == "sidecar started")
         assert (started["event_loop"], started["engine_id"]) == ("uvloop", "ops")
         assert any(e["msg"] == "drained" and e["released_leases"] == 1 for e in events), out[-2000:]
