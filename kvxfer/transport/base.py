@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.topology import RegionTable
+from kvxfer.transport.errors import describe_transfer
 
 __all__ = ["MemType", "Notification", "Op", "Registration", "TransferResult", "Transport", "TransportConfig"]
 
@@ -39,6 +40,9 @@ class TransportConfig:
     device_names: str = ""  # Mooncake: RDMA devices (empty: auto)
     poll_min_s: float = 20e-6  # first completion poll; doubles up to poll_max_s
     poll_max_s: float = 2e-3
+    # Mooncake: how long its own synchronous wait lasts (plus 1 s per GiB) before it gives up on a
+    # silent peer; its waiting thread spins until then (Mooncake enforces at least 5).
+    mooncake_transfer_timeout_s: int = 5
 
     def replace(self, **changes: Any) -> TransportConfig:
         """A copy with ``changes`` applied."""
@@ -79,11 +83,22 @@ class Transport(abc.ABC):
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         self.agent_name = agent_name
         self.config = config or TransportConfig()
+        self._registered: list[RegionTable] = []  # what errors name as "local regions ..."
 
     @property
     def backend(self) -> str:
         """The registry name of this transport."""
         return self.name
+
+    def _describe(self, op: str, local: U64, remote: U64) -> str:
+        """The transfer in words, for error messages: sizes, local regions, address ranges."""
+        return describe_transfer(op, self._registered, local, remote)
+
+    def _track(self, table: RegionTable) -> None:
+        self._registered.append(table)
+
+    def _untrack(self, table: RegionTable) -> None:
+        self._registered = [t for t in self._registered if t is not table]
 
     @abc.abstractmethod
     def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import KvxferError
+from kvxfer.topology import RegionTable
 
 
 def describe_span(descs: npt.NDArray[np.uint64] | None) -> str:
@@ -16,6 +19,62 @@ def describe_span(descs: npt.NDArray[np.uint64] | None) -> str:
     hi = int((descs[:, 0] + descs[:, 1]).max())
     devs = sorted({int(d) for d in np.unique(descs[:, 2])})
     return f"{descs.shape[0]} descriptors over [{lo:#x}, {hi:#x}) on device {','.join(map(str, devs))}"
+
+
+def _span(descs: npt.NDArray[np.uint64]) -> str:
+    lo = int(descs[:, 0].min())
+    hi = int((descs[:, 0] + descs[:, 1]).max())
+    devs = sorted({int(d) for d in np.unique(descs[:, 2])})
+    return f"[{lo:#x}, {hi:#x}) on device {','.join(map(str, devs))}"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"0-3, 7"``."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def locate(tables: Sequence[RegionTable], descs: npt.NDArray[np.uint64]) -> str:
+    """Which registered regions hold ``descs``: ``"regions 0-3, 7 of 16"`` (and what lies outside)."""
+    if descs.size == 0:
+        return "no descriptors"
+    start = descs[:, 0]
+    end = start + descs[:, 1]
+    found = np.zeros(start.size, dtype=bool)
+    parts: list[str] = []
+    for i, table in enumerate(tables):
+        order = np.argsort(table.base, kind="stable")
+        base, stop = table.base[order], table.base[order] + table.size[order]
+        k = np.searchsorted(base, start, side="right") - 1
+        inside = (k >= 0) & (end <= stop[np.maximum(k, 0)]) & ~found
+        if inside.any():
+            found |= inside
+            regions = np.unique(order[k[inside]]).tolist()
+            which = f" of registration {i}" if len(tables) > 1 else ""
+            parts.append(f"{_ranges(regions)} of {table.base.size}{which}")
+    text = "regions " + "; ".join(parts) if parts else ""
+    missing = int(start.size - found.sum())
+    if missing:
+        text += ("; " if text else "") + f"{missing} descriptors outside any registered region"
+    return text
+
+
+def describe_transfer(
+    op: str, tables: Sequence[RegionTable], local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64]
+) -> str:
+    """``READ of 28 descriptors (458752 B) into local regions 0-3 of 4 [..) from remote [..)``."""
+    if local.size == 0:
+        return f"{op} of no descriptors"
+    into, other = ("into", "from") if op == "READ" else ("from", "to")
+    return (
+        f"{op} of {local.shape[0]} descriptors ({int(local[:, 1].sum())} B) {into} local "
+        f"{locate(tables, local)} {_span(local)} {other} remote {_span(remote)}"
+    )
 
 
 class TransportError(KvxferError):

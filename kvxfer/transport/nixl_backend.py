@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -83,6 +84,7 @@ def _make_agent(name: str, config: TransportConfig) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise BackendUnavailableError("NIXL is not installed", backend="nixl", detail=str(exc)) from None
+    nixl_logs_to_stderr()
     # UCX enumerates GPUs only in a process where CUDA is initialized (see cuda_ipc.try_init).
     cuda_ipc.try_init()
     # Backends are created below rather than by the constructor, which cannot pass init params.
@@ -95,6 +97,13 @@ def _make_agent(name: str, config: TransportConfig) -> Any:
         engine_config = ucx_engine_config() if backend == "UCX" else ""
         agent.create_backend(backend, {"engine_config": engine_config} if engine_config else {})
     return agent
+
+
+def nixl_logs_to_stderr() -> None:
+    """NIXL's Python logger writes to stdout, where it breaks ``--json`` output: send it to stderr."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _with_progress_delay(factory: Any, name: str, conf: Any, delay_us: int) -> Any:
@@ -161,6 +170,7 @@ class NixlTransport(Transport):
                 backend="nixl",
                 detail=f"{type(exc).__name__}: {exc}",
             ) from None
+        self._track(table)
         return Registration(table, mem_type, handle)
 
     def deregister(self, registration: Registration) -> None:
@@ -168,6 +178,7 @@ class NixlTransport(Transport):
             self._agent.deregister_memory(registration.handle)
         except Exception as exc:
             raise RegistrationError("deregister_memory failed", backend="nixl", detail=str(exc)) from None
+        self._untrack(registration.table)
 
     # ------------------------------------------------------------------ peers
     def metadata(self) -> bytes:
@@ -188,6 +199,11 @@ class NixlTransport(Transport):
                     "could not load the peer's metadata", backend="nixl", detail=f"{type(first).__name__}: {first}"
                 ) from None
         peer = name.decode() if isinstance(name, bytes) else str(name)
+        if peer in self._peers:
+            # NIXL merges new metadata into a known agent's, so memory the peer has deregistered
+            # since stays addressable: drop what we had and load the new metadata alone.
+            self._agent.remove_remote_agent(peer)
+            self._agent.add_remote_agent(metadata)
         self._peers.add(peer)
         return peer
 
@@ -220,7 +236,7 @@ class NixlTransport(Transport):
             handle = agent.initialize_xfer(op, ld, rd, peer, notify or b"")
         except Exception as exc:
             raise TransferFailedError(
-                f"could not prepare {op} of local {describe_span(local)} / remote {describe_span(remote)}",
+                f"could not prepare {self._describe(op, local, remote)}",
                 backend="nixl",
                 peer=peer,
                 detail=f"{type(exc).__name__}: {exc}",
@@ -232,7 +248,7 @@ class NixlTransport(Transport):
             while state == "PROC":
                 if time.monotonic() >= deadline:
                     raise TransferTimeoutError(
-                        f"{op} of {describe_span(local)} did not complete within {timeout:.3f}s; cancelled",
+                        f"{self._describe(op, local, remote)} did not complete within {timeout:.3f}s; cancelled",
                         backend="nixl",
                         peer=peer,
                     )
@@ -242,7 +258,7 @@ class NixlTransport(Transport):
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferFailedError(
-                    f"{op} of local {describe_span(local)} / remote {describe_span(remote)} ended in state {state}",
+                    f"{self._describe(op, local, remote)} ended in state {state}",
                     backend="nixl",
                     peer=peer,
                 )
@@ -252,7 +268,7 @@ class NixlTransport(Transport):
             raise
         except Exception as exc:  # e.g. nixlRemoteDisconnectError when the peer died
             raise TransferFailedError(
-                f"{op} of local {describe_span(local)} failed after {time.monotonic() - start:.3f}s",
+                f"{self._describe(op, local, remote)} failed after {time.monotonic() - start:.3f}s",
                 backend="nixl",
                 peer=peer,
                 detail=f"{type(exc).__name__}: {exc}",

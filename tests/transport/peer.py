@@ -37,10 +37,14 @@ class Cache:
 
 
 def serve(conn: Connection, backend: str, name: str, seed: int) -> None:
-    """Register a seeded cache, send (metadata, bases), then answer commands until 'exit'."""
+    """Register a seeded cache, send (metadata, bases), then answer commands until 'exit'.
+
+    Commands: ``notifications`` (collect for ``arg`` seconds), ``pages`` ((layer, block) list),
+    ``deregister`` / ``register`` (the cache; both answer the new metadata), ``exit``.
+    """
     transport = create_transport(backend, name, TransportConfig())
     cache = Cache(cache_layout(), seed)
-    transport.register(cache.table)
+    registration = transport.register(cache.table)
     conn.send((transport.metadata(), cache.table.base.tolist()))
     notes: list[tuple[str, bytes]] = []
     while True:
@@ -55,6 +59,12 @@ def serve(conn: Connection, backend: str, name: str, seed: int) -> None:
                 notes.extend((n.peer, n.message) for n in transport.poll_notifications())
                 time.sleep(0.01)
             reply, notes = notes, []
+        elif cmd == "deregister":
+            transport.deregister(registration)
+            reply = transport.metadata()
+        elif cmd == "register":
+            registration = transport.register(cache.table)
+            reply = transport.metadata()
         elif cmd == "pages":
             reply = [bytes(cache.page(layer, block)) for layer, block in arg]
         elif cmd == "exit":
