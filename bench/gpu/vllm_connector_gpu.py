@@ -1,0 +1,198 @@
+"""The vLLM connector's two halves on a GPU: vLLM-shaped CUDA caches, real sidecar processes.
+
+vLLM itself cannot be brought to the lent GPU machine (no network there, and its wheel is far over
+the size that travels), so this drives :class:`~kvxfer.integrations.vllm.scheduler.SchedulerSide`
+and :class:`~kvxfer.integrations.vllm.worker.WorkerSide` exactly as ``KvxferConnector`` does, on
+cache tensors laid out as vLLM 0.32 lays them out on a GPU (LBHNC: one ``cudaMalloc`` allocation,
+per-layer views ``(num_blocks, kv_heads, block_size, 2*head_size)``). The prefill scheduler
+publishes, the decode worker pulls into its own cache through its sidecar, and every byte is
+compared on the GPU. Also runs on the CPU (``--cpu-smoke``: shared-memory caches), which is how it
+was tested before its device run.
+
+    python3 bench/gpu/vllm_connector_gpu.py --out /tmp/out            # GPU
+    python bench/gpu/vllm_connector_gpu.py --cpu-smoke --blocks 256   # here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("UCX_MODULES", "^efa")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kvxfer.cluster import LocalCluster  # noqa: E402
+from kvxfer.integrations.vllm.plan import StepPlan  # noqa: E402
+from kvxfer.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from kvxfer.integrations.vllm.worker import WorkerSide  # noqa: E402
+from kvxfer.topology import RankInfo  # noqa: E402
+
+
+class Req:
+    """The fields of vllm.v1.request.Request that the scheduler side reads."""
+
+    def __init__(self, rid: str, tokens: int, params: dict[str, Any], status: str, computed: int = 0) -> None:
+        self.request_id = rid
+        self.prompt_token_ids = list(range(tokens))
+        self.kv_transfer_params = params
+        self.status = status
+        self.num_computed_tokens = computed
+
+
+def fragmented(rng: np.random.Generator, free: list[int], n: int) -> list[int]:
+    """``n`` block ids taken from ``free`` in runs of 1 to 64 (as an allocator hands them out)."""
+    out: list[int] = []
+    while len(out) < n:
+        start = int(rng.integers(0, len(free)))
+        run = min(int(rng.integers(1, 65)), n - len(out), len(free) - start)
+        out.extend(free[start : start + run])
+        del free[start : start + run]
+    return out
+
+
+def caches(args: argparse.Namespace, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """vLLM's LBHNC cache: one allocation, one view per layer."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (args.layers, args.blocks, args.heads, args.block_size, 2 * args.head_size)
+    whole = torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(args.layers)}
+
+
+def wait(worker: WorkerSide, *, sending: str | None = None, recving: str | None = None) -> None:
+    got_s: set[str] = set()
+    got_r: set[str] = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        s, r = worker.finished()
+        got_s |= s
+        got_r |= r
+        if (sending is None or sending in got_s) and (recving is None or recving in got_r):
+            return
+        time.sleep(0.0005)
+    raise SystemExit(f"timeout waiting for sending={sending} recving={recving}")
+
+
+def copy_rate(device: str) -> float:
+    """Device-to-device copy of 1 GiB, GB/s (bytes moved once)."""
+    if device == "cpu":
+        a = torch.empty(256 << 20, dtype=torch.uint8)
+    else:
+        a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = 0.0
+    for _ in range(5):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = max(best, a.numel() / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=4096)
+    ap.add_argument("--prompt-blocks", default="8,64,512,2048", help="request sizes in blocks")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    device = "cpu" if args.cpu_smoke else "cuda:0"
+    rng = np.random.default_rng(0)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu"}
+    report["copy_gbps"] = copy_rate(device)
+    print(f"device copy: {report['copy_gbps']:.0f} GB/s", flush=True)
+    rows = []
+    with LocalCluster(log_level="warning") as cluster:
+        p = cluster.start_sidecar("p-0", "prefill", "prefill")
+        d = cluster.start_sidecar("d-0", "decode", "decode")
+        sp = ConnectorSettings(sidecar_socket=str(Path(p.local_socket).parent / "p-{rank}.sock"))
+        sd = ConnectorSettings(sidecar_socket=str(Path(d.local_socket).parent / "d-{rank}.sock"))
+        pw = WorkerSide(sp, rank=RankInfo(0, 1), local_rank=0, total_kv_heads=args.heads)
+        dw = WorkerSide(sd, rank=RankInfo(0, 1), local_rank=0, total_kv_heads=args.heads)
+        pk, dk = caches(args, device, 1), caches(args, device, 2)
+        t0 = time.perf_counter()
+        pw.register(pk)
+        dw.register(dk)
+        report["register_s"] = time.perf_counter() - t0
+        report["memory"] = type(pw.shared.memory).__name__ if pw.shared else ""
+        ps = SchedulerSide(sp, engine_id="vllm-p", block_size=args.block_size)
+        ds = SchedulerSide(sd, engine_id="vllm-d", block_size=args.block_size)
+        page = pw.shared.description.layout.page_bytes if pw.shared else 0
+        n_req = 0
+        try:
+            for nb in [int(x) for x in args.prompt_blocks.split(",")]:
+                for rep in range(args.reps + 1):  # the first of each size is a warm-up
+                    n_req += 1
+                    p_blocks = fragmented(rng, list(range(args.blocks)), nb)
+                    d_blocks = fragmented(rng, list(range(args.blocks)), nb)
+                    tokens = nb * args.block_size
+                    rid = f"r{n_req}"
+                    t_pub = time.perf_counter()
+                    keep, params = ps.request_finished(
+                        Req(rid, tokens, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED", tokens), p_blocks
+                    )
+                    assert keep and params is not None
+                    pw.on_step(ps.build_plan())
+                    t_pull = time.perf_counter()
+                    dreq = Req("d" + rid, tokens, dict(params), "RUNNING")
+                    assert ds.matched_tokens(dreq, 0) == (tokens, True)
+                    ds.after_alloc(dreq, d_blocks, tokens)
+                    plan: StepPlan = ds.build_plan()
+                    dw.on_step(plan)
+                    wait(dw, recving="d" + rid)
+                    t_done = time.perf_counter()
+                    errors = dw.load_errors()
+                    ok = not errors and all(
+                        torch.equal(dk[n][d_blocks].view(torch.uint8), pk[n][p_blocks].view(torch.uint8)) for n in pk
+                    )
+                    wait(pw, sending=rid)
+                    ds.loads_finished({"d" + rid})
+                    nbytes = nb * page * args.layers
+                    row = {"blocks": nb, "bytes": nbytes, "warmup": rep == 0, "verified": ok,
+                           "publish_ms": 1000 * (t_pull - t_pub), "pull_ms": 1000 * (t_done - t_pull),
+                           "gbps": nbytes / (t_done - t_pull) / 1e9}  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if not ok:
+                        raise SystemExit(f"bytes differ for {rid} (load errors {sorted(errors)[:8]})")
+        finally:
+            for x in (pw, dw, ps, ds):
+                x.close()
+    report["rows"] = rows
+    summary = {}
+    for nb in sorted({r["blocks"] for r in rows}):
+        timed = [r for r in rows if r["blocks"] == nb and not r["warmup"]]
+        med = statistics.median(r["gbps"] for r in timed)
+        summary[nb] = {"bytes": timed[0]["bytes"], "median_gbps": med, "of_copy": med / report["copy_gbps"],
+                       "median_pull_ms": statistics.median(r["pull_ms"] for r in timed),
+                       "median_publish_ms": statistics.median(r["publish_ms"] for r in timed)}  # fmt: skip
+    report["summary"] = summary
+    report["verified_bytes"] = sum(r["bytes"] for r in rows if r["verified"])
+    print(json.dumps({"summary": summary, "copy_gbps": report["copy_gbps"], "memory": report["memory"],
+                      "verified_bytes": report["verified_bytes"]}, indent=1))  # fmt: skip
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "vllm_connector_gpu.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
