@@ -27,15 +27,15 @@ from typing import Any
 os.environ.setdefault("UCX_MODULES", "^efa")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from kvxfer.cluster import LocalCluster  # noqa: E402
-from kvxfer.integrations.vllm.plan import StepPlan  # noqa: E402
-from kvxfer.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
-from kvxfer.integrations.vllm.settings import ConnectorSettings  # noqa: E402
-from kvxfer.integrations.vllm.worker import WorkerSide  # noqa: E402
-from kvxfer.topology import RankInfo  # noqa: E402
+from kvxfer.cluster import LocalCluster
+from kvxfer.integrations.vllm.plan import StepPlan
+from kvxfer.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.worker import WorkerSide
+from kvxfer.topology import RankInfo
 
 
 class Req:
@@ -149,7 +149,8 @@ def main() -> int:
                     keep, params = ps.request_finished(
                         Req(rid, tokens, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED", tokens), p_blocks
                     )
-                    assert keep and params is not None
+                    assert keep
+                    assert params is not None
                     pw.on_step(ps.build_plan())
                     t_pull = time.perf_counter()
                     dreq = Req("d" + rid, tokens, dict(params), "RUNNING")
