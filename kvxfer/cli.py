@@ -117,8 +117,12 @@ def serve(ctx: typer.Context) -> None:
 
 @app.command()
 def drain(
-    target: Annotated[str, typer.Option(help="Local API: Unix socket path or host:port.")] = "/run/kvxfer/kvxfer.sock",
-    token_file: Annotated[str | None, typer.Option(help="File holding the shared token.")] = None,
+    target: Annotated[
+        str, typer.Option(help="Local API: Unix socket path or host:port.", envvar="KVXFER_LOCAL_SOCKET")
+    ] = "/run/kvxfer/kvxfer.sock",
+    token_file: Annotated[
+        str | None, typer.Option(help="File holding the shared token.", envvar="KVXFER_TOKEN_FILE")
+    ] = None,
     timeout_seconds: Annotated[float, typer.Option(help="Drain budget (0: the sidecar's --drain-seconds).")] = 0.0,
 ) -> None:
     """Ask a running sidecar to drain gracefully and wait for it (a Kubernetes preStop hook)."""
@@ -190,7 +194,7 @@ def bench_transport(
     backend: Annotated[str, typer.Option(help="nixl or mooncake.")] = "nixl",
     size_mib: Annotated[int, typer.Option(help="Bytes to move, in MiB.")] = 256,
     layers: Annotated[int, typer.Option(help="Layers (regions) the bytes are spread over.")] = 16,
-    repeat: Annotated[int, typer.Option(help="Runs per case; the best counts.")] = 3,
+    repeat: Annotated[int, typer.Option(help="Rounds in which the cases take turns; each case's best counts.")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Raw library vs kvxfer (coalesced) vs per-block descriptors vs memcpy, across two processes."""

@@ -197,6 +197,10 @@ class Sidecar:
 
         await peer.start()
         await local.start()
+        if self._socket_path is not None:
+            # The worker runs as another user in another container: the pod's shared group
+            # (fsGroup) may connect, nobody else. The token, when set, still applies.
+            os.chmod(self._socket_path, SOCKET_MODE)
         if s.metrics_listen:
             host, port = parse_address(s.metrics_listen, setting="metrics_listen")
             try:
@@ -289,6 +293,10 @@ class Sidecar:
     async def wait_stopped(self) -> None:
         """Until :meth:`stop` has run."""
         await self._stopped.wait()
+
+
+#: Mode of the local API's Unix socket: owner and group read/write.
+SOCKET_MODE = 0o660
 
 
 def _prepare_socket(path: Path) -> Path:

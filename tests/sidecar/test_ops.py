@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -204,6 +205,31 @@ async def test_kvxfer_drain_ends_the_process(harness: Harness, tmp_path: Path) -
         assert await asyncio.to_thread(proc.wait, 20) == 0
         out = proc.stdout.read().decode() if proc.stdout else ""
         assert "abc123" not in out  # the token is never logged
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_socket_is_group_writable_and_kvxfer_drain_reads_the_sidecar_env(
+    harness: Harness, tmp_path: Path
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("tok-env\n")
+    proc, _addr, sock = _serve(harness.sock_dir, "--token-file", str(token))
+    try:
+        c = AsyncClient(sock, token="tok-env")
+        await c.wait_ready(60)
+        await c.close()
+        # A worker in another container shares the pod's group, not the sidecar's user.
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
+        # `kvxfer drain` as a preStop hook in the sidecar's own container: socket and token from its env.
+        env = {**os.environ, "KVXFER_LOCAL_SOCKET": sock, "KVXFER_TOKEN_FILE": str(token)}
+        out = await asyncio.to_thread(
+            subprocess.run, [*KVXFER, "drain"], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"completed": 0, "abandoned": 0, "released_leases": 0}
+        assert await asyncio.to_thread(proc.wait, 20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
