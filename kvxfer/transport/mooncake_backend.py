@@ -1,17 +1,25 @@
 """Mooncake transfer engine data plane (P2P handshake; TCP here, RDMA where the host has it).
 
 Mooncake addresses peers by a session name (``host:rpc_port``) and remote memory by its virtual
-address; the serving engine rejects addresses outside its registered buffers. Its batch call that
-carries a completion notice is synchronous, so transfers run on worker threads and the event loop
-awaits them with a timeout (the loop itself never polls). Every peer has its own small pool of
-workers, so a peer that stops answering ties up only its own. A transfer that outlives its timeout
-or is cancelled submits no further batches (and so sends no notice); the batch in flight finishes
-or fails on its worker thread, touching only registered memory.
+address; the serving engine rejects addresses outside its registered buffers.
 
-Mooncake's Python binding (0.3.x) can only wait for a batch by polling its status in a loop without
-sleeping (``batch_transfer_sync`` and ``get_batch_transfer_status`` alike), so each worker thread
-spins while its batch is in flight; that wait ends at ``mooncake_transfer_timeout_s`` plus one
-second per GiB when a peer goes silent.
+Waiting for a batch: the binding's own waits (``batch_transfer_sync`` and
+``get_batch_transfer_status``) poll the batch's status in a loop without sleeping, so a thread
+waiting in them spins a core for as long as the batch is in flight, and on a 2-core host that
+thread competes with the engine's own transfer threads. The only status call that returns at once
+is ``transfer_check_status``, and it looks at the first transfer of a batch only. So each batch is
+submitted with ``batch_transfer_async`` and followed by a *sentinel*, a one-byte READ of the
+batch's last remote byte into a scratch byte of ours, submitted as its own batch: the worker polls
+the sentinel with a sleeping back-off and calls ``get_batch_transfer_status`` once the sentinel is
+done, when the batch is (nearly always) done as well. The completion notice rides on a one-byte
+synchronous READ sent after the last batch, so it is sent once, and only for a complete transfer.
+
+Each transfer runs on a worker thread of its peer's small pool (a peer that stops answering ties
+up only its own workers, and at most ``WORKERS_PER_PEER`` transfers per peer are in flight, as
+Mooncake's TCP transport queues a bounded number of transfers per peer). The event loop awaits the
+worker with the timeout; after a timeout or a cancellation the worker submits no further batches
+and sends no notice, and lets the batch in flight finish or fail (within
+``mooncake_transfer_timeout_s`` plus one second per GiB), touching only registered memory.
 """
 
 from __future__ import annotations
@@ -51,10 +59,11 @@ from kvxfer.transport.registry import register_transport
 
 __all__ = ["MAX_BATCH", "MooncakeTransport"]
 
-# batch_transfer_sync returns -1 for batches over 1024 descriptors (measured with
-# mooncake-transfer-engine-non-cuda 0.3.13); larger transfers are split.
-MAX_BATCH = 1024
+# Batches over 1024 descriptors can fail (-1) in mooncake-transfer-engine-non-cuda 0.3.13 (its TCP
+# transport queues at most 1024 transfers per peer); a batch plus its sentinel stays within that.
+MAX_BATCH = 1023
 WORKERS_PER_PEER = 2
+_GIB = 1 << 30
 
 
 def _new_engine(transfer_timeout_s: int) -> Any:
@@ -105,6 +114,12 @@ class MooncakeTransport(Transport):
                 backend="mooncake",
             )
         self.session = f"{cfg.listen_host}:{self._engine.get_rpc_port()}"
+        # Where sentinels land (see the module docstring); registered like any other local memory.
+        self._scratch = np.zeros(64, dtype=np.uint8)
+        if self._engine.register_memory(self._scratch.ctypes.data, self._scratch.size) != 0:
+            raise BackendUnavailableError("register_memory of a 64-byte scratch buffer failed", backend="mooncake")
+        self._stale: list[int] = []  # sentinels given up on, freed once they resolve
+        self._stale_lock = threading.Lock()
         self._peers: dict[str, str] = {}  # peer name -> session
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # peer name -> its workers
 
@@ -191,38 +206,67 @@ class MooncakeTransport(Transport):
         if rc != 0:
             n_batches = -(-local.shape[0] // MAX_BATCH)
             lo, hi = failed * MAX_BATCH, min(local.shape[0], (failed + 1) * MAX_BATCH)
+            where = (
+                f"in batch {failed + 1} of {n_batches} (descriptors {lo}-{hi - 1})"
+                if failed < n_batches
+                else "sending its completion notice"
+            )
             raise TransferFailedError(
-                f"{self._describe(op, local, remote)} failed after {time.monotonic() - start:.3f}s in batch "
-                f"{failed + 1} of {n_batches} (descriptors {lo}-{hi - 1})",
+                f"{self._describe(op, local, remote)} failed after {time.monotonic() - start:.3f}s {where}",
                 backend="mooncake",
                 peer=peer,
-                detail=f"batch_transfer_sync({session!r}) returned {rc}; the engine's log (stderr) says why",
+                detail=f"transfer to session {session} returned {rc}; the engine's log (stderr) says why",
             )
         return TransferResult(int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - start)
 
     def _run_batches(
         self, session: str, local: U64, remote: U64, opcode: Any, notice: Any, stop: threading.Event
     ) -> tuple[int, int]:
-        """Submit ``MAX_BATCH``-sized batches in order until one fails or ``stop`` is set; the notice
-        rides on the last one. Returns (return code, index of the batch it belongs to)."""
+        """Run ``MAX_BATCH``-sized batches one after the other until one fails or ``stop`` is set, then
+        send the notice. Returns (return code, index of the batch it belongs to; the notice is the
+        batch after the last)."""
         n = local.shape[0]
         for i, lo in enumerate(range(0, n, MAX_BATCH)):
             if stop.is_set():
                 return -1, i
-            hi = min(n, lo + MAX_BATCH)
-            rc = int(
-                self._engine.batch_transfer_sync(
-                    session,
-                    local[lo:hi, 0].tolist(),
-                    remote[lo:hi, 0].tolist(),
-                    local[lo:hi, 1].tolist(),
-                    opcode,
-                    notice if hi == n else None,
-                )
-            )
+            rc = self._one_batch(session, local[lo : lo + MAX_BATCH], remote[lo : lo + MAX_BATCH], opcode)
             if rc != 0:
                 return rc, i
+        if notice is not None and not stop.is_set():
+            sentinel = ([self._scratch.ctypes.data], [int(remote[-1, 0])], [1])
+            rc = int(self._engine.batch_transfer_sync(session, *sentinel, self._ops["READ"], notice))
+            if rc != 0:
+                return rc, -(-n // MAX_BATCH)
         return 0, 0
+
+    def _one_batch(self, session: str, local: U64, remote: U64, opcode: Any) -> int:
+        engine = self._engine
+        self._free_stale()
+        batch = int(engine.batch_transfer_async(session, local[:, 0].tolist(), remote[:, 0].tolist(),
+                                                local[:, 1].tolist(), opcode))  # fmt: skip
+        if batch == 0:
+            return -1
+        sentinel = int(engine.batch_transfer_async(session, [self._scratch.ctypes.data], [int(remote[-1, 0])], [1],
+                                                   self._ops["READ"]))  # fmt: skip
+        # get_batch_transfer_status gives up on its own after the binding's timeout plus 1 s per GiB.
+        limit = time.monotonic() + self.config.mooncake_transfer_timeout_s + int(local[:, 1].sum()) / _GIB
+        delay = self.config.poll_min_s
+        while sentinel:
+            state = int(engine.transfer_check_status(sentinel))  # frees it once done or failed
+            if state != 0:
+                break
+            if time.monotonic() >= limit:
+                with self._stale_lock:
+                    self._stale.append(sentinel)
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, self.config.poll_max_s)
+        # Frees the batch; returns at once when it is done, as it nearly always is by now.
+        return int(engine.get_batch_transfer_status([batch]))
+
+    def _free_stale(self) -> None:
+        with self._stale_lock:
+            self._stale = [s for s in self._stale if int(self._engine.transfer_check_status(s)) == 0]
 
     def poll_notifications(self) -> list[Notification]:
         return [Notification(n.name, n.msg.encode("latin-1")) for n in self._engine.get_notifies()]

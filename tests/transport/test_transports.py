@@ -284,11 +284,9 @@ def test_silent_peer_times_out_without_spinning_and_others_are_served(
     assert str(err).startswith(f"{backend} peer {name!r}: READ of 28 descriptors ")
     assert "did not complete within 1.500s" in str(err)
     assert err.status == "DEADLINE_EXCEEDED"
-    if backend == "nixl":
-        # polled with a back-off up to 2 ms, progress thread woken by events: no core spins
-        assert cpu < 0.4 * wall, cpu
-    # Mooncake's binding spins a worker while its batch is in flight (see mooncake_backend), so its
-    # CPU is not bounded here; what must hold is that the loop and the other peers carry on.
+    # completion polled with a sleeping back-off (NIXL: the loop, Mooncake: a worker on a sentinel;
+    # NIXL's progress thread is woken by events): nothing spins while the peer is silent
+    assert cpu < 0.3 * wall, cpu
 
     other = Peer(backend, f"other-{backend}-{time.monotonic_ns()}", seed=11)
     try:

@@ -1,0 +1,59 @@
+"""`kvxfer bench transport|topology --json`: one JSON object on stdout, figures that add up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxfer.bench.transport import bench_layout, fragmented_blocks
+
+KVXFER = str(Path(sys.executable).parent / "kvxfer")
+
+
+def _json_stdout(*args: str) -> dict[str, object]:
+    out = subprocess.run([KVXFER, *args, "--json"], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1, out.stdout  # libraries' log lines belong on stderr
+    result: dict[str, object] = json.loads(lines[0])
+    return result
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_bench_transport_json(backend: str) -> None:
+    r = _json_stdout("bench", "transport", "--backend", backend, "--size-mib", "16", "--repeat", "2")
+    assert r["verified"] is True
+    layout = bench_layout(16, 16)
+    assert (r["bytes"], r["layers"], r["blocks"], r["page_bytes"]) == (16 << 20, 16, 64, 16384)
+    # the remote list is runs of consecutive ids; each run is one descriptor per layer
+    remote = fragmented_blocks(layout.num_blocks, np.random.default_rng(1))
+    runs = 1 + int(np.count_nonzero(np.diff(remote) != 1))
+    assert r["descriptors_kvxfer"] == 16 * runs
+    assert r["descriptors_per_block"] == 16 * 64
+    gbps = {k: r[f"gbps_{k}"] for k in ("raw", "kvxfer", "per_block", "memcpy")}
+    assert all(isinstance(v, float) and v > 0 for v in gbps.values())
+    assert r["ratio_kvxfer_raw"] == pytest.approx(gbps["kvxfer"] / gbps["raw"])  # type: ignore[operator]
+    assert r["ratio_kvxfer_per_block"] == pytest.approx(gbps["kvxfer"] / gbps["per_block"])  # type: ignore[operator]
+    assert r["ratio_kvxfer_memcpy"] == pytest.approx(gbps["kvxfer"] / gbps["memcpy"])  # type: ignore[operator]
+    runs_gbps = r["runs_gbps"]
+    assert isinstance(runs_gbps, dict)
+    assert {k: len(v) for k, v in runs_gbps.items()} == {"raw": 2, "kvxfer": 2, "per_block": 2, "memcpy": 2}
+    assert gbps["kvxfer"] == max(runs_gbps["kvxfer"])
+
+
+def test_bench_topology_json() -> None:
+    r = _json_stdout("bench", "topology", "--layers", "4", "--blocks", "64", "--repeat", "2")
+    cases = r["cases"]
+    assert isinstance(cases, dict)
+    assert {k: (c["descriptors"], c["per_block_descriptors"], c["target_ms"]) for k, c in cases.items()} == {
+        "same_tp/contiguous": (4, 256, 1.0),
+        "same_tp/fragmented": (256, 256, 20.0),
+        "decode_tp_2x/contiguous": (256, 256, 20.0),
+        "decode_tp_2x/fragmented": (256, 256, 20.0),
+    }
+    assert all(c["meets_target"] == (c["numpy_ms"] < c["target_ms"]) for c in cases.values())
