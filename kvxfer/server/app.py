@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import signal
@@ -26,11 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from kvxfer import PROTOCOL_VERSION, __version__
 from kvxfer._proto.kvxfer.v1 import local_pb2, peer_pb2
 from kvxfer.config import ConfigError, Settings, parse_address
+from kvxfer.errors import KvxferError
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.dataplane import DataPlane, create_data_plane
 from kvxfer.server.rpc import TokenInterceptor, service_handler
+from kvxfer.transport import transport_class
 
 __all__ = ["HEALTH_SERVICES", "Sidecar", "serve_main"]
 
@@ -143,12 +144,11 @@ class Sidecar:
         interceptors = [TokenInterceptor(token)] if token else []
         self.metrics = SidecarMetrics(s.backend)
         if self._dp is None:
-            if s.backend == "nixl":
-                # Importing NIXL installs a plain-text handler on stdout for its logger; make it ours
-                # (JSON on stderr) before the agent logs its first line.
-                with contextlib.suppress(ImportError):
-                    importlib.import_module("nixl")
-                adopt_logger("nixl")
+            # A library's own log handler (NIXL's prints plain text on stdout) gives way to ours
+            # (JSON on stderr) before its agent logs a first line.
+            with contextlib.suppress(KvxferError):
+                for name in transport_class(s.backend).library_loggers():
+                    adopt_logger(name)
             agent = f"{s.engine_id}-{os.getpid()}-{id(self):x}"
             self._dp = create_data_plane(
                 s.backend, agent,

@@ -85,6 +85,12 @@ class Transport(abc.ABC):
         self.config = config or TransportConfig()
         self._registered: list[RegionTable] = []  # what errors name as "local regions ..."
 
+    @classmethod
+    def library_loggers(cls) -> tuple[str, ...]:
+        """Names of the Python loggers the backend's library logs to, set up (the library imported)
+        so that an application can replace their handlers before a first agent logs; none by default."""
+        return ()
+
     @property
     def backend(self) -> str:
         """The registry name of this transport."""

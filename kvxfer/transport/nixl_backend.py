@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -158,6 +159,13 @@ class NixlTransport(Transport):
                 backend="nixl",
             )
         self._peers: set[str] = set()
+
+    @classmethod
+    def library_loggers(cls) -> tuple[str, ...]:
+        # Importing NIXL installs its plain-text handler (on stdout) for the "nixl" logger.
+        with contextlib.suppress(ImportError):
+            importlib.import_module("nixl")
+        return ("nixl",)
 
     # ------------------------------------------------------------------ memory
     def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:
