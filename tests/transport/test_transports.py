@@ -365,3 +365,12 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(
         return time.monotonic() - t0
 
     assert asyncio.run(killed()) < 3  # the library notices the closed connection; no wait for the timeout
+
+
+def test_nixl_backend_list_is_configurable_and_missing_plugins_are_named() -> None:
+    with pytest.raises(TransportError) as err:
+        create_transport("nixl", f"plugins-{time.monotonic_ns()}", TransportConfig(nixl_backends=("UCX", "NOPE")))
+    text = str(err.value)
+    assert text.startswith("nixl: backend plugins ['NOPE'] are not available; plugins found: [")
+    assert "'UCX'" in text
+    assert err.value.status == "FAILED_PRECONDITION"
