@@ -252,8 +252,10 @@ class TransferTopology:
     """Plans transfers of one cache group from remote ranks into one local rank.
 
     ``local`` and ``remote`` describe the cache group as each side's rank holds it (per-rank
-    head counts). The local rank is the one whose memory receives (READ, pull) or sends
-    (WRITE, push) the bytes; in both cases ``local`` is this side.
+    head counts). The local rank is the one whose memory receives the bytes: a plan says where each
+    of its heads comes from, reading one replica of each. To push (WRITE), plan for every receiving
+    rank in turn (each as ``local``) and have the sender execute the plans whose sources are its
+    own rank, with the two descriptor arrays' roles swapped: so replicated heads reach every replica.
     """
 
     local: KVCacheLayout
