@@ -66,16 +66,21 @@ WORKERS_PER_PEER = 2
 _GIB = 1 << 30
 
 
-def _new_engine(transfer_timeout_s: int) -> Any:
-    """A TransferEngine whose synchronous waits give up after ``transfer_timeout_s`` (unless MC_TRANSFER_TIMEOUT
-    is set): the binding reads that variable once, in its constructor, and defaults to 30 s."""
+def _new_engine(transfer_timeout_s: int) -> tuple[Any, int]:
+    """A TransferEngine whose synchronous waits give up after ``transfer_timeout_s`` unless
+    MC_TRANSFER_TIMEOUT is set (the binding reads it once, in its constructor; default 30 s, at
+    least 5), and the timeout in effect."""
     from mooncake.engine import TransferEngine
 
     if "MC_TRANSFER_TIMEOUT" in os.environ:
-        return TransferEngine()
+        try:
+            effective = max(5, int(os.environ["MC_TRANSFER_TIMEOUT"]))
+        except ValueError:
+            effective = 5  # the binding's atoi reads garbage as 0, then takes its minimum
+        return TransferEngine(), effective
     os.environ["MC_TRANSFER_TIMEOUT"] = str(transfer_timeout_s)
     try:
-        return TransferEngine()
+        return TransferEngine(), max(5, transfer_timeout_s)
     finally:
         os.environ.pop("MC_TRANSFER_TIMEOUT", None)
 
@@ -105,7 +110,8 @@ class MooncakeTransport(Transport):
         self._ops = {"READ": TransferOpcode.Read, "WRITE": TransferOpcode.Write}
         cfg = self.config
         port = cfg.data_port or free_port(cfg.listen_host)
-        self._engine: Any = _new_engine(cfg.mooncake_transfer_timeout_s)
+        self._engine: Any
+        self._engine, self._wait_limit_s = _new_engine(cfg.mooncake_transfer_timeout_s)
         rc = self._engine.initialize(f"{cfg.listen_host}:{port}", "P2PHANDSHAKE", cfg.protocol, cfg.device_names)
         if rc != 0:
             raise BackendUnavailableError(
@@ -249,7 +255,7 @@ class MooncakeTransport(Transport):
         sentinel = int(engine.batch_transfer_async(session, [self._scratch.ctypes.data], [int(remote[-1, 0])], [1],
                                                    self._ops["READ"]))  # fmt: skip
         # get_batch_transfer_status gives up on its own after the binding's timeout plus 1 s per GiB.
-        limit = time.monotonic() + self.config.mooncake_transfer_timeout_s + int(local[:, 1].sum()) / _GIB
+        limit = time.monotonic() + self._wait_limit_s + int(local[:, 1].sum()) / _GIB
         delay = self.config.poll_min_s
         while sentinel:
             state = int(engine.transfer_check_status(sentinel))  # frees it once done or failed
