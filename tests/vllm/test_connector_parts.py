@@ -226,6 +226,7 @@ def test_unusable_params_make_the_decode_side_compute_the_prompt(pair: Callable[
         dict(base, remote_block_ids=[[1]], remote_num_tokens=3 * BS),  # one block cannot hold the prompt
         dict(base, remote_block_ids=[[1, 2, 3]], remote_block_size=2 * BS),  # pages of another size
         dict(base, remote_block_ids=[[1, 2, 3]], remote_block_size="16"),
+        dict(base, remote_block_ids=[[1, 2, 3]], remote_num_tokens="lots"),
     ]
     for params in cases:
         req = Req("d", list(range(3 * BS)), params, status="RUNNING")

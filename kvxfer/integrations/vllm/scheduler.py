@@ -88,13 +88,13 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
             return 0, False
-        total = self._remote_tokens(request)
         try:
             remote = RemotePrefill.parse(params)
         except ParamsError as exc:
             log.warning("unusable kv_transfer_params; computing the prompt here",
                         extra={"request_id": request.request_id, "error": exc.message})  # fmt: skip
             return 0, False
+        total = _tokens_to_load(request, remote)
         if remote.block_size and remote.block_size != self.block_size:
             # Whole pages move as they are; cutting them to another block size is not done here
             # (vLLM's CPU kernel keeps a head's K rows before its V rows inside a page).
@@ -112,11 +112,6 @@ class SchedulerSide:
         count = total - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _remote_tokens(self, request: Any) -> int:
-        prompt = len(request.prompt_token_ids or ())
-        remote = request.kv_transfer_params.get("remote_num_tokens") or prompt
-        return min(int(remote), prompt)
-
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Queue the pull of a decode request's prompt KV into the blocks vLLM just gave it."""
         params = request.kv_transfer_params
@@ -129,15 +124,16 @@ class SchedulerSide:
             # Everything was in the local prefix cache; the prefill side's lease frees its copy.
             log.info("remote KV not needed (local prefix-cache hit)", extra={"request_id": rid})
             return
-        total = self._remote_tokens(request)
+        try:
+            remote: RemotePrefill | None = RemotePrefill.parse(params)  # checked in matched_tokens already
+            error = ""
+        except ParamsError as exc:
+            remote, error = None, exc.message
+        total = _tokens_to_load(request, remote)
         first = (total - num_external_tokens) // self.block_size  # blocks the local prefix cache covers
         last = math.ceil(total / self.block_size)
         local = tuple(block_ids[first:last])
-        try:
-            remote = RemotePrefill.parse(params)  # checked in matched_tokens already
-            spec = PullSpec(rid, remote, local, remote.block_ids[first:last])
-        except ParamsError as exc:
-            spec = PullSpec(rid, None, local, (), exc.message)
+        spec = PullSpec(rid, remote, local, remote.block_ids[first:last] if remote else (), error)
         if len(spec.remote_blocks) != len(local) and not spec.error:
             why = f"{len(local)} local blocks for {len(spec.remote_blocks)} remote ones"
             spec = PullSpec(rid, spec.remote, local, (), why)
@@ -204,3 +200,9 @@ class SchedulerSide:
         """Close the sidecar channels."""
         for c in self._clients or ():
             c.close()
+
+
+def _tokens_to_load(request: Any, remote: RemotePrefill | None) -> int:
+    """Prompt tokens whose KV the prefill side holds (all of them, unless it says fewer)."""
+    prompt = len(request.prompt_token_ids or ())
+    return min(remote.num_tokens or prompt, prompt) if remote else prompt
