@@ -461,22 +461,9 @@ def check_nixl(ctx: Any, outdir: Path) -> None:
 
 def device_copy_gbps(nbytes: int = NBYTES, src_dev: int = 0, dst_dev: int = 0) -> float:
     """torch copy of ``nbytes``, bytes moved once, median of 20 (CUDA events)."""
-    import torch
+    from sidecar_vram_bench import copy_rate  # this directory; the one copy-rate method of bench/gpu
 
-    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{src_dev}")
-    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst_dev}")
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    return nbytes / statistics.median(times) / 1e9
+    return copy_rate(nbytes, src_dev, dst_dev)
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch
+from sidecar_vram_bench import copy_rate  # this directory: the device-copy reference of bench/gpu
 
 from kvxfer.cluster import LocalCluster
 from kvxfer.integrations.vllm.plan import StepPlan
@@ -82,26 +83,6 @@ def wait(worker: WorkerSide, *, sending: str | None = None, recving: str | None 
     raise SystemExit(f"timeout waiting for sending={sending} recving={recving}")
 
 
-def copy_rate(device: str) -> float:
-    """Device-to-device copy of 1 GiB, GB/s (bytes moved once)."""
-    if device == "cpu":
-        a = torch.empty(256 << 20, dtype=torch.uint8)
-    else:
-        a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = 0.0
-    for _ in range(5):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        b.copy_(a)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = max(best, a.numel() / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="")
@@ -117,7 +98,8 @@ def main() -> int:
     device = "cpu" if args.cpu_smoke else "cuda:0"
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu"}
-    report["copy_gbps"] = copy_rate(device)
+    gpu = None if args.cpu_smoke else 0
+    report["copy_gbps"] = copy_rate((256 << 20) if args.cpu_smoke else (1 << 30), gpu, gpu)
     print(f"device copy: {report['copy_gbps']:.0f} GB/s", flush=True)
     rows = []
     with LocalCluster(log_level="warning") as cluster:

@@ -70,9 +70,13 @@ def json_logs() -> Iterator[JsonLogs]:
     try:
         yield logs
     finally:
-        # Leave the "kvxfer" logger as pytest found it (propagating, no handler of ours).
-        logger = logging.getLogger("kvxfer")
-        for h in [h for h in logger.handlers if getattr(h, "_kvxfer", False)]:
-            logger.removeHandler(h)
-        logger.propagate = True
-        logger.setLevel(logging.NOTSET)
+        reset_kvxfer_logging()
+
+
+def reset_kvxfer_logging() -> None:
+    """Leave the "kvxfer" logger as pytest found it (propagating, no handler of ours)."""
+    logger = logging.getLogger("kvxfer")
+    for h in [h for h in logger.handlers if getattr(h, "_kvxfer", False)]:
+        logger.removeHandler(h)
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)

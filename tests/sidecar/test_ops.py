@@ -24,7 +24,7 @@ from kvxfer.cluster import free_port
 from kvxfer.config import ConfigError, Settings, load_settings
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.server.cli import drain_main
-from tests.sidecar.conftest import JsonLogs
+from tests.sidecar.conftest import JsonLogs, reset_kvxfer_logging
 from tests.sidecar.helpers import Harness, attention, transfer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -321,7 +321,6 @@ async def test_sidecar_logs_carry_request_transfer_and_peer(harness: Harness, js
 
 def test_json_logs_carry_context_and_never_a_token() -> None:
     import io
-    import logging
 
     from kvxfer.logs import configure_logging, get_logger, log_context
 
@@ -332,12 +331,7 @@ def test_json_logs_carry_context_and_never_a_token() -> None:
             get_logger("kvxfer.test").info("metadata was authorization: Bearer s3cret", extra={"bytes": 5})
         line = json.loads(buf.getvalue().splitlines()[-1])
     finally:
-        # Leave the "kvxfer" logger as pytest found it (propagating, no handler of ours).
-        logger = logging.getLogger("kvxfer")
-        for h in [h for h in logger.handlers if getattr(h, "_kvxfer", False)]:
-            logger.removeHandler(h)
-        logger.propagate = True
-        logger.setLevel(logging.NOTSET)
+        reset_kvxfer_logging()
     got = (line["request_id"], line["transfer_id"], line["peer"], line["bytes"])
     assert got == ("r-9", "t-1", "prefill[tp 0/2]", 5)
     assert "s3cret" not in json.dumps(line)

@@ -77,7 +77,7 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, total_kv_heads:
                 "moves one uniform group of attention layers (hybrid models are not supported)",
                 field="kv_caches",
             )
-    kind = _kind_of(first, total_kv_heads)
+    kind = _kind_of(first)
     try:
         per_layer = KVCacheLayout.from_tensor(first, kind, total_kv_heads=total_kv_heads)
     except LayoutError as exc:
@@ -96,7 +96,7 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], *, total_kv_heads:
     return KVCacheDescription(layout, names, layers, layers)
 
 
-def _kind_of(t: torch.Tensor, total_kv_heads: int) -> CacheKind:
+def _kind_of(t: torch.Tensor) -> CacheKind:
     if t.dim() == 3:
         return CacheKind.MLA
     # K/V packed in the content dim keeps the model dtype; quantized caches store K and V heads
