@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.client import AsyncClient
+from kvxfer.client import AsyncClient, PullItem
 from kvxfer.cluster import BlockAllocator, LocalCluster
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
@@ -45,7 +45,7 @@ from kvxfer.worker_sim import fill_blocks, verify_blocks
 
 
 async def run(
-    pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int
+    pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int
 ) -> dict[str, Any]:
     """Start the sidecars, publish, pull concurrently and serially; return the figures."""
     lay = KVCacheLayout.attention(
@@ -71,11 +71,14 @@ async def run(
             assert verify_blocks(pbuf, rank, src, salt=7)[1] == 0
             d_alloc = BlockAllocator(lay.num_blocks, rng, max_run=blocks_per_pull)
             bufs = (pbuf, dbuf)
-            await _pull_batch(pc, dc, p.peer_address, src, d_alloc, 20, 4, "warm", bufs)  # handshake, UCX warm-up
+            await _pull_phase(pc, dc, p.peer_address, src, d_alloc, 20, 4, "warm", bufs)  # handshake, UCX warm-up
             procs = {"prefill": p.proc.pid, "decode": d.proc.pid, "driver": os.getpid()}
-            conc, conc_s, cpu = await _pull_batch(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "c", bufs,
+            conc, conc_s, cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "c", bufs,
                                                   procs)  # fmt: skip
-            one, _, _ = await _pull_batch(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", bufs)
+            # The same load again, the worker sending its pulls ``batch`` at a time (PullBatch).
+            many, many_s, many_cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "b",
+                                                       bufs, procs, batch)  # fmt: skip
+            one, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", bufs)
         finally:
             await pc.close()
             await dc.close()
@@ -85,18 +88,22 @@ async def run(
         "pulls": pulls,
         "concurrency": concurrency,
         "bytes_per_pull": blocks_per_pull * lay.page_bytes * layers,
+        "batch": batch,
         "requests_per_s": pulls / conc_s,
+        "batched_requests_per_s": pulls / many_s,
         "concurrent": _stats(conc),
+        "batched": _stats(many),
         "serial": _stats(one),
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
-        "verified_pulls": pulls + serial,
-        "mismatched_bytes": int(sum(r["bad"] for r in conc + one)),
+        "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
+        "verified_pulls": 2 * pulls + serial,
+        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one)),
     }
 
 
-async def _pull_batch(
+async def _pull_phase(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, n: int, concurrency: int,
-    tag: str, bufs: tuple[SharedKVBuffer, SharedKVBuffer], procs: dict[str, int] | None = None,
+    tag: str, bufs: tuple[SharedKVBuffer, SharedKVBuffer], procs: dict[str, int] | None = None, batch: int = 1,
 ) -> tuple[list[dict[str, float]], float, dict[str, float]]:  # fmt: skip
     """Publish ``n`` requests, then pull them ``concurrency`` at a time: (rows, pull-phase seconds, CPU seconds)."""
     # Publish everything first (leases of 600 s): what is measured is the pulls alone.
@@ -110,7 +117,6 @@ async def _pull_batch(
     pbuf, dbuf = bufs
     layers = range(pbuf.layout.num_layers)
     out: list[dict[str, float]] = []
-    gate = asyncio.Semaphore(concurrency)
 
     async def pull(i: int) -> None:
         async with gate:
@@ -120,18 +126,48 @@ async def _pull_batch(
                     dbuf.pages(k)[dst] ^= 0xFF
                 t = time.perf_counter()
                 res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
-                lat = time.perf_counter() - t
-                # Byte-exact against the source pages (checked once against the expected contents): a
-                # cheap comparison, so verifying does not hold up the other pulls' answers.
-                bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
-                out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
-                            "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
+                done(time.perf_counter() - t, res, dst)
             finally:
                 alloc.release(dst)
 
+    async def pull_many(first: int) -> None:
+        # One PullBatch of ``batch`` pulls: the batch is the unit in flight, so ``concurrency`` pulls
+        # are in flight as concurrency / batch calls.
+        async with gate:
+            ids = range(first, min(first + batch, n))
+            dsts = [alloc.allocate(len(src)) for _ in ids]
+            try:
+                for k in layers:
+                    for dst in dsts:
+                        dbuf.pages(k)[dst] ^= 0xFF
+                items = [PullItem(f"{tag}{i}", [peer], {"kv": dst}) for i, dst in zip(ids, dsts, strict=True)]
+                t = time.perf_counter()
+                results = await dc.pull_batch(items)
+                lat = time.perf_counter() - t
+                for res, dst in zip(results, dsts, strict=True):
+                    if isinstance(res, Exception):
+                        raise res
+                    done(lat, res, dst)
+            finally:
+                for dst in dsts:
+                    alloc.release(dst)
+
+    def done(lat: float, res: Any, dst: Any) -> None:
+        # Byte-exact against the source pages (checked once against the expected contents): a
+        # cheap comparison, so verifying does not hold up the other pulls' answers.
+        bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
+        out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
+                    "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
+
+    if batch > 1:
+        gate = asyncio.Semaphore(max(concurrency // batch, 1))
+        units = [pull_many(i) for i in range(0, n, batch)]
+    else:
+        gate = asyncio.Semaphore(concurrency)
+        units = [pull(i) for i in range(n)]
     cpu0 = {k: _cpu(pid) for k, pid in (procs or {}).items()}
     t0 = time.perf_counter()
-    await asyncio.gather(*(pull(i) for i in range(n)))
+    await asyncio.gather(*units)
     seconds = time.perf_counter() - t0
     return out, seconds, {k: _cpu(pid) - cpu0[k] for k, pid in (procs or {}).items()}
 
@@ -173,26 +209,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=1, help="blocks per pull (small pulls: 1)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=20, help="pulls per PullBatch call in the batched phase")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     import uvloop
 
-    r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed))
+    r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch))
     if a.json:
         print(json.dumps(r))
     else:
-        c, s = r["concurrent"], r["serial"]
-        print(f"{r['pulls']} pulls of {r['bytes_per_pull']} B, {r['concurrency']} in flight: "
-              f"{r['requests_per_s']:.0f} pulls/s (Little's law: {r['concurrency'] / r['requests_per_s'] * 1e3:.0f} ms "
-              "in the system per pull)")  # fmt: skip
-        for label, st in ((f"{r['concurrency']} in flight", c), (f"one at a time ({a.serial})", s)):
-            print(f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms, data "
-                  f"p50 {st['data_p50_ms']:.3f} ms")  # fmt: skip
+        n, conc = r["pulls"], r["concurrency"]
+        print(f"{n} pulls of {r['bytes_per_pull']} B, {conc} in flight")
+        phases = (
+            (f"{conc} in flight, one Pull call each", r["concurrent"], r["requests_per_s"], r["cpu_ms_per_pull"]),
+            (f"{conc} in flight, PullBatch of {r['batch']}", r["batched"], r["batched_requests_per_s"],
+             r["batched_cpu_ms_per_pull"]),
+            (f"one at a time ({a.serial})", r["serial"], None, None),
+        )  # fmt: skip
+        for label, st, rate, cpu in phases:
+            head = f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms"
+            if rate is not None:
+                head += f", {rate:.0f} pulls/s (Little's law: {conc / rate * 1e3:.1f} ms in the system per pull)"
+            print(head + f", data p50 {st['data_p50_ms']:.3f} ms")
             for part in ("overhead", "local_hop", "peer_fetch", "sidecar_compute"):
                 print(f"    {part:16s} p50 {st[part + '_p50_ms']:8.3f} ms   p99 {st[part + '_p99_ms']:8.3f} ms")
-        cpu = r["cpu_ms_per_pull"]
-        print("  CPU per pull (concurrent phase): " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items())
-              + f"; sidecars together {cpu['prefill'] + cpu['decode']:.2f} ms")  # fmt: skip
+            if cpu is not None:
+                print("    CPU per pull: " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items())
+                      + f"; sidecars together {cpu['prefill'] + cpu['decode']:.2f} ms")  # fmt: skip
         print(f"verified pulls: {r['verified_pulls']}, mismatched bytes: {r['mismatched_bytes']}")
     return 0 if r["mismatched_bytes"] == 0 else 1
 

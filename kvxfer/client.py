@@ -39,6 +39,7 @@ __all__ = [
     "Client",
     "CompletionEvent",
     "KvxferRpcError",
+    "PullItem",
     "PullResult",
     "normalize_target",
 ]
@@ -80,6 +81,19 @@ class PullResult:
     remote_ranks: tuple[int, ...] = ()
     warnings: tuple[str, ...] = ()
     fetch_seconds: float = 0.0  # handshakes + GetPublished round trips (part of duration_seconds)
+
+
+@dataclass(frozen=True)
+class PullItem:
+    """One pull of a :meth:`AsyncClient.pull_batch`: the arguments :meth:`AsyncClient.pull` takes."""
+
+    request_id: str
+    remote_addresses: Sequence[str]
+    local_blocks: BlockMap
+    remote_blocks: BlockMap | None = None
+    remote_engine_id: str = ""
+    wait: bool = True
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +188,24 @@ def _pull_request(
     )  # fmt: skip
 
 
+def _batch_request(items: Sequence[PullItem], timeout: float) -> tuple[Any, float]:
+    """The PullBatch message and its call deadline (the longest pull's, plus a second)."""
+    pulls = [
+        _pull_request(
+            i.request_id, i.remote_addresses, i.local_blocks, i.remote_blocks, i.remote_engine_id, i.wait, i.deadline
+        )
+        for i in items
+    ]
+    return local_pb2.PullBatchRequest(pulls=pulls), max((i.deadline or timeout for i in items), default=timeout) + 1.0
+
+
+def _batch_results(resp: Any) -> list[PullResult | KvxferRpcError]:
+    return [
+        _pull_result(r.response) if r.code == 0 else KvxferRpcError(_code(r.code), r.message, "PullBatch")
+        for r in resp.results
+    ]
+
+
 def _status_dict(resp: Any) -> dict[str, Any]:
     return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
 
@@ -232,6 +264,15 @@ class AsyncClient:
         req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline)
         call_timeout = (deadline or self.timeout) + 1.0
         return _pull_result(await self._call("Pull", req, call_timeout))
+
+    async def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:
+        """Several pulls in one call (e.g. all a worker starts in one step), one result or error each, in order.
+
+        Each pull runs and fails on its own, as with :meth:`pull`; the call returns once all have
+        answered. It raises only when the batch itself is refused (empty, over 1024 pulls, no sidecar).
+        """
+        req, call_timeout = _batch_request(items, self.timeout)
+        return _batch_results(await self._call("PullBatch", req, call_timeout))
 
     async def watch_completions(self, *, replay: bool = False, after: int = 0) -> AsyncIterator[CompletionEvent]:
         """Completion events as they happen (no deadline: the stream lives as long as the caller wants)."""
@@ -342,6 +383,11 @@ class Client:
         """See :meth:`AsyncClient.pull`."""
         req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline)
         return _pull_result(self._call("Pull", req, (deadline or self.timeout) + 1.0))
+
+    def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:
+        """See :meth:`AsyncClient.pull_batch`."""
+        req, call_timeout = _batch_request(items, self.timeout)
+        return _batch_results(self._call("PullBatch", req, call_timeout))
 
     def watch_completions(self, *, replay: bool = False, after: int = 0) -> Iterator[CompletionEvent]:
         """See :meth:`AsyncClient.watch_completions`; cancel by closing the iterator."""

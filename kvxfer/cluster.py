@@ -14,7 +14,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import numpy.typing as npt
 
 from kvxfer.errors import KvxferError
 from kvxfer.layout import KVCacheLayout
+from kvxfer.ports import free_port
 from kvxfer.worker_sim import WorkerConfig
 
 __all__ = ["BlockAllocator", "ClusterError", "LocalCluster", "SidecarProc", "WorkerProc", "free_port"]
@@ -46,13 +46,6 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.integer):
         return int(obj)
     raise TypeError(f"cannot send {type(obj).__name__} to a worker")
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port (the kernel may hand it out again; used right away)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -118,7 +118,7 @@ class _RawMooncake:
     def __init__(self, local: U8, peer_metadata: bytes, peer_session: str) -> None:
         from mooncake.engine import TransferEngine
 
-        from kvxfer.transport.mooncake_backend import free_port
+        from kvxfer.ports import free_port
 
         self.local = local
         self.agent: Any = TransferEngine()

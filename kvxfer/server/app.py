@@ -59,6 +59,9 @@ class _LocalApi:
     async def pull(self, req: Any, ctx: grpc.aio.ServicerContext) -> Any:
         return await self.core.pull(req, ctx.time_remaining())
 
+    async def pull_batch(self, req: Any, ctx: grpc.aio.ServicerContext) -> Any:
+        return await self.core.pull_batch(req, ctx.time_remaining())
+
     def watch_completions(self, req: Any, _ctx: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         return self.core.watch(req)
 
@@ -86,6 +89,9 @@ class _PeerApi:
 
     async def get_published(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
         return await self.core.peer_get_published(req)
+
+    async def get_published_batch(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+        return await self.core.peer_get_published_batch(req)
 
     async def notify(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
         return await self.core.peer_notify(req)
@@ -167,7 +173,8 @@ class Sidecar:
             s, self._dp, self.metrics, peer_address=self.peer_address, channel_options=opts,
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
         )  # fmt: skip
-        peer_limits = {"Handshake": 30.0, "GetPublished": 30.0, "Notify": 30.0, "NotifyBatch": 30.0, "Abort": 30.0}
+        peer_limits = {"Handshake": 30.0, "GetPublished": 30.0, "GetPublishedBatch": 30.0, "Notify": 30.0,
+                       "NotifyBatch": 30.0, "Abort": 30.0}  # fmt: skip
         peer.add_generic_rpc_handlers((service_handler(PEER_SERVICE, _PeerApi(self.core), limits=peer_limits),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, peer)
         reflection.enable_server_reflection(
@@ -180,6 +187,7 @@ class Sidecar:
             # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
             # inside the core; a second timer per call would only cost time on the hot path.
             "Pull": None,
+            "PullBatch": None,
             "Drain": s.drain_seconds + 30.0,
             "RegisterCaches": 120.0,
         }
@@ -324,7 +332,7 @@ def _prepare_socket(path: Path) -> Path:
 
 
 def serve_main(settings: Settings, *, hard_exit: bool = True) -> int:
-    """``kvxfer serve``: run until SIGTERM/SIGINT or a Drain call, drain, exit 0.
+    """``kvxfer serve``: run until SIGTERM/SIGINT or a Drain call, drain, exit 0 (2: cannot start).
 
     With ``hard_exit`` the process ends with ``os._exit`` once everything is shut down and flushed:
     native data-plane libraries can crash in their exit-time destructors (here: two copies of
@@ -339,7 +347,14 @@ def serve_main(settings: Settings, *, hard_exit: bool = True) -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a dependency; fall back only so a broken install still serves
         runner = asyncio.run
-    code = int(runner(_serve(settings)))
+    try:
+        code = int(runner(_serve(settings)))
+    except ConfigError as exc:  # e.g. a port in use: one clear line, no traceback, exit 2 like a bad flag
+        log.error("cannot start", extra={"error": exc.message, "setting": exc.field})
+        code = 2
+    except Exception as exc:
+        log.exception("sidecar failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+        code = 1
     if hard_exit:
         logging.shutdown()
         sys.stdout.flush()

@@ -32,6 +32,7 @@ from kvxfer.layout import CacheKind, KVCacheLayout, head_range
 from kvxfer.logs import get_logger, log_context
 from kvxfer.memory import attach
 from kvxfer.metrics import SidecarMetrics
+from kvxfer.server.batching import Coalescer
 from kvxfer.server.convert import (
     blocks_from_proto,
     check_block_ids,
@@ -57,7 +58,7 @@ from kvxfer.server.errors import (
 )
 from kvxfer.server.events import CompletionHub, Kind
 from kvxfer.server.identity import Identity, reader_differences, remote_sources
-from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.peers import PeerDirectory, PeerSession, status_error
 from kvxfer.server.state import Group, PublishEntry, PullEntry, ReaderKey, Registration
 from kvxfer.topology import RankInfo, RegionTable, TransferTopology
 
@@ -67,6 +68,7 @@ log = get_logger("kvxfer.server")
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 PEER_CALL_SECONDS = 10.0  # cap on a single control-plane call to a peer
+MAX_BATCH = 1024  # items in one PullBatch or GetPublishedBatch
 
 
 class SidecarCore:
@@ -102,8 +104,10 @@ class SidecarCore:
         self._all_readers: dict[tuple[Any, ...], set[int]] = {}
         self._sources: dict[tuple[Any, ...], set[int]] = {}
         self._regions_msg: dict[tuple[str, int], list[Any]] = {}
-        self._notices: dict[str, list[Any]] = {}
-        self._notice_senders: set[str] = set()
+        # Per-peer batching of the two calls every pull owes its publishers (see batching.py).
+        self._lookups: Coalescer[str, tuple[Any, float], Any] = Coalescer(self._send_lookups, self._spawn)
+        self._notices: Coalescer[str, Any, None] = Coalescer(self._send_notices, self._spawn)
+        self._unbatched: set[str] = set()  # peers that answered UNIMPLEMENTED to GetPublishedBatch
         self._background: set[asyncio.Task[Any]] = set()
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publishes))
@@ -394,6 +398,28 @@ class SidecarCore:
             resp.stats.CopyFrom(entry.done.result())
         return resp
 
+    async def pull_batch(self, req: Any, client_timeout: float | None) -> Any:
+        """PullBatch: every pull runs as if it came alone; each gets its own result, in order."""
+        n = len(req.pulls)
+        if not 1 <= n <= MAX_BATCH:
+            raise InvalidArgumentError(f"pulls: {n} pulls in one PullBatch; give 1 to {MAX_BATCH}", field="pulls")
+
+        async def one(p: Any) -> Any:
+            with log_context(request_id=p.request_id or None, peer=p.remote_engine_id or None):
+                try:
+                    return local_pb2.PullResult(response=await self.pull(p, client_timeout))
+                except KvxferError as exc:
+                    return local_pb2.PullResult(code=grpc_code(exc).value[0], message=exc.message)
+                except Exception as exc:  # a bug: answer it for this pull, keep the others
+                    log.exception("pull failed unexpectedly")
+                    return local_pb2.PullResult(
+                        code=grpc.StatusCode.INTERNAL.value[0], message=f"internal error: {type(exc).__name__}: {exc}"
+                    )
+
+        # Tasks start in order and each registers its request id before its first await, so a
+        # repeated id within the batch is refused (ALREADY_EXISTS) like a second Pull would be.
+        return local_pb2.PullBatchResponse(results=await asyncio.gather(*(one(p) for p in req.pulls)))
+
     async def _run_pull(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
         budget: float,
@@ -593,15 +619,10 @@ class SidecarCore:
                 request_id=entry.request_id, engine_id=me.engine_id, instance_id=me.instance_id,
                 rank=rank_to_proto(me.rank),
             )  # fmt: skip
-            call_timeout = min(remaining, PEER_CALL_SECONDS)
-
-            def get(stub: Any, r: Any = req, t: float = call_timeout) -> Any:
-                return stub.GetPublished(r, timeout=t, metadata=self.peers.metadata)
-
             if address not in entry.asked:
                 entry.asked.append(address)  # an abort from here on must reach it, answered or not
             try:
-                resp = await self.peers.call(address, "GetPublished", get)
+                resp = await self._lookups.submit(address, (req, entry.deadline))
             except NotFoundError:
                 raise NotFoundError(
                     f"request_id: {entry.request_id!r} is not published on {them.label} at {address} "
@@ -714,36 +735,61 @@ class SidecarCore:
             for address in entry.unread:
                 self._queue_notice(address, unread)
 
+    async def _send_lookups(self, address: str, asks: list[tuple[Any, float]]) -> list[Any]:
+        """GetPublished for every queued pull of one peer: one call, or one GetPublishedBatch for several."""
+        # The call may run as long as the most patient pull in it; each pull still ends at its own deadline.
+        timeout = min(max(max(d for _, d in asks) - time.monotonic(), 0.001), PEER_CALL_SECONDS)
+        md = self.peers.metadata
+        if len(asks) > 1 and address not in self._unbatched:
+            batch = peer_pb2.GetPublishedBatchRequest(requests=[r for r, _ in asks])
+            try:
+                resp = await self.peers.call(
+                    address, "GetPublishedBatch", lambda s: s.GetPublishedBatch(batch, timeout=timeout, metadata=md)
+                )
+            except KvxferError as exc:
+                if exc.status != "UNIMPLEMENTED":
+                    raise
+                self._unbatched.add(address)  # an older kvxfer: ask one request per call
+            else:
+                return [
+                    r.response if r.code == 0 else status_error(r.code, r.message, address, "GetPublished")
+                    for r in resp.results
+                ]
+
+        async def one(req: Any) -> Any:
+            try:
+                return await self.peers.call(
+                    address, "GetPublished", lambda s: s.GetPublished(req, timeout=timeout, metadata=md)
+                )
+            except KvxferError as exc:
+                return exc
+
+        if len(asks) == 1:
+            return [await one(asks[0][0])]
+        return list(await asyncio.gather(*(one(r) for r, _ in asks)))
+
     def _queue_notice(self, address: str, req: Any) -> None:
         """Send a completion notice; notices owed to one peer while a send is under way go as one batch."""
-        queue = self._notices.setdefault(address, [])
-        queue.append(req)
-        if len(queue) == 1 and address not in self._notice_senders:
-            self._notice_senders.add(address)
-            self._spawn(self._send_notices(address))
+        self._notices.submit(address, req)
 
-    async def _send_notices(self, address: str) -> None:
+    async def _send_notices(self, address: str, batch: list[Any]) -> list[None]:
+        if len(batch) == 1:
+            what, msg = "Notify", batch[0]
+        else:
+            what, msg = "NotifyBatch", peer_pb2.NotifyBatchRequest(notices=batch)
+
+        def send(stub: Any) -> Any:
+            return getattr(stub, what)(msg, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
+
         try:
-            while self._notices.get(address):
-                batch = self._notices.pop(address)
-                if len(batch) == 1:
-                    what, msg = "Notify", batch[0]
-                else:
-                    what, msg = "NotifyBatch", peer_pb2.NotifyBatchRequest(notices=batch)
-
-                def send(stub: Any, w: str = what, m: Any = msg) -> Any:
-                    return getattr(stub, w)(m, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
-
-                try:
-                    if any(n.outcome == peer_pb2.NotifyRequest.UNREAD for n in batch):
-                        # A replica this rank never read from only takes notices from a sidecar it knows.
-                        await self.peers.session(address, budget=PEER_CALL_SECONDS)
-                    await self.peers.call(address, what, send)
-                except KvxferError as exc:
-                    log.warning("completion notices not delivered; the peer's leases will expire", extra={
-                        "peer": address, "error": exc.message, "notices": len(batch)})  # fmt: skip
-        finally:
-            self._notice_senders.discard(address)
+            if any(n.outcome == peer_pb2.NotifyRequest.UNREAD for n in batch):
+                # A replica this rank never read from only takes notices from a sidecar it knows.
+                await self.peers.session(address, budget=PEER_CALL_SECONDS)
+            await self.peers.call(address, what, send)
+        except KvxferError as exc:
+            log.warning("completion notices not delivered; the peer's leases will expire", extra={
+                "peer": address, "error": exc.message, "notices": len(batch)})  # fmt: skip
+        return [None] * len(batch)
 
     def _abort_publishers(self, entry: PullEntry, reason: str) -> None:
         req = peer_pb2.PeerAbortRequest(
@@ -882,6 +928,21 @@ class SidecarCore:
             code, msg = 0, f"decode side ({req.engine_id}) has the blocks; released"
         self.hub.emit(Kind.RELEASED, rid, code=code, message=msg, peer=req.engine_id)
         return peer_pb2.NotifyResponse(released=True)
+
+    async def peer_get_published_batch(self, req: Any) -> Any:
+        """GetPublishedBatch: several lookups, each answered (or refused) on its own."""
+        if len(req.requests) > MAX_BATCH:
+            raise InvalidArgumentError(
+                f"requests: {len(req.requests)} lookups in one GetPublishedBatch; at most {MAX_BATCH}",
+                field="requests",
+            )
+        out = peer_pb2.GetPublishedBatchResponse()
+        for r in req.requests:
+            try:
+                out.results.add(response=await self.peer_get_published(r))
+            except KvxferError as exc:  # one unknown request must not cost the others
+                out.results.add(code=grpc_code(exc).value[0], message=exc.message)
+        return out
 
     async def peer_notify_batch(self, req: Any) -> Any:
         """NotifyBatch: several notices at once."""

@@ -16,11 +16,12 @@ from typing import Any
 import grpc
 
 from kvxfer._proto.kvxfer.v1 import peer_pb2, peer_pb2_grpc
+from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger
 from kvxfer.server.errors import DeadlineError, FailedPreconditionError, NotFoundError, PeerUnavailableError
 from kvxfer.server.identity import Identity, reader_differences
 
-__all__ = ["PeerDirectory", "PeerSession", "peer_error"]
+__all__ = ["PeerDirectory", "PeerSession", "peer_error", "status_error"]
 
 log = get_logger("kvxfer.server.peers")
 
@@ -40,7 +41,13 @@ class PeerSession:
 
 def peer_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
     """Turn a failed peer call into the sidecar error the worker sees."""
-    code, details = exc.code(), exc.details() or ""
+    return status_error(exc.code(), exc.details() or "", address, what)
+
+
+def status_error(code: grpc.StatusCode | int, details: str, address: str, what: str) -> KvxferError:
+    """The sidecar error for a peer's status (a failed call, or one failed item of a batch)."""
+    if isinstance(code, int):
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
     msg = f"{what} at peer {address}: {details}"
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFoundError(details or msg, field="request_id")

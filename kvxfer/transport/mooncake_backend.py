@@ -28,13 +28,13 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import socket
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from kvxfer.ports import free_port
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
@@ -83,12 +83,6 @@ def _new_engine(transfer_timeout_s: int) -> tuple[Any, int]:
         return TransferEngine(), max(5, transfer_timeout_s)
     finally:
         os.environ.pop("MC_TRANSFER_TIMEOUT", None)
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @register_transport("mooncake")

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -251,6 +252,24 @@ def test_invalid_setting_stops_startup_naming_it(cli: list[str], tmp_path: Path)
     out = subprocess.run([*cli, "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert f"drain_seconds (in {cfg}): Input should be a valid number" in out.stderr
+
+
+def test_a_port_in_use_stops_startup_cleanly(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [*KVXFER, "serve", "--role", "decode", "--peer-listen", f"127.0.0.1:{port}", "--local-socket",
+             str(tmp_path / "k.sock"), "--metrics-listen", "127.0.0.1:0"],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "UCX_MODULES": "^efa"},
+        )  # fmt: skip
+    # Exit 2 (not a traceback and a crash in native destructors), one JSON line naming the flag.
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    line = next(json.loads(x) for x in (out.stdout + out.stderr).splitlines() if '"cannot start"' in x)
+    assert line["setting"] == "peer_listen"
+    assert line["error"].startswith(f"--peer-listen: cannot listen on 127.0.0.1:{port}")
 
 
 def test_generated_code_is_up_to_date() -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvxfer._proto.kvxfer.v1 import common_pb2 as kvxfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvxfer/v1/local.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"5\n\x0cSharedMemory\x12%\n\x07regions\x18\x01 \x03(\x0b\x32\x14.kvxfer.v1.ShmRegion\")\n\tShmRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"_\n\x07\x43udaIpc\x12\x0f\n\x07handles\x18\x01 \x03(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x05\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\t\"T\n\rLibraryMemory\x12\x11\n\taddresses\x18\x01 \x03(\x04\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x13\n\x0bmemory_type\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\"\x8d\x01\n\x06Memory\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.kvxfer.v1.SharedMemoryH\x00\x12&\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.CudaIpcH\x00\x12+\n\x07library\x18\x03 \x01(\x0b\x32\x18.kvxfer.v1.LibraryMemoryH\x00\x42\x06\n\x04kind\"`\n\nCacheGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06layout\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Layout\x12!\n\x06memory\x18\x03 \x01(\x0b\x32\x11.kvxfer.v1.Memory\"p\n\x15RegisterCachesRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04rank\x18\x02 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12%\n\x06groups\x18\x03 \x03(\x0b\x32\x15.kvxfer.v1.CacheGroup\"\x90\x01\n\x16RegisterCachesResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\"a\n\x0ePublishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\">\n\x0fPublishResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"\xd5\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x02 \x01(\t\x12\x18\n\x10remote_addresses\x18\x03 \x03(\t\x12+\n\rremote_blocks\x18\x04 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12*\n\x0clocal_blocks\x18\x05 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12\x0c\n\x04wait\x18\x06 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\"\xa2\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x02 \x01(\r\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x14\n\x0c\x64\x61ta_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cremote_ranks\x18\x05 \x03(\r\x12\x10\n\x08warnings\x18\x06 \x03(\t\x12\x15\n\rfetch_seconds\x18\x07 \x01(\x01\"n\n\x0cPullResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.kvxfer.v1.TransferStats\"A\n\x17WatchCompletionsRequest\x12\x0e\n\x06replay\x18\x01 \x01(\x08\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x04\"\xbb\x02\n\nCompletion\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.kvxfer.v1.Completion.Kind\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x0c\n\x04peer\x18\x07 \x01(\t\x12\'\n\x05stats\x18\x08 \x01(\x0b\x32\x18.kvxfer.v1.TransferStats\x12\x0f\n\x07unix_ms\x18\t \x01(\x03\"a\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06PULLED\x10\x01\x12\x0f\n\x0bPULL_FAILED\x10\x02\x12\x0c\n\x08RELEASED\x10\x03\x12\x0b\n\x07\x45XPIRED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"?\n\rAbortResponse\x12\x15\n\raborted_pulls\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x62orted_publish\x18\x02 \x01(\x08\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"N\n\rDrainResponse\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x11\n\tabandoned\x18\x02 \x01(\r\x12\x17\n\x0freleased_leases\x18\x03 \x01(\r\"\x12\n\x10GetStatusRequest\"\x83\x02\n\x0eStatusResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nregistered\x18\x05 \x01(\x08\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x0e\n\x06leases\x18\x07 \x01(\r\x12\x1b\n\x13transfers_in_flight\x18\x08 \x01(\r\x12\r\n\x05peers\x18\t \x01(\r\x12\x14\n\x0cpeer_address\x18\n \x01(\t\x12\x18\n\x10registered_bytes\x18\x0b \x01(\x04\x12\x18\n\x10protocol_version\x18\x0c \x01(\r2\xa9\x04\n\x05Local\x12U\n\x0eRegisterCaches\x12 .kvxfer.v1.RegisterCachesRequest\x1a!.kvxfer.v1.RegisterCachesResponse\x12@\n\x07Publish\x12\x19.kvxfer.v1.PublishRequest\x1a\x1a.kvxfer.v1.PublishResponse\x12\x37\n\x04Pull\x12\x16.kvxfer.v1.PullRequest\x1a\x17.kvxfer.v1.PullResponse\x12O\n\x10WatchCompletions\x12\".kvxfer.v1.WatchCompletionsRequest\x1a\x15.kvxfer.v1.Completion0\x01\x12@\n\x07Release\x12\x19.kvxfer.v1.ReleaseRequest\x1a\x1a.kvxfer.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.kvxfer.v1.AbortRequest\x1a\x18.kvxfer.v1.AbortResponse\x12:\n\x05\x44rain\x12\x17.kvxfer.v1.DrainRequest\x1a\x18.kvxfer.v1.DrainResponse\x12\x43\n\tGetStatus\x12\x1b.kvxfer.v1.GetStatusRequest\x1a\x19.kvxfer.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvxfer/v1/local.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"5\n\x0cSharedMemory\x12%\n\x07regions\x18\x01 \x03(\x0b\x32\x14.kvxfer.v1.ShmRegion\")\n\tShmRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"_\n\x07\x43udaIpc\x12\x0f\n\x07handles\x18\x01 \x03(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x05\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\t\"T\n\rLibraryMemory\x12\x11\n\taddresses\x18\x01 \x03(\x04\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x13\n\x0bmemory_type\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\"\x8d\x01\n\x06Memory\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.kvxfer.v1.SharedMemoryH\x00\x12&\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.CudaIpcH\x00\x12+\n\x07library\x18\x03 \x01(\x0b\x32\x18.kvxfer.v1.LibraryMemoryH\x00\x42\x06\n\x04kind\"`\n\nCacheGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06layout\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Layout\x12!\n\x06memory\x18\x03 \x01(\x0b\x32\x11.kvxfer.v1.Memory\"p\n\x15RegisterCachesRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04rank\x18\x02 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12%\n\x06groups\x18\x03 \x03(\x0b\x32\x15.kvxfer.v1.CacheGroup\"\x90\x01\n\x16RegisterCachesResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\"a\n\x0ePublishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\">\n\x0fPublishResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"\xd5\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x02 \x01(\t\x12\x18\n\x10remote_addresses\x18\x03 \x03(\t\x12+\n\rremote_blocks\x18\x04 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12*\n\x0clocal_blocks\x18\x05 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12\x0c\n\x04wait\x18\x06 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\"9\n\x10PullBatchRequest\x12%\n\x05pulls\x18\x01 \x03(\x0b\x32\x16.kvxfer.v1.PullRequest\"V\n\nPullResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12)\n\x08response\x18\x03 \x01(\x0b\x32\x17.kvxfer.v1.PullResponse\";\n\x11PullBatchResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvxfer.v1.PullResult\"\xa2\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x02 \x01(\r\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x14\n\x0c\x64\x61ta_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cremote_ranks\x18\x05 \x03(\r\x12\x10\n\x08warnings\x18\x06 \x03(\t\x12\x15\n\rfetch_seconds\x18\x07 \x01(\x01\"n\n\x0cPullResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.kvxfer.v1.TransferStats\"A\n\x17WatchCompletionsRequest\x12\x0e\n\x06replay\x18\x01 \x01(\x08\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x04\"\xbb\x02\n\nCompletion\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.kvxfer.v1.Completion.Kind\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x0c\n\x04peer\x18\x07 \x01(\t\x12\'\n\x05stats\x18\x08 \x01(\x0b\x32\x18.kvxfer.v1.TransferStats\x12\x0f\n\x07unix_ms\x18\t \x01(\x03\"a\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06PULLED\x10\x01\x12\x0f\n\x0bPULL_FAILED\x10\x02\x12\x0c\n\x08RELEASED\x10\x03\x12\x0b\n\x07\x45XPIRED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"?\n\rAbortResponse\x12\x15\n\raborted_pulls\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x62orted_publish\x18\x02 \x01(\x08\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"N\n\rDrainResponse\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x11\n\tabandoned\x18\x02 \x01(\r\x12\x17\n\x0freleased_leases\x18\x03 \x01(\r\"\x12\n\x10GetStatusRequest\"\x83\x02\n\x0eStatusResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nregistered\x18\x05 \x01(\x08\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x0e\n\x06leases\x18\x07 \x01(\r\x12\x1b\n\x13transfers_in_flight\x18\x08 \x01(\r\x12\r\n\x05peers\x18\t \x01(\r\x12\x14\n\x0cpeer_address\x18\n \x01(\t\x12\x18\n\x10registered_bytes\x18\x0b \x01(\x04\x12\x18\n\x10protocol_version\x18\x0c \x01(\r2\xf1\x04\n\x05Local\x12U\n\x0eRegisterCaches\x12 .kvxfer.v1.RegisterCachesRequest\x1a!.kvxfer.v1.RegisterCachesResponse\x12@\n\x07Publish\x12\x19.kvxfer.v1.PublishRequest\x1a\x1a.kvxfer.v1.PublishResponse\x12\x37\n\x04Pull\x12\x16.kvxfer.v1.PullRequest\x1a\x17.kvxfer.v1.PullResponse\x12\x46\n\tPullBatch\x12\x1b.kvxfer.v1.PullBatchRequest\x1a\x1c.kvxfer.v1.PullBatchResponse\x12O\n\x10WatchCompletions\x12\".kvxfer.v1.WatchCompletionsRequest\x1a\x15.kvxfer.v1.Completion0\x01\x12@\n\x07Release\x12\x19.kvxfer.v1.ReleaseRequest\x1a\x1a.kvxfer.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.kvxfer.v1.AbortRequest\x1a\x18.kvxfer.v1.AbortResponse\x12:\n\x05\x44rain\x12\x17.kvxfer.v1.DrainRequest\x1a\x18.kvxfer.v1.DrainResponse\x12\x43\n\tGetStatus\x12\x1b.kvxfer.v1.GetStatusRequest\x1a\x19.kvxfer.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,32 +54,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHRESPONSE']._serialized_end=1005
   _globals['_PULLREQUEST']._serialized_start=1008
   _globals['_PULLREQUEST']._serialized_end=1221
-  _globals['_TRANSFERSTATS']._serialized_start=1224
-  _globals['_TRANSFERSTATS']._serialized_end=1386
-  _globals['_PULLRESPONSE']._serialized_start=1388
-  _globals['_PULLRESPONSE']._serialized_end=1498
-  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_start=1500
-  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_end=1565
-  _globals['_COMPLETION']._serialized_start=1568
-  _globals['_COMPLETION']._serialized_end=1883
-  _globals['_COMPLETION_KIND']._serialized_start=1786
-  _globals['_COMPLETION_KIND']._serialized_end=1883
-  _globals['_RELEASEREQUEST']._serialized_start=1885
-  _globals['_RELEASEREQUEST']._serialized_end=1921
-  _globals['_RELEASERESPONSE']._serialized_start=1923
-  _globals['_RELEASERESPONSE']._serialized_end=1958
-  _globals['_ABORTREQUEST']._serialized_start=1960
-  _globals['_ABORTREQUEST']._serialized_end=2010
-  _globals['_ABORTRESPONSE']._serialized_start=2012
-  _globals['_ABORTRESPONSE']._serialized_end=2075
-  _globals['_DRAINREQUEST']._serialized_start=2077
-  _globals['_DRAINREQUEST']._serialized_end=2116
-  _globals['_DRAINRESPONSE']._serialized_start=2118
-  _globals['_DRAINRESPONSE']._serialized_end=2196
-  _globals['_GETSTATUSREQUEST']._serialized_start=2198
-  _globals['_GETSTATUSREQUEST']._serialized_end=2216
-  _globals['_STATUSRESPONSE']._serialized_start=2219
-  _globals['_STATUSRESPONSE']._serialized_end=2478
-  _globals['_LOCAL']._serialized_start=2481
-  _globals['_LOCAL']._serialized_end=3034
+  _globals['_PULLBATCHREQUEST']._serialized_start=1223
+  _globals['_PULLBATCHREQUEST']._serialized_end=1280
+  _globals['_PULLRESULT']._serialized_start=1282
+  _globals['_PULLRESULT']._serialized_end=1368
+  _globals['_PULLBATCHRESPONSE']._serialized_start=1370
+  _globals['_PULLBATCHRESPONSE']._serialized_end=1429
+  _globals['_TRANSFERSTATS']._serialized_start=1432
+  _globals['_TRANSFERSTATS']._serialized_end=1594
+  _globals['_PULLRESPONSE']._serialized_start=1596
+  _globals['_PULLRESPONSE']._serialized_end=1706
+  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_start=1708
+  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_end=1773
+  _globals['_COMPLETION']._serialized_start=1776
+  _globals['_COMPLETION']._serialized_end=2091
+  _globals['_COMPLETION_KIND']._serialized_start=1994
+  _globals['_COMPLETION_KIND']._serialized_end=2091
+  _globals['_RELEASEREQUEST']._serialized_start=2093
+  _globals['_RELEASEREQUEST']._serialized_end=2129
+  _globals['_RELEASERESPONSE']._serialized_start=2131
+  _globals['_RELEASERESPONSE']._serialized_end=2166
+  _globals['_ABORTREQUEST']._serialized_start=2168
+  _globals['_ABORTREQUEST']._serialized_end=2218
+  _globals['_ABORTRESPONSE']._serialized_start=2220
+  _globals['_ABORTRESPONSE']._serialized_end=2283
+  _globals['_DRAINREQUEST']._serialized_start=2285
+  _globals['_DRAINREQUEST']._serialized_end=2324
+  _globals['_DRAINRESPONSE']._serialized_start=2326
+  _globals['_DRAINRESPONSE']._serialized_end=2404
+  _globals['_GETSTATUSREQUEST']._serialized_start=2406
+  _globals['_GETSTATUSREQUEST']._serialized_end=2424
+  _globals['_STATUSRESPONSE']._serialized_start=2427
+  _globals['_STATUSRESPONSE']._serialized_end=2686
+  _globals['_LOCAL']._serialized_start=2689
+  _globals['_LOCAL']._serialized_end=3314
 # @@protoc_insertion_point(module_scope)

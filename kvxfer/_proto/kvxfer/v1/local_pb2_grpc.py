@@ -49,6 +49,11 @@ class LocalStub:
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.PullRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_local__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PullBatch = channel.unary_unary(
+                '/kvxfer.v1.Local/PullBatch',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.PullBatchRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.PullBatchResponse.FromString,
+                _registered_method=True)
         self.WatchCompletions = channel.unary_stream(
                 '/kvxfer.v1.Local/WatchCompletions',
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.WatchCompletionsRequest.SerializeToString,
@@ -96,6 +101,14 @@ class LocalServicer:
 
     def Pull(self, request, context):
         """Read a published request's blocks from the remote sidecars into local blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBatch(self, request, context):
+        """Several pulls in one call (e.g. every load a worker starts in one engine step): each runs and
+        fails on its own, and the call answers once every one of them would have answered Pull.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,6 +166,11 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=kvxfer_dot_v1_dot_local__pb2.PullRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_local__pb2.PullResponse.SerializeToString,
+            ),
+            'PullBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBatch,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.PullBatchRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.PullBatchResponse.SerializeToString,
             ),
             'WatchCompletions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchCompletions,
@@ -261,6 +279,33 @@ class Local:
             '/kvxfer.v1.Local/Pull',
             kvxfer_dot_v1_dot_local__pb2.PullRequest.SerializeToString,
             kvxfer_dot_v1_dot_local__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/PullBatch',
+            kvxfer_dot_v1_dot_local__pb2.PullBatchRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.PullBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,11 @@ class PeerStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedResponse.FromString,
                 _registered_method=True)
+        self.GetPublishedBatch = channel.unary_unary(
+                '/kvxfer.v1.Peer/GetPublishedBatch',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedBatchRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedBatchResponse.FromString,
+                _registered_method=True)
         self.Notify = channel.unary_unary(
                 '/kvxfer.v1.Peer/Notify',
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.NotifyRequest.SerializeToString,
@@ -74,6 +79,14 @@ class PeerServicer:
 
     def GetPublished(self, request, context):
         """Look up a published request: its block ids and region tables (NOT_FOUND when unknown or expired).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPublishedBatch(self, request, context):
+        """Several lookups at once, each answered on its own (a busy reader batches the lookups it owes
+        one publisher while a call to it is in flight). One failing lookup does not fail the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +125,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.GetPublished,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedResponse.SerializeToString,
+            ),
+            'GetPublishedBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPublishedBatch,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedBatchRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.GetPublishedBatchResponse.SerializeToString,
             ),
             'Notify': grpc.unary_unary_rpc_method_handler(
                     servicer.Notify,
@@ -183,6 +201,33 @@ class Peer:
             '/kvxfer.v1.Peer/GetPublished',
             kvxfer_dot_v1_dot_peer__pb2.GetPublishedRequest.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.GetPublishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPublishedBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Peer/GetPublishedBatch',
+            kvxfer_dot_v1_dot_peer__pb2.GetPublishedBatchRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.GetPublishedBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,81 @@
+"""Per-peer batching of small control-plane calls.
+
+Under load a reader owes one publisher many small calls at once (a lookup per pull, a completion
+notice per pull). Each gRPC call costs both processes far more CPU than the few fields it carries,
+so calls owed to one peer while a call to it is under way are sent together, as one batch, when it
+returns. An idle peer still gets each call at once (no timer, no added latency): batches form only
+under load, and their size adapts to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Coalescer"]
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: ``send(key, items)`` answers one result per item, in order; an exception in that list fails only
+#: its own item, an exception raised by ``send`` fails the whole batch.
+SendFn = Callable[[K, list[T]], Awaitable[list[Any]]]
+
+
+class Coalescer(Generic[K, T, R]):
+    """Queues items per key; one sender per key sends whatever queued up while it was busy."""
+
+    def __init__(self, send: SendFn[K, T], spawn: Callable[[Awaitable[Any]], None]) -> None:
+        self._send = send
+        self._spawn = spawn
+        self._queues: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
+        self._busy: set[K] = set()
+
+    def submit(self, key: K, item: T) -> asyncio.Future[R]:
+        """Queue ``item`` for ``key``; the future gets its result (cancel it to drop the item)."""
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(key, []).append((item, fut))
+        if key not in self._busy:
+            self._busy.add(key)
+            self._spawn(self._run(key))
+        return fut
+
+    def pending(self, key: K) -> int:
+        """Items queued for ``key`` and not yet sent."""
+        return len(self._queues.get(key, ()))
+
+    async def _run(self, key: K) -> None:
+        try:
+            while self._queues.get(key):
+                # Items whose caller gave up (cancelled future) are not sent at all.
+                batch = [(item, fut) for item, fut in self._queues.pop(key) if not fut.done()]
+                if not batch:
+                    continue
+                try:
+                    results = await self._send(key, [item for item, _ in batch])
+                except Exception as exc:
+                    for _, fut in batch:
+                        _settle(fut, exc)
+                    continue
+                except BaseException:
+                    for _, fut in batch:
+                        fut.cancel()
+                    raise
+                for (_, fut), res in zip(batch, results, strict=True):
+                    _settle(fut, res)
+        finally:
+            self._busy.discard(key)
+            # Cancelled (the sidecar is closing): nobody will send what is still queued.
+            for _, fut in self._queues.pop(key, []):
+                fut.cancel()
+
+
+def _settle(fut: asyncio.Future[Any], res: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(res, BaseException):
+        fut.set_exception(res)
+    else:
+        fut.set_result(res)

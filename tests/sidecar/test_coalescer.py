@@ -1,0 +1,76 @@
+"""The per-peer Coalescer: who is sent with whom, and what each caller gets back."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvxfer.server.batching import Coalescer
+
+
+class Peer:
+    """A send function that records its batches and answers when released."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, list[int]]] = []
+        self.gate = asyncio.Event()
+        self.fail_batch: Exception | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    async def send(self, key: str, items: list[int]) -> list[Any]:
+        self.batches.append((key, list(items)))
+        await self.gate.wait()
+        if self.fail_batch is not None:
+            raise self.fail_batch
+        return [ValueError(f"odd {i}") if i % 2 else i * 10 for i in items]
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_first_item_goes_alone_and_followers_go_together() -> None:
+    peer = Peer()
+    c: Coalescer[str, int, int] = Coalescer(peer.send, peer.spawn)
+    first = c.submit("a", 0)
+    await _settle()
+    assert peer.batches == [("a", [0])]  # sent at once: no timer
+    later = [c.submit("a", i) for i in (2, 3, 4)]
+    other = c.submit("b", 6)  # another peer is not held up by "a"
+    await _settle()
+    assert peer.batches == [("a", [0]), ("b", [6])]
+    assert c.pending("a") == 3
+    peer.gate.set()
+    assert await first == 0
+    assert await other == 60
+    assert await later[0] == 20
+    with pytest.raises(ValueError, match="odd 3"):  # only its own item fails
+        await later[1]
+    assert await later[2] == 40
+    assert peer.batches == [("a", [0]), ("b", [6]), ("a", [2, 3, 4])]
+
+
+async def test_cancelled_items_are_not_sent_and_a_failed_send_fails_its_batch() -> None:
+    peer = Peer()
+    c: Coalescer[str, int, int] = Coalescer(peer.send, peer.spawn)
+    first = c.submit("a", 0)
+    await _settle()
+    gone, kept = c.submit("a", 2), c.submit("a", 4)
+    gone.cancel()
+    peer.fail_batch = ConnectionError("peer down")
+    peer.gate.set()
+    for fut in (first, kept):
+        with pytest.raises(ConnectionError, match="peer down"):
+            await fut
+    assert peer.batches == [("a", [0]), ("a", [4])]
+    # The peer is back: the next item is sent on its own again.
+    peer.fail_batch = None
+    assert await c.submit("a", 8) == 80
+    assert c.pending("a") == 0
