@@ -303,6 +303,13 @@ class TransferTopology:
     # ------------------------------------------------------------------ ranks and heads
     def sources(self) -> tuple[Source, ...]:
         """Which remote ranks the local rank reads, with each head slice and where it lands."""
+        return self._sources
+
+    # What follows depends on the two layouts and the ranks alone, so it is worked out once per
+    # topology (a sidecar keeps its topologies) instead of once per request: for a pull of a block or
+    # two it was over a third of the planning time.
+    @cached_property
+    def _sources(self) -> tuple[Source, ...]:
         local_tp, rank = self.local_rank.tp_size, self.local_rank.tp_rank
         if self.local.kind is CacheKind.MLA:
             r = rank % self.remote_tp_size
@@ -344,36 +351,55 @@ class TransferTopology:
                 f"{rb.size} remote blocks x {nr} tokens = {rb.size * nr} tokens",
                 field="remote_blocks",
             )
-        g = min(nl, nr)
+        g = self._granule
         chunks = lb.size * nl // g
         c = np.arange(chunks, dtype=np.int64)
         per_l, per_r = nl // g, nr // g
         l_block, l_tok = lb[c // per_l], (c % per_l) * g
         r_block, r_tok = rb[c // per_r], (c % per_r) * g
-        warnings: list[str] = []
-        plans = tuple(self._plan_source(src, g, l_block, l_tok, r_block, r_tok, warnings) for src in self.sources())
-        return TransferPlan(plans, chunks, self.local.num_layers, tuple(dict.fromkeys(warnings)))
+        plans = tuple(self._plan_source(src, g, l_block, l_tok, r_block, r_tok) for src in self._sources)
+        return TransferPlan(plans, chunks, self.local.num_layers, self._warnings)
 
-    def _plan_source(
-        self,
-        src: Source,
-        g: int,
-        l_block: I64,
-        l_tok: I64,
-        r_block: I64,
-        r_tok: I64,
-        warnings: list[str],
-    ) -> RankPlan:
+    @cached_property
+    def _granule(self) -> int:
+        """Tokens per chunk: the smaller block size (a chunk lies inside one block on each side)."""
+        return min(self.local.tokens_per_page, self.remote.tokens_per_page)
+
+    @cached_property
+    def _patterns(self) -> dict[Source, tuple[I64, I64, I64]]:
+        """Each source's unit pattern (see :func:`_unit_pattern`), read-only: shared by every plan."""
+        out = {}
+        for src in self._sources:
+            lo, ro, ln = _unit_pattern(self.local, self.remote, src, self._granule)
+            out[src] = (_frozen(lo), _frozen(ro), _frozen(ln))
+        return out
+
+    @cached_property
+    def _warnings(self) -> tuple[str, ...]:
         loc, rem = self.local, self.remote
-        l_units, r_units, u_len = _unit_pattern(loc, rem, src, g)
+        out: list[str] = []
+        for l_units, _, _ in self._patterns.values():
+            if len(l_units) > 1 and loc.order is Order.NHD and rem.order is Order.NHD:
+                out.append(
+                    f"NHD with a head slice: {len(l_units)} spans per chunk per layer (one per token); HND keeps a "
+                    "head slice contiguous"
+                )
+            elif len(l_units) > 1 and loc.order is not rem.order:
+                out.append(f"local {loc.order} vs remote {rem.order}: one span per row ({len(l_units)} per chunk)")
+        return tuple(dict.fromkeys(out))
+
+    @cached_property
+    def _layer_groups(self) -> tuple[I64, I64, I64, I64]:
+        """Region and offset of every layer's pages on each side (used when layers do not merge)."""
+        layers = np.arange(self.local.num_layers, dtype=np.int64)
+        lr, lo = _layer_groups(self.local, layers)
+        rr, ro = _layer_groups(self.remote, layers)
+        return _frozen(lr), _frozen(lo), _frozen(rr), _frozen(ro)
+
+    def _plan_source(self, src: Source, g: int, l_block: I64, l_tok: I64, r_block: I64, r_tok: I64) -> RankPlan:
+        loc, rem = self.local, self.remote
+        l_units, r_units, u_len = self._patterns[src]
         spans_per_chunk = len(l_units)
-        if len(l_units) > 1 and loc.order is Order.NHD and rem.order is Order.NHD:
-            warnings.append(
-                f"NHD with a head slice: {len(l_units)} spans per chunk per layer (one per token); HND keeps a "
-                "head slice contiguous"
-            )
-        elif len(l_units) > 1 and loc.order is not rem.order:
-            warnings.append(f"local {loc.order} vs remote {rem.order}: one span per row ({len(l_units)} per chunk)")
         # Chunk start offsets inside each side's region, for layer 0.
         l_start = l_block * loc.block_stride + _token_offset(loc, l_tok)
         r_start = r_block * rem.block_stride + _token_offset(rem, r_tok)
@@ -389,8 +415,7 @@ class TransferTopology:
             lo = (l_start[:, None] + l_units[None, :]).ravel()
             ro = (r_start[:, None] + r_units[None, :]).ravel()
             lo, ro, ln = _coalesce(lo, ro, np.tile(u_len, l_start.size))
-        layers = np.arange(loc.num_layers, dtype=np.int64)
-        return RankPlan(src, spans_per_chunk, *_layer_groups(loc, layers), *_layer_groups(rem, layers), lo, ro, ln)
+        return RankPlan(src, spans_per_chunk, *self._layer_groups, lo, ro, ln)
 
 
 def _layer_groups(layout: KVCacheLayout, layers: I64) -> tuple[I64, I64]:
@@ -469,8 +494,8 @@ def _row_offsets(layout: KVCacheLayout, entries: I64, toks: I64) -> I64:
 
 def _merge_runs(l_start: I64, r_start: I64, unit: int) -> tuple[I64, I64, I64]:
     """Merge consecutive chunks whose single unit continues on both sides; returns starts and lengths."""
-    if l_start.size == 0:
-        return l_start, r_start, np.zeros(0, np.int64)
+    if l_start.size <= 1:
+        return l_start, r_start, np.full(l_start.size, unit, np.int64)
     brk = np.ones(l_start.size, dtype=bool)
     brk[1:] = (l_start[1:] != l_start[:-1] + unit) | (r_start[1:] != r_start[:-1] + unit)
     starts = np.flatnonzero(brk)
@@ -501,8 +526,8 @@ def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
     if arr.dtype.kind not in "iu":
         raise BlockIdError(f"{name}: block ids must be integers, got dtype {arr.dtype}", field=name)
     arr = arr.astype(np.int64, copy=False)
-    bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
-    if bad.size:
+    if arr.min() < 0 or arr.max() >= num_blocks:
+        bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
         i = int(bad[0])
         raise BlockIdError(
             f"{name}: block id {int(arr[i])} at position {i} is out of range [0, {num_blocks})"
@@ -519,9 +544,11 @@ def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
 
 def _resolve(table: RegionTable, g_region: I64, g_offset: I64, p_offset: I64, p_length: I64, side: str) -> U64:
     """Addresses of the ``groups x pattern`` descriptors, each checked against its region's size."""
+    # ndarray methods rather than the np.* wrappers, and the error details only once a check fails:
+    # a pull of one block resolves a handful of descriptors, where numpy's per-call cost dominates.
     groups, per = g_region.size, p_offset.size
     n_regions = table.base.size
-    if groups and int(g_region.max()) >= n_regions:
+    if groups and g_region.max() >= n_regions:
         raise LayoutError(
             f"regions: {side} descriptors need region {int(g_region.max())}, only {n_regions} registered",
             field="regions",
@@ -531,10 +558,10 @@ def _resolve(table: RegionTable, g_region: I64, g_offset: I64, p_offset: I64, p_
         return out.reshape(-1, 3)
     p_end = p_offset + p_length
     # One comparison per group: the furthest byte any pattern entry reaches in it.
-    size = np.take(table.size, g_region)
-    over = np.flatnonzero((g_offset + int(p_end.max())).astype(np.uint64) > size)
-    if over.size:
-        i = int(over[0])
+    size = table.size.take(g_region)
+    reach = (g_offset + p_end.max()).view(np.uint64)
+    if (reach > size).any():
+        i = int(np.flatnonzero(reach > size)[0])
         j = int(np.flatnonzero((g_offset[i] + p_end).astype(np.uint64) > size[i])[0])
         r = int(g_region[i])
         raise LayoutError(
@@ -542,14 +569,16 @@ def _resolve(table: RegionTable, g_region: I64, g_offset: I64, p_offset: I64, p_
             f"region {r} of {int(table.size[r])} bytes",
             field="regions",
         )
-    base = np.take(table.base, g_region) + g_offset.view(np.uint64)
+    base = table.base.take(g_region) + g_offset.view(np.uint64)
     np.add(base[:, None], p_offset.view(np.uint64)[None, :], out=out[:, :, 0])
     out[:, :, 1] = p_length.view(np.uint64)[None, :]
-    out[:, :, 2] = np.take(table.device, g_region)[:, None]
+    out[:, :, 2] = table.device.take(g_region)[:, None]
     return out.reshape(-1, 3)
 
 
 def _frozen(a: npt.ArrayLike) -> I64:
+    if isinstance(a, np.ndarray) and a.dtype == np.int64 and not a.flags.writeable and a.flags.c_contiguous:
+        return a  # already read-only (e.g. a topology's cached pattern): share it
     # A new view, so that a caller's own array keeps its flags.
     arr = np.ascontiguousarray(a, dtype=np.int64).view()
     arr.flags.writeable = False
