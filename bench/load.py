@@ -3,11 +3,17 @@
 The two sidecars run as their own processes (``python -m kvxfer.server``, real gRPC, real NIXL);
 this script plays both workers. Requests are published on the prefill side ahead of time, then
 the decode side pulls them with ``--concurrency`` pulls in flight (requests/s is taken over the
-pulls alone), then ``--serial`` more one at a time. Every pulled byte is compared with its source.
+pulls alone), three ways, one after the other in one run:
 
-What is measured, per pull (``wait=True``):
+1. ``concurrent``: one ``Pull`` call per pull;
+2. ``batched``: the same number of pulls again, the worker sending them ``--batch`` at a time in
+   one ``PullBatch`` call (as a worker that starts a step's loads together would), so
+   ``concurrency / batch`` calls are in flight;
+3. ``serial``: ``--serial`` more pulls, one at a time.
 
-* ``latency``: the decode worker's wall time for its Pull call;
+Every pulled byte is compared with its source. What is measured, per pull (``wait=True``):
+
+* ``latency``: the decode worker's wall time for its Pull (or PullBatch) call;
 * ``data``: the data movement itself, as the decode sidecar measured it: from handing the
   descriptors to the data plane (NIXL prepares and posts the READ) to the READ's completion;
 * ``overhead`` = latency - data: everything else - both gRPC hops (worker -> decode sidecar, and
@@ -21,7 +27,7 @@ spends about concurrency / throughput in the system; that queueing is part of ``
 concurrent phase. The serial phase has no queueing: its overhead is the control plane's cost of a
 pull. CPU time per pull of each process (concurrent phase) is the cost that bounds throughput.
 
-    python bench/load.py [--pulls 4000] [--concurrency 200] [--serial 300] [--json]
+    python bench/load.py [--pulls 4000] [--concurrency 200] [--batch 20] [--serial 300] [--json]
 """
 
 from __future__ import annotations
