@@ -297,6 +297,17 @@ class AsyncClient:
         resp = await self._call("Abort", local_pb2.AbortRequest(request_id=request_id, reason=reason), deadline)
         return int(resp.aborted_pulls), bool(resp.aborted_publish)
 
+    async def drop_remote(
+        self, request_id: str, remote_addresses: Sequence[str], reason: str = "", *, deadline: float | None = None
+    ) -> int:
+        """Tell the publishers of a request this side will not pull to free it now; returns how many held it.
+
+        For a decode request that needs none of the published blocks (its own prefix cache covered
+        them): without this, the prefill side holds them until the lease expires.
+        """
+        req = local_pb2.AbortRequest(request_id=request_id, reason=reason, remote_addresses=list(remote_addresses))
+        return int((await self._call("Abort", req, deadline)).remote_dropped)
+
     async def drain(self, timeout_seconds: float = 0.0, *, deadline: float | None = None) -> dict[str, Any]:
         """Start the graceful drain and wait for it."""
         resp = await self._call("Drain", local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline)
@@ -411,6 +422,13 @@ class Client:
         """See :meth:`AsyncClient.abort`."""
         resp = self._call("Abort", local_pb2.AbortRequest(request_id=request_id, reason=reason), deadline)
         return int(resp.aborted_pulls), bool(resp.aborted_publish)
+
+    def drop_remote(
+        self, request_id: str, remote_addresses: Sequence[str], reason: str = "", *, deadline: float | None = None
+    ) -> int:
+        """See :meth:`AsyncClient.drop_remote`."""
+        req = local_pb2.AbortRequest(request_id=request_id, reason=reason, remote_addresses=list(remote_addresses))
+        return int(self._call("Abort", req, deadline).remote_dropped)
 
     def drain(self, timeout_seconds: float = 0.0, *, deadline: float | None = None) -> dict[str, Any]:
         """See :meth:`AsyncClient.drain`."""

@@ -288,6 +288,10 @@ class SidecarCore:
         """Abort: stop a request here and on its peers; frees blocks on both sides."""
         rid = check_id(req.request_id, "request_id")
         reason = req.reason or "aborted by the worker"
+        addresses: list[str] = []
+        if req.remote_addresses:  # checked before anything is stopped
+            self._require_role("decode", "Abort with remote_addresses")
+            addresses = _check_addresses(req.remote_addresses)
         resp = local_pb2.AbortResponse()
         entry = self._drop_publish(rid)
         if entry is not None:
@@ -301,7 +305,27 @@ class SidecarCore:
             resp.aborted_pulls = 1
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(pull.done), timeout=5.0)
+        if addresses:
+            peer_req = peer_pb2.PeerAbortRequest(
+                request_id=rid, engine_id=self.settings.engine_id, instance_id=self.instance_id, reason=reason
+            )
+            dropped = await asyncio.gather(*(self._drop_remote(a, peer_req) for a in addresses))
+            resp.remote_dropped = sum(dropped)
         return resp
+
+    async def _drop_remote(self, address: str, req: Any) -> bool:
+        """Ask a publisher to drop a request this side will not read (handshaking first if needed)."""
+        try:
+            # A publisher takes aborts only from a reader that handshook with it.
+            await self.peers.session(address, budget=PEER_CALL_SECONDS)
+            resp = await self.peers.call(
+                address, "Abort", lambda s: s.Abort(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
+            )
+        except KvxferError as exc:
+            log.warning("could not ask a publisher to drop a request; its lease will expire",
+                        extra={"peer": address, "error": exc.message})  # fmt: skip
+            return False
+        return bool(resp.found)
 
     async def _abort_readers(self, entry: PublishEntry, reason: str, skip: tuple[str, str] | None) -> None:
         calls = []
@@ -353,16 +377,7 @@ class SidecarCore:
                 "remote_addresses: give the peer API address of every remote TP rank's sidecar, in rank order",
                 field="remote_addresses",
             )
-        addresses = list(req.remote_addresses)
-        for i, a in enumerate(addresses):
-            try:
-                parse_address(a, setting=f"remote_addresses[{i}]")
-            except ConfigError as exc:
-                raise InvalidArgumentError(exc.message, field=exc.field) from None
-        if len(set(addresses)) != len(addresses):
-            raise InvalidArgumentError(
-                f"remote_addresses: an address appears twice in {addresses}", field="remote_addresses"
-            )
+        addresses = _check_addresses(req.remote_addresses)
         local_blocks = blocks_from_proto(req.local_blocks, reg.layouts, "local_blocks")
         remote_given = _parse_remote_blocks(req.remote_blocks, reg.layouts)
         timeout = float(req.timeout_seconds)
@@ -1057,6 +1072,21 @@ def _check_rank_heads(layout: KVCacheLayout, rank: RankInfo, field: str) -> None
             f"heads, the layout says {layout.num_kv_heads}",
             field=f"{field}.num_kv_heads",
         )
+
+
+def _check_addresses(values: Any) -> list[str]:
+    """Peer API addresses of remote ranks: each one parseable, none twice."""
+    addresses = list(values)
+    for i, a in enumerate(addresses):
+        try:
+            parse_address(a, setting=f"remote_addresses[{i}]")
+        except ConfigError as exc:
+            raise InvalidArgumentError(exc.message, field=exc.field) from None
+    if len(set(addresses)) != len(addresses):
+        raise InvalidArgumentError(
+            f"remote_addresses: an address appears twice in {addresses}", field="remote_addresses"
+        )
+    return addresses
 
 
 def _parse_remote_blocks(lists: Any, layouts: dict[str, KVCacheLayout]) -> dict[str, I64]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 
@@ -46,3 +48,30 @@ async def test_pull_of_an_unpublished_id_is_refused(harness: Harness) -> None:
     for layer in range(lay.num_layers):
         assert np.array_equal(dst.pages(layer)[[1, 2]], src.pages(layer)[[51, 50]])
     assert res.bytes == 2 * lay.page_bytes * lay.num_layers
+
+
+async def test_a_reader_that_needs_nothing_frees_the_publish_at_once(harness: Harness) -> None:
+    # The decode side's prefix cache covered a whole prompt: it pulls nothing, and tells the prefill
+    # side so, instead of leaving the blocks held until the lease expires.
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=600)
+    await pw[0].prefill("r1", {"kv": PUBLISHED}, salt=14)
+    await pw[0].prefill("r2", {"kv": [50, 51]}, salt=15)
+    # The decode sidecar has never talked to the publisher: it handshakes first.
+    assert await dw[0].client.drop_remote("r1", [ps[0].peer_address], "covered by the local prefix cache") == 1
+    ev = await asyncio.wait_for(anext(pw[0].client.watch_completions(replay=True)), 10)
+    assert (ev.kind, ev.request_id) == ("ABORTED", "r1")
+    assert "covered by the local prefix cache" in ev.message
+    assert (await pw[0].client.status())["leases"] == 1
+    await expect_error(grpc.StatusCode.NOT_FOUND, dw[0].pull("r1", ps, {"kv": [1]}, remote_blocks={"kv": [5]}),
+                       "'r1' is not published")  # fmt: skip
+    # Nothing held under that id any more, or never: nothing dropped, no error.
+    assert await dw[0].client.drop_remote("r1", [ps[0].peer_address]) == 0
+    # Bad input is refused before anything happens; r2 still moves exactly.
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client.drop_remote("r2", ["no-port"]),
+                       "remote_addresses[0]")  # fmt: skip
+    await expect_error(grpc.StatusCode.FAILED_PRECONDITION, pw[0].client.drop_remote("r2", [ds[0].peer_address]),
+                       "needs role decode")  # fmt: skip
+    res = await dw[0].pull("r2", ps, {"kv": [1, 2]})
+    assert res.bytes == 2 * lay.page_bytes * lay.num_layers
+    assert dw[0].verify({"kv": [1, 2]}, 15) == (2 * lay.page_bytes * lay.num_layers, 0)

@@ -170,6 +170,25 @@ def test_decode_prefix_cache_hit_pulls_only_the_missing_tail(pair: Callable[...,
         assert np.array_equal(got, want)
 
 
+def test_decode_prefix_cache_covering_everything_frees_the_prefill_copy_at_once(pair: Callable[..., Any]) -> None:
+    p, _d, ps, pw, _pk, ds, dw, _dk = pair(p_flags=("--lease-seconds", "600"))
+    tokens = 3 * BS
+    params = prefill_request(ps, pw, "p-full", [4, 5, 6], tokens)
+    req = Req("d-full", list(range(tokens)), dict(params), status="RUNNING")
+    # vLLM's own prefix cache covered the whole prompt: nothing to load.
+    assert ds.matched_tokens(req, tokens) == (0, False)
+    ds.after_alloc(req, [30, 31, 32], 0)
+    plan = ds.build_plan()
+    assert plan.pulls == []
+    assert [(r.request_id, r.addresses) for r in plan.drops] == [("p-full", (p.peer_address,))]
+    dw.on_step(plan)
+    # The prefill worker gets its blocks back now, not after the 600 s lease.
+    sending, _ = wait_for(pw, sending="p-full")
+    assert sending == {"p-full"}
+    assert pw.link.call(pw.link.client.status())["leases"] == 0
+    assert dw.load_errors() == set()
+
+
 def test_failed_load_reports_its_blocks_and_other_loads_complete(pair: Callable[..., Any]) -> None:
     _p, _d, ps, pw, pk, ds, dw, dk = pair()
     good = prefill_request(ps, pw, "p-good", [1, 2], 2 * BS)

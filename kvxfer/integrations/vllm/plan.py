@@ -34,6 +34,9 @@ class StepPlan:
     aborts: list[str] = field(default_factory=list)
     #: Requests this (prefill) instance published, with their lease expiry in unix ms.
     published: dict[str, int] = field(default_factory=dict)
+    #: Prefill-side copies this (decode) instance will not read (its prefix cache covered the
+    #: prompt, or it computes the prompt itself): their publishers are told to free them now.
+    drops: list[RemotePrefill] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.pulls or self.aborts or self.published)
+        return bool(self.pulls or self.aborts or self.published or self.drops)

@@ -13,6 +13,7 @@ asks vLLM for blocks, and the workers pull the prefill instance's published bloc
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -121,8 +122,11 @@ class SchedulerSide:
         params["do_remote_prefill"] = False
         rid = request.request_id
         if num_external_tokens <= 0:
-            # Everything was in the local prefix cache; the prefill side's lease frees its copy.
-            log.info("remote KV not needed (local prefix-cache hit)", extra={"request_id": rid})
+            # Nothing to load (the local prefix cache covered the prompt, or it is computed here):
+            # tell the prefill side, so that it frees its copy now rather than at lease expiry.
+            with contextlib.suppress(ParamsError):  # no usable addresses: the lease frees it
+                self._plan.drops.append(RemotePrefill.parse(params))
+            log.info("remote KV not needed; the prefill side frees its copy", extra={"request_id": rid})
             return
         try:
             remote: RemotePrefill | None = RemotePrefill.parse(params)  # checked in matched_tokens already

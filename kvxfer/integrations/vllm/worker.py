@@ -20,6 +20,7 @@ import grpc
 from kvxfer.client import AsyncClient, KvxferRpcError, PullResult
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.kvcache import SharedCaches, describe_kv_caches, share_kv_caches
+from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.plan import GROUP, PullSpec, StepPlan
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.logs import get_logger, log_context
@@ -176,6 +177,9 @@ class WorkerSide:
                 continue
             self._aborting.add(rid)
             self.link.submit(self._abort(running[0]))
+        if self.rank.tp_rank == 0:  # one rank per pipeline stage tells that stage's prefill ranks
+            for remote in plan.drops:
+                self.link.submit(self._drop(remote))
 
     async def _pull(self, spec: PullSpec) -> PullResult:
         remote = spec.remote
@@ -199,6 +203,14 @@ class WorkerSide:
             )
         per = len(addresses) // pp
         return list(addresses[self.rank.pp_rank * per : (self.rank.pp_rank + 1) * per])
+
+    async def _drop(self, remote: RemotePrefill) -> None:
+        try:
+            addresses = self._stage_addresses(remote.addresses)
+            await self.link.client.drop_remote(remote.request_id, addresses, "the decode instance needs none of its KV")
+        except KvxferError as exc:  # the lease still frees it
+            log.warning("could not ask the prefill side to free a request", extra={
+                "request_id": remote.request_id, "error": exc.message})  # fmt: skip
 
     async def _abort(self, spec: PullSpec) -> None:
         if spec.remote is None:
