@@ -69,6 +69,7 @@ U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 PEER_CALL_SECONDS = 10.0  # cap on a single control-plane call to a peer
 MAX_BATCH = 1024  # items in one PullBatch or GetPublishedBatch
+LOOKUPS_PER_CALL = 64  # lookups a reader puts in one GetPublishedBatch
 
 
 class SidecarCore:
@@ -752,6 +753,12 @@ class SidecarCore:
 
     async def _send_lookups(self, address: str, asks: list[tuple[Any, float]]) -> list[Any]:
         """GetPublished for every queued pull of one peer: one call, or one GetPublishedBatch for several."""
+        if len(asks) > LOOKUPS_PER_CALL:
+            # Answers carry every block id: long prompts in large batches would outgrow the message limit.
+            n = LOOKUPS_PER_CALL
+            chunks = [asks[i : i + n] for i in range(0, len(asks), n)]
+            parts = await asyncio.gather(*(self._send_lookups(address, c) for c in chunks))
+            return [r for part in parts for r in part]
         # The call may run as long as the most patient pull in it; each pull still ends at its own deadline.
         timeout = min(max(max(d for _, d in asks) - time.monotonic(), 0.001), PEER_CALL_SECONDS)
         md = self.peers.metadata

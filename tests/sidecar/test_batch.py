@@ -167,3 +167,22 @@ async def test_lookups_fall_back_to_single_calls_for_a_peer_without_batches(
     assert singles.sizes == [1] * 6
     for i in range(6):
         assert dw.verify({"kv": [10 + i]}, 20 + i) == (LAY.page_bytes * LAY.num_layers, 0)
+
+
+async def test_many_lookups_to_one_publisher_go_in_bounded_batches(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lay = attention(blocks=256)
+    ps, pws, _ds, dws = await harness.deployment({"kv": lay}, {"kv": lay})
+    p, pw, dw = ps[0], pws[0], dws[0]
+    await transfer([pw], [p], [dw], "warm", {"kv": [255]}, {"kv": [255]}, salt=3)
+    for i in range(70):
+        await pw.prefill(f"r{i}", {"kv": [i]}, salt=100 + i)
+    lookups = CallCounter(monkeypatch, p, "peer_get_published_batch")
+    dw.poison({"kv": list(range(100, 170))})
+    results = await dw.client.pull_batch([_item(f"r{i}", p, [100 + i]) for i in range(70)])
+    assert all(isinstance(r, PullResult) for r in results), results
+    # Answers carry block ids, so one call takes at most 64 lookups (LOOKUPS_PER_CALL).
+    assert sorted(lookups.sizes) == [6, 64]
+    for i in range(70):
+        assert dw.verify({"kv": [100 + i]}, 100 + i) == (lay.page_bytes * lay.num_layers, 0)
