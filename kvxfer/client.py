@@ -303,7 +303,8 @@ class AsyncClient:
         """Tell the publishers of a request this side will not pull to free it now; returns how many held it.
 
         For a decode request that needs none of the published blocks (its own prefix cache covered
-        them): without this, the prefill side holds them until the lease expires.
+        them): without this, the prefill side holds them until the lease expires. It is an
+        ``Abort`` of ``request_id``: a pull or publish of that id on this sidecar stops too.
         """
         req = local_pb2.AbortRequest(request_id=request_id, reason=reason, remote_addresses=list(remote_addresses))
         return int((await self._call("Abort", req, deadline)).remote_dropped)

@@ -170,7 +170,7 @@ class LocalCluster:
 
         ``env``: extra variables for this sidecar (set after the inherited ``KVXFER_*`` are dropped).
         """
-        port, mport = port or free_port(), free_port()
+        port, mport = port or free_port(below_ephemeral=True), free_port(below_ephemeral=True)
         sock = str(self.dir / f"{name}.sock")
         log_path = self.dir / f"{name}.log"
         argv = [

@@ -122,7 +122,7 @@ class _RawMooncake:
 
         self.local = local
         self.agent: Any = TransferEngine()
-        self.agent.initialize(f"127.0.0.1:{free_port('127.0.0.1')}", "P2PHANDSHAKE", "tcp", "")
+        self.agent.initialize(f"127.0.0.1:{free_port('127.0.0.1', below_ephemeral=True)}", "P2PHANDSHAKE", "tcp", "")
         self.agent.register_memory(local.ctypes.data, local.size)
         self.peer = peer_session
 

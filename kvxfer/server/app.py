@@ -349,7 +349,7 @@ def serve_main(settings: Settings, *, hard_exit: bool = True) -> int:
         runner = asyncio.run
     try:
         code = int(runner(_serve(settings)))
-    except ConfigError as exc:  # e.g. a port in use: one clear line, no traceback, exit 2 like a bad flag
+    except KvxferError as exc:  # a port in use, a data plane that will not start: one line, exit 2
         log.error("cannot start", extra={"error": exc.message, "setting": exc.field})
         code = 2
     except Exception as exc:

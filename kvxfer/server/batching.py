@@ -55,14 +55,18 @@ class Coalescer(Generic[K, T, R]):
                     continue
                 try:
                     results = await self._send(key, [item for item, _ in batch])
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"{len(results)} results for a batch of {len(batch)}")
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        for _, fut in batch:
+                            fut.cancel()
+                        raise
+                    # Cancelled from below (not this task): a failure of this batch only.
+                    results = [RuntimeError("the call was cancelled")] * len(batch)
                 except Exception as exc:
-                    for _, fut in batch:
-                        _settle(fut, exc)
-                    continue
-                except BaseException:
-                    for _, fut in batch:
-                        fut.cancel()
-                    raise
+                    results = [exc] * len(batch)
                 for (_, fut), res in zip(batch, results, strict=True):
                     _settle(fut, res)
         finally:

@@ -108,7 +108,7 @@ class SidecarCore:
         # Per-peer batching of the two calls every pull owes its publishers (see batching.py).
         self._lookups: Coalescer[str, tuple[Any, float], Any] = Coalescer(self._send_lookups, self._spawn)
         self._notices: Coalescer[str, Any, None] = Coalescer(self._send_notices, self._spawn)
-        self._unbatched: set[str] = set()  # peers that answered UNIMPLEMENTED to GetPublishedBatch
+        self._unbatched: set[tuple[str, str]] = set()  # (address, instance) answering UNIMPLEMENTED to batches
         self._background: set[asyncio.Task[Any]] = set()
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publishes))
@@ -757,12 +757,16 @@ class SidecarCore:
             # Answers carry every block id: long prompts in large batches would outgrow the message limit.
             n = LOOKUPS_PER_CALL
             chunks = [asks[i : i + n] for i in range(0, len(asks), n)]
-            parts = await asyncio.gather(*(self._send_lookups(address, c) for c in chunks))
-            return [r for part in parts for r in part]
+            parts = await asyncio.gather(*(self._send_lookups(address, c) for c in chunks), return_exceptions=True)
+            # A chunk that failed as a whole fails its own lookups only.
+            return [r for c, part in zip(chunks, parts, strict=True) for r in (
+                [part] * len(c) if isinstance(part, BaseException) else part)]  # fmt: skip
         # The call may run as long as the most patient pull in it; each pull still ends at its own deadline.
         timeout = min(max(max(d for _, d in asks) - time.monotonic(), 0.001), PEER_CALL_SECONDS)
         md = self.peers.metadata
-        if len(asks) > 1 and address not in self._unbatched:
+        session = self.peers.current(address)
+        peer = (address, session.identity.instance_id if session else "")
+        if len(asks) > 1 and peer not in self._unbatched:
             batch = peer_pb2.GetPublishedBatchRequest(requests=[r for r, _ in asks])
             try:
                 resp = await self.peers.call(
@@ -771,8 +775,13 @@ class SidecarCore:
             except KvxferError as exc:
                 if exc.status != "UNIMPLEMENTED":
                     raise
-                self._unbatched.add(address)  # an older kvxfer: ask one request per call
+                self._unbatched.add(peer)  # an older kvxfer (until it restarts): one request per call
             else:
+                if len(resp.results) != len(asks):  # what a peer sends is checked like a worker's input
+                    raise PeerUnavailableError(
+                        f"peer {address} answered {len(resp.results)} results to {len(asks)} lookups",
+                        field="remote_addresses",
+                    )
                 return [
                     r.response if r.code == 0 else status_error(r.code, r.message, address, "GetPublished")
                     for r in resp.results
@@ -808,9 +817,10 @@ class SidecarCore:
                 # A replica this rank never read from only takes notices from a sidecar it knows.
                 await self.peers.session(address, budget=PEER_CALL_SECONDS)
             await self.peers.call(address, what, send)
-        except KvxferError as exc:
+        except Exception as exc:  # nobody awaits a notice: whatever went wrong is logged here
+            error = exc.message if isinstance(exc, KvxferError) else f"{type(exc).__name__}: {exc}"
             log.warning("completion notices not delivered; the peer's leases will expire", extra={
-                "peer": address, "error": exc.message, "notices": len(batch)})  # fmt: skip
+                "peer": address, "error": error, "notices": len(batch)})  # fmt: skip
         return [None] * len(batch)
 
     def _abort_publishers(self, entry: PullEntry, reason: str) -> None:

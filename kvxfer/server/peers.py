@@ -207,6 +207,20 @@ class PeerDirectory:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.invalidate(address, reconnect=True)
             raise peer_error(exc, address, what) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller was cancelled
+            # grpc.aio cancels the calls in flight on a channel that is closed under them (another
+            # call to this peer failed and reset it): a peer failure, not a cancellation of ours.
+            raise PeerUnavailableError(
+                f"peer {address} is unreachable ({what}): its channel was reset while the call was in flight",
+                field="remote_addresses",
+            ) from None
+
+    def current(self, address: str) -> PeerSession | None:
+        """The live session to ``address``, if any."""
+        return self._sessions.get(address)
 
     async def close(self) -> None:
         """Close every channel."""

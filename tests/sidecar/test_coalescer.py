@@ -74,3 +74,27 @@ async def test_cancelled_items_are_not_sent_and_a_failed_send_fails_its_batch() 
     peer.fail_batch = None
     assert await c.submit("a", 8) == 80
     assert c.pending("a") == 0
+
+
+async def test_a_send_that_answers_the_wrong_count_or_is_cancelled_from_below_fails_its_batch_only() -> None:
+    calls: list[list[int]] = []
+
+    async def send(_key: str, items: list[int]) -> list[Any]:
+        calls.append(list(items))
+        if items[0] == 1:
+            return [10]  # one result for two items: a peer answering the wrong count
+        if items[0] == 3:
+            raise asyncio.CancelledError  # e.g. grpc.aio cancelling a call whose channel was reset
+        return [i * 10 for i in items]
+
+    tasks: set[asyncio.Task[Any]] = set()
+    c: Coalescer[str, int, int] = Coalescer(send, lambda coro: tasks.add(asyncio.ensure_future(coro)))
+    wrong = [c.submit("a", 1), c.submit("a", 2)]
+    for fut in wrong:
+        with pytest.raises(RuntimeError, match="1 results for a batch of 2"):
+            await asyncio.wait_for(fut, 5)  # settled, not left pending
+    with pytest.raises(RuntimeError, match="the call was cancelled"):
+        await asyncio.wait_for(c.submit("a", 3), 5)
+    # The queue keeps working: nothing cancelled the sender for good.
+    assert await asyncio.wait_for(c.submit("a", 5), 5) == 50
+    assert calls == [[1, 2], [3], [5]]

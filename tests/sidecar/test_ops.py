@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvxfer.client import AsyncClient
-from kvxfer.cluster import free_port
 from kvxfer.config import ConfigError, Settings, load_settings
 from kvxfer.memory import SharedKVBuffer
+from kvxfer.ports import free_port
 from kvxfer.server.cli import drain_main
 from tests.sidecar.conftest import JsonLogs, reset_kvxfer_logging
 from tests.sidecar.helpers import Harness, attention, transfer
@@ -146,7 +146,7 @@ KVXFER = [sys.executable, "-m", "kvxfer.cli"]  # the `kvxfer` console script, in
 
 
 def _serve(tmp: Path, *extra: str, cli: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
-    port = free_port()
+    port = free_port(below_ephemeral=True)
     sock = str(tmp / "sc.sock")
     proc = subprocess.Popen(
         [*(cli or [sys.executable, "-m", "kvxfer.server"]), "--engine-id", "ops", "--peer-listen", f"127.0.0.1:{port}",
@@ -254,22 +254,33 @@ def test_invalid_setting_stops_startup_naming_it(cli: list[str], tmp_path: Path)
     assert f"drain_seconds (in {cfg}): Input should be a valid number" in out.stderr
 
 
-def test_a_port_in_use_stops_startup_cleanly(tmp_path: Path) -> None:
+def _start_fails(tmp_path: Path, *flags: str) -> dict[str, object]:
+    """Run `kvxfer serve` expecting it not to start; returns its "cannot start" log line."""
+    out = subprocess.run(
+        [*KVXFER, "serve", "--role", "decode", "--local-socket", str(tmp_path / "k.sock"), "--metrics-listen",
+         "127.0.0.1:0", *flags],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "UCX_MODULES": "^efa"},
+    )  # fmt: skip
+    # Exit 2 (not a traceback and a crash in native destructors), one JSON line naming the setting.
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    line: dict[str, object] = next(
+        json.loads(x) for x in (out.stdout + out.stderr).splitlines() if '"cannot start"' in x
+    )
+    return line
+
+
+def test_a_sidecar_that_cannot_start_exits_2_naming_the_setting(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(
-            [*KVXFER, "serve", "--role", "decode", "--peer-listen", f"127.0.0.1:{port}", "--local-socket",
-             str(tmp_path / "k.sock"), "--metrics-listen", "127.0.0.1:0"],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "UCX_MODULES": "^efa"},
-        )  # fmt: skip
-    # Exit 2 (not a traceback and a crash in native destructors), one JSON line naming the flag.
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "Traceback" not in out.stdout + out.stderr
-    line = next(json.loads(x) for x in (out.stdout + out.stderr).splitlines() if '"cannot start"' in x)
+        line = _start_fails(tmp_path, "--peer-listen", f"127.0.0.1:{port}")
     assert line["setting"] == "peer_listen"
-    assert line["error"].startswith(f"--peer-listen: cannot listen on 127.0.0.1:{port}")
+    assert str(line["error"]).startswith(f"--peer-listen: cannot listen on 127.0.0.1:{port}")
+    line = _start_fails(tmp_path, "--peer-listen", "127.0.0.1:0", "--nixl-backends", "NOSUCH")
+    assert line["setting"] == "backend"
+    assert "backend plugins ['NOSUCH'] are not available" in str(line["error"])
 
 
 def test_generated_code_is_up_to_date() -> None:
