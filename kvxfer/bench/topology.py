@@ -91,6 +91,8 @@ def run(layers: int = 80, blocks: int = 4096, repeat: int = 20, loop_repeat: int
     lists = {
         "contiguous": (np.arange(blocks), np.arange(blocks)),
         "fragmented": (rng.permutation(blocks), rng.permutation(blocks)),
+        # A pull of one block (e.g. a prefix-cache tail): fixed per-call costs dominate.
+        "one_block": (np.array([blocks // 2]), np.array([7])),
     }
     for tp_name, (decode_tp, prefill_tp) in {"same_tp": (1, 1), "decode_tp_2x": (2, 1)}.items():
         local_l, remote_l = _layout(decode_tp, layers, blocks), _layout(prefill_tp, layers, blocks)

@@ -55,5 +55,7 @@ def test_bench_topology_json() -> None:
         "same_tp/fragmented": (256, 256, 20.0),
         "decode_tp_2x/contiguous": (256, 256, 20.0),
         "decode_tp_2x/fragmented": (256, 256, 20.0),
+        "same_tp/one_block": (4, 4, 1.0),
+        "decode_tp_2x/one_block": (4, 4, 1.0),
     }
     assert all(c["meets_target"] == (c["numpy_ms"] < c["target_ms"]) for c in cases.values())
