@@ -31,7 +31,7 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.ports import free_port
 from kvxfer.worker_sim import WorkerConfig
 
-__all__ = ["BlockAllocator", "ClusterError", "LocalCluster", "SidecarProc", "WorkerProc", "free_port"]
+__all__ = ["BlockAllocator", "ClusterError", "LocalCluster", "SidecarProc", "WorkerProc"]
 
 I64 = npt.NDArray[np.int64]
 

@@ -357,7 +357,7 @@ class TransferTopology:
         per_l, per_r = nl // g, nr // g
         l_block, l_tok = lb[c // per_l], (c % per_l) * g
         r_block, r_tok = rb[c // per_r], (c % per_r) * g
-        plans = tuple(self._plan_source(src, g, l_block, l_tok, r_block, r_tok) for src in self._sources)
+        plans = tuple(self._plan_source(src, l_block, l_tok, r_block, r_tok) for src in self._sources)
         return TransferPlan(plans, chunks, self.local.num_layers, self._warnings)
 
     @cached_property
@@ -389,14 +389,14 @@ class TransferTopology:
         return tuple(dict.fromkeys(out))
 
     @cached_property
-    def _layer_groups(self) -> tuple[I64, I64, I64, I64]:
+    def _layer_group_arrays(self) -> tuple[I64, I64, I64, I64]:
         """Region and offset of every layer's pages on each side (used when layers do not merge)."""
         layers = np.arange(self.local.num_layers, dtype=np.int64)
         lr, lo = _layer_groups(self.local, layers)
         rr, ro = _layer_groups(self.remote, layers)
         return _frozen(lr), _frozen(lo), _frozen(rr), _frozen(ro)
 
-    def _plan_source(self, src: Source, g: int, l_block: I64, l_tok: I64, r_block: I64, r_tok: I64) -> RankPlan:
+    def _plan_source(self, src: Source, l_block: I64, l_tok: I64, r_block: I64, r_tok: I64) -> RankPlan:
         loc, rem = self.local, self.remote
         l_units, r_units, u_len = self._patterns[src]
         spans_per_chunk = len(l_units)
@@ -415,7 +415,7 @@ class TransferTopology:
             lo = (l_start[:, None] + l_units[None, :]).ravel()
             ro = (r_start[:, None] + r_units[None, :]).ravel()
             lo, ro, ln = _coalesce(lo, ro, np.tile(u_len, l_start.size))
-        return RankPlan(src, spans_per_chunk, *self._layer_groups, lo, ro, ln)
+        return RankPlan(src, spans_per_chunk, *self._layer_group_arrays, lo, ro, ln)
 
 
 def _layer_groups(layout: KVCacheLayout, layers: I64) -> tuple[I64, I64]:
