@@ -124,53 +124,38 @@ async def _pull_phase(
     layers = range(pbuf.layout.num_layers)
     out: list[dict[str, float]] = []
 
-    async def pull(i: int) -> None:
-        async with gate:
-            dst = alloc.allocate(len(src))
-            try:
-                for k in layers:  # stale contents: a pull that moved nothing cannot pass
-                    dbuf.pages(k)[dst] ^= 0xFF
-                t = time.perf_counter()
-                res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
-                done(time.perf_counter() - t, res, dst)
-            finally:
-                alloc.release(dst)
-
-    async def pull_many(first: int) -> None:
-        # One PullBatch of ``batch`` pulls: the batch is the unit in flight, so ``concurrency`` pulls
-        # are in flight as concurrency / batch calls.
+    async def pull(first: int) -> None:
+        # One unit in flight: a Pull call, or with ``batch`` > 1 one PullBatch call of ``batch`` pulls
+        # (so ``concurrency`` pulls are in flight as concurrency / batch calls).
         async with gate:
             ids = range(first, min(first + batch, n))
             dsts = [alloc.allocate(len(src)) for _ in ids]
             try:
-                for k in layers:
+                for k in layers:  # stale contents: a pull that moved nothing cannot pass
                     for dst in dsts:
                         dbuf.pages(k)[dst] ^= 0xFF
-                items = [PullItem(f"{tag}{i}", [peer], {"kv": dst}) for i, dst in zip(ids, dsts, strict=True)]
                 t = time.perf_counter()
-                results = await dc.pull_batch(items)
+                if batch > 1:
+                    items = [PullItem(f"{tag}{i}", [peer], {"kv": d}) for i, d in zip(ids, dsts, strict=True)]
+                    results: list[Any] = await dc.pull_batch(items)
+                else:
+                    results = [await dc.pull(f"{tag}{first}", [peer], {"kv": dsts[0]})]
                 lat = time.perf_counter() - t
                 for res, dst in zip(results, dsts, strict=True):
                     if isinstance(res, Exception):
                         raise res
-                    done(lat, res, dst)
+                    # Byte-exact against the source pages (checked once against the expected
+                    # contents): a cheap comparison, so verifying does not hold up other answers.
+                    bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
+                    out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
+                                "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
             finally:
                 for dst in dsts:
                     alloc.release(dst)
 
-    def done(lat: float, res: Any, dst: Any) -> None:
-        # Byte-exact against the source pages (checked once against the expected contents): a
-        # cheap comparison, so verifying does not hold up the other pulls' answers.
-        bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
-        out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
-                    "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
-
-    if batch > 1:
-        gate = asyncio.Semaphore(max(concurrency // batch, 1))
-        units = [pull_many(i) for i in range(0, n, batch)]
-    else:
-        gate = asyncio.Semaphore(concurrency)
-        units = [pull(i) for i in range(n)]
+    batch = max(batch, 1)
+    gate = asyncio.Semaphore(max(concurrency // batch, 1))
+    units = [pull(i) for i in range(0, n, batch)]
     cpu0 = {k: _cpu(pid) for k, pid in (procs or {}).items()}
     t0 = time.perf_counter()
     await asyncio.gather(*units)

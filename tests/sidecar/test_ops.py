@@ -193,14 +193,25 @@ async def test_kvxfer_serve_on_uvloop_sigterm_drains_and_exits_zero(harness: Har
         buf.close()
 
 
-async def test_kvxfer_drain_ends_the_process(harness: Harness, tmp_path: Path) -> None:
+async def _serve_with_token(harness: Harness, tmp_path: Path, secret: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`python -m kvxfer.server` with a token file, once its local API answers: (process, socket, token file)."""
     token = tmp_path / "token"
-    token.write_text("abc123\n")
+    token.write_text(secret + "\n")
     proc, _addr, sock = _serve(harness.sock_dir, "--token-file", str(token))
+    c = AsyncClient(sock, token=secret)
     try:
-        c = AsyncClient(sock, token="abc123")
         await c.wait_ready(60)
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
         await c.close()
+    return proc, sock, token
+
+
+async def test_kvxfer_drain_ends_the_process(harness: Harness, tmp_path: Path) -> None:
+    proc, sock, token = await _serve_with_token(harness, tmp_path, "abc123")
+    try:
         result = await asyncio.to_thread(drain_main, sock, token_file=str(token))
         assert result == {"completed": 0, "abandoned": 0, "released_leases": 0}
         assert await asyncio.to_thread(proc.wait, 20) == 0
@@ -214,13 +225,8 @@ async def test_kvxfer_drain_ends_the_process(harness: Harness, tmp_path: Path) -
 async def test_socket_is_group_writable_and_kvxfer_drain_reads_the_sidecar_env(
     harness: Harness, tmp_path: Path
 ) -> None:
-    token = tmp_path / "token"
-    token.write_text("tok-env\n")
-    proc, _addr, sock = _serve(harness.sock_dir, "--token-file", str(token))
+    proc, sock, token = await _serve_with_token(harness, tmp_path, "tok-env")
     try:
-        c = AsyncClient(sock, token="tok-env")
-        await c.wait_ready(60)
-        await c.close()
         # A worker in another container shares the pod's group, not the sidecar's user.
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
         # `kvxfer drain` as a preStop hook in the sidecar's own container: socket and token from its env.
