@@ -41,6 +41,7 @@ __all__ = [
     "KvxferRpcError",
     "PullItem",
     "PullResult",
+    "TokenSpan",
     "normalize_target",
 ]
 
@@ -84,6 +85,19 @@ class PullResult:
 
 
 @dataclass(frozen=True)
+class TokenSpan:
+    """Which tokens of a group's block lists a pull moves (see ``BlockList`` in local.proto).
+
+    Tokens ``[local_skip, local_skip + num_tokens)`` of the local list receive tokens
+    ``[remote_skip, remote_skip + num_tokens)`` of the remote list; the lists may then differ in length.
+    """
+
+    num_tokens: int
+    local_skip: int = 0
+    remote_skip: int = 0
+
+
+@dataclass(frozen=True)
 class PullItem:
     """One pull of a :meth:`AsyncClient.pull_batch`: the arguments :meth:`AsyncClient.pull` takes."""
 
@@ -94,6 +108,7 @@ class PullItem:
     remote_engine_id: str = ""
     wait: bool = True
     deadline: float | None = None
+    spans: Mapping[str, TokenSpan] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,12 +157,19 @@ def _groups_proto(groups: GroupsArg) -> list[Any]:
     ]
 
 
-def _blocks(blocks: BlockMap | None) -> list[Any]:
+def _blocks(blocks: BlockMap | None, spans: Mapping[str, TokenSpan] | None = None, *, local: bool = True) -> list[Any]:
     if not blocks:
         return []
-    return [
-        common_pb2.BlockList(group=g, block_ids=np.asarray(ids, dtype=np.int64).tolist()) for g, ids in blocks.items()
-    ]
+    out = []
+    for g, ids in blocks.items():
+        bl = common_pb2.BlockList(group=g, block_ids=np.asarray(ids, dtype=np.int64).tolist())
+        span = (spans or {}).get(g)
+        if span is not None:
+            bl.skip_tokens = span.local_skip if local else span.remote_skip
+            if local:
+                bl.num_tokens = span.num_tokens
+        out.append(bl)
+    return out
 
 
 def _rank(rank: RankInfo) -> Any:
@@ -179,11 +201,13 @@ def _code(value: int) -> grpc.StatusCode:
 
 def _pull_request(
     request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, remote_blocks: BlockMap | None,
-    remote_engine_id: str, wait: bool, deadline: float | None,
+    remote_engine_id: str, wait: bool, deadline: float | None, spans: Mapping[str, TokenSpan] | None = None,
 ) -> Any:  # fmt: skip
+    if spans and not remote_blocks:
+        raise ValueError("spans: name remote_blocks too when moving part of a group's tokens")
     return local_pb2.PullRequest(
         request_id=request_id, remote_engine_id=remote_engine_id, remote_addresses=list(remote_addresses),
-        remote_blocks=_blocks(remote_blocks), local_blocks=_blocks(local_blocks), wait=wait,
+        remote_blocks=_blocks(remote_blocks, spans, local=False), local_blocks=_blocks(local_blocks, spans), wait=wait,
         timeout_seconds=deadline or 0.0,
     )  # fmt: skip
 
@@ -192,7 +216,14 @@ def _batch_request(items: Sequence[PullItem], timeout: float) -> tuple[Any, floa
     """The PullBatch message and its call deadline (the longest pull's, plus a second)."""
     pulls = [
         _pull_request(
-            i.request_id, i.remote_addresses, i.local_blocks, i.remote_blocks, i.remote_engine_id, i.wait, i.deadline
+            i.request_id,
+            i.remote_addresses,
+            i.local_blocks,
+            i.remote_blocks,
+            i.remote_engine_id,
+            i.wait,
+            i.deadline,
+            i.spans,
         )
         for i in items
     ]
@@ -258,10 +289,14 @@ class AsyncClient:
     async def pull(
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
         remote_blocks: BlockMap | None = None, remote_engine_id: str = "", wait: bool = True,
-        deadline: float | None = None,
+        deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None,
     ) -> PullResult:  # fmt: skip
-        """Pull a published request into ``local_blocks``; with ``wait`` returns once the bytes are in place."""
-        req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline)
+        """Pull a published request into ``local_blocks``; with ``wait`` returns once the bytes are in place.
+
+        ``spans`` moves part of a group's tokens (:class:`TokenSpan`); it needs ``remote_blocks``.
+        """
+        req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
+                            spans)  # fmt: skip
         call_timeout = (deadline or self.timeout) + 1.0
         return _pull_result(await self._call("Pull", req, call_timeout))
 
@@ -390,10 +425,11 @@ class Client:
     def pull(
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
         remote_blocks: BlockMap | None = None, remote_engine_id: str = "", wait: bool = True,
-        deadline: float | None = None,
+        deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None,
     ) -> PullResult:  # fmt: skip
         """See :meth:`AsyncClient.pull`."""
-        req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline)
+        req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
+                            spans)  # fmt: skip
         return _pull_result(self._call("Pull", req, (deadline or self.timeout) + 1.0))
 
     def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:

@@ -1,28 +1,41 @@
 """Standardized KV-cache layouts: a frozen, validated description of one cache group.
 
-A *cache group* is a set of layers whose caches share one shape: every attention layer of a
-model, or every Mamba layer. All caches are blocks-first. Physically, one block of one layer is a
-contiguous *page*; inside a page, the head axis holds ``head_groups * num_kv_heads`` *entries*
-(one entry per head, or per K head then per V head for quantized caches) and every
-(token, entry) pair is one *row* of ``row_bytes`` contiguous bytes:
+A *cache group* is a set of layers whose caches share one shape: every full-attention layer of a
+model, its sliding-window layers, or its Mamba layers. Every cache is blocks-first and reaches a
+connector as a 4-D ``[B, H, N, C]`` view per layer: ``B`` blocks, ``H`` *slots* on the head axis,
+``N`` tokens per block, ``C`` content bytes per (slot, token) cell. What a slot and its content
+hold depends on the kind:
 
-============  ===============================  ===========================================
-kind          logical tensor shape             row
-============  ===============================  ===========================================
-attention     (B, H, N, 2*head_size)           K and V of one head and token, packed
-quantized     (B, 2*H, N, head_size)           K heads first, then V heads (fp8, nvfp4, int8)
-mla           (B, N, latent_dim)               the latent of one token (one "head")
-mamba         (B, 1, 1, page_size_bytes) int8  the whole page (conv + ssm state)
-============  ===============================  ===========================================
+============  =======================  ==========================================================
+kind          slots (H)                content of one (slot, token) cell
+============  =======================  ==========================================================
+attention     one per KV head          K then V of that head (``head_size + head_size_v``
+                                       elements): bf16/fp16/fp32 and fp8 (e4m3/e5m2) alike
+quantized     2 x KV heads (K, then V) K or V of one head: fp8/int8 codes, or nvfp4 (see below)
+kv_planes     2 (a K plane, a V plane) K or V of *every* head of the rank, head after head
+mla           1                        the latent of one token (``kv_lora_rank + rope_dim``)
+mamba         1 (one token)            the whole state page of one block (opaque bytes)
+============  =======================  ==========================================================
 
-With order HND the rows of one entry are contiguous (entry-major), with NHD the rows of one token
-are (token-major). A cross-layer cache stores every layer of a block next to each other: one
-region holds all layers and a layer's block stride is ``num_layers * page_bytes``.
+Physical order. Within one layer the axes are laid out in one of vLLM's stride orders over the
+logical ``[L, B, H, N, C]`` (``vllm/v1/kv_cache_layout.py``):
 
-nvfp4 packs two 4-bit values per byte and keeps one fp8 scale byte per 16 values; kvxfer describes
-such a row as ``head_size // 2`` data bytes followed by ``head_size // 16`` scale bytes, so a
-page's byte count is exact. The tensor handed to :meth:`KVCacheLayout.from_tensor` is then uint8
-with a last dimension of ``row_bytes``.
+* ``order`` HND or NHD: whether a slot's tokens (HND) or a token's slots (NHD) are contiguous;
+* ``cross_layer``: one block-major region holds every layer (a block holds all layers' pages);
+* ``heads_outer``: the head axis lies outside the blocks (LHBNC) or outside the layers (BHLNC).
+
+LBHNC = HND, LBNHC = NHD, LHBNC = HND + heads_outer, BLHNC = HND + cross_layer, BLNHC = NHD +
+cross_layer, BHLNC = HND + cross_layer + heads_outer. A page may be padded (``page_stride`` >
+``page_bytes``), and vLLM may split a block of ``block_size`` tokens into ``block_size //
+kernel_block_size`` kernel blocks laid out one after the other.
+
+Every byte is addressed through :attr:`KVCacheLayout.planes`: a *plane* is a set of equal rows,
+one per (head, token), at ``offset + head * head_stride + (token // kernel_block_size) *
+kernel_stride + (token % kernel_block_size) * token_stride`` from the start of a block. Packed
+attention has one plane, fp8/int8 head groups two (K, V), kv_planes two (a head's slice of each
+plane), and nvfp4 four: within each side vLLM stores the 4-bit data of every (head, token) row
+first, then every row's fp8 scales (``vllm.utils.torch_utils.nvfp4_split_data_scale``), so a head
+slice of an nvfp4 page is two spans per side.
 """
 
 from __future__ import annotations
@@ -31,7 +44,11 @@ import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
 
@@ -40,12 +57,15 @@ __all__ = [
     "DType",
     "KVCacheLayout",
     "Order",
+    "Packing",
+    "Plane",
     "RegionSpec",
     "head_range",
 ]
 
 
 _E = TypeVar("_E", bound=enum.Enum)
+I64 = npt.NDArray[np.int64]
 
 
 class CacheKind(enum.StrEnum):
@@ -53,6 +73,7 @@ class CacheKind(enum.StrEnum):
 
     ATTENTION = "attention"
     QUANTIZED = "quantized"
+    KV_PLANES = "kv_planes"
     MLA = "mla"
     MAMBA = "mamba"
 
@@ -62,6 +83,20 @@ class Order(enum.StrEnum):
 
     NHD = "NHD"
     HND = "HND"
+
+
+class Packing(enum.StrEnum):
+    """How an attention cache arranges K and V inside the page of one (block, head).
+
+    ``kv``: the standardized layout, each token's K then V (every GPU backend). ``cpu_kt``: vLLM's
+    CPU kernels on AVX-512/AVX2 (ISA ``vec``/``vec16``): all of the head's K transposed (head_size x
+    tokens), then its V rows. ``head_block``: an arrangement private to a kernel (vLLM's CPU AMX,
+    NEON... ISAs): a head's block moves whole, so head slices move but token ranges do not.
+    """
+
+    KV = "kv"
+    CPU_KT = "cpu_kt"
+    HEAD_BLOCK = "head_block"
 
 
 class DType(enum.StrEnum):
@@ -126,6 +161,16 @@ _DTYPE_ALIASES: dict[str, DType] = {
 _QUANTIZED_DTYPES = frozenset({DType.FP8_E4M3, DType.FP8_E5M2, DType.NVFP4, DType.INT8})
 NVFP4_GROUP = 16
 
+# vLLM's names of the physical orders (vllm/v1/kv_cache_layout.py), by (order, cross_layer, heads_outer).
+_STRIDE_ORDERS = {
+    (Order.HND, False, False): "LBHNC",
+    (Order.NHD, False, False): "LBNHC",
+    (Order.HND, False, True): "LHBNC",
+    (Order.HND, True, False): "BLHNC",
+    (Order.NHD, True, False): "BLNHC",
+    (Order.HND, True, True): "BHLNC",
+}
+
 
 def head_range(total_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     """Global KV-head range ``[start, stop)`` held by one tensor-parallel rank.
@@ -159,6 +204,28 @@ class RegionSpec:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Plane:
+    """Equal rows of one part of the content, one per (head, token), addressed affinely.
+
+    Row ``(head, token)`` of a block starts ``offset + head * head_stride + (token //
+    kernel_block_size) * kernel_stride + (token % kernel_block_size) * token_stride`` bytes after
+    the block's start (:meth:`KVCacheLayout.block_offset`) and is ``row_bytes`` long; a row of a
+    transposed plane is ``elements`` pieces of ``row_bytes``, ``element_stride`` apart. ``part``
+    names what the rows hold: ``kv`` (K and V packed), ``k``/``v``, ``k_data``/``k_scale``/
+    ``v_data``/``v_scale`` (nvfp4), ``latent`` (MLA) or ``state`` (Mamba).
+    """
+
+    part: str
+    offset: int
+    head_stride: int
+    token_stride: int
+    kernel_stride: int
+    row_bytes: int
+    elements: int = 1
+    element_stride: int = 0
+
+
 class _TensorLike(Protocol):
     @property
     def shape(self) -> Sequence[int]: ...
@@ -171,9 +238,9 @@ class _TensorLike(Protocol):
 class KVCacheLayout:
     """A validated description of one KV-cache group on one rank.
 
-    Build it with :meth:`attention`, :meth:`quantized`, :meth:`mla`, :meth:`mamba` or
-    :meth:`from_tensor`; the constructor validates every field and raises :class:`LayoutError`
-    naming the field that is off.
+    Build it with :meth:`attention`, :meth:`quantized`, :meth:`kv_planes`, :meth:`mla`,
+    :meth:`mamba` or :meth:`from_tensor`; the constructor validates every field and raises
+    :class:`LayoutError` naming the field that is off.
     """
 
     kind: CacheKind
@@ -186,35 +253,53 @@ class KVCacheLayout:
     order: Order = Order.HND
     cross_layer: bool = False
     total_kv_heads: int = 0  # 0: same as num_kv_heads (no tensor parallelism)
+    head_size_v: int = 0  # 0: same as head_size (attention caches may pack a V of another size)
+    heads_outer: bool = False  # LHBNC / BHLNC: the head axis outside the blocks (or layers)
+    page_stride: int = 0  # 0: no padding; else bytes between consecutive pages of a layer
+    kernel_block_size: int = 0  # 0: blocks not split; else tokens per kernel block (vLLM's splitting)
+    packing: Packing = Packing.KV  # attention only: K and V inside a (block, head) page
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _parse_enum(CacheKind, self.kind, "kind"))
         object.__setattr__(self, "order", _parse_enum(Order, self.order, "order"))
+        object.__setattr__(self, "packing", _parse_enum(Packing, self.packing, "packing"))
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name}: must be a positive integer, got {value!r}", field=name)
-        if not isinstance(self.cross_layer, bool):
-            raise LayoutError(f"cross_layer: must be a bool, got {self.cross_layer!r}", field="cross_layer")
+        for name in ("total_kv_heads", "head_size_v", "page_stride", "kernel_block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LayoutError(f"{name}: must be an integer >= 0, got {value!r}", field=name)
+        for name in ("cross_layer", "heads_outer"):
+            if not isinstance(getattr(self, name), bool):
+                raise LayoutError(f"{name}: must be a bool, got {getattr(self, name)!r}", field=name)
         if self.total_kv_heads == 0:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
-        if isinstance(self.total_kv_heads, bool) or not isinstance(self.total_kv_heads, int):
-            raise LayoutError(
-                f"total_kv_heads: must be an integer, got {self.total_kv_heads!r}", field="total_kv_heads"
-            )
-        if self.total_kv_heads < 1:
-            raise LayoutError(f"total_kv_heads: must be positive, got {self.total_kv_heads}", field="total_kv_heads")
+        # 0 is the canonical "same as the default", so that equal layouts compare equal and
+        # dataclasses.replace() of another field never leaves a stale derived value behind.
+        if self.head_size_v == self.head_size:
+            object.__setattr__(self, "head_size_v", 0)
+        if self.kernel_block_size == self.block_size:
+            object.__setattr__(self, "kernel_block_size", 0)
         self._validate_kind()
+        if self.page_stride == self.page_bytes:
+            object.__setattr__(self, "page_stride", 0)
+        self._validate_geometry()
 
     def _validate_kind(self) -> None:
         kind, dtype = self.kind, self.dtype
-        if kind in (CacheKind.MLA, CacheKind.MAMBA) and (self.num_kv_heads != 1 or self.total_kv_heads != 1):
-            raise LayoutError(
-                f"num_kv_heads: a {kind} cache has one head per block, got num_kv_heads={self.num_kv_heads}, "
-                f"total_kv_heads={self.total_kv_heads}",
-                field="num_kv_heads",
-            )
+        if kind in (CacheKind.MLA, CacheKind.MAMBA):
+            if self.num_kv_heads != 1 or self.total_kv_heads != 1:
+                raise LayoutError(
+                    f"num_kv_heads: a {kind} cache has one head per block, got num_kv_heads={self.num_kv_heads}, "
+                    f"total_kv_heads={self.total_kv_heads}",
+                    field="num_kv_heads",
+                )
+            if self.head_size_v:
+                raise LayoutError(f"head_size_v: a {kind} cache has no separate V, got {self.head_size_v}",
+                                  field="head_size_v")  # fmt: skip
         if kind is CacheKind.MAMBA:
             if dtype is not DType.INT8:
                 raise LayoutError(f"dtype: a mamba page tensor is int8, got {dtype}", field="dtype")
@@ -226,6 +311,12 @@ class KVCacheLayout:
         if kind is CacheKind.QUANTIZED and dtype not in _QUANTIZED_DTYPES:
             allowed = ", ".join(sorted(d.value for d in _QUANTIZED_DTYPES))
             raise LayoutError(f"dtype: a quantized head-group cache holds {allowed}, got {dtype}", field="dtype")
+        if kind in (CacheKind.QUANTIZED, CacheKind.KV_PLANES) and self.head_size_v:
+            raise LayoutError(
+                f"head_size_v: {kind} caches keep K and V of one size (vLLM asserts it), got head_size "
+                f"{self.head_size}, head_size_v {self.head_size_v}",
+                field="head_size_v",
+            )
         if dtype is DType.NVFP4:
             if kind is not CacheKind.QUANTIZED:
                 raise LayoutError(
@@ -236,11 +327,53 @@ class KVCacheLayout:
                     f"head_size: nvfp4 needs a multiple of {NVFP4_GROUP}, got {self.head_size}",
                     field="head_size",
                 )
+            if self.order is not Order.HND or self.heads_outer:
+                raise LayoutError(
+                    f"order: nvfp4 keeps each side's data rows and then its scale rows inside an HND page "
+                    f"(LBHNC or BLHNC); {self.stride_order} does not describe where they are",
+                    field="order",
+                )
         if self.num_kv_heads > self.total_kv_heads:
             raise LayoutError(
                 f"num_kv_heads: {self.num_kv_heads} local heads exceed total_kv_heads={self.total_kv_heads}",
                 field="num_kv_heads",
             )
+        if self.packing is not Packing.KV:
+            if kind is not CacheKind.ATTENTION:
+                raise LayoutError(f"packing: {self.packing} describes attention pages, not {kind}", field="packing")
+            if self.order is not Order.HND:
+                raise LayoutError(f"packing: {self.packing} keeps each head's block together (an HND order), got "
+                                  f"{self.stride_order}", field="packing")  # fmt: skip
+
+    def _validate_geometry(self) -> None:
+        if self.heads_outer and self.order is not Order.HND:
+            raise LayoutError("heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)",
+                              field="heads_outer")  # fmt: skip
+        if self.block_size % self.tokens_per_kernel_block:
+            raise LayoutError(
+                f"kernel_block_size: {self.kernel_block_size} does not divide block_size {self.block_size}",
+                field="kernel_block_size",
+            )
+        if self.page_stride:
+            if self.page_stride < self.page_bytes:
+                raise LayoutError(
+                    f"page_stride: {self.page_stride} bytes is less than a page of {self.page_bytes} bytes",
+                    field="page_stride",
+                )
+            if self.heads_outer or self.kernel_block_size:
+                raise LayoutError(
+                    "page_stride: padded pages must be whole blocks (vLLM pads only LBHNC/LBNHC/BLHNC/BLNHC pages "
+                    "that are not split into kernel blocks)",
+                    field="page_stride",
+                )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Cached properties are derived state: do not send them along with a pickled layout.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -256,11 +389,21 @@ class KVCacheLayout:
         order: str | Order = Order.HND,
         total_kv_heads: int = 0,
         cross_layer: bool = False,
+        head_size_v: int = 0,
+        heads_outer: bool = False,
+        page_stride: int = 0,
+        kernel_block_size: int = 0,
+        packing: str | Packing = Packing.KV,
     ) -> KVCacheLayout:
-        """Attention cache with K and V packed in the content dim: (B, H, N, 2*head_size)."""
+        """Attention cache with K and V packed in the content dim: (B, H, N, head_size + head_size_v).
+
+        bf16, fp16, fp32 and fp8 (e4m3, e5m2: one byte per element) caches all pack K and V this way;
+        ``packing`` says how a kernel arranges them inside a (block, head) page (see :class:`Packing`).
+        """
         return cls(
-            CacheKind.ATTENTION, num_layers, num_blocks, block_size, num_kv_heads, head_size,
-            DType.parse(dtype), _parse_enum(Order, order, "order"), cross_layer, total_kv_heads,
+            CacheKind.ATTENTION, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
+            _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, head_size_v, heads_outer, page_stride,
+            kernel_block_size, _parse_enum(Packing, packing, "packing"),
         )  # fmt: skip
 
     @classmethod
@@ -276,11 +419,34 @@ class KVCacheLayout:
         order: str | Order = Order.HND,
         total_kv_heads: int = 0,
         cross_layer: bool = False,
+        heads_outer: bool = False,
+        kernel_block_size: int = 0,
     ) -> KVCacheLayout:
-        """Quantized cache with K and V as separate head groups: (B, 2*H, N, head_size)."""
+        """K and V as separate head groups: (B, 2*H, N, head_size) codes; nvfp4 as data then scales per side."""
         return cls(
-            CacheKind.QUANTIZED, num_layers, num_blocks, block_size, num_kv_heads, head_size,
-            DType.parse(dtype), _parse_enum(Order, order, "order"), cross_layer, total_kv_heads,
+            CacheKind.QUANTIZED, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
+            _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, heads_outer, 0, kernel_block_size,
+        )  # fmt: skip
+
+    @classmethod
+    def kv_planes(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: str | DType = DType.BF16,
+        order: str | Order = Order.HND,
+        total_kv_heads: int = 0,
+        cross_layer: bool = False,
+        kernel_block_size: int = 0,
+    ) -> KVCacheLayout:
+        """A K plane and a V plane: (B, 2, N, num_kv_heads * head_size), vLLM's ``num_head_slots=2`` form."""
+        return cls(
+            CacheKind.KV_PLANES, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
+            _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, False, 0, kernel_block_size,
         )  # fmt: skip
 
     @classmethod
@@ -293,72 +459,186 @@ class KVCacheLayout:
         latent_dim: int,
         dtype: str | DType = DType.BF16,
         cross_layer: bool = False,
+        page_stride: int = 0,
+        kernel_block_size: int = 0,
     ) -> KVCacheLayout:
-        """MLA cache: (B, N, kv_lora_rank + rope_dim), one latent head, replicated on every TP rank."""
+        """MLA cache: (B, N, kv_lora_rank + rope_dim), one latent head, replicated on every TP rank.
+
+        An fp8 MLA row that carries its own scales is described as int8 (opaque bytes) with
+        ``latent_dim`` = the row's bytes.
+        """
         return cls(
-            CacheKind.MLA, num_layers, num_blocks, block_size, 1, latent_dim,
-            DType.parse(dtype), Order.NHD, cross_layer, 1,
+            CacheKind.MLA, num_layers, num_blocks, block_size, 1, latent_dim, DType.parse(dtype), Order.NHD,
+            cross_layer, 1, 0, False, page_stride, kernel_block_size,
         )  # fmt: skip
 
     @classmethod
     def mamba(
-        cls, *, num_layers: int, num_blocks: int, page_size_bytes: int, cross_layer: bool = False
+        cls, *, num_layers: int, num_blocks: int, page_size_bytes: int, cross_layer: bool = False, page_stride: int = 0
     ) -> KVCacheLayout:
-        """Mamba page tensors: (B, 1, 1, page_size_bytes) int8, one region per layer."""
+        """Mamba page tensors: (B, 1, 1, page_size_bytes) int8, one region per layer.
+
+        ``page_stride`` is the padded page vLLM allocates when it aligns Mamba pages with attention pages.
+        """
         return cls(
-            CacheKind.MAMBA, num_layers, num_blocks, 1, 1, page_size_bytes, DType.INT8, Order.HND, cross_layer, 1
-        )
+            CacheKind.MAMBA, num_layers, num_blocks, 1, 1, page_size_bytes, DType.INT8, Order.HND, cross_layer, 1, 0,
+            False, page_stride,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- derived sizes
+    @property
+    def stride_order(self) -> str:
+        """vLLM's name of this physical order over [L, B, H, N, C] (``LBHNC`` ...)."""
+        return _STRIDE_ORDERS[(self.order, self.cross_layer, self.heads_outer)]
+
     @property
     def head_groups(self) -> int:
         """1, or 2 for quantized caches (a K group and a V group of heads)."""
         return 2 if self.kind is CacheKind.QUANTIZED else 1
 
     @property
-    def entries(self) -> int:
-        """Entries on the head axis of one page (``head_groups * num_kv_heads``)."""
+    def slots(self) -> int:
+        """``H`` of the [B, H, N, C] view: entries on the head axis of one page."""
+        if self.kind is CacheKind.KV_PLANES:
+            return 2
         return self.head_groups * self.num_kv_heads
 
     @property
+    def entries(self) -> int:
+        """Entries on the head axis of one page (same as :attr:`slots`)."""
+        return self.slots
+
+    @property
     def tokens_per_page(self) -> int:
-        """Rows along the token axis of one page (1 for Mamba)."""
+        """Rows along the token axis of one block (1 for Mamba)."""
         return self.block_size
 
     @property
+    def element_bytes(self) -> int:
+        """Bytes of one element (nvfp4: 1, the packed byte)."""
+        return max(1, self.dtype.bits // 8)
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of one (token, entry) row."""
+        """Bytes of one (slot, token) cell: ``C`` of the [B, H, N, C] view, in bytes."""
         if self.kind is CacheKind.MAMBA:
             return self.head_size
         if self.dtype is DType.NVFP4:
             return self.head_size // 2 + self.head_size // NVFP4_GROUP
-        content = 2 * self.head_size if self.kind is CacheKind.ATTENTION else self.head_size
+        content = {
+            CacheKind.ATTENTION: self.head_size + self.v_head_size,
+            CacheKind.KV_PLANES: self.num_kv_heads * self.head_size,
+        }.get(self.kind, self.head_size)
         return content * self.dtype.bits // 8
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block of one layer."""
-        return self.tokens_per_page * self.entries * self.row_bytes
+        """Bytes of one block of one layer (without padding): what moves for a whole block."""
+        return self.tokens_per_page * self.slots * self.row_bytes
+
+    @property
+    def v_head_size(self) -> int:
+        """Elements of one head's V (``head_size_v``, or ``head_size`` when that is 0)."""
+        return self.head_size_v or self.head_size
+
+    @property
+    def padded_page_bytes(self) -> int:
+        """Bytes between consecutive pages of one layer (``page_stride``, or ``page_bytes`` when 0)."""
+        return self.page_stride or self.page_bytes
+
+    @property
+    def tokens_per_kernel_block(self) -> int:
+        """Tokens per kernel block (``kernel_block_size``, or ``block_size`` when blocks are not split)."""
+        return self.kernel_block_size or self.block_size
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        """How many kernel blocks vLLM splits one block into (1: no splitting)."""
+        return self.block_size // self.tokens_per_kernel_block
 
     @property
     def num_regions(self) -> int:
         """Regions to register: one per layer, or one for a cross-layer cache."""
         return 1 if self.cross_layer else self.num_layers
 
+    @cached_property
+    def _strides(self) -> tuple[int, int, int, int, int]:
+        """Byte strides of (layer inside a region, kernel block, slot, token, manager block)."""
+        nk, c, s = self.tokens_per_kernel_block, self.row_bytes, self.slots
+        layers, kblocks, r = (
+            self.num_layers,
+            self.num_blocks * self.kernel_blocks_per_block,
+            self.kernel_blocks_per_block,
+        )
+        hnd = self.order is Order.HND
+        slot, tok = (nk * c, c) if hnd else (c, s * c)
+        kpage = self.padded_page_bytes // r  # a kernel page (r > 1 only without padding)
+        if self.heads_outer:
+            if self.cross_layer:  # BHLNC
+                layer, slot = nk * c, layers * nk * c
+                kblock = s * layers * nk * c
+            else:  # LHBNC
+                layer, kblock, slot = 0, nk * c, kblocks * nk * c
+        elif self.cross_layer:  # BLHNC, BLNHC
+            layer, kblock = kpage, layers * kpage
+        else:  # LBHNC, LBNHC
+            layer, kblock = 0, kpage
+        return layer, kblock, slot, tok, kblock * r
+
+    @property
+    def layer_stride(self) -> int:
+        """Bytes between layer l and layer l+1 of a block inside a cross-layer region (0: a region per layer)."""
+        return self._strides[0]
+
     @property
     def block_stride(self) -> int:
-        """Bytes between block b and block b+1 of the same layer."""
-        return self.page_bytes * (self.num_layers if self.cross_layer else 1)
+        """Bytes between block b and block b+1 of the same layer (and head)."""
+        return self._strides[4]
 
     @property
     def region_bytes(self) -> int:
         """Bytes of one region."""
-        return self.num_blocks * self.block_stride
+        if self.heads_outer or not self.cross_layer:
+            if self.heads_outer:
+                return self.num_blocks * self.page_bytes * (self.num_layers if self.cross_layer else 1)
+            return self.num_blocks * self.padded_page_bytes
+        return self.num_blocks * self.num_layers * self.padded_page_bytes
 
     @property
     def total_bytes(self) -> int:
         """Bytes of the whole cache group on this rank."""
         return self.region_bytes * self.num_regions
+
+    @cached_property
+    def planes(self) -> tuple[Plane, ...]:
+        """The rows of one block, plane by plane (see :class:`Plane`); ordered by offset in an HND page."""
+        _, kblock, slot, tok, _ = self._strides
+        c, h = self.row_bytes, self.num_kv_heads
+        kind = self.kind
+        if kind is CacheKind.ATTENTION:
+            if self.packing is Packing.CPU_KT:
+                # Per head: K as head_size rows of `tokens` elements (transposed), then V rows.
+                nk, e = self.tokens_per_kernel_block, self.element_bytes
+                return (
+                    Plane("k", 0, slot, e, kblock, e, self.head_size, nk * e),
+                    Plane("v", nk * self.head_size * e, slot, self.v_head_size * e, kblock, self.v_head_size * e),
+                )
+            return (Plane("kv", 0, slot, tok, kblock, c),)
+        if kind in (CacheKind.MLA, CacheKind.MAMBA):
+            return (Plane("latent" if kind is CacheKind.MLA else "state", 0, 0, tok, kblock, c),)
+        if kind is CacheKind.KV_PLANES:
+            head = self.head_size * self.element_bytes
+            return tuple(Plane(part, i * slot, head, tok, kblock, head) for i, part in enumerate(("k", "v")))
+        if self.dtype is not DType.NVFP4:
+            return tuple(Plane(part, i * h * slot, slot, tok, kblock, c) for i, part in enumerate(("k", "v")))
+        # nvfp4 (HND pages only): per side, the data of every (head, token) row, then every row's scales.
+        nk, data, scale = self.tokens_per_kernel_block, self.head_size // 2, self.head_size // NVFP4_GROUP
+        out = []
+        for i, side in enumerate(("k", "v")):
+            start = i * h * nk * c
+            out.append(Plane(f"{side}_data", start, nk * data, data, kblock, data))
+            out.append(Plane(f"{side}_scale", start + h * nk * data, nk * scale, scale, kblock, scale))
+        return tuple(out)
 
     def regions(self) -> tuple[RegionSpec, ...]:
         """The regions to register, in region-index order."""
@@ -372,15 +652,67 @@ class KVCacheLayout:
         return 0 if self.cross_layer else layer
 
     def layer_offset(self, layer: int) -> int:
-        """Offset of ``layer``'s page inside a block (non-zero only for cross-layer caches)."""
+        """Offset of ``layer``'s block 0 inside its region (non-zero only for cross-layer caches)."""
         self._check_layer(layer)
-        return layer * self.page_bytes if self.cross_layer else 0
+        return layer * self._strides[0]
+
+    def block_offset(self, layer: int, block: int) -> int:
+        """Offset of the start of ``block`` of ``layer`` inside its region (the planes' origin)."""
+        if not 0 <= block < self.num_blocks:
+            raise LayoutError(f"block: {block} is not in [0, {self.num_blocks})", field="block")
+        return self.layer_offset(layer) + block * self.block_stride
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise LayoutError(f"layer: {layer} is not in [0, {self.num_layers})", field="layer")
 
+    def view_geometry(self) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """Shape and byte strides of one layer's 4-D ``[B, H, N, C]`` view (C in bytes).
+
+        With kernel blocks, B counts kernel blocks and N their tokens (the view vLLM creates).
+        """
+        _, kblock, slot, tok, _ = self._strides
+        r = self.kernel_blocks_per_block
+        return (self.num_blocks * r, self.slots, self.tokens_per_kernel_block, self.row_bytes), (kblock, slot, tok, 1)
+
+    def plane_view(self, layer: int, plane: Plane) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """``plane``'s rows of ``layer`` as a strided byte array over its region.
+
+        Returns (offset in the region, shape, byte strides) of a (blocks, kernel blocks per block,
+        heads, tokens per kernel block, elements, row bytes) array, for ``numpy.lib.stride_tricks.as_strided``
+        or ``torch.as_strided`` on the region's bytes.
+        """
+        heads = 1 if self.kind in (CacheKind.MLA, CacheKind.MAMBA) else self.num_kv_heads
+        shape = (self.num_blocks, self.kernel_blocks_per_block, heads, self.tokens_per_kernel_block, plane.elements,
+                 plane.row_bytes)  # fmt: skip
+        strides = (
+            self.block_stride,
+            plane.kernel_stride,
+            plane.head_stride,
+            plane.token_stride,
+            plane.element_stride,
+            1,
+        )
+        return self.layer_offset(layer) + plane.offset, shape, strides
+
     # ----------------------------------------------------------------- byte spans
+    def row_offsets(self, heads: I64, tokens: I64) -> tuple[I64, I64]:
+        """Offsets (from a block's start) and lengths of every row piece of ``heads`` x ``tokens``.
+
+        Flat arrays, in (plane, head, token, element) order; heads are local head indices, tokens
+        indices inside the block. Pure arithmetic, no checks.
+        """
+        nk = self.tokens_per_kernel_block
+        h = np.asarray(heads, dtype=np.int64)[:, None, None]
+        t = np.asarray(tokens, dtype=np.int64)[None, :, None]
+        offs, lens = [], []
+        for p in self.planes:
+            e = np.arange(p.elements, dtype=np.int64)[None, None, :] * p.element_stride
+            off = p.offset + h * p.head_stride + (t // nk) * p.kernel_stride + (t % nk) * p.token_stride + e
+            offs.append(off.ravel())
+            lens.append(np.full(off.size, p.row_bytes, dtype=np.int64))
+        return np.concatenate(offs), np.concatenate(lens)
+
     def spans(
         self,
         layer: int,
@@ -390,43 +722,52 @@ class KVCacheLayout:
     ) -> list[tuple[int, int]]:
         """Byte spans ``(offset in region, length)`` holding ``heads`` x ``tokens`` of one block.
 
-        ``heads`` is a range of local heads (each head also brings its V-group twin in a quantized
-        cache); adjacent spans are merged. With HND a head range of whole blocks is one span, with
-        NHD it is one span per token unless all heads are asked for.
+        ``heads`` is a range of local heads (each brings all of its parts: K and V, data and
+        scales); adjacent spans are merged. With HND a head range of whole blocks is one span (two
+        per side for nvfp4), with NHD it is one span per token unless all heads are asked for.
         """
-        if not 0 <= block < self.num_blocks:
-            raise LayoutError(f"block: {block} is not in [0, {self.num_blocks})", field="block")
+        base = self.block_offset(layer, block)
         h0, h1 = heads if heads is not None else (0, self.num_kv_heads)
         t0, t1 = tokens if tokens is not None else (0, self.tokens_per_page)
         if not 0 <= h0 < h1 <= self.num_kv_heads:
             raise LayoutError(f"heads: {heads} is not a range inside [0, {self.num_kv_heads})", field="heads")
         if not 0 <= t0 < t1 <= self.tokens_per_page:
             raise LayoutError(f"tokens: {tokens} is not a range inside [0, {self.tokens_per_page})", field="tokens")
-        base = self.layer_offset(layer) + block * self.block_stride
-        row, n, e = self.row_bytes, self.tokens_per_page, self.entries
-        out: list[tuple[int, int]] = []
-        for g in range(self.head_groups):
-            first, last = g * self.num_kv_heads + h0, g * self.num_kv_heads + h1
-            if self.order is Order.HND:
-                pieces = [((entry * n + t0) * row, (t1 - t0) * row) for entry in range(first, last)]
-            else:
-                pieces = [((t * e + first) * row, (last - first) * row) for t in range(t0, t1)]
-            out.extend(pieces)
-        out.sort()
+        pieces = sorted(self._pieces(h0, h1, t0, t1))
         merged: list[tuple[int, int]] = []
-        for off, length in out:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        for o, n in pieces:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
             else:
-                merged.append((off, length))
-        return [(base + off, length) for off, length in merged]
+                merged.append((o, n))
+        return [(base + o, n) for o, n in merged]
+
+    def _pieces(self, h0: int, h1: int, t0: int, t1: int) -> list[tuple[int, int]]:
+        """(offset, length) of the rows of heads [h0, h1) x tokens [t0, t1), in plain Python (one block)."""
+        nk = self.tokens_per_kernel_block
+        out: list[tuple[int, int]] = []
+        for p in self.planes:
+            # Runs of tokens inside one kernel block whose rows follow each other are one piece.
+            contiguous = p.elements == 1 and p.token_stride == p.row_bytes
+            for h in range(h0, h1):
+                head = p.offset + h * p.head_stride
+                t = t0
+                while t < t1:
+                    k, tk = divmod(t, nk)
+                    run = min(t1 - t, nk - tk) if contiguous else 1
+                    start = head + k * p.kernel_stride + tk * p.token_stride
+                    for e in range(p.elements):
+                        out.append((start + e * p.element_stride, run * p.row_bytes))
+                    t += run
+        return out
 
     # ----------------------------------------------------------------- compatibility
     def incompatibilities(self, other: KVCacheLayout) -> list[str]:
         """Every reason blocks cannot move between ``self`` (local) and ``other`` (remote).
 
         An empty list means compatible. Head counts per rank, block counts, physical order,
-        cross-layer packing and block sizes that are multiples of each other may differ.
+        cross-layer packing, padding, kernel blocks and block sizes that are multiples of each
+        other may differ.
         """
         diffs: list[str] = []
 
@@ -440,7 +781,18 @@ class KVCacheLayout:
         # head_size holds the latent dim of an MLA cache and the page bytes of a Mamba one.
         size_name = {CacheKind.MLA: "latent_dim", CacheKind.MAMBA: "page_size_bytes"}.get(self.kind, "head_size")
         differ(size_name if self.kind is other.kind else "head_size", self.head_size, other.head_size)
+        if self.head_size == other.head_size:
+            differ("head_size_v", self.v_head_size, other.v_head_size)
         differ("total_kv_heads", self.total_kv_heads, other.total_kv_heads)
+        differ("packing", self.packing.value, other.packing.value)
+        if Packing.HEAD_BLOCK in (self.packing, other.packing) and (self.block_size, self.tokens_per_kernel_block) != (
+            other.block_size,
+            other.tokens_per_kernel_block,
+        ):
+            diffs.append(
+                f"block_size: local {self.block_size}, remote {other.block_size}: packing head_block (a CPU "
+                "attention kernel's private page order) moves whole blocks, so both sides need the same block size"
+            )
         small, large = sorted((self.block_size, other.block_size))
         if large % small:
             diffs.append(
@@ -455,8 +807,9 @@ class KVCacheLayout:
     # ----------------------------------------------------------------- wire form
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (enum values as strings)."""
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["kind"], out["dtype"], out["order"] = self.kind.value, self.dtype.value, self.order.value
+        out["packing"] = self.packing.value
         return out
 
     @classmethod
@@ -487,9 +840,11 @@ class KVCacheLayout:
 
         The tensor is given in its *logical* shape (see the module docstring); a leading layers
         dimension makes it a cross-layer cache, whose strides must be block-major (stride order
-        (1, 0, 2, ...)). HND or NHD is read from the strides. torch tensors (strides in elements)
-        and numpy arrays (strides in bytes) are accepted. ``dtype`` overrides the tensor's dtype
-        (needed for nvfp4, stored as uint8 rows); ``head_size`` is required for nvfp4.
+        (1, 0, 2, ...)). HND or NHD is read from the strides. torch tensors (strides in elements) and numpy
+        arrays (strides in bytes) are accepted. ``dtype`` overrides the tensor's dtype (needed for
+        nvfp4, stored as uint8 rows); ``head_size`` is required for nvfp4 and kv_planes. Padded
+        pages and kernel blocks cannot be told from a tensor: vLLM's caches are described from
+        vLLM's own spec objects instead (:mod:`kvxfer.integrations.vllm.spec`).
         """
         kind = _parse_enum(CacheKind, kind, "kind")
         shape = tuple(int(s) for s in tensor.shape)
@@ -505,6 +860,7 @@ class KVCacheLayout:
         cross = len(shape) == base_ndim + 1
         layers = shape[0] if cross else 1
         dims, st = (shape[1:], strides[1:]) if cross else (shape, strides)
+        bits = _storage_bits(dt, kind)
         if kind is CacheKind.MLA:
             nb, n, d = dims
             layout = cls.mla(num_layers=layers, num_blocks=nb, block_size=n, latent_dim=d, dtype=dt, cross_layer=cross)
@@ -518,52 +874,66 @@ class KVCacheLayout:
             layout = cls.mamba(num_layers=layers, num_blocks=nb, page_size_bytes=page, cross_layer=cross)
             _expect_strides(st[3:], (1,), ("page",), dims[3:], first_dim=3 + cross)
         else:
-            nb, e, n, content = dims
-            groups = 2 if kind is CacheKind.QUANTIZED else 1
-            if e % groups:
-                raise LayoutError(f"shape: dim 1 of a quantized cache is 2*num_kv_heads, got {e}", field="shape")
-            heads = e // groups
-            if dt is DType.NVFP4:
-                if head_size is None:
-                    raise LayoutError(
-                        "head_size: required for an nvfp4 tensor (its last dim is bytes)", field="head_size"
-                    )
-                hs = head_size
-            elif kind is CacheKind.ATTENTION:
-                if content % 2:
-                    raise LayoutError(
-                        f"shape: the last dim packs K and V (2*head_size), got odd {content}", field="shape"
-                    )
-                hs = content // 2
-            else:
-                hs = content
-            order = Order.HND if e == 1 or st[1] >= st[2] else Order.NHD
-            layout = cls(kind, layers, nb, n, heads, hs, dt, order, cross, total_kv_heads)
-            row_elems = content
-            hnd = order is Order.HND
-            expected = (n * row_elems, row_elems, 1) if hnd else (row_elems, e * row_elems, 1)
-            _expect_strides(st[1:], expected, ("heads", "tokens", "content"), dims[1:], first_dim=1 + cross)
-            if dt is DType.NVFP4 and content != layout.row_bytes:
-                raise LayoutError(
-                    f"shape: an nvfp4 row of head_size {hs} is {layout.row_bytes} bytes, last dim is {content}",
-                    field="shape",
-                )
-        page_elems = layout.page_bytes * 8 // _storage_bits(dt, kind)
-        # The stride of a dim of size 1 never addresses anything, so any value is fine there.
-        if dims[0] > 1 and st[0] != layout.block_stride * 8 // _storage_bits(dt, kind):
+            layout = _describe_head_axis(kind, dims, st, dt, layers, cross, total_kv_heads, head_size)
+        expected_block = layout.block_stride * 8 // bits
+        if dims[0] > 1 and st[0] != expected_block:
+            page_elems = layout.page_bytes * 8 // bits
             raise LayoutError(
                 f"strides: the blocks dim (dim {int(cross)}) has stride {st[0]}, the standardized layout needs "
-                f"{layout.block_stride * 8 // _storage_bits(dt, kind)} (pages of {page_elems} elements"
+                f"{expected_block} (pages of {page_elems} elements"
                 + (f" x {layers} layers, block-major)" if cross else ")"),
                 field="strides",
             )
-        if cross and layers > 1 and strides[0] != page_elems:
+        if cross and layers > 1 and strides[0] != layout.page_bytes * 8 // bits:
             raise LayoutError(
                 f"strides: a cross-layer cache is block-major (stride order (1, 0, 2, ...)): the layers dim "
-                f"needs stride {page_elems}, got {strides[0]}",
+                f"needs stride {layout.page_bytes * 8 // bits}, got {strides[0]}",
                 field="strides",
             )
         return layout
+
+
+def _describe_head_axis(
+    kind: CacheKind, dims: Sequence[int], st: Sequence[int], dt: DType, layers: int, cross: bool,
+    total_kv_heads: int, head_size: int | None,
+) -> KVCacheLayout:  # fmt: skip
+    """Attention, quantized and kv_planes tensors: (B, slots, N, content) read with their strides."""
+    nb, e, n, content = dims
+    if kind is CacheKind.KV_PLANES:
+        if e != 2:
+            raise LayoutError(f"shape: dim 1 of a kv_planes cache is 2 (a K and a V plane), got {e}", field="shape")
+        if head_size is None or content % head_size:
+            raise LayoutError(
+                f"head_size: required for a kv_planes tensor and must divide its last dim {content}, got {head_size}",
+                field="head_size",
+            )
+        heads, hs = content // head_size, head_size
+    else:
+        groups = 2 if kind is CacheKind.QUANTIZED else 1
+        if e % groups:
+            raise LayoutError(f"shape: dim 1 of a quantized cache is 2*num_kv_heads, got {e}", field="shape")
+        heads = e // groups
+        if dt is DType.NVFP4:
+            if head_size is None:
+                raise LayoutError("head_size: required for an nvfp4 tensor (its last dim is bytes)", field="head_size")
+            hs = head_size
+        elif kind is CacheKind.ATTENTION:
+            if content % 2:
+                raise LayoutError(f"shape: the last dim packs K and V (2*head_size), got odd {content}", field="shape")
+            hs = content // 2
+        else:
+            hs = content
+    order = Order.HND if e == 1 or st[1] >= st[2] else Order.NHD
+    layout = KVCacheLayout(kind, layers, nb, n, heads, hs, dt, order, cross, total_kv_heads)
+    hnd = order is Order.HND
+    expected = (n * content, content, 1) if hnd else (content, e * content, 1)
+    _expect_strides(st[1:], expected, ("heads", "tokens", "content"), dims[1:], first_dim=1 + cross)
+    if dt is DType.NVFP4 and content != layout.row_bytes:
+        raise LayoutError(
+            f"shape: an nvfp4 row of head_size {hs} is {layout.row_bytes} bytes, last dim is {content}",
+            field="shape",
+        )
+    return layout
 
 
 def _storage_bits(dt: DType, kind: CacheKind) -> int:

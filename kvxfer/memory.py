@@ -37,14 +37,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer import cuda_ipc
-from kvxfer.errors import KvxferError
-from kvxfer.layout import KVCacheLayout
+from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.layout import KVCacheLayout, Plane
 from kvxfer.topology import RegionTable
 
 __all__ = [
     "ALIGNMENT",
     "AttachedMemory",
     "CudaIpcRef",
+    "FdLookup",
+    "FdMemoryRef",
+    "FdRegionRef",
     "LibraryRef",
     "MemoryRef",
     "MemoryRegistrationError",
@@ -205,17 +208,43 @@ class LibraryRef:
         return cls(tuple(addresses), device, mem)
 
 
-MemoryRef = SharedMemoryRef | CudaIpcRef | LibraryRef
+@dataclass(frozen=True)
+class FdRegionRef:
+    """Where one region lives: the index of a passed descriptor and an offset in its file."""
+
+    index: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class FdMemoryRef:
+    """Regions in shared-memory files whose descriptors the worker passed (:mod:`kvxfer.fdpass`).
+
+    ``handle`` is what the sidecar answered when it received the descriptors; one
+    :class:`FdRegionRef` per region of the layout, in region order. Regions of several cache
+    groups may lie in one file and even overlap (vLLM overlays its groups on one buffer).
+    """
+
+    handle: str
+    regions: tuple[FdRegionRef, ...]
+
+
+MemoryRef = SharedMemoryRef | CudaIpcRef | LibraryRef | FdMemoryRef
+#: Looks up a descriptor handle: (descriptors, their sizes, sender pid); KeyError when unknown.
+FdLookup = Callable[[str], tuple[tuple[int, ...], tuple[int, ...], int]]
 
 
 # ---------------------------------------------------------------------------- segments
 class _Segment:
-    """One mapped segment file."""
+    """One mapped segment file (opened by path, or a descriptor that is duplicated first)."""
 
-    def __init__(self, path: Path, size: int | None, *, create: bool) -> None:
+    def __init__(self, path: Path, size: int | None, *, create: bool, fd: int | None = None) -> None:
         self.path = path
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        if fd is not None:
+            fd = os.dup(fd)
+        else:
+            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+            fd = os.open(path, flags, 0o600)
         try:
             if create:
                 assert size is not None
@@ -292,13 +321,26 @@ class SharedKVBuffer:
         return SharedMemoryRef(tuple(ShmRegionRef(self.name, o) for o in self.offsets))
 
     def pages(self, layer: int) -> U8:
-        """(num_blocks, page_bytes) view of one layer's pages (strided for a cross-layer cache)."""
+        """(num_blocks, page_bytes) view of one layer's pages (strided for a cross-layer cache).
+
+        Only for layouts whose pages are contiguous (not heads_outer); :meth:`rows` works for all.
+        """
         lay = self.layout
+        if lay.heads_outer:
+            raise LayoutError(f"pages: a {lay.stride_order} block is not one contiguous page; use rows()",
+                              field="layout")  # fmt: skip
         region = self.regions[lay.region_of_layer(layer)]
         start = lay.layer_offset(layer)
         return np.lib.stride_tricks.as_strided(
             region[start:], shape=(lay.num_blocks, lay.page_bytes), strides=(lay.block_stride, 1), writeable=True
         )
+
+    def rows(self, layer: int, plane: Plane) -> U8:
+        """``plane``'s rows of ``layer``: a (blocks, kernel blocks, heads, tokens, elements, row bytes) view."""
+        lay = self.layout
+        offset, shape, strides = lay.plane_view(layer, plane)
+        region = self.regions[lay.region_of_layer(layer)]
+        return np.lib.stride_tricks.as_strided(region[offset:], shape=shape, strides=strides, writeable=True)
 
     def close(self) -> None:
         """Unmap, and unlink the segment when this process created it."""
@@ -354,12 +396,19 @@ class AttachedMemory:
                 fn()
 
 
-def attach(ref: MemoryRef, layout: KVCacheLayout, *, field: str = "memory") -> AttachedMemory:
-    """Map the memory a worker described for ``layout``; raises naming ``field`` on any mismatch."""
+def attach(
+    ref: MemoryRef, layout: KVCacheLayout, *, field: str = "memory", fds: FdLookup | None = None
+) -> AttachedMemory:
+    """Map the memory a worker described for ``layout``; raises naming ``field`` on any mismatch.
+
+    ``fds`` resolves the handle of an :class:`FdMemoryRef` (the sidecar's :class:`kvxfer.fdpass.FdBox`).
+    """
     if isinstance(ref, CudaIpcRef):
         return _attach_cuda_ipc(ref, layout, field)
     if isinstance(ref, LibraryRef):
         return _attach_library(ref, layout, field)
+    if isinstance(ref, FdMemoryRef):
+        return _attach_fds(ref, layout, field, fds)
     return _attach_shm(ref, layout, field)
 
 
@@ -425,6 +474,46 @@ def _attach_shm(ref: SharedMemoryRef, layout: KVCacheLayout, field: str) -> Atta
                     f"{r.name!r} of {seg.size} bytes",
                     field=f"{where}[{i}].offset",
                 )
+            bases.append(seg.address + r.offset)
+    except BaseException:
+        for s in segments.values():
+            s.close()
+        raise
+    return AttachedMemory(RegionTable.for_layout(layout, bases), "DRAM", list(segments.values()))
+
+
+def _attach_fds(ref: FdMemoryRef, layout: KVCacheLayout, field: str, lookup: FdLookup | None) -> AttachedMemory:
+    where = f"{field}.fd"
+    _count(len(ref.regions), layout, f"{where}.regions")
+    try:
+        if lookup is None:
+            raise KeyError(ref.handle)
+        fds, sizes, pid = lookup(ref.handle)
+    except KeyError:
+        raise MemoryRegistrationError(
+            f"{where}.handle: {ref.handle!r} names no descriptors this sidecar holds (the worker passes them on the "
+            "descriptor socket beside the local socket and keeps that connection open)",
+            field=f"{where}.handle",
+        ) from None
+    segments: dict[int, _Segment] = {}
+    bases: list[int] = []
+    try:
+        for i, r in enumerate(ref.regions):
+            if not 0 <= r.index < len(fds):
+                raise MemoryRegistrationError(
+                    f"{where}.regions[{i}].index: {r.index} is not one of the {len(fds)} descriptors passed",
+                    field=f"{where}.regions[{i}].index",
+                )
+            if r.offset % 8 or r.offset + layout.region_bytes > sizes[r.index]:
+                raise MemoryRegistrationError(
+                    f"{where}.regions[{i}].offset: a region of {layout.region_bytes} bytes at offset {r.offset} does "
+                    f"not fit descriptor {r.index} of {sizes[r.index]} bytes (or is not 8-byte aligned)",
+                    field=f"{where}.regions[{i}].offset",
+                )
+            seg = segments.get(r.index)
+            if seg is None:
+                seg = segments[r.index] = _Segment(Path(f"/proc/{pid}/fd/{fds[r.index]}"), None, create=False,
+                                                   fd=fds[r.index])  # fmt: skip
             bases.append(seg.address + r.offset)
     except BaseException:
         for s in segments.values():

@@ -10,12 +10,15 @@ The construction is pure numpy. A transfer is a grid ``layers x chunks x units``
 * a *chunk* is the largest token range that lies inside one block on both sides
   (``min(local block_size, remote block_size)`` tokens);
 * a *unit* is the largest byte span inside a chunk that is contiguous on both sides for one
-  source (a head slice of a whole HND block, one token of an NHD block, or one row when the two
-  sides order heads and tokens differently).
+  source (a head slice of a whole HND block, one token of an NHD block, a side's data or scales
+  of an nvfp4 head slice, or one row when the two sides order heads and tokens differently).
 
-Units of one chunk are merged once (the pattern is the same for every chunk), runs of chunks
-whose units follow each other on both sides are merged on the block lists alone, and a final
-pass merges whatever else is adjacent (e.g. every layer of a cross-layer block).
+Units are computed once per topology from the layouts' planes (:attr:`KVCacheLayout.planes`)
+for each *phase* (which slice of the larger block a chunk is, when block sizes differ); runs of
+chunks whose single unit continues on both sides are merged on the block lists alone, and
+otherwise the units of every chunk are sorted and merged wherever they are adjacent on both
+sides (e.g. every layer of a block-major block, or a head's run of blocks when heads lie outside
+the blocks).
 """
 
 from __future__ import annotations
@@ -127,6 +130,9 @@ class Source:
 class RankPlan:
     """Descriptors for one remote rank, relative to regions (resolve with :meth:`descriptors`).
 
+    ``raw_spans`` counts the spans of one layer of the request before any run of blocks merged
+    (what a scheme of one descriptor per block and layer would issue).
+
     Stored factored: descriptor ``(i, j)`` is *group* ``i`` (a region and a byte offset on each
     side: one group per layer, or a single group when both caches are block-major) plus *pattern*
     entry ``j`` (offsets and length inside it), group-major. Descriptors of different layers never
@@ -135,7 +141,7 @@ class RankPlan:
     """
 
     source: Source
-    spans_per_chunk: int
+    raw_spans: int
     group_local_region: I64
     group_local_offset: I64
     group_remote_region: I64
@@ -223,7 +229,7 @@ class TransferPlan:
     @property
     def per_block_descriptors(self) -> int:
         """Descriptors a scheme without coalescing would issue: the spans of every block, layer and source."""
-        return self.num_layers * self.num_chunks * sum(p.spans_per_chunk for p in self.per_rank)
+        return self.num_layers * sum(p.raw_spans for p in self.per_rank)
 
 
 def parse_block_ids(spec: str) -> I64:
@@ -283,7 +289,7 @@ class TransferTopology:
                 f"{self.remote_tp_size}) cannot be split per head; use the same TP size on both sides",
                 field="tp_size",
             )
-        if kind in (CacheKind.ATTENTION, CacheKind.QUANTIZED):
+        if kind in (CacheKind.ATTENTION, CacheKind.QUANTIZED, CacheKind.KV_PLANES):
             total = self.local.total_kv_heads
             for side, layout, tp, rank in (
                 ("local", self.local, self.local_rank.tp_size, self.local_rank.tp_rank),
@@ -335,29 +341,69 @@ class TransferTopology:
         return tuple(out)
 
     # ------------------------------------------------------------------ planning
-    def plan(self, local_blocks: BlockIds, remote_blocks: BlockIds) -> TransferPlan:
+    def plan(
+        self, local_blocks: BlockIds, remote_blocks: BlockIds, *, num_tokens: int | None = None,
+        local_skip: int = 0, remote_skip: int = 0,
+    ) -> TransferPlan:  # fmt: skip
         """Descriptors moving ``remote_blocks`` of the remote ranks into ``local_blocks`` here.
 
-        Block ids are in each side's own block size; both lists must cover the same number of
-        tokens. Raises :class:`BlockIdError` before any descriptor exists if a list is empty,
-        has an id out of range, repeats an id, or the token counts differ.
+        Block ids are in each side's own block size. By default both lists cover the same number of
+        tokens and all of them move. With ``num_tokens``, tokens ``[local_skip, local_skip +
+        num_tokens)`` of the local list receive tokens ``[remote_skip, remote_skip + num_tokens)`` of
+        the remote list: the lists may then differ in length, e.g. when the last block of one side
+        is partly used or a prefix-cache hit ends inside a block of the other side. Skips must be
+        multiples of the smaller block size and fall inside the first block; whole chunks of that
+        size move, so a last partial chunk moves whole (its tail is scratch on both sides).
+
+        Raises :class:`BlockIdError` before any descriptor exists if a list is empty, has an id out
+        of range, repeats an id, or does not cover the tokens to move.
         """
         lb = _check_blocks(local_blocks, self.local.num_blocks, "local_blocks")
         rb = _check_blocks(remote_blocks, self.remote.num_blocks, "remote_blocks")
         nl, nr = self.local.tokens_per_page, self.remote.tokens_per_page
-        if lb.size * nl != rb.size * nr:
-            raise BlockIdError(
-                f"remote_blocks: length mismatch: {lb.size} local blocks x {nl} tokens = {lb.size * nl} tokens, "
-                f"{rb.size} remote blocks x {nr} tokens = {rb.size * nr} tokens",
-                field="remote_blocks",
-            )
         g = self._granule
-        chunks = lb.size * nl // g
+        if num_tokens is None:
+            if local_skip or remote_skip:
+                raise BlockIdError("num_tokens: needed when tokens are skipped", field="num_tokens")
+            if lb.size * nl != rb.size * nr:
+                raise BlockIdError(
+                    f"remote_blocks: length mismatch: {lb.size} local blocks x {nl} tokens = {lb.size * nl} tokens, "
+                    f"{rb.size} remote blocks x {nr} tokens = {rb.size * nr} tokens",
+                    field="remote_blocks",
+                )
+            num_tokens = lb.size * nl
+        for name, skip, per in (("local_skip", local_skip, nl), ("remote_skip", remote_skip, nr)):
+            if not 0 <= skip < per or skip % g:
+                raise BlockIdError(
+                    f"{name}: {skip} tokens must be a multiple of {g} (the smaller block size) below the block "
+                    f"size {per}",
+                    field=name,
+                )
+        if num_tokens < 1:
+            raise BlockIdError(f"num_tokens: must be >= 1, got {num_tokens}", field="num_tokens")
+        chunks = -(-num_tokens // g)
+        for name, ids, skip, per in (("local_blocks", lb, local_skip, nl), ("remote_blocks", rb, remote_skip, nr)):
+            need = -(-(skip + chunks * g) // per)
+            if ids.size != need:
+                raise BlockIdError(
+                    f"{name}: {ids.size} blocks of {per} tokens given; {num_tokens} tokens from token {skip} of the "
+                    f"first block take exactly {need}",
+                    field=name,
+                )
         c = np.arange(chunks, dtype=np.int64)
         per_l, per_r = nl // g, nr // g
-        l_block, l_tok = lb[c // per_l], (c % per_l) * g
-        r_block, r_tok = rb[c // per_r], (c % per_r) * g
-        plans = tuple(self._plan_source(src, l_block, l_tok, r_block, r_tok) for src in self._sources)
+        # Chunk c is the (skip/g + c)-th g-token slice of each side's list; its phase (which slice of the
+        # larger block it is) picks the unit pattern.
+        li, ri = c + local_skip // g, c + remote_skip // g
+        l_start = lb[li // per_l] * self.local.block_stride
+        r_start = rb[ri // per_r] * self.remote.block_stride
+        if per_l > 1:
+            phase: I64 | None = li % per_l
+        elif per_r > 1:
+            phase = ri % per_r
+        else:
+            phase = None
+        plans = tuple(self._plan_source(src, l_start, r_start, phase) for src in self._sources)
         return TransferPlan(plans, chunks, self.local.num_layers, self._warnings)
 
     @cached_property
@@ -366,26 +412,60 @@ class TransferTopology:
         return min(self.local.tokens_per_page, self.remote.tokens_per_page)
 
     @cached_property
-    def _patterns(self) -> dict[Source, tuple[I64, I64, I64]]:
-        """Each source's unit pattern (see :func:`_unit_pattern`), read-only: shared by every plan."""
+    def _phases(self) -> int:
+        return max(self.local.tokens_per_page, self.remote.tokens_per_page) // self._granule
+
+    @cached_property
+    def _both_block_major(self) -> bool:
+        # Both caches hold every layer in one region: a block's layers can merge into one span.
+        return self.local.cross_layer and self.remote.cross_layer
+
+    @cached_property
+    def _patterns(self) -> dict[Source, _Pattern]:
+        """Each source's unit patterns per phase (see :meth:`_phase_units`), read-only: shared by every plan."""
         out = {}
+        layers = self.local.num_layers if self._both_block_major else 1
         for src in self._sources:
-            lo, ro, ln = _unit_pattern(self.local, self.remote, src, self._granule)
-            out[src] = (_frozen(lo), _frozen(ro), _frozen(ln))
+            per_phase = [self._phase_units(src, k, layers) for k in range(self._phases)]
+            per_layer = [self._phase_units(src, k, 1) for k in range(self._phases)] if layers > 1 else per_phase
+            out[src] = _Pattern.stack(per_phase, [len(p[0]) for p in per_layer])
         return out
+
+    def _phase_units(self, src: Source, phase: int, layers: int) -> tuple[I64, I64, I64]:
+        """Units of one chunk in ``phase`` (offsets from each side's block start), coalesced."""
+        g = self._granule
+        toks = np.arange(g, dtype=np.int64)
+        l_tok = toks + (phase * g if self.local.tokens_per_page > g else 0)
+        r_tok = toks + (phase * g if self.remote.tokens_per_page > g else 0)
+        lo, ln = self.local.row_offsets(np.arange(src.local_head, src.local_head + src.num_heads), l_tok)
+        ro, rn = self.remote.row_offsets(np.arange(src.remote_head, src.remote_head + src.num_heads), r_tok)
+        if not np.array_equal(ln, rn):  # pragma: no cover - compatible layouts have the same planes
+            raise TopologyError("planes: local and remote rows differ in size", field="layout")
+        if layers > 1:
+            ly = np.arange(layers, dtype=np.int64)
+            lo = (ly[:, None] * self.local.layer_stride + lo[None, :]).ravel()
+            ro = (ly[:, None] * self.remote.layer_stride + ro[None, :]).ravel()
+            ln = np.tile(ln, layers)
+        order = np.argsort(lo, kind="stable")
+        return _coalesce(lo[order], ro[order], ln[order])
 
     @cached_property
     def _warnings(self) -> tuple[str, ...]:
         loc, rem = self.local, self.remote
         out: list[str] = []
-        for l_units, _, _ in self._patterns.values():
-            if len(l_units) > 1 and loc.order is Order.NHD and rem.order is Order.NHD:
+        for pat in self._patterns.values():
+            units = int(pat.layer_units.max())
+            if units <= len(loc.planes) or loc.kind in (CacheKind.MLA, CacheKind.MAMBA):
+                continue
+            if loc.order is Order.NHD and rem.order is Order.NHD:
                 out.append(
-                    f"NHD with a head slice: {len(l_units)} spans per chunk per layer (one per token); HND keeps a "
+                    f"NHD with a head slice: {units} spans per chunk per layer (one per token); HND keeps a "
                     "head slice contiguous"
                 )
-            elif len(l_units) > 1 and loc.order is not rem.order:
-                out.append(f"local {loc.order} vs remote {rem.order}: one span per row ({len(l_units)} per chunk)")
+            elif loc.order is not rem.order:
+                out.append(f"local {loc.order} vs remote {rem.order}: one span per row ({units} per chunk)")
+            elif loc.kind is CacheKind.KV_PLANES:
+                out.append(f"kv_planes with a head slice: {units} spans per chunk per layer (one per token and plane)")
         return tuple(dict.fromkeys(out))
 
     @cached_property
@@ -396,100 +476,68 @@ class TransferTopology:
         rr, ro = _layer_groups(self.remote, layers)
         return _frozen(lr), _frozen(lo), _frozen(rr), _frozen(ro)
 
-    def _plan_source(self, src: Source, l_block: I64, l_tok: I64, r_block: I64, r_tok: I64) -> RankPlan:
-        loc, rem = self.local, self.remote
-        l_units, r_units, u_len = self._patterns[src]
-        spans_per_chunk = len(l_units)
-        # Chunk start offsets inside each side's region, for layer 0.
-        l_start = l_block * loc.block_stride + _token_offset(loc, l_tok)
-        r_start = r_block * rem.block_stride + _token_offset(rem, r_tok)
-        if loc.cross_layer and rem.cross_layer:
+    def _plan_source(self, src: Source, l_start: I64, r_start: I64, phase: I64 | None) -> RankPlan:
+        pat = self._patterns[src]
+        raw_spans = int(pat.layer_units[0]) * l_start.size if phase is None else int(pat.layer_units[phase].sum())
+        lo, ro, ln = pat.expand(l_start, r_start, phase)
+        if self._both_block_major:
             zero = np.zeros(1, np.int64)
-            lo, ro, ln = _block_major_pattern(loc, rem, l_start, r_start, l_units, r_units, u_len)
-            return RankPlan(src, spans_per_chunk, zero, zero, zero, zero, lo, ro, ln)
+            return RankPlan(src, raw_spans, zero, zero, zero, zero, lo, ro, ln)
         # At least one side has a region per layer, so layers never merge and every layer repeats
         # one pattern at its own region and offset.
-        if len(l_units) == 1:
-            lo, ro, ln = _merge_runs(l_start + l_units[0], r_start + r_units[0], int(u_len[0]))
-        else:
-            lo = (l_start[:, None] + l_units[None, :]).ravel()
-            ro = (r_start[:, None] + r_units[None, :]).ravel()
-            lo, ro, ln = _coalesce(lo, ro, np.tile(u_len, l_start.size))
-        return RankPlan(src, spans_per_chunk, *self._layer_group_arrays, lo, ro, ln)
+        return RankPlan(src, raw_spans, *self._layer_group_arrays, lo, ro, ln)
+
+
+@dataclass(frozen=True, eq=False)
+class _Pattern:
+    """Unit patterns of one source, one row per phase, padded with zero-length units."""
+
+    local: I64  # (phases, units)
+    remote: I64
+    length: I64
+    count: I64  # units per phase
+    layer_units: I64  # units of one layer per phase, before layers merge (per-block span counts)
+
+    @classmethod
+    def stack(cls, phases: list[tuple[I64, I64, I64]], layer_units: list[int]) -> _Pattern:
+        width = max(len(p[0]) for p in phases)
+        arrays = [np.zeros((len(phases), width), np.int64) for _ in range(3)]
+        for k, unit in enumerate(phases):
+            for a, v in zip(arrays, unit, strict=True):
+                a[k, : len(v)] = v
+        count = np.array([len(p[0]) for p in phases], np.int64)
+        local, remote, length = (_frozen(a) for a in arrays)
+        return cls(local, remote, length, _frozen(count), _frozen(np.array(layer_units, np.int64)))
+
+    def expand(self, l_start: I64, r_start: I64, phase: I64 | None) -> tuple[I64, I64, I64]:
+        """Every chunk's units at its block starts, merged where contiguous on both sides."""
+        if phase is None and self.count[0] == 1:
+            # One unit per chunk (a head slice of HND blocks, whole pages...): merge runs of chunks, in
+            # local address order (freed blocks often come back in descending order).
+            if l_start.size > 1 and (l_start[1:] < l_start[:-1]).any():
+                order = np.argsort(l_start, kind="stable")
+                l_start, r_start = l_start[order], r_start[order]
+            return _merge_runs(l_start + self.local[0, 0], r_start + self.remote[0, 0], int(self.length[0, 0]))
+        rows = np.zeros(l_start.size, np.int64) if phase is None else phase
+        lo = l_start[:, None] + self.local[rows]
+        ro = r_start[:, None] + self.remote[rows]
+        ln = self.length[rows]
+        if self.count.min() != self.local.shape[1]:
+            keep = ln > 0
+            lo, ro, ln = lo[keep], ro[keep], ln[keep]
+        lo, ro, ln = lo.ravel(), ro.ravel(), ln.ravel()
+        if lo.size > 1 and (lo[1:] < lo[:-1]).any():
+            # e.g. heads outside the blocks: a head's blocks are contiguous, chunk order is not.
+            order = np.argsort(lo, kind="stable")
+            lo, ro, ln = lo[order], ro[order], ln[order]
+        return _coalesce(lo, ro, ln)
 
 
 def _layer_groups(layout: KVCacheLayout, layers: I64) -> tuple[I64, I64]:
-    """Region and offset of each layer's pages: its own region, or its slot in a block-major block."""
+    """Region and offset of each layer's block 0: its own region, or its slot in a block-major block."""
     if layout.cross_layer:
-        return np.zeros_like(layers), layers * layout.page_bytes
+        return np.zeros_like(layers), layers * layout.layer_stride
     return layers, np.zeros_like(layers)
-
-
-def _block_major_pattern(
-    loc: KVCacheLayout, rem: KVCacheLayout, l_start: I64, r_start: I64, l_units: I64, r_units: I64, u_len: I64
-) -> tuple[I64, I64, I64]:
-    """Spans of every layer when both sides are block-major (one region each), merged across layers."""
-    layers = np.arange(loc.num_layers, dtype=np.int64)
-    if len(l_units) == 1:
-        unit = int(u_len[0])
-        if unit == loc.page_bytes == rem.page_bytes:
-            # Whole pages on both sides: all layers of a block are one span, runs of blocks merge.
-            return _merge_runs(l_start + l_units[0], r_start + r_units[0], unit * loc.num_layers)
-        l_start, r_start, run_len = _merge_runs(l_start + l_units[0], r_start + r_units[0], unit)
-        l_units, r_units = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        chunk_unit_len = run_len[:, None]
-    else:
-        chunk_unit_len = np.broadcast_to(u_len[None, :], (l_start.size, u_len.size))
-    # (chunk, layer, unit) order puts the pages of one block's layers next to each other.
-    lo = l_start[:, None, None] + (layers * loc.page_bytes)[None, :, None] + l_units[None, None, :]
-    ro = r_start[:, None, None] + (layers * rem.page_bytes)[None, :, None] + r_units[None, None, :]
-    ln = np.broadcast_to(chunk_unit_len[:, None, :], lo.shape)
-    return _coalesce(lo.ravel(), ro.ravel(), ln.ravel())
-
-
-def _token_offset(layout: KVCacheLayout, tokens: I64) -> I64:
-    """Byte offset of a token inside a page, for the token-range start of each chunk."""
-    if layout.order is Order.HND:
-        return tokens * layout.row_bytes
-    return tokens * (layout.entries * layout.row_bytes)
-
-
-def _unit_pattern(loc: KVCacheLayout, rem: KVCacheLayout, src: Source, g: int) -> tuple[I64, I64, I64]:
-    """Offsets (from a chunk's start) and lengths of the units of one chunk, merged where possible."""
-    row = loc.row_bytes
-    groups = loc.head_groups
-    nh = src.num_heads
-    grp = np.arange(groups, dtype=np.int64)
-    heads = np.arange(nh, dtype=np.int64)
-    toks = np.arange(g, dtype=np.int64)
-
-    def entry(layout: KVCacheLayout, first: int) -> I64:
-        # entry index of (group, head) in that side's page
-        return (grp[:, None] * layout.num_kv_heads + first + heads[None, :]).ravel()
-
-    le, re_ = entry(loc, src.local_head), entry(rem, src.remote_head)
-    if loc.order is Order.HND and rem.order is Order.HND:
-        lo = le * loc.tokens_per_page * row
-        ro = re_ * rem.tokens_per_page * row
-        ln = np.full(lo.size, g * row, np.int64)
-    elif loc.order is Order.NHD and rem.order is Order.NHD:
-        # One unit per (token, group): nh consecutive entries of one token.
-        lo = (toks[:, None] * loc.entries * row + (grp * loc.num_kv_heads + src.local_head)[None, :] * row).ravel()
-        ro = (toks[:, None] * rem.entries * row + (grp * rem.num_kv_heads + src.remote_head)[None, :] * row).ravel()
-        ln = np.full(lo.size, nh * row, np.int64)
-    else:
-        lo = _row_offsets(loc, le, toks)
-        ro = _row_offsets(rem, re_, toks)
-        ln = np.full(lo.size, row, np.int64)
-    order = np.argsort(lo, kind="stable")
-    return _coalesce(lo[order], ro[order], ln[order])
-
-
-def _row_offsets(layout: KVCacheLayout, entries: I64, toks: I64) -> I64:
-    row = layout.row_bytes
-    if layout.order is Order.HND:
-        return (entries[:, None] * layout.tokens_per_page * row + toks[None, :] * row).ravel()
-    return (toks[None, :] * layout.entries * row + entries[:, None] * row).ravel()
 
 
 def _merge_runs(l_start: I64, r_start: I64, unit: int) -> tuple[I64, I64, I64]:

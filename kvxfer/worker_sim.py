@@ -1,8 +1,9 @@
 """A synthetic inference worker: KV memory in shared memory, a sidecar client, checkable contents.
 
-The content of a request's KV cache is a function of *logical* coordinates only - layer, token
-position in the request, global KV-head entry and word within the row - and a per-request salt.
-Any rank of any TP size, block size or physical order (NHD/HND) can therefore write its share
+The content of a request's KV cache is a function of *logical* coordinates only - layer, plane
+(K|V, K, V, nvfp4 data or scales...), token position in the request, global KV head and word
+within the row - and a per-request salt. Any rank of any TP size, block size or physical order
+(any of vLLM's six, padded pages, kernel blocks) can therefore write its share
 (:func:`fill_blocks`) or check what it received (:func:`verify_blocks`) without knowing the other
 side: a decode rank that got every byte from the right place of the right prefill rank sees
 exactly the expected values, and anything misplaced, stale or missing shows up as mismatches.
@@ -27,66 +28,73 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.layout import CacheKind, KVCacheLayout, Order, head_range
+from kvxfer.layout import CacheKind, KVCacheLayout, Plane, head_range
 from kvxfer.topology import RankInfo
 
-__all__ = ["CudaKVBuffer", "WorkerConfig", "fill_blocks", "global_entries", "verify_blocks", "worker_main"]
+__all__ = ["CudaKVBuffer", "WorkerConfig", "fill_blocks", "global_heads", "verify_blocks", "worker_main"]
 
 I64 = npt.NDArray[np.int64]
 POISON = 0xA5  # what a decode rank writes into its destination blocks before a pull
 
 
-def global_entries(layout: KVCacheLayout, rank: RankInfo) -> I64:
-    """Global entry index of each local entry on the head axis (K heads, then V heads if quantized)."""
-    if layout.kind in (CacheKind.MLA, CacheKind.MAMBA):
+def global_heads(layout: KVCacheLayout, rank: RankInfo) -> I64:
+    """Global index of each local head; for Mamba the rank itself (its page is its own state)."""
+    if layout.kind is CacheKind.MLA:
         return np.zeros(1, dtype=np.int64)
+    if layout.kind is CacheKind.MAMBA:
+        return np.array([rank.tp_rank], dtype=np.int64)
     h0, _ = head_range(layout.total_kv_heads, rank.tp_size, rank.tp_rank)
-    local = np.arange(layout.entries, dtype=np.int64)
-    group, head = local // layout.num_kv_heads, local % layout.num_kv_heads
-    return group * layout.total_kv_heads + h0 + head
+    return h0 + np.arange(layout.num_kv_heads, dtype=np.int64)
 
 
-def _word(layout: KVCacheLayout) -> type[np.unsignedinteger[Any]]:
-    return np.uint32 if layout.row_bytes % 4 == 0 else np.uint8
+def _word(row_bytes: int) -> type[np.unsignedinteger[Any]]:
+    return np.uint32 if row_bytes % 4 == 0 else np.uint8
 
 
-def _expected(layout: KVCacheLayout, rank: RankInfo, layer: int, ntok: int, salt: int) -> npt.NDArray[Any]:
-    """(tokens, entries, words) of the request's content for one layer on this rank."""
-    w = _word(layout)
-    words = layout.row_bytes // np.dtype(w).itemsize
+def _expected(
+    layout: KVCacheLayout, rank: RankInfo, layer: int, part: int, row_bytes: int, ntok: int, salt: int
+) -> npt.NDArray[Any]:
+    """(tokens, heads, words) of the request's content for one plane of one layer on this rank."""
+    w = _word(row_bytes)
+    words = row_bytes // np.dtype(w).itemsize
     mask = np.uint64((1 << (8 * np.dtype(w).itemsize)) - 1)
-    ge = global_entries(layout, rank).astype(np.uint64)
+    gh = global_heads(layout, rank).astype(np.uint64)
     j = np.arange(words, dtype=np.uint64)
     t = np.arange(ntok, dtype=np.uint64)
-    # Odd multipliers spread layer, entry, word, token and salt over all bits of the word; the
+    # Odd multipliers spread layer, part, head, word, token and salt over all bits of the word; the
     # small tables are built in uint64 and the big sum wraps in the word type (one pass).
-    base = ge[:, None] * np.uint64(0x9E3779B1) + j[None, :] * np.uint64(0x85EBCA77)
-    base += np.uint64((layer * 0xC2B2AE3D + salt * 0x27D4EB2F) & 0xFFFFFFFF)
+    base = gh[:, None] * np.uint64(0x9E3779B1) + j[None, :] * np.uint64(0x85EBCA77)
+    base += np.uint64((layer * 0xC2B2AE3D + salt * 0x27D4EB2F + part * 0x61C88647) & 0xFFFFFFFF)
     tok = (t * np.uint64(0x165667B1)) & mask
     return (base & mask).astype(w)[None, :, :] + tok.astype(w)[:, None, None]
 
 
-def _logical(layout: KVCacheLayout, pages: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
-    """(blocks, tokens, entries, words) view of gathered pages (blocks, page_bytes)."""
-    w = _word(layout)
-    n, e, words = layout.tokens_per_page, layout.entries, layout.row_bytes // np.dtype(w).itemsize
-    v = pages.view(w)
-    if layout.order is Order.HND:
-        return v.reshape(-1, e, n, words).transpose(0, 2, 1, 3)
-    return v.reshape(-1, n, e, words)
+def _to_rows(layout: KVCacheLayout, plane: Plane, values: npt.NDArray[Any], nblocks: int) -> npt.NDArray[np.uint8]:
+    """(tokens, heads, words) of ``nblocks`` blocks -> (blocks, kernel blocks, heads, tokens, elements, bytes)."""
+    r, nk = layout.kernel_blocks_per_block, layout.tokens_per_kernel_block
+    v = np.ascontiguousarray(values).view(np.uint8)
+    return v.reshape(nblocks, r, nk, v.shape[1], plane.elements, -1).transpose(0, 1, 3, 2, 4, 5)
+
+
+def _from_rows(rows: npt.NDArray[np.uint8], w: type[np.unsignedinteger[Any]]) -> npt.NDArray[Any]:
+    """Inverse of :func:`_to_rows`: (tokens, heads, words)."""
+    n, r, h, nk, _, _ = rows.shape
+    return np.ascontiguousarray(rows.transpose(0, 1, 3, 2, 4, 5)).reshape(n * r * nk, h, -1).view(w)
 
 
 def fill_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: int) -> int:
-    """Write the request's content into ``blocks`` of a :class:`~kvxfer.memory.SharedKVBuffer`; returns bytes."""
+    """Write the request's content into ``blocks`` of a KV buffer; returns the bytes written.
+
+    ``buf`` is a :class:`~kvxfer.memory.SharedKVBuffer` or a :class:`CudaKVBuffer`: anything with a
+    ``layout`` and ``rows(layer, plane)`` (the plane's rows indexed by block id).
+    """
     layout: KVCacheLayout = buf.layout
     ids = np.asarray(blocks, dtype=np.int64)
     ntok = ids.size * layout.tokens_per_page
     for layer in range(layout.num_layers):
-        exp = _expected(layout, rank, layer, ntok, salt)
-        exp = exp.reshape(ids.size, layout.tokens_per_page, layout.entries, -1)
-        if layout.order is Order.HND:
-            exp = exp.transpose(0, 2, 1, 3)
-        buf.pages(layer)[ids] = np.ascontiguousarray(exp).view(np.uint8).reshape(ids.size, layout.page_bytes)
+        for part, plane in enumerate(layout.planes):
+            exp = _expected(layout, rank, layer, part, plane.row_bytes * plane.elements, ntok, salt)
+            buf.rows(layer, plane)[ids] = _to_rows(layout, plane, exp, ids.size)
     return int(ids.size * layout.page_bytes * layout.num_layers)
 
 
@@ -94,7 +102,8 @@ def poison_blocks(buf: Any, blocks: Sequence[int] | I64) -> None:
     """Overwrite ``blocks`` so that a pull that moved nothing cannot pass verification."""
     ids = np.asarray(blocks, dtype=np.int64)
     for layer in range(buf.layout.num_layers):
-        buf.pages(layer)[ids] = POISON
+        for plane in buf.layout.planes:
+            buf.rows(layer, plane)[ids] = POISON
 
 
 def verify_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: int) -> tuple[int, int]:
@@ -104,18 +113,19 @@ def verify_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: i
     ntok = ids.size * layout.tokens_per_page
     bad = 0
     for layer in range(layout.num_layers):
-        got = _logical(layout, buf.pages(layer)[ids]).reshape(ntok, layout.entries, -1)
-        exp = _expected(layout, rank, layer, ntok, salt)
-        if not np.array_equal(got, exp):
-            g8 = np.ascontiguousarray(got).view(np.uint8)
-            e8 = np.ascontiguousarray(exp).view(np.uint8)
-            bad += int(np.count_nonzero(g8 != e8))
+        for part, plane in enumerate(layout.planes):
+            exp = _expected(layout, rank, layer, part, plane.row_bytes * plane.elements, ntok, salt)
+            got = _from_rows(np.asarray(buf.rows(layer, plane)[ids]), _word(plane.row_bytes * plane.elements))
+            if not np.array_equal(got, exp):
+                g8 = np.ascontiguousarray(got).view(np.uint8)
+                e8 = np.ascontiguousarray(exp).view(np.uint8)
+                bad += int(np.count_nonzero(g8 != e8))
     return int(ids.size * layout.page_bytes * layout.num_layers), bad
 
 
 # ---------------------------------------------------------------------------- GPU memory
 class _GpuPages:
-    """A (num_blocks, page_bytes) view of one layer on a GPU, indexed by numpy block ids like a numpy view."""
+    """A view of one layer on a GPU whose first dim is the block, indexed by numpy block ids like a numpy view."""
 
     def __init__(self, view: Any) -> None:
         self._view = view
@@ -166,11 +176,18 @@ class CudaKVBuffer:
         return CudaIpcRef.from_tensors(self.regions)
 
     def pages(self, layer: int) -> _GpuPages:
-        """(num_blocks, page_bytes) view of one layer's pages."""
+        """(num_blocks, page_bytes) view of one layer's pages (layouts whose pages are contiguous)."""
         lay = self.layout
         region = self.regions[lay.region_of_layer(layer)]
         view = region[lay.layer_offset(layer) :].as_strided((lay.num_blocks, lay.page_bytes), (lay.block_stride, 1))
         return _GpuPages(view)
+
+    def rows(self, layer: int, plane: Plane) -> _GpuPages:
+        """``plane``'s rows of ``layer``: (blocks, kernel blocks, heads, tokens, elements, row bytes)."""
+        lay = self.layout
+        offset, shape, strides = lay.plane_view(layer, plane)
+        region = self.regions[lay.region_of_layer(layer)]
+        return _GpuPages(region.as_strided(shape, strides, region.storage_offset() + offset))
 
     def close(self) -> None:
         """Drop the tensors (after the sidecar let go of them)."""

@@ -26,6 +26,7 @@ from kvxfer import PROTOCOL_VERSION, __version__
 from kvxfer._proto.kvxfer.v1 import local_pb2, peer_pb2
 from kvxfer.config import ConfigError, Settings, parse_address
 from kvxfer.errors import KvxferError
+from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
@@ -119,6 +120,7 @@ class Sidecar:
         self.metrics_port = 0
         self._stopped = asyncio.Event()
         self._socket_path: Path | None = None
+        self.fd_box: FdBox | None = None
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -169,9 +171,13 @@ class Sidecar:
         peer = grpc.aio.server(interceptors=interceptors, options=opts)
         self._peer_server = peer
         self.peer_port = self._bind(peer, s.peer_listen, "peer_listen", secure=True)
+        if s.local_socket:
+            # Descriptors of a worker's memory (CPU workers whose cache no other process can name).
+            self.fd_box = FdBox(fd_socket_path(_prepare_socket(Path(s.local_socket))), token=token, mode=SOCKET_MODE)
         self.core = SidecarCore(
             s, self._dp, self.metrics, peer_address=self.peer_address, channel_options=opts,
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
+            fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
         peer_limits = {"Handshake": 30.0, "GetPublished": 30.0, "GetPublishedBatch": 30.0, "Notify": 30.0,
                        "NotifyBatch": 30.0, "Abort": 30.0}  # fmt: skip
@@ -205,6 +211,8 @@ class Sidecar:
 
         await peer.start()
         await local.start()
+        if self.fd_box is not None:
+            await self.fd_box.start()
         if self._socket_path is not None:
             # The worker runs as another user in another container: the pod's shared group
             # (fsGroup) may connect, nobody else. The token, when set, still applies.
@@ -292,6 +300,8 @@ class Sidecar:
         await asyncio.gather(*(srv.stop(grace) for srv in servers))
         if self.core is not None:
             await self.core.close()
+        if self.fd_box is not None:
+            await self.fd_box.close()
         if self.metrics is not None:
             self.metrics.stop()
         if self._socket_path is not None:

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2
 from kvxfer.errors import KvxferError, LayoutError
 from kvxfer.layout import KVCacheLayout
-from kvxfer.memory import CudaIpcRef, LibraryRef, MemoryRef, SharedMemoryRef, ShmRegionRef
+from kvxfer.memory import CudaIpcRef, FdMemoryRef, FdRegionRef, LibraryRef, MemoryRef, SharedMemoryRef, ShmRegionRef
 from kvxfer.server.errors import InvalidArgumentError
 from kvxfer.topology import RankInfo, RegionTable
 
@@ -58,6 +58,10 @@ def layout_from_proto(msg: Any, field: str) -> KVCacheLayout:
         "order": msg.order or "HND",
         "cross_layer": bool(msg.cross_layer),
         "total_kv_heads": int(msg.total_kv_heads),
+        "head_size_v": int(msg.head_size_v),
+        "heads_outer": bool(msg.heads_outer),
+        "page_stride": int(msg.page_stride),
+        "kernel_block_size": int(msg.kernel_block_size),
     }
     try:
         return KVCacheLayout.from_dict(data)
@@ -72,7 +76,8 @@ def layout_to_proto(layout: KVCacheLayout) -> Any:
         kind=layout.kind.value, num_layers=layout.num_layers, num_blocks=layout.num_blocks,
         block_size=layout.block_size, num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
         dtype=layout.dtype.value, order=layout.order.value, cross_layer=layout.cross_layer,
-        total_kv_heads=layout.total_kv_heads,
+        total_kv_heads=layout.total_kv_heads, head_size_v=layout.head_size_v, heads_outer=layout.heads_outer,
+        page_stride=layout.page_stride, kernel_block_size=layout.kernel_block_size,
     )  # fmt: skip
 
 
@@ -152,7 +157,9 @@ def memory_from_proto(msg: Any, field: str) -> MemoryRef:
         return LibraryRef(
             tuple(int(a) for a in lib.addresses), int(lib.device), lib.memory_type or "DRAM", int(lib.pid)
         )
-    raise InvalidArgumentError(f"{field}: no memory given (set shm, cuda_ipc or library)", field=field)
+    if kind == "fd":
+        return FdMemoryRef(msg.fd.handle, tuple(FdRegionRef(int(r.index), int(r.offset)) for r in msg.fd.regions))
+    raise InvalidArgumentError(f"{field}: no memory given (set shm, cuda_ipc, library or fd)", field=field)
 
 
 def memory_to_proto(ref: MemoryRef) -> Any:
@@ -167,6 +174,9 @@ def memory_to_proto(ref: MemoryRef) -> Any:
                 device_uuid=ref.device_uuid,
             )
         )  # fmt: skip
+    if isinstance(ref, FdMemoryRef):
+        fd_regions = [local_pb2.FdRegion(index=r.index, offset=r.offset) for r in ref.regions]
+        return local_pb2.Memory(fd=local_pb2.FdMemory(handle=ref.handle, regions=fd_regions))
     return local_pb2.Memory(
         library=local_pb2.LibraryMemory(
             addresses=list(ref.addresses), device=ref.device, memory_type=ref.memory_type, pid=ref.pid

@@ -30,7 +30,7 @@ from kvxfer.config import ConfigError, Settings, parse_address
 from kvxfer.errors import KvxferError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
 from kvxfer.logs import get_logger, log_context
-from kvxfer.memory import attach
+from kvxfer.memory import FdLookup, attach
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.batching import Coalescer
 from kvxfer.server.convert import (
@@ -85,8 +85,10 @@ class SidecarCore:
         channel_options: list[tuple[str, Any]],
         channel_credentials: grpc.ChannelCredentials | None,
         on_serving: Callable[[bool], None] = lambda _s: None,
+        fd_lookup: FdLookup | None = None,
     ) -> None:
         self.settings = settings
+        self._fd_lookup = fd_lookup
         self.dp = data_plane
         self.metrics = metrics
         self.peer_address = peer_address
@@ -193,7 +195,8 @@ class SidecarCore:
                     raise InvalidArgumentError(f"groups[{i}].name: group {name!r} given twice", field="groups")
                 layout = layout_from_proto(g.layout, f"groups[{i}].layout")
                 _check_rank_heads(layout, rank, f"groups[{i}].layout")
-                memory = attach(memory_from_proto(g.memory, f"groups[{i}].memory"), layout, field=f"groups[{i}].memory")
+                memory = attach(memory_from_proto(g.memory, f"groups[{i}].memory"), layout,
+                                field=f"groups[{i}].memory", fds=self._fd_lookup)  # fmt: skip
                 try:
                     handle = self.dp.register(memory.table, memory.mem_type)
                 except BaseException:
@@ -391,7 +394,13 @@ class SidecarCore:
             raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
         now = time.monotonic()
         entry = PullEntry(
-            f"{self.instance_id[:8]}-{next(self._ids)}", rid, req.remote_engine_id, addresses, now + timeout, now
+            f"{self.instance_id[:8]}-{next(self._ids)}",
+            rid,
+            req.remote_engine_id,
+            addresses,
+            now + timeout,
+            now,
+            spans=_token_spans(req.local_blocks, req.remote_blocks),
         )
         self.pulls[rid] = entry
         entry.task = asyncio.get_running_loop().create_task(
@@ -571,7 +580,9 @@ class SidecarCore:
                 topo = self._topology(name, g.layout, session.identity.groups[name], reg.rank, remote_tp)
                 rids = chosen[ids_key]
                 try:
-                    plan = topo.plan(local_blocks[name], rids)
+                    num_tokens, local_skip, remote_skip = entry.spans.get(name, (None, 0, 0))
+                    plan = topo.plan(local_blocks[name], rids, num_tokens=num_tokens, local_skip=local_skip,
+                                     remote_skip=remote_skip)  # fmt: skip
                 except KvxferError as exc:
                     field = exc.field or "blocks"
                     raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
@@ -1118,6 +1129,17 @@ def _parse_remote_blocks(lists: Any, layouts: dict[str, KVCacheLayout]) -> dict[
             )
         ids = np.asarray(bl.block_ids, dtype=np.int64)
         out[bl.group] = check_block_ids(ids, 2**62, f"remote_blocks[{bl.group}]")
+    return out
+
+
+def _token_spans(local: Any, remote: Any) -> dict[str, tuple[int | None, int, int]]:
+    """Per group: (tokens to move or None for all, local skip, remote skip) from the block lists."""
+    remote_skip = {bl.group: int(bl.skip_tokens) for bl in remote}
+    out: dict[str, tuple[int | None, int, int]] = {}
+    for bl in local:
+        skip_r = remote_skip.get(bl.group, 0)
+        if bl.num_tokens or bl.skip_tokens or skip_r:
+            out[bl.group] = (int(bl.num_tokens) or None, int(bl.skip_tokens), skip_r)
     return out
 
 

@@ -82,6 +82,8 @@ class PullEntry:
     deadline: float  # time.monotonic()
     started: float
     task: asyncio.Task[None] | None = None
+    #: Per group: (num_tokens or None for all, local skip, remote skip) in tokens (see BlockList).
+    spans: dict[str, tuple[int | None, int, int]] = field(default_factory=dict)
     posted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     done: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     abort_reason: str | None = None

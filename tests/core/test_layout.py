@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -118,8 +119,11 @@ def test_attention_from_numbers_equals_from_tensor(dtype: str, order: str, cross
 
 
 @pytest.mark.parametrize("cross", [False, True])
-@pytest.mark.parametrize("order", ["HND", "NHD"])
-@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "int8", "nvfp4"])
+@pytest.mark.parametrize(
+    ("dtype", "order"),
+    # nvfp4 is HND only (NHD is refused: see test_nvfp4_is_hnd_only)
+    [(d, o) for d in ("fp8_e4m3", "fp8_e5m2", "int8", "nvfp4") for o in ("HND", "NHD") if (d, o) != ("nvfp4", "NHD")],
+)
 def test_quantized_from_numbers_equals_from_tensor(dtype: str, order: str, cross: bool) -> None:
     # 2 kv heads -> 4 entries (K heads, then V heads); head size 32; nvfp4 rows are 16 + 2 bytes
     row = 18 if dtype == "nvfp4" else 32
@@ -318,10 +322,14 @@ def test_incompatibilities_give_every_reason_exactly() -> None:
 
 
 def test_spans_of_every_kind() -> None:
-    # nvfp4: rows of 64 data + 8 scale bytes; V head h is entry heads + h
+    # nvfp4: rows of 64 data + 8 scale bytes; each side (K, then V: 2 heads x 4 tokens x 72 bytes) holds
+    # the data of all its rows, then all their scales
     q = KVCacheLayout.quantized(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=128, dtype="nvfp4")
     assert (q.row_bytes, q.page_bytes) == (72, 4 * 4 * 72)
-    assert q.spans(1, 2, heads=(0, 1)) == [(2 * q.page_bytes, 4 * 72), (2 * q.page_bytes + 2 * 4 * 72, 4 * 72)]
+    base, side = 2 * q.page_bytes, 2 * 4 * 72
+    assert q.spans(1, 2, heads=(0, 1)) == [
+        (base, 4 * 64), (base + 2 * 4 * 64, 4 * 8), (base + side, 4 * 64), (base + side + 2 * 4 * 64, 4 * 8)
+    ]  # fmt: skip
     mla = KVCacheLayout.mla(num_layers=2, num_blocks=3, block_size=4, latent_dim=576, dtype="fp8_e4m3")
     assert mla.spans(0, 1, tokens=(1, 3)) == [(mla.page_bytes + 576, 2 * 576)]
     mamba = KVCacheLayout.mamba(num_layers=3, num_blocks=4, page_size_bytes=1000, cross_layer=True)
@@ -332,3 +340,241 @@ def test_spans_of_every_kind() -> None:
         mamba.spans(3, 0)
     with pytest.raises(LayoutError, match=r"^heads: \(1, 3\) is not a range inside \[0, 2\)"):
         q.spans(0, 0, heads=(1, 3))
+
+
+# ----------------------------------------------------------------- generalized layouts (vLLM 0.32 stride orders)
+NVFP4_ISSUE_SPANS = [(4096, 4096), (8704, 512), (13312, 4096), (17920, 512)]
+
+
+def test_nvfp4_head_slice_is_data_then_scales_per_side() -> None:
+    # The issue's example: 8 heads x 16 tokens, head_size 128: rows of 64 data + 8 scale bytes. The K side
+    # (8 x 16 x 72 = 9216 B) holds the data of its 128 rows (8192 B), then their scales; the V side follows.
+    q = KVCacheLayout.quantized(num_layers=1, num_blocks=2, block_size=16, num_kv_heads=8, head_size=128, dtype="nvfp4")
+    assert (q.row_bytes, q.page_bytes, q.stride_order) == (72, 18432, "LBHNC")
+    assert q.spans(0, 0, heads=(4, 8)) == NVFP4_ISSUE_SPANS
+    assert q.spans(0, 1, heads=(4, 8)) == [(18432 + o, n) for o, n in NVFP4_ISSUE_SPANS]
+    assert q.spans(0, 0, heads=(0, 1)) == [(0, 1024), (8192, 128), (9216, 1024), (9216 + 8192, 128)]
+    assert q.spans(0, 0) == [(0, 18432)]
+    row = 5 * 16 + 3  # head 5, token 3: its data row and its scale row on each side
+    assert q.spans(0, 0, heads=(5, 6), tokens=(3, 4)) == [
+        (row * 64, 64), (8192 + row * 8, 8), (9216 + row * 64, 64), (9216 + 8192 + row * 8, 8)
+    ]  # fmt: skip
+    cross = KVCacheLayout.quantized(num_layers=3, num_blocks=2, block_size=16, num_kv_heads=8, head_size=128,
+                                    dtype="nvfp4", cross_layer=True)  # fmt: skip
+    assert cross.stride_order == "BLHNC"
+    assert cross.spans(2, 1, heads=(4, 8)) == [((3 + 2) * 18432 + o, n) for o, n in NVFP4_ISSUE_SPANS]
+
+
+def test_nvfp4_kernel_blocks_split_each_kernel_page() -> None:
+    # block 32 in kernel blocks of 16: each kernel page is an nvfp4 page of its own (sides, data, scales)
+    q = KVCacheLayout.quantized(num_layers=1, num_blocks=2, block_size=32, num_kv_heads=8, head_size=128,
+                                dtype="nvfp4", kernel_block_size=16)  # fmt: skip
+    assert (q.page_bytes, q.block_stride) == (2 * 18432, 2 * 18432)
+    assert q.spans(0, 1, heads=(4, 8)) == [(2 * 18432 + k * 18432 + o, n) for k in (0, 1) for o, n in NVFP4_ISSUE_SPANS]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"order": "NHD"}, {"order": "NHD", "cross_layer": True}, {"heads_outer": True},
+     {"heads_outer": True, "cross_layer": True}],
+)  # fmt: skip
+def test_nvfp4_is_hnd_only(kwargs: dict[str, object]) -> None:
+    with pytest.raises(LayoutError) as err:
+        KVCacheLayout.quantized(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_size=64,
+                                dtype="nvfp4", **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    assert err.value.field == "order"
+    name = {("NHD", False, False): "LBNHC", ("NHD", True, False): "BLNHC", ("HND", False, True): "LHBNC",
+            ("HND", True, True): "BHLNC"}[(str(kwargs.get("order", "HND")), bool(kwargs.get("cross_layer")),
+                                           bool(kwargs.get("heads_outer")))]  # fmt: skip
+    assert str(err.value) == (
+        "order: nvfp4 keeps each side's data rows and then its scale rows inside an HND page (LBHNC or BLHNC); "
+        f"{name} does not describe where they are"
+    )
+
+
+def test_nvfp4_nhd_tensor_is_refused() -> None:
+    nhd = torch.empty(4, 16, 4, 36, dtype=torch.uint8).permute(0, 2, 1, 3)  # (B, 2H, N, 36) stored token-major
+    with pytest.raises(LayoutError) as err:
+        KVCacheLayout.from_tensor(nhd, "quantized", dtype="nvfp4", head_size=64)
+    assert err.value.field == "order"
+
+
+@pytest.mark.parametrize(
+    ("order", "cross", "heads_outer", "name"),
+    [("HND", False, False, "LBHNC"), ("NHD", False, False, "LBNHC"), ("HND", False, True, "LHBNC"),
+     ("HND", True, False, "BLHNC"), ("NHD", True, False, "BLNHC"), ("HND", True, True, "BHLNC")],
+)  # fmt: skip
+def test_stride_order_names(order: str, cross: bool, heads_outer: bool, name: str) -> None:
+    lay = KVCacheLayout.attention(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_size=64, order=order,
+                                  cross_layer=cross, heads_outer=heads_outer)  # fmt: skip
+    assert lay.stride_order == name
+    assert lay.total_bytes == 2 * 4 * lay.page_bytes
+    assert lay.num_regions == (1 if cross else 2)
+
+
+def test_lhbnc_puts_each_heads_blocks_together() -> None:
+    # per layer [H, B, N, C]: head h of block b at (h * 10 + b) * 4096 (a head's block is 16 rows of 256 B)
+    lay = KVCacheLayout.attention(num_layers=2, num_blocks=10, block_size=16, num_kv_heads=4, head_size=64,
+                                  heads_outer=True)  # fmt: skip
+    assert (lay.page_bytes, lay.block_stride, lay.region_bytes, lay.num_regions) == (16384, 4096, 163840, 2)
+    assert lay.spans(1, 3) == [((h * 10 + 3) * 4096, 4096) for h in range(4)]
+    assert lay.spans(1, 3, heads=(1, 3)) == [(13 * 4096, 4096), (23 * 4096, 4096)]
+    assert lay.spans(0, 3, heads=(2, 3), tokens=(4, 6)) == [(23 * 4096 + 4 * 256, 2 * 256)]
+
+
+def test_bhlnc_puts_a_blocks_heads_outside_its_layers() -> None:
+    # one region [B, H, L, N, C]: (block b, head h, layer l) at ((b * 4 + h) * 2 + l) * 4096
+    lay = KVCacheLayout.attention(num_layers=2, num_blocks=10, block_size=16, num_kv_heads=4, head_size=64,
+                                  heads_outer=True, cross_layer=True)  # fmt: skip
+    assert (lay.block_stride, lay.layer_stride, lay.region_bytes, lay.num_regions) == (32768, 4096, 327680, 1)
+    assert lay.spans(1, 3) == [(((3 * 4 + h) * 2 + 1) * 4096, 4096) for h in range(4)]
+
+
+def test_padded_pages_keep_padding_out_of_every_span() -> None:
+    pad = KVCacheLayout.attention(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=64,
+                                  page_stride=12288)  # fmt: skip
+    assert (pad.page_bytes, pad.block_stride, pad.region_bytes) == (8192, 12288, 8 * 12288)
+    assert pad.spans(1, 3) == [(3 * 12288, 8192)]
+    assert pad.spans(1, 3, heads=(1, 2)) == [(3 * 12288 + 4096, 4096)]
+    cross = KVCacheLayout.attention(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=64,
+                                    page_stride=12288, cross_layer=True)  # fmt: skip
+    assert (cross.block_stride, cross.layer_stride, cross.region_bytes) == (2 * 12288, 12288, 8 * 2 * 12288)
+    assert cross.spans(1, 3) == [((3 * 2 + 1) * 12288, 8192)]
+    mamba = KVCacheLayout.mamba(num_layers=2, num_blocks=4, page_size_bytes=1000, page_stride=1024)
+    assert (mamba.page_bytes, mamba.block_stride, mamba.region_bytes) == (1000, 1024, 4096)
+    assert mamba.spans(1, 2) == [(2048, 1000)]
+    mla = KVCacheLayout.mla(num_layers=1, num_blocks=4, block_size=4, latent_dim=8, page_stride=100)
+    assert (mla.page_bytes, mla.region_bytes, mla.spans(0, 3)) == (64, 400, [(300, 64)])
+
+
+def test_kernel_blocks_are_full_pages_one_after_another() -> None:
+    # block 32 = kernel blocks of 16 tokens, each an HND page of 2 heads x 16 rows x 256 B = 8192 B
+    lay = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=32, num_kv_heads=2, head_size=64,
+                                  kernel_block_size=16)  # fmt: skip
+    assert (lay.page_bytes, lay.block_stride, lay.kernel_blocks_per_block) == (16384, 16384, 2)
+    assert lay.spans(0, 1) == [(16384, 16384)]
+    assert lay.spans(0, 1, heads=(1, 2)) == [(16384 + 4096, 4096), (16384 + 8192 + 4096, 4096)]
+    # tokens 8..24: rows 8..15 of each head in kernel block 0, rows 0..7 in kernel block 1 (head 1 of the
+    # first and head 0 of the second are adjacent)
+    assert lay.spans(0, 1, tokens=(8, 24)) == [(18432, 2048), (22528, 4096), (28672, 2048)]
+    nhd = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=32, num_kv_heads=2, head_size=64,
+                                  kernel_block_size=16, order="NHD")  # fmt: skip
+    assert nhd.spans(0, 0, heads=(1, 2), tokens=(15, 17)) == [(15 * 512 + 256, 256), (8192 + 256, 256)]
+
+
+def test_head_size_v_packs_k_then_a_v_of_its_own_size() -> None:
+    lay = KVCacheLayout.attention(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=8, head_size=128,
+                                  head_size_v=64)  # fmt: skip
+    assert (lay.row_bytes, lay.page_bytes) == ((128 + 64) * 2, 16 * 8 * 384)
+    assert lay.spans(0, 1, heads=(2, 4)) == [(lay.page_bytes + 2 * 16 * 384, 2 * 16 * 384)]
+    nhd = KVCacheLayout.attention(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=8, head_size=128,
+                                  head_size_v=64, order="NHD")  # fmt: skip
+    assert nhd.spans(0, 0, heads=(2, 4)) == [(t * 8 * 384 + 2 * 384, 2 * 384) for t in range(16)]
+    same = KVCacheLayout.attention(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=8, head_size=128,
+                                   head_size_v=128)  # fmt: skip
+    assert same == KVCacheLayout.attention(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=8, head_size=128)
+
+
+def test_kv_planes_sizes_and_head_slices() -> None:
+    # bf16, 4 of 8 heads, head_size 64: a plane row holds 4 heads x 128 B; a block is a K plane then a V plane
+    lay = KVCacheLayout.kv_planes(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=4, head_size=64,
+                                  total_kv_heads=8)  # fmt: skip
+    assert (lay.slots, lay.row_bytes, lay.page_bytes) == (2, 512, 2 * 16 * 512)
+    assert lay.spans(0, 1) == [(16384, 16384)]
+    assert lay.spans(0, 1, heads=(1, 3)) == [(16384 + p * 8192 + t * 512 + 128, 256) for p in (0, 1) for t in range(16)]
+    nhd = KVCacheLayout.kv_planes(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=4, head_size=64,
+                                  order="NHD")  # fmt: skip
+    assert nhd.stride_order == "LBNHC"
+    assert nhd.spans(0, 0, heads=(1, 3)) == [(t * 1024 + p * 512 + 128, 256) for t in range(16) for p in (0, 1)]
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+def test_kv_planes_from_numbers_equals_from_tensor(order: str, cross: bool) -> None:
+    shape = (5, 2, 16, 4 * 64)  # (B, 2 planes, N, 4 heads x head_size 64)
+    tensor = _cross(3, shape, order, torch.bfloat16) if cross else _per_layer(shape, order, torch.bfloat16)
+    got = KVCacheLayout.from_tensor(tensor, "kv_planes", head_size=64, total_kv_heads=8)
+    assert got == KVCacheLayout.kv_planes(num_layers=3 if cross else 1, num_blocks=5, block_size=16, num_kv_heads=4,
+                                          head_size=64, total_kv_heads=8, order=order, cross_layer=cross)  # fmt: skip
+    assert got.total_bytes == tensor.numel() * tensor.element_size()
+
+
+BASE = {"num_layers": 2, "num_blocks": 8, "block_size": 16, "num_kv_heads": 8, "head_size": 128}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"order": "NHD", "heads_outer": True},
+         "heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)"),
+        ({"order": "NHD", "heads_outer": True, "cross_layer": True},
+         "heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)"),
+        ({"page_stride": 100}, "page_stride: 100 bytes is less than a page of 65536 bytes"),
+        ({"page_stride": -1}, "page_stride: must be an integer >= 0, got -1"),
+        ({"kernel_block_size": 5}, "kernel_block_size: 5 does not divide block_size 16"),
+        ({"kernel_block_size": 32}, "kernel_block_size: 32 does not divide block_size 16"),
+        ({"page_stride": 70000, "kernel_block_size": 8},
+         "page_stride: padded pages must be whole blocks (vLLM pads only LBHNC/LBNHC/BLHNC/BLNHC pages that are not "
+         "split into kernel blocks)"),
+        ({"page_stride": 70000, "heads_outer": True},
+         "page_stride: padded pages must be whole blocks (vLLM pads only LBHNC/LBNHC/BLHNC/BLNHC pages that are not "
+         "split into kernel blocks)"),
+        ({"page_stride": 70000, "heads_outer": True, "cross_layer": True},
+         "page_stride: padded pages must be whole blocks"),
+        ({"head_size_v": -2}, "head_size_v: must be an integer >= 0, got -2"),
+        ({"heads_outer": 1}, "heads_outer: must be a bool, got 1"),
+    ],
+)  # fmt: skip
+def test_invalid_geometry_names_the_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(LayoutError) as err:
+        KVCacheLayout.attention(**{**BASE, **kwargs})  # type: ignore[arg-type]
+    assert str(err.value).startswith(message), str(err.value)
+    assert err.value.field == message.split(":")[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": "quantized", "dtype": "int8", "head_size_v": 64},
+         "head_size_v: quantized caches keep K and V of one size (vLLM asserts it), got head_size 128, head_size_v 64"),
+        ({"kind": "kv_planes", "dtype": "bf16", "head_size_v": 64},
+         "head_size_v: kv_planes caches keep K and V of one size (vLLM asserts it), got head_size 128, "
+         "head_size_v 64"),
+        ({"kind": "mla", "dtype": "bf16", "num_kv_heads": 1, "head_size_v": 64},
+         "head_size_v: a mla cache has no separate V, got 64"),
+        ({"kind": "kv_planes", "dtype": "nvfp4"}, "dtype: nvfp4 is only defined for quantized head-group caches, not "
+         "kv_planes"),
+        ({"kind": "attention", "dtype": "nvfp4"}, "dtype: nvfp4 is only defined for quantized head-group caches, not "
+         "attention"),
+        ({"kind": "quantized", "dtype": "nvfp4", "head_size": 120}, "head_size: nvfp4 needs a multiple of 16, got 120"),
+        ({"kind": "mamba", "dtype": "int8", "num_kv_heads": 1, "block_size": 4},
+         "block_size: a mamba page has no token axis; use block_size=1, got 4"),
+    ],
+)  # fmt: skip
+def test_invalid_kind_combinations_name_the_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(LayoutError) as err:
+        KVCacheLayout(**{**BASE, **kwargs})  # type: ignore[arg-type]
+    assert str(err.value) == message
+    assert err.value.field == message.split(":")[0]
+
+
+def test_new_fields_survive_the_wire_and_pickle() -> None:
+    layouts = [
+        KVCacheLayout.attention(num_layers=2, num_blocks=4, block_size=32, num_kv_heads=2, head_size=64, head_size_v=32,
+                                heads_outer=True, cross_layer=True, kernel_block_size=16),
+        KVCacheLayout.attention(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_size=64,
+                                page_stride=20000, order="NHD"),
+        KVCacheLayout.kv_planes(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_size=64,
+                                kernel_block_size=8),
+        KVCacheLayout.quantized(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_size=64, dtype="nvfp4",
+                                cross_layer=True),
+    ]  # fmt: skip
+    for lay in layouts:
+        back = KVCacheLayout.from_dict(lay.to_dict())
+        assert back == lay
+        assert (back.stride_order, back.block_stride, back.region_bytes) == (
+            lay.stride_order, lay.block_stride, lay.region_bytes)  # fmt: skip
+        assert back.spans(1, 3, heads=(1, 2)) == lay.spans(1, 3, heads=(1, 2))
+        again = pickle.loads(pickle.dumps(lay))
+        assert again == lay
+        assert again.spans(1, 3, heads=(1, 2)) == lay.spans(1, 3, heads=(1, 2))

@@ -32,8 +32,9 @@ def test_plan_json_counts_for_known_cases() -> None:
 def test_plan_json_heterogeneous_tp_names_the_sources() -> None:
     r = plan_json("--prefill-tp", "2", "--decode-tp", "1", "--blocks", "0:4,10:12", "--remote-blocks", "20:26")
     sources = r["sources"]
-    assert [s["remote_rank"] for s in sources] == [0, 1]  # type: ignore[union-attr]
-    assert [s["local_head"] for s in sources] == [0, 4]  # type: ignore[union-attr]
+    assert isinstance(sources, list)
+    assert [s["remote_rank"] for s in sources] == [0, 1]
+    assert [s["local_head"] for s in sources] == [0, 4]
     assert r["descriptors"] == 2 * 32 * 6
     r = plan_json("--prefill-tp", "1", "--decode-tp", "2", "--decode-rank", "1", "--layout", "NHD", "--blocks", "0:4")
     assert r["descriptors"] == 32 * 4 * 16
@@ -55,7 +56,7 @@ def test_plan_text_names_regions_descriptors_bytes_mean_and_per_block_count() ->
     assert "NHD with a head slice: 32 spans per chunk per layer (one per token)" in text
     r = plan_json(*args[1:])
     assert (r["descriptors"], r["bytes"], r["per_block_descriptors"]) == (512, 262144, 512)
-    assert r["sources"] == [  # type: ignore[comparison-overlap]
+    assert r["sources"] == [
         {"remote_rank": 1, "local_head": 0, "remote_head": 2, "num_heads": 2,
          "reason": "remote rank 1 holds heads [4, 8); local rank 3 needs [6, 8)", "descriptors": 512, "bytes": 262144}
     ]  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 
 from kvxfer.errors import BlockIdError, IncompatibleLayoutError, LayoutError, TopologyError
 from kvxfer.layout import KVCacheLayout
-from kvxfer.topology import RankInfo, RegionTable, TransferTopology, parse_block_ids
+from kvxfer.topology import RankInfo, RankPlan, RegionTable, TransferTopology, parse_block_ids
 
 
 def llama(tp: int = 1, *, layers: int = 64, blocks: int = 4096, order: str = "HND", cross: bool = False,
@@ -214,11 +214,20 @@ def test_heterogeneous_block_size_local_larger_than_remote() -> None:
     # 11), 2 x 8 spans per local block. Only the last head of block 4 (from 11) and the first head of
     # block 5 (from 12) are adjacent on both sides: 2 x 16 - 1 per layer.
     assert plan.num_descriptors == 2 * (2 * 16 - 1)
-    assert rp.length[:3].tolist() == [16 * 512] * 3
-    # descriptors follow the remote chunks: heads 0, 1, 2 of remote block 10 first
-    assert rp.local_offset[:3].tolist() == [4 * 131072 + h * 32 * 512 for h in range(3)]
-    assert rp.remote_offset[:3].tolist() == [10 * 65536 + h * 16 * 512 for h in range(3)]
-    assert (rp.local_offset[8], rp.remote_offset[8]) == (4 * 131072 + 16 * 512, 11 * 65536)
+    # Head h of local block L (32 rows at L * 131072 + h * 16384) takes 16 rows of head h from each of
+    # its two remote blocks (at R * 65536 + h * 8192). Which order the descriptors come in is incidental.
+    units = [
+        (lb * 131072 + h * 16384 + k * 8192, rb * 65536 + h * 8192, 8192)
+        for lb, pair in ((4, (10, 11)), (5, (12, 13)))
+        for h in range(8)
+        for k, rb in enumerate(pair)
+    ]
+    merged = (4 * 131072 + 7 * 16384 + 8192, 11 * 65536 + 7 * 8192, 2 * 8192)  # last of block 4 + first of 5
+    want = sorted([u for u in units if u[0] not in (merged[0], 5 * 131072)] + [merged])
+    got = list(zip(rp.local_offset.tolist(), rp.remote_offset.tolist(), rp.length.tolist(), strict=True))
+    assert sorted(got[:31]) == want
+    assert sorted(got[31:]) == want
+    assert rp.local_region.tolist() == [0] * 31 + [1] * 31
     with pytest.raises(BlockIdError, match=r"^remote_blocks: length mismatch: 2 local blocks x 32 tokens = 64 tokens, "
                                            r"3 remote blocks x 16 tokens = 48 tokens"):  # fmt: skip
         TransferTopology(big, small, RankInfo(0, 1), 1).plan([4, 5], [10, 11, 12])
@@ -228,7 +237,7 @@ def test_nhd_head_slice_counts_one_span_per_token_exactly() -> None:
     topo = TransferTopology(llama(2, order="NHD", layers=3), llama(1, order="NHD", layers=3), RankInfo(1, 2), 1)
     plan = topo.plan([0, 1, 2], [7, 8, 9])
     (rp,) = plan.per_rank
-    assert (plan.num_descriptors, plan.per_block_descriptors, rp.spans_per_chunk) == (3 * 3 * 16, 3 * 3 * 16, 16)
+    assert (plan.num_descriptors, plan.per_block_descriptors, rp.raw_spans) == (3 * 3 * 16, 3 * 3 * 16, 3 * 16)
     # token t of local block 0 is 4 heads x 512 B at t * 2048; remote rank 0 holds 8 heads: heads 4..8 of token t
     assert rp.local_offset[:2].tolist() == [0, 2048]
     assert rp.remote_offset[:2].tolist() == [7 * 65536 + 4 * 512, 7 * 65536 + 4096 + 4 * 512]
@@ -285,7 +294,7 @@ def test_plans_and_tables_are_frozen() -> None:
     plan = topo.plan([0, 1], [5, 9])
     (rp,) = plan.per_rank
     for obj, attr in [(topo, "remote_tp_size"), (topo.local_rank, "tp_rank"), (rp.source, "remote_rank"),
-                      (rp, "spans_per_chunk"), (plan, "num_chunks")]:  # fmt: skip
+                      (rp, "raw_spans"), (plan, "num_chunks")]:  # fmt: skip
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, attr, 1)
     for arr in (rp.local_offset, rp.remote_offset, rp.length, rp.local_region, rp.pattern_length):
@@ -298,3 +307,165 @@ def test_plans_and_tables_are_frozen() -> None:
     own = np.array([1, 2], dtype=np.uint64)
     RegionTable(own, own, own)
     own[0] = 7  # the caller's array stays writable
+
+
+# ----------------------------------------------------------------- generalized layouts (vLLM 0.32 stride orders)
+def _triples(rp: RankPlan) -> list[tuple[int, int, int]]:
+    return list(zip(rp.local_offset.tolist(), rp.remote_offset.tolist(), rp.length.tolist(), strict=True))
+
+
+def test_nvfp4_tp1_to_tp2_reads_data_and_scales_of_each_side() -> None:
+    def nvfp4(tp: int) -> KVCacheLayout:
+        return KVCacheLayout.quantized(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=8 // tp, head_size=128,
+                                       dtype="nvfp4", total_kv_heads=8)  # fmt: skip
+
+    topo = TransferTopology(nvfp4(2), nvfp4(1), RankInfo(1, 2), 1)
+    (src,) = topo.sources()
+    assert (src.remote_rank, src.local_head, src.remote_head, src.num_heads) == (0, 0, 4, 4)
+    remote_page, local_page = 18432, 9216
+    # remote heads 4..8: K data, K scales, V data, V scales; locally the whole (4-head) page, in the same order
+    remote = [4096, 8704, 13312, 17920]
+    local, lengths = [0, 4096, 4608, 8704], [4096, 512, 4096, 512]
+    (rp,) = topo.plan([0], [2]).per_rank
+    assert _triples(rp) == list(zip(local, [2 * remote_page + o for o in remote], lengths, strict=True))
+    (rp,) = topo.plan([1, 2, 3], [0, 1, 3]).per_rank
+    assert rp.num_descriptors == 3 * 4
+    assert sorted(_triples(rp)) == sorted(
+        (lb * local_page + lo, rb * remote_page + ro, n)
+        for lb, rb in ((1, 0), (2, 1), (3, 3))
+        for lo, ro, n in zip(local, remote, lengths, strict=True)
+    )
+    assert rp.raw_spans == 3 * 4
+    assert topo.plan([1, 2, 3], [0, 1, 3]).warnings == ()
+
+
+def test_lhbnc_run_of_blocks_is_one_descriptor_per_head_per_layer() -> None:
+    # per layer [H, B, N, C]: a head's blocks are contiguous, so a run of 5 whole blocks is one span per head
+    lay = KVCacheLayout.attention(num_layers=2, num_blocks=16, block_size=16, num_kv_heads=4, head_size=64,
+                                  heads_outer=True)  # fmt: skip
+    plan = TransferTopology(lay, lay, RankInfo(0, 1), 1).plan(np.arange(2, 7), np.arange(8, 13))
+    (rp,) = plan.per_rank
+    assert plan.num_descriptors == 2 * 4
+    head = 16 * 4096  # one head's 16 blocks of 16 rows x 256 B
+    assert sorted(_triples(rp)[:4]) == [(h * head + 2 * 4096, h * head + 8 * 4096, 5 * 4096) for h in range(4)]
+    assert rp.local_region.tolist() == [0] * 4 + [1] * 4
+    assert plan.per_block_descriptors == 2 * 5 * 4
+    # the whole cache of a layer, in order, is a single span
+    assert TransferTopology(lay, lay, RankInfo(0, 1), 1).plan(np.arange(16), np.arange(16)).num_descriptors == 2
+
+
+def test_bhlnc_all_heads_run_of_blocks_is_one_descriptor() -> None:
+    # one region [B, H, L, N, C]: a block holds every head and layer, so a run of blocks is one span
+    lay = KVCacheLayout.attention(num_layers=3, num_blocks=16, block_size=16, num_kv_heads=4, head_size=64,
+                                  heads_outer=True, cross_layer=True)  # fmt: skip
+    block = 4 * 3 * 4096
+    plan = TransferTopology(lay, lay, RankInfo(0, 1), 1).plan(np.arange(2, 7), np.arange(8, 13))
+    assert _triples(plan.per_rank[0]) == [(2 * block, 8 * block, 5 * block)]
+    # a head slice (decode TP 2) is one span per head-slice and block: heads are outside the layers
+    half = KVCacheLayout.attention(num_layers=3, num_blocks=16, block_size=16, num_kv_heads=2, head_size=64,
+                                   heads_outer=True, cross_layer=True, total_kv_heads=4)  # fmt: skip
+    plan = TransferTopology(half, lay, RankInfo(1, 2), 1).plan([0, 1], [8, 9])
+    assert sorted(_triples(plan.per_rank[0])) == [
+        (0, 8 * block + 2 * 3 * 4096, 2 * 3 * 4096), (2 * 3 * 4096, 9 * block + 2 * 3 * 4096, 2 * 3 * 4096)
+    ]  # fmt: skip
+
+
+def _split_or_whole(split: bool, block: int, head: int, half: int) -> int:
+    """Offset of 16 rows (``half`` 0: rows 0..15, 1: rows 16..31) of ``head`` in a 32-token HND block of 2 heads."""
+    return block * 16384 + (half * 8192 + head * 4096 if split else head * 8192 + half * 4096)
+
+
+def test_kernel_blocks_move_to_a_side_without_them() -> None:
+    # block 32 split into kernel blocks of 16 (2 heads x 16 rows x 256 B = 8192 B each) on the remote side
+    split = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=32, num_kv_heads=2, head_size=64,
+                                    kernel_block_size=16)  # fmt: skip
+    whole = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=32, num_kv_heads=2, head_size=64)
+    page = 16384
+    for local, remote in ((whole, split), (split, whole)):
+        plan = TransferTopology(local, remote, RankInfo(0, 1), 1).plan([0, 1, 2], [4, 5, 6])
+        (rp,) = plan.per_rank
+        # per block and head: rows 0..15 (kernel block 0) and rows 16..31 (kernel block 1); the last of a block
+        # and the first of the next are adjacent on both sides, so 3 blocks are 3 x 4 - 2 descriptors
+        units = {
+            (_split_or_whole(local is split, b, h, k), _split_or_whole(remote is split, rb, h, k))
+            for b, rb in ((0, 4), (1, 5), (2, 6))
+            for h in range(2)
+            for k in range(2)
+        }
+        assert plan.per_block_descriptors == 3 * 4
+        assert plan.num_descriptors == 3 * 4 - 2
+        assert plan.total_bytes == 3 * page
+        moved = {(lo + i, ro + i) for lo, ro, n in _triples(rp) for i in range(0, n, 4096)}
+        assert moved == units
+
+
+def test_padded_pages_never_move_padding() -> None:
+    def lay(page_stride: int) -> KVCacheLayout:
+        return KVCacheLayout.attention(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=64,
+                                       page_stride=page_stride)  # fmt: skip
+
+    page = 8192
+    for local, remote in ((lay(12288), lay(12288)), (lay(0), lay(12288)), (lay(12288), lay(0))):
+        plan = TransferTopology(local, remote, RankInfo(0, 1), 1).plan([0, 1, 2, 3], [4, 5, 6, 7])
+        (rp,) = plan.per_rank
+        assert plan.num_descriptors == 2 * 4
+        assert set(rp.length.tolist()) == {page}
+        for offsets, layout in ((rp.local_offset, local), (rp.remote_offset, remote)):
+            stride = layout.block_stride
+            assert (offsets % stride == 0).all()  # a descriptor is one page, from its start, never its padding
+    both = TransferTopology(lay(12288), lay(12288), RankInfo(0, 1), 1).plan([0, 1], [4, 5])
+    assert _triples(both.per_rank[0])[:2] == [(0, 4 * 12288, page), (12288, 5 * 12288, page)]
+    mamba = KVCacheLayout.mamba(num_layers=1, num_blocks=8, page_size_bytes=1000, page_stride=1024)
+    plan = TransferTopology(mamba, mamba, RankInfo(0, 1), 1).plan([0, 1, 2], [3, 4, 5])
+    assert _triples(plan.per_rank[0]) == [(0, 3072, 1000), (1024, 4096, 1000), (2048, 5120, 1000)]
+
+
+def test_kv_planes_heterogeneous_tp_is_one_span_per_token_and_plane_and_warns() -> None:
+    def kv(tp: int) -> KVCacheLayout:
+        return KVCacheLayout.kv_planes(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=8 // tp, head_size=128,
+                                       total_kv_heads=8)  # fmt: skip
+
+    # decode rank 1 of TP 2 holds heads 4..8: in every remote plane row (8 heads x 256 B) the second half
+    plan = TransferTopology(kv(2), kv(1), RankInfo(1, 2), 1).plan([0, 1], [3, 4])
+    (rp,) = plan.per_rank
+    assert plan.num_descriptors == 2 * 2 * 2 * 16  # layers x blocks x planes x tokens
+    assert plan.per_block_descriptors == plan.num_descriptors
+    assert set(rp.length.tolist()) == {4 * 256}
+    remote_row, local_row = 8 * 256, 4 * 256
+    assert sorted(_triples(rp)[:64]) == [
+        (b * 2 * 16 * local_row + p * 16 * local_row + t * local_row,
+         rb * 2 * 16 * remote_row + p * 16 * remote_row + t * remote_row + 4 * 256, 4 * 256)
+        for b, rb in ((0, 3), (1, 4)) for p in range(2) for t in range(16)
+    ]  # fmt: skip
+    assert plan.warnings == ("kv_planes with a head slice: 32 spans per chunk per layer (one per token and plane)",)
+    # decode TP 1 from prefill TP 2: each remote rank's row is half of a local row
+    plan = TransferTopology(kv(1), kv(2), RankInfo(0, 1), 2).plan([0, 1], [3, 4])
+    assert [rp.remote_rank for rp in plan.per_rank] == [0, 1]
+    assert plan.num_descriptors == 2 * 2 * 2 * 2 * 16
+    layer0 = plan.per_rank[1].local_offset[plan.per_rank[1].local_region == 0]
+    assert sorted(layer0.tolist())[:2] == [4 * 256, remote_row + 4 * 256]
+    # same TP: whole blocks, no warning
+    plan = TransferTopology(kv(1), kv(1), RankInfo(0, 1), 1).plan([0, 1], [3, 4])
+    assert (plan.num_descriptors, plan.warnings) == (2, ())
+
+
+def test_head_size_v_heterogeneous_tp_keeps_a_head_slice_contiguous() -> None:
+    def lay(tp: int) -> KVCacheLayout:
+        return KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=16, num_kv_heads=8 // tp, head_size=128,
+                                       head_size_v=64, total_kv_heads=8)  # fmt: skip
+
+    row = (128 + 64) * 2
+    plan = TransferTopology(lay(2), lay(1), RankInfo(1, 2), 1).plan([0, 1], [2, 5])
+    half = 4 * 16 * row  # heads 4..8 of a remote page; a whole local page
+    assert _triples(plan.per_rank[0]) == [(0, 2 * 2 * half + half, half), (half, 5 * 2 * half + half, half)]
+    assert plan.warnings == ()
+    plain = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=16, num_kv_heads=8, head_size=128)
+    with pytest.raises(IncompatibleLayoutError, match="head_size_v: local 64, remote "):
+        TransferTopology(lay(1), plain, RankInfo(0, 1), 1)
+
+
+def test_head_size_v_difference_names_both_sizes() -> None:
+    v64 = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=16, num_kv_heads=8, head_size=128,
+                                  head_size_v=64)  # fmt: skip
+    plain = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=16, num_kv_heads=8, head_size=128)
+    assert v64.incompatibilities(plain) == ["head_size_v: local 64, remote 128"]

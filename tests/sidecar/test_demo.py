@@ -84,7 +84,7 @@ def test_demo_shows_progress_and_a_table_without_json() -> None:
     [
         ({"backend": "rdma"}, "--backend: must be one of nixl, mooncake, got 'rdma'"),
         ({"order": "XYZ"}, "--layout: must be one of NHD, HND, got 'XYZ'"),
-        ({"kind": "ssm"}, "--kind: must be one of attention, quantized, mla, mamba, got 'ssm'"),
+        ({"kind": "ssm"}, "--kind: must be one of attention, quantized, kv_planes, mla, mamba, got 'ssm'"),
         ({"decode_tp": 0}, "--decode-tp: must be >= 1, got 0"),
         ({"min_tokens": 900, "max_tokens": 100}, "--min-tokens: 900 is more than --max-tokens 100"),
         ({"prefill_tp": 3}, "total_kv_heads: 8 heads cannot be split evenly over tp_size 3"),
