@@ -238,7 +238,11 @@ def _batch_results(resp: Any) -> list[PullResult | KvxferRpcError]:
 
 
 def _status_dict(resp: Any) -> dict[str, Any]:
-    return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+    out = {}
+    for f in resp.DESCRIPTOR.fields:
+        value = getattr(resp, f.name)
+        out[f.name] = value if isinstance(value, str | bytes | int | float | bool) else list(value)
+    return out
 
 
 class AsyncClient:

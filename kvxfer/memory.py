@@ -147,16 +147,21 @@ class CudaIpcRef:
             raise MemoryRegistrationError(
                 f"{where}: tensors are on devices {sorted(devices)}; one registration covers one GPU", field=where
             )
-        device = devices.pop()
+        return cls.from_addresses(devices.pop(), [int(t.data_ptr()) for t in tensors], sizes)
+
+    @classmethod
+    def from_addresses(cls, device: int, addresses: Sequence[int], sizes: Sequence[int]) -> CudaIpcRef:
+        """Export regions given by address and size on ``device`` (e.g. vLLM's per-layer views of one buffer)."""
+        where = "memory.cuda_ipc"
         drv = cuda_ipc.driver()
         exports = []
-        for i, t in enumerate(tensors):
+        for i, ptr in enumerate(addresses):
             try:
-                exports.append(drv.export(device, int(t.data_ptr())))
+                exports.append(drv.export(device, int(ptr)))
             except cuda_ipc.CudaIpcError as exc:
-                raise MemoryRegistrationError(f"{where}: tensor {i}: {exc.message}", field=where) from None
+                raise MemoryRegistrationError(f"{where}: region {i}: {exc.message}", field=where) from None
         return cls(
-            tuple(e.handle for e in exports), tuple(e.offset for e in exports), device, tuple(sizes),
+            tuple(e.handle for e in exports), tuple(e.offset for e in exports), device, tuple(int(n) for n in sizes),
             drv.device_uuid(device),
         )  # fmt: skip
 

@@ -359,7 +359,7 @@ class SidecarCore:
             backend=self.dp.backend, registered=reg is not None, draining=self.draining,
             leases=len(self.publishes), transfers_in_flight=len(self.pulls), peers=len(self.peers),
             peer_address=self.peer_address, registered_bytes=reg.nbytes if reg else 0,
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=PROTOCOL_VERSION, groups=list(reg.groups) if reg else [],
         )  # fmt: skip
 
     async def watch(self, req: Any) -> AsyncIterator[Any]:

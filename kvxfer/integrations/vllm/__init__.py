@@ -20,7 +20,7 @@ from typing import Any
 __all__ = ["SUPPORTED_VLLM", "KvxferConnector", "KvxferConnectorMetadata"]
 
 #: vLLM releases this connector is tested with (the KV-connector v1 API changes between releases).
-SUPPORTED_VLLM = ("0.32",)
+SUPPORTED_VLLM = ("0.32", "0.33")  # kept equal to .spec.SUPPORTED_VLLM (a test checks), without importing it
 
 
 def __getattr__(name: str) -> Any:

@@ -2,11 +2,16 @@
 
 vLLM builds the class twice per engine: with role SCHEDULER in the engine-core process and with
 role WORKER in each worker process. Each role delegates to its vLLM-free half
-(:mod:`.scheduler`, :mod:`.worker`); this module only translates vLLM's objects.
+(:mod:`.scheduler`, :mod:`.worker`); this module only translates vLLM's objects, and
+:mod:`.spec` reads vLLM's description of the caches.
+
+It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): models with several KV-cache groups
+(full and sliding-window attention, attention and Mamba) move every group of a request in one pull.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -15,12 +20,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
-from kvxfer.integrations.vllm.kvcache import KVCacheDescriptionError
 from kvxfer.integrations.vllm.plan import StepPlan
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.spec import (
+    SUPPORTED_VLLM,
+    KVCacheDescriptionError,
+    describe_caches,
+    transfer_groups,
+    vllm_version_supported,
+)
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.logs import get_logger
 from kvxfer.topology import RankInfo
@@ -47,11 +60,35 @@ class KvxferConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
-class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
+def _adopt_vllm_logging() -> None:
+    """kvxfer's lines go through vLLM's own handler, with its level, timestamp and format.
+
+    vLLM configures only its ``vllm`` logger; records of other loggers would reach Python's
+    last-resort handler (warnings only, bare text). Done once per process, after vLLM set up its
+    logging (it has when a connector is built).
+    """
+    ours, theirs = logging.getLogger("kvxfer"), logging.getLogger("vllm")
+    if getattr(ours, "_kvxfer_adopted", False) or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+    ours._kvxfer_adopted = True  # type: ignore[attr-defined]
+
+
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """vLLM KV connector that moves prompt KV between instances through kvxfer sidecars."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _adopt_vllm_logging()
+        import vllm
+
+        if not vllm_version_supported(vllm.__version__):
+            log.warning(
+                f"vLLM {vllm.__version__} is not one kvxfer's connector was tested with ({', '.join(SUPPORTED_VLLM)})"
+            )
         kt = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.load(kt.kv_connector_extra_config)
         par = vllm_config.parallel_config
@@ -60,7 +97,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self.settings, engine_id=self.engine_id, block_size=vllm_config.cache_config.block_size,
+                self.settings, engine_id=self.engine_id, groups=transfer_groups(kv_cache_config),
                 tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size, dp_rank=par.data_parallel_rank,
             )  # fmt: skip
         else:
@@ -72,11 +109,11 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
             tp, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             pp = get_pp_group()
-            rank = RankInfo(tp, tp_size, pp.rank_in_group, pp.world_size)
+            self._rank = RankInfo(tp, tp_size, pp.rank_in_group, pp.world_size)
             self._worker = WorkerSide(
-                self.settings, rank=rank, local_rank=pp.rank_in_group * tp_size + tp, dp_rank=par.data_parallel_rank,
-                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-                worker_id=f"{self.engine_id}/pid{os.getpid()}",
+                self.settings, rank=self._rank, local_rank=pp.rank_in_group * tp_size + tp,
+                dp_rank=par.data_parallel_rank, worker_id=f"{self.engine_id}/pid{os.getpid()}",
+                failure_policy=str(getattr(kt, "kv_load_failure_policy", "fail")),
             )  # fmt: skip
 
     @classmethod
@@ -89,27 +126,36 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         choice = ConnectorSettings.load(extra).kv_cache_layout
         return {"HND": "LBHNC", "cross_layer": "BLHNC", "auto": None}[choice]
 
+    @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """No: sleeping frees the KV memory a sidecar has registered (vLLM 0.33 asks)."""
+        return False
+
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Share vLLM's cache tensors with this rank's sidecar (CUDA IPC, or shared memory on a CPU)."""
+        """Share vLLM's cache memory with this rank's sidecar (CUDA IPC, or shared memory on a CPU)."""
         assert self._worker is not None
-        self._worker.register(kv_caches)
+        groups = describe_caches(
+            self._vllm_config, self._kv_cache_config, kv_caches, tp_rank=self._rank.tp_rank,
+            tp_size=self._rank.tp_size,
+        )  # fmt: skip
+        self._worker.register(groups, kv_caches)
         self._check_bound(kv_caches)
 
     def _check_bound(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # The attention layers must compute on the very tensors that were shared, or the sidecar
-        # would move stale bytes: on a CPU the connector moved them onto shared memory in place.
+        # The attention layers must compute on the memory that was shared, or the sidecar would
+        # move stale bytes: on a CPU, the storage every view shares moved to shared memory in place.
         ctx = self._vllm_config.compilation_config.static_forward_context
-        for name, t in kv_caches.items():
-            layer = ctx.get(name)
-            cache = getattr(layer, "kv_cache", None)
-            bound = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
-            if isinstance(bound, torch.Tensor) and bound.data_ptr() != t.data_ptr():
-                raise KVCacheDescriptionError(
-                    f"kv_caches[{name!r}]: the attention layer computes on memory at {bound.data_ptr():#x}, not on "
-                    f"the shared tensor at {t.data_ptr():#x}; this vLLM build keeps its own cache references",
-                    field="kv_caches",
-                )
+        shared = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
+        for name in kv_caches:
+            cache = getattr(ctx.get(name), "kv_cache", None)
+            for t in cache if isinstance(cache, (list, tuple)) else (cache,):
+                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in shared:
+                    raise KVCacheDescriptionError(
+                        f"kv_caches[{name!r}]: the layer computes on memory at {t.data_ptr():#x}, outside what was "
+                        "shared with the sidecar; this vLLM build keeps its own cache references",
+                        field="kv_caches",
+                    )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's pulls (they complete asynchronously, between steps)."""
@@ -131,33 +177,52 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(published requests the decode side is done with, requests whose load ended)."""
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished sends and loads; failed loads too when the model has several KV-cache groups."""
         assert self._worker is not None
-        sending, recving = self._worker.finished()
-        return sending or None, recving or None
+        sending, recving, failed = self._worker.finished()
+        # One group: vLLM takes the failed blocks (get_block_ids_with_load_errors) and recomputes
+        # just those. Several groups: it takes failures per request only.
+        return KVConnectorTransferResults(sending, recving, set() if self._worker.single_group else failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed: vLLM recomputes them (``kv_load_failure_policy``)."""
+        """Blocks whose load failed (models with one KV-cache group): vLLM recomputes them or fails."""
         assert self._worker is not None
         return self._worker.load_errors()
 
     def shutdown(self) -> None:
-        """Close the sidecar channels and the shared-memory name."""
+        """Close the sidecar channels and let the sidecar forget the memory."""
         if self._worker is not None:
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
 
     # ================================================================== scheduler side
+    def on_new_request(self, request: Request) -> None:
+        """A prefill for a remote decode of a model with Mamba layers stops a token short."""
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group is loaded (vLLM must not zero their new blocks under the load)."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """For a remote prefill: the prompt tokens to load, asynchronously."""
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Queue the pull into the blocks vLLM allocated for the request."""
+        """Queue the pull into the blocks vLLM allocated for the request (every transfer group)."""
         assert self._scheduler is not None
-        ids = blocks.get_block_ids()
-        self._scheduler.after_alloc(request, ids[0] if ids else [], num_external_tokens)
+        tables = self._transfer_tables(blocks.get_block_ids()) if num_external_tokens > 0 else ()
+        self._scheduler.after_alloc(request, tables, num_external_tokens)
+
+    def _transfer_tables(self, block_ids: Any) -> tuple[list[int], ...]:
+        return tuple(self._kv_cache_config.select_transfer_block_ids(block_ids))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The step's pulls, aborts and publishes, for the workers."""
@@ -170,8 +235,13 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler.loads_finished(connector_output.finished_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Publish a finished prefill's blocks (kept until released) and answer with the decode params."""
+        """Publish a finished prefill's blocks (one KV-cache group) and answer with the decode params."""
         assert self._scheduler is not None
-        if block_ids and isinstance(block_ids[0], (list, tuple)):  # one list per KV-cache group
-            block_ids = list(block_ids[0])
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request, [list(block_ids)])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Publish every transfer group of a finished prefill and answer with the decode params."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, self._transfer_tables(block_ids))

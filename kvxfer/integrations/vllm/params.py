@@ -1,14 +1,17 @@
 """``kv_transfer_params``: what a prefill instance answers and a decode instance reads.
 
 The keys are the ones vLLM's P/D proxies already pass through verbatim (vLLM's NixlConnector
-uses the same names), plus two of kvxfer's own, so existing routers work unchanged:
+uses the same names), plus a few of kvxfer's own, so existing routers work unchanged:
 
 * proxy -> prefill: ``{"do_remote_decode": true, ...}``;
 * prefill -> proxy (the response's ``kv_transfer_params``): ``do_remote_prefill``,
-  ``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``, ``remote_host``,
-  ``remote_port``, ``remote_num_tokens``, ``remote_block_size``, ``tp_size``, ``pp_size``, and
-  ``kvxfer_addresses`` (the peer API address of every prefill rank's sidecar, in rank order) and
-  ``kvxfer_engine_id`` (the engine id those sidecars handshake with);
+  ``remote_engine_id``, ``remote_request_id``, ``remote_block_ids`` (one list per KV-cache
+  transfer group, in vLLM's group order), ``remote_host``, ``remote_port``, ``remote_num_tokens``,
+  ``remote_block_size``, ``tp_size``, ``pp_size``, and kvxfer's ``kvxfer_addresses`` (the peer
+  API address of every prefill rank's sidecar, in rank order), ``kvxfer_engine_id`` (the engine
+  id those sidecars handshake with) and ``kvxfer_groups`` (per group: its name, block size and
+  the position of its first listed block in the request's block table, since sliding-window
+  groups publish only their tail and Mamba groups only their state block);
 * proxy -> decode: that dict, unchanged.
 """
 
@@ -20,7 +23,14 @@ from typing import Any
 
 from kvxfer.errors import KvxferError
 
-__all__ = ["ParamsError", "RemotePrefill", "prefill_response", "wants_remote_decode", "wants_remote_prefill"]
+__all__ = [
+    "ParamsError",
+    "RemoteGroup",
+    "RemotePrefill",
+    "prefill_response",
+    "wants_remote_decode",
+    "wants_remote_prefill",
+]
 
 
 class ParamsError(KvxferError):
@@ -40,64 +50,55 @@ def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
 
 
 @dataclass(frozen=True)
+class RemoteGroup:
+    """One KV-cache group of a published request: its blocks and what they cover."""
+
+    name: str
+    block_ids: tuple[int, ...]
+    block_size: int  # tokens per block on the prefill side (0: not given)
+    first_block: int = 0  # position of block_ids[0] in the request's block table
+
+
+@dataclass(frozen=True)
 class RemotePrefill:
-    """Where a decode instance finds a request's KV: the prefill side's request and sidecars."""
+    """Where a decode instance finds a request's KV: the prefill side's request, sidecars and groups."""
 
     request_id: str
     engine_id: str
     addresses: tuple[str, ...]
-    block_ids: tuple[int, ...]
+    groups: tuple[RemoteGroup, ...]
     num_tokens: int = 0
     sidecar_engine_id: str = ""
-    block_size: int = 0  # 0: not given
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The first group's block ids (a model with one group)."""
+        return self.groups[0].block_ids
+
+    @property
+    def block_size(self) -> int:
+        """The first group's block size on the prefill side (0: not given)."""
+        return self.groups[0].block_size
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemotePrefill:
         """Validate a decode request's params; raises :class:`ParamsError` naming the bad key."""
         request_id = _string(params, "remote_request_id")
         engine_id = str(params.get("remote_engine_id") or "")
-        blocks = _block_ids(params.get("remote_block_ids"))
-        addresses = params.get("kvxfer_addresses")
-        if addresses is None:
-            # A prefill instance of one rank needs no list: remote_host/remote_port is its sidecar.
-            tp = params.get("tp_size", 1) or 1
-            if tp != 1:
-                raise ParamsError(
-                    f"kvxfer_addresses: missing, and tp_size is {tp}: the sidecar address of every prefill rank "
-                    "is needed (was the prefill instance running kvxfer's connector?)",
-                    field="kvxfer_addresses",
-                )
-            host, port = params.get("remote_host"), params.get("remote_port")
-            if not host or not port:
-                raise ParamsError(
-                    "kvxfer_addresses: missing, and so are remote_host/remote_port", field="kvxfer_addresses"
-                )
-            addresses = [f"{host}:{port}"]
-        if isinstance(addresses, str) or not isinstance(addresses, Sequence) or not addresses:
-            raise ParamsError(
-                f"kvxfer_addresses: must be a non-empty list of 'host:port', got {addresses!r}",
-                field="kvxfer_addresses",
-            )
-        if not all(isinstance(a, str) and a for a in addresses):
-            raise ParamsError(f"kvxfer_addresses: every entry must be 'host:port', got {addresses!r}",
-                              field="kvxfer_addresses")  # fmt: skip
-        num_tokens = params.get("remote_num_tokens") or 0
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ParamsError(f"remote_num_tokens: must be an integer >= 0, got {num_tokens!r}",
-                              field="remote_num_tokens")  # fmt: skip
+        lists = _block_lists(params.get("remote_block_ids"))
+        addresses = _addresses(params)
+        num_tokens = _count(params, "remote_num_tokens")
         sidecar_engine = params.get("kvxfer_engine_id") or ""
         if not isinstance(sidecar_engine, str):
             raise ParamsError(f"kvxfer_engine_id: must be a string, got {sidecar_engine!r}", field="kvxfer_engine_id")
-        block_size = params.get("remote_block_size") or 0
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
-            raise ParamsError(f"remote_block_size: must be an integer >= 0, got {block_size!r}",
-                              field="remote_block_size")  # fmt: skip
-        return cls(request_id, engine_id, tuple(addresses), blocks, num_tokens, sidecar_engine, block_size)
+        block_size = _count(params, "remote_block_size")
+        groups = _groups(params.get("kvxfer_groups"), lists, block_size)
+        return cls(request_id, engine_id, addresses, groups, num_tokens, sidecar_engine)
 
 
 def prefill_response(
-    *, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, block_size: int,
-    addresses: Sequence[str], sidecar_engine_id: str, tp_size: int, pp_size: int,
+    *, engine_id: str, request_id: str, groups: Sequence[RemoteGroup], num_tokens: int, addresses: Sequence[str],
+    sidecar_engine_id: str, tp_size: int, pp_size: int,
 ) -> dict[str, Any]:  # fmt: skip
     """The params a prefill instance returns for a request whose blocks it published."""
     host, _, port = addresses[0].rpartition(":")
@@ -106,15 +107,16 @@ def prefill_response(
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
-        "remote_block_ids": [list(block_ids)],  # one list per KV-cache group, as vLLM's connectors send
+        "remote_block_ids": [list(g.block_ids) for g in groups],  # one list per KV-cache group, as vLLM's connectors
         "remote_host": host,
         "remote_port": int(port),
         "remote_num_tokens": num_tokens,
-        "remote_block_size": block_size,
+        "remote_block_size": groups[0].block_size,
         "tp_size": tp_size,
         "pp_size": pp_size,
         "kvxfer_addresses": list(addresses),
         "kvxfer_engine_id": sidecar_engine_id,
+        "kvxfer_groups": [{"name": g.name, "block_size": g.block_size, "first_block": g.first_block} for g in groups],
     }
 
 
@@ -125,20 +127,73 @@ def _string(params: Mapping[str, Any], key: str) -> str:
     return value
 
 
-def _block_ids(value: Any) -> tuple[int, ...]:
-    # One list per KV-cache group ([[...]]) or, from older routers, one flat list.
-    if isinstance(value, Sequence) and value and all(isinstance(g, Sequence) for g in value):
-        if len(value) != 1:
+def _count(params: Mapping[str, Any], key: str) -> int:
+    value = params.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ParamsError(f"{key}: must be an integer >= 0, got {value!r}", field=key)
+    return value
+
+
+def _addresses(params: Mapping[str, Any]) -> tuple[str, ...]:
+    addresses = params.get("kvxfer_addresses")
+    if addresses is None:
+        # A prefill instance of one rank needs no list: remote_host/remote_port is its sidecar.
+        tp = params.get("tp_size", 1) or 1
+        if tp != 1:
             raise ParamsError(
-                f"remote_block_ids: {len(value)} KV-cache groups; kvxfer's vLLM connector moves one (no hybrid "
-                "allocator)",
-                field="remote_block_ids",
+                f"kvxfer_addresses: missing, and tp_size is {tp}: the sidecar address of every prefill rank "
+                "is needed (was the prefill instance running kvxfer's connector?)",
+                field="kvxfer_addresses",
             )
-        value = value[0]
-    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-        raise ParamsError(f"remote_block_ids: must be a non-empty list of block ids, got {value!r}",
-                          field="remote_block_ids")  # fmt: skip
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value):
-        bad = next(b for b in value if isinstance(b, bool) or not isinstance(b, int) or b < 0)
-        raise ParamsError(f"remote_block_ids: {bad!r} is not a block id", field="remote_block_ids")
-    return tuple(value)
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not host or not port:
+            raise ParamsError("kvxfer_addresses: missing, and so are remote_host/remote_port", field="kvxfer_addresses")
+        addresses = [f"{host}:{port}"]
+    if isinstance(addresses, str) or not isinstance(addresses, Sequence) or not addresses:
+        raise ParamsError(
+            f"kvxfer_addresses: must be a non-empty list of 'host:port', got {addresses!r}", field="kvxfer_addresses"
+        )
+    if not all(isinstance(a, str) and a for a in addresses):
+        raise ParamsError(f"kvxfer_addresses: every entry must be 'host:port', got {addresses!r}",
+                          field="kvxfer_addresses")  # fmt: skip
+    return tuple(addresses)
+
+
+def _block_lists(value: Any) -> list[tuple[int, ...]]:
+    # One list per KV-cache group ([[...], [...]]) or, from older routers, one flat list.
+    if isinstance(value, Sequence) and value and all(isinstance(g, Sequence) for g in value):
+        lists = list(value)
+    else:
+        lists = [value]
+    out = []
+    for i, ids in enumerate(lists):
+        where = "remote_block_ids" if len(lists) == 1 else f"remote_block_ids[{i}]"
+        if isinstance(ids, str) or not isinstance(ids, Sequence) or not ids:
+            raise ParamsError(f"{where}: must be a non-empty list of block ids, got {ids!r}", field="remote_block_ids")
+        bad = next((b for b in ids if isinstance(b, bool) or not isinstance(b, int) or b < 0), None)
+        if bad is not None:
+            raise ParamsError(f"{where}: {bad!r} is not a block id", field="remote_block_ids")
+        out.append(tuple(ids))
+    return out
+
+
+def _groups(value: Any, lists: list[tuple[int, ...]], block_size: int) -> tuple[RemoteGroup, ...]:
+    if value is None:
+        # A router or prefill instance that predates kvxfer_groups: vLLM's group order, whole tables.
+        return tuple(RemoteGroup(f"g{i}", ids, block_size) for i, ids in enumerate(lists))
+    if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(lists):
+        raise ParamsError(
+            f"kvxfer_groups: must list the {len(lists)} groups of remote_block_ids, got {value!r}",
+            field="kvxfer_groups",
+        )
+    out = []
+    for i, (g, ids) in enumerate(zip(value, lists, strict=True)):
+        if not isinstance(g, Mapping) or not isinstance(g.get("name"), str) or not g["name"]:
+            raise ParamsError(f"kvxfer_groups[{i}]: must be {{name, block_size, first_block}}, got {g!r}",
+                              field="kvxfer_groups")  # fmt: skip
+        nums = {k: g.get(k, 0) for k in ("block_size", "first_block")}
+        for k, v in nums.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ParamsError(f"kvxfer_groups[{i}].{k}: must be an integer >= 0, got {v!r}", field="kvxfer_groups")
+        out.append(RemoteGroup(g["name"], ids, nums["block_size"], nums["first_block"]))
+    return tuple(out)

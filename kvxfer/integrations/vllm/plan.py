@@ -1,27 +1,51 @@
-"""What the scheduler side tells the workers each step (pickled into vLLM's connector metadata)."""
+"""What the scheduler side tells the workers each step, and which blocks of which group a request moves.
+
+Everything here is plain data and arithmetic on block tables (no vLLM, no I/O), so that the
+rules - which blocks a prefill publishes per KV-cache group, which of them a decode instance
+reads into which of its own blocks - are tested on their own.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.integrations.vllm.params import RemotePrefill
+from kvxfer.integrations.vllm.params import RemoteGroup, RemotePrefill
+from kvxfer.integrations.vllm.spec import TransferGroup
 
-__all__ = ["GROUP", "PullSpec", "StepPlan"]
+__all__ = ["NULL_BLOCK", "GroupPull", "PullSpec", "StepPlan", "group_pull", "published_blocks"]
 
-#: The one kvxfer cache group a vLLM worker registers (all attention layers).
-GROUP = "attention"
+#: vLLM's null block: a table entry that holds nothing (a sliding window's skipped blocks).
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class GroupPull:
+    """One group of a pull: local blocks that receive the remote ones (tokens as in ``TokenSpan``)."""
+
+    group: int  # vLLM transfer group index
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    num_tokens: int = 0  # 0: the lists cover the same tokens and all of them move (state groups)
+    local_skip: int = 0
+    remote_skip: int = 0
 
 
 @dataclass(frozen=True)
 class PullSpec:
-    """Load one request's prompt KV from the prefill instance into local blocks."""
+    """Load one request's prompt KV from the prefill instance into local blocks, every group at once."""
 
     request_id: str
     remote: RemotePrefill | None
-    local_blocks: tuple[int, ...]
-    remote_blocks: tuple[int, ...]
+    groups: tuple[GroupPull, ...] = ()
     #: Set when the load cannot even start (the worker reports it failed at once).
     error: str = ""
+
+    @property
+    def local_blocks(self) -> tuple[int, ...]:
+        """Every local block the pull writes (all groups)."""
+        return tuple(b for g in self.groups for b in g.local_blocks)
 
 
 @dataclass
@@ -40,3 +64,72 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.pulls or self.aborts or self.published or self.drops)
+
+
+def published_blocks(group: TransferGroup, table: Sequence[int], num_tokens: int) -> RemoteGroup | None:
+    """The blocks of one group a prefill publishes for a request whose first ``num_tokens`` are computed.
+
+    Full attention: every block of those tokens. Sliding window: the blocks the window still
+    covers (vLLM frees the others, leaving null blocks in the table). Mamba: the running-state
+    block (the trailing speculative scratch blocks are not state). None: nothing to publish.
+    """
+    if group.role == "state":
+        real = [b for b in table if b != NULL_BLOCK]
+        if not real:
+            return None
+        # Drop the speculative scratch slots vLLM appends after the running state.
+        keep = len(table) - min(group.spec_blocks, len(table) - 1)
+        pos = max(i for i in range(keep) if table[i] != NULL_BLOCK)
+        return RemoteGroup(group.name, (table[pos],), group.block_size, pos)
+    used = min(len(table), math.ceil(num_tokens / group.block_size))
+    first = max(0, used - group.window_blocks) if group.role == "window" else 0
+    while first < used and table[first] == NULL_BLOCK:
+        first += 1
+    ids = tuple(table[first:used])
+    if not ids or NULL_BLOCK in ids:
+        return None
+    return RemoteGroup(group.name, ids, group.block_size, first)
+
+
+def group_pull(
+    group: TransferGroup, remote: RemoteGroup, table: Sequence[int], start: int, end: int
+) -> GroupPull | str | None:
+    """Which local blocks of ``table`` receive which published blocks, for tokens ``[start, end)``.
+
+    ``start`` is where the local prefix cache stops (a multiple of the local block size), ``end``
+    the tokens the decode instance loads. Returns the pull, a reason why this group cannot be
+    loaded, or None when it has nothing to load.
+    """
+    if group.role == "state":
+        real = published_blocks(group, table, end)
+        if real is None:
+            return "no state block is allocated for the request"
+        if len(remote.block_ids) != 1:
+            return f"the prefill side published {len(remote.block_ids)} state blocks, not 1"
+        return GroupPull(group.index, real.block_ids, remote.block_ids[:1])
+    bl, br = group.block_size, remote.block_size or group.block_size
+    if max(bl, br) % min(bl, br):
+        return f"block size {br} on the prefill side and {bl} here: neither is a multiple of the other"
+    g = min(bl, br)
+    first_local = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+    s = max(start, remote.first_block * br, first_local * bl)
+    if group.role == "window":
+        # Tokens before the window are never attended again: skip what either side already dropped.
+        if s > max(start, end - group.window):
+            return (
+                f"the sliding window of {group.window} tokens needs tokens from {max(start, end - group.window)}; "
+                f"blocks from token {s} are published and allocated"
+            )
+    elif s > start:
+        return f"tokens from {start} are needed; the prefill side published blocks from token {s}"
+    s = -(-s // g) * g
+    if s >= end:
+        return None
+    e2 = s + -(-(end - s) // g) * g  # whole chunks move
+    local = tuple(table[s // bl : -(-e2 // bl)])
+    lo_r, hi_r = s // br - remote.first_block, -(-e2 // br) - remote.first_block
+    if hi_r > len(remote.block_ids):
+        return f"the prefill side published {len(remote.block_ids)} blocks; tokens up to {end} need {hi_r}"
+    if len(local) != -(-e2 // bl) - s // bl or NULL_BLOCK in local:
+        return f"local blocks for tokens [{s}, {end}) are not all allocated"
+    return GroupPull(group.index, local, tuple(remote.block_ids[lo_r:hi_r]), end - s, s % bl, s % br)

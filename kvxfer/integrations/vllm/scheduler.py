@@ -4,17 +4,22 @@ Prefill instance: when a request that the proxy marked ``do_remote_decode`` fini
 already hold the prompt's KV in memory the sidecars registered, so the scheduler publishes them
 on every rank's sidecar right away (before the response leaves the engine: a decode pull can
 never arrive first), keeps them allocated, and answers the proxy with the params a decode
-instance needs. The workers report the release (decode confirmed, lease expired, aborted) and
-vLLM frees the blocks then.
+instance needs. Each KV-cache group publishes what a decode instance needs of it
+(:func:`~kvxfer.integrations.vllm.plan.published_blocks`). The workers report the release
+(decode confirmed, lease expired, aborted) and vLLM frees the blocks then.
 
 Decode instance: a request with ``do_remote_prefill`` waits for its prompt's KV: the scheduler
-asks vLLM for blocks, and the workers pull the prefill instance's published blocks into them.
+asks vLLM for blocks, and the workers pull the prefill instance's published blocks into them,
+every group in one pull (:func:`~kvxfer.integrations.vllm.plan.group_pull`).
+
+Models with Mamba layers: the state after the whole prompt cannot be moved and then have the last
+prompt token recomputed on top of it (vLLM always recomputes the last token after a load), so the
+prefill instance stops one token short (``prefill_backoff``) and the decode instance computes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,13 +27,15 @@ from kvxfer.client import Client, KvxferRpcError
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.params import (
     ParamsError,
+    RemoteGroup,
     RemotePrefill,
     prefill_response,
     wants_remote_decode,
     wants_remote_prefill,
 )
-from kvxfer.integrations.vllm.plan import GROUP, PullSpec, StepPlan
+from kvxfer.integrations.vllm.plan import GroupPull, PullSpec, StepPlan, group_pull, published_blocks
 from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.spec import TransferGroup
 from kvxfer.logs import get_logger, log_context
 
 __all__ = ["SchedulerSide"]
@@ -43,20 +50,30 @@ class SchedulerSide:
     """Book-keeping of one vLLM engine's scheduler, and publishing on its ranks' sidecars."""
 
     def __init__(
-        self, settings: ConnectorSettings, *, engine_id: str, block_size: int, tp_size: int = 1, pp_size: int = 1,
-        dp_rank: int = 0,
+        self, settings: ConnectorSettings, *, engine_id: str, groups: Sequence[TransferGroup], tp_size: int = 1,
+        pp_size: int = 1, dp_rank: int = 0,
     ) -> None:  # fmt: skip
+        if not groups:
+            raise KvxferError("kv_cache_groups: the engine has no KV-cache group to transfer", field="kv_cache_groups")
         self.settings = settings
         self.engine_id = engine_id
-        self.block_size = block_size
+        self.groups = tuple(groups)
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.dp_rank = dp_rank
+        #: Trailing prompt tokens the prefill side leaves to the decode side (see the module docs).
+        self.prefill_backoff = 1 if any(g.role == "state" for g in self.groups) else 0
         self._clients: list[Client] | None = None
         self._addresses: list[str] = []
         self._sidecar_engine = ""
+        self._sidecar_groups: tuple[str, ...] = ()
         self._plan = StepPlan()
         self._loading: set[str] = set()  # decode requests whose KV is on its way
+
+    @property
+    def block_size(self) -> int:
+        """The first group's block size (a model with one group has one)."""
+        return self.groups[0].block_size
 
     # ------------------------------------------------------------------ sidecars of this engine
     def _sidecars(self) -> list[Client]:
@@ -81,39 +98,140 @@ class SchedulerSide:
             self._addresses = [s["peer_address"] for s in status]
             engines = {s["engine_id"] for s in status}
             self._sidecar_engine = engines.pop() if len(engines) == 1 else ""
+            self._sidecar_groups = tuple(status[0].get("groups", ()))
         return self._addresses, self._sidecar_engine
 
+    def _sidecar_names(self, group: TransferGroup) -> list[str]:
+        """The sidecar groups that hold vLLM group ``group`` (``g<i>``, or ``g<i>.<k>`` per layout)."""
+        names = [n for n in self._sidecar_groups if n == group.name or n.startswith(group.name + ".")]
+        return names or [group.name]
+
+    # ------------------------------------------------------------------ prefill side
+    def on_new_request(self, request: Any) -> None:
+        """A prefill for a remote decode stops ``prefill_backoff`` tokens short (models with Mamba)."""
+        params = request.kv_transfer_params
+        if not self.prefill_backoff or not wants_remote_decode(params) or params.get("kvxfer_truncated"):
+            return
+        n = self.prefill_backoff
+        if request.prompt_token_ids is None or len(request.prompt_token_ids) <= n:
+            return
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        request.max_tokens = 1
+        params["kvxfer_truncated"] = True
+
+    def request_finished(
+        self, request: Any, tables: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        """(keep the blocks until the workers report them sent, params for the proxy).
+
+        ``tables``: the request's block table of every transfer group, in vLLM's group order.
+        """
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if rid in self._loading:
+            # Finished (aborted) while its KV is still arriving: stop the pull; vLLM keeps the
+            # blocks until the workers report the load as ended.
+            self._loading.discard(rid)
+            self._plan.aborts.append(rid)
+            return False, None
+        if not wants_remote_decode(params):
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        if status not in _DONE or not any(tables):
+            return False, None
+        with log_context(request_id=rid):
+            if len(tables) != len(self.groups):
+                log.error(f"request {rid}: {len(tables)} block tables for {len(self.groups)} KV-cache groups; "
+                          "the decode side computes the prompt")  # fmt: skip
+                return False, None
+            computed = int(request.num_computed_tokens)
+            published = [published_blocks(g, t, computed) for g, t in zip(self.groups, tables, strict=True)]
+            if any(p is None for p in published):
+                empty = [g.name for g, p in zip(self.groups, published, strict=True) if p is None]
+                log.error(f"request {rid}: nothing to publish for KV-cache group(s) {', '.join(empty)}; the decode "
+                          "side computes the prompt")  # fmt: skip
+                return False, None
+            try:
+                return True, self._publish(request, [p for p in published if p is not None], computed)
+            except KvxferError as exc:
+                log.error(f"request {rid}: publish failed ({exc.message}); the decode side computes the prompt")
+                return False, None
+
+    def _publish(self, request: Any, groups: list[RemoteGroup], computed: int) -> dict[str, Any]:
+        rid = request.request_id
+        addresses, engine = self._peer_identity()
+        blocks = {
+            n: list(p.block_ids) for g, p in zip(self.groups, groups, strict=True) for n in self._sidecar_names(g)
+        }
+        done: list[Client] = []
+        expires: list[int] = []
+        try:
+            for c in self._sidecars():
+                expires.append(c.publish(rid, blocks, lease_seconds=self.settings.lease_seconds))
+                done.append(c)
+        except KvxferRpcError:
+            for c in done:
+                try:
+                    c.release(rid)
+                except KvxferRpcError as exc:
+                    log.warning(f"request {rid}: release after a failed publish failed: {exc.details}")
+            self._addresses = []  # a sidecar restarted: ask again next time
+            raise
+        self._plan.published[rid] = min(expires)
+        return prefill_response(
+            engine_id=self.engine_id, request_id=rid, groups=groups, num_tokens=computed, addresses=addresses,
+            sidecar_engine_id=engine, tp_size=self.tp_size, pp_size=self.pp_size,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ decode side
+    def tokens_to_load(self, request: Any, remote: RemotePrefill | None) -> int:
+        """Prompt tokens whose KV comes from the prefill side (all but ``prefill_backoff``, at most what it has)."""
+        prompt = len(request.prompt_token_ids or ())
+        wanted = prompt - self.prefill_backoff if prompt > self.prefill_backoff else prompt
+        return min(remote.num_tokens or wanted, wanted) if remote else wanted
+
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens the prefill instance computed beyond ``num_computed_tokens``, loaded asynchronously."""
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
             return 0, False
+        rid = request.request_id
         try:
             remote = RemotePrefill.parse(params)
         except ParamsError as exc:
-            log.warning("unusable kv_transfer_params; computing the prompt here",
-                        extra={"request_id": request.request_id, "error": exc.message})  # fmt: skip
+            log.warning(f"request {rid}: unusable kv_transfer_params ({exc.message}); computing the prompt here")
             return 0, False
-        total = _tokens_to_load(request, remote)
-        if remote.block_size and remote.block_size != self.block_size:
-            # Whole pages move as they are; cutting them to another block size is not done here
-            # (vLLM's CPU kernel keeps a head's K rows before its V rows inside a page).
-            log.warning(
-                "the prefill instance uses another block size; computing the prompt here",
-                extra={"request_id": request.request_id, "remote": remote.block_size, "local": self.block_size},
-            )
+        why = self._unusable(remote, self.tokens_to_load(request, remote))
+        if why:
+            log.warning(f"request {rid}: {why}; computing the prompt here")
             return 0, False
-        if len(remote.block_ids) * self.block_size < total:
-            log.warning(
-                "the prefill side published too few blocks for the prompt; computing it here",
-                extra={"request_id": request.request_id, "published": len(remote.block_ids), "tokens": total},
-            )
-            return 0, False
-        count = total - num_computed_tokens
+        count = self.tokens_to_load(request, remote) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def _unusable(self, remote: RemotePrefill, tokens: int) -> str:
+        """Why a publish cannot feed this instance ('' when it can)."""
+        names = [g.name for g in self.groups]
+        if [g.name for g in remote.groups] != names:
+            return (
+                f"the prefill instance has KV-cache groups {[g.name for g in remote.groups]}, this one {names} "
+                "(another model or cache configuration)"
+            )
+        if self.prefill_backoff and remote.num_tokens and remote.num_tokens < tokens:
+            return f"the prefill side computed {remote.num_tokens} tokens, {tokens} are needed"
+        for g, r in zip(self.groups, remote.groups, strict=True):
+            br = r.block_size or g.block_size
+            if g.role != "state" and max(br, g.block_size) % min(br, g.block_size):
+                return (
+                    f"group {g.name}: block size {br} on the prefill side and {g.block_size} here (neither is a "
+                    "multiple of the other)"
+                )
+            if g.role == "full" and len(r.block_ids) * br < tokens:
+                return f"group {g.name}: the prefill side published {len(r.block_ids)} blocks for {tokens} tokens"
+        return ""
+
+    def after_alloc(self, request: Any, tables: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         """Queue the pull of a decode request's prompt KV into the blocks vLLM just gave it."""
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
@@ -126,23 +244,33 @@ class SchedulerSide:
             # tell the prefill side, so that it frees its copy now rather than at lease expiry.
             with contextlib.suppress(ParamsError):  # no usable addresses: the lease frees it
                 self._plan.drops.append(RemotePrefill.parse(params))
-            log.info("remote KV not needed; the prefill side frees its copy", extra={"request_id": rid})
+            log.info(f"request {rid}: remote KV not needed; the prefill side frees its copy")
             return
-        try:
-            remote: RemotePrefill | None = RemotePrefill.parse(params)  # checked in matched_tokens already
-            error = ""
-        except ParamsError as exc:
-            remote, error = None, exc.message
-        total = _tokens_to_load(request, remote)
-        first = (total - num_external_tokens) // self.block_size  # blocks the local prefix cache covers
-        last = math.ceil(total / self.block_size)
-        local = tuple(block_ids[first:last])
-        spec = PullSpec(rid, remote, local, remote.block_ids[first:last] if remote else (), error)
-        if len(spec.remote_blocks) != len(local) and not spec.error:
-            why = f"{len(local)} local blocks for {len(spec.remote_blocks)} remote ones"
-            spec = PullSpec(rid, spec.remote, local, (), why)
-        self._plan.pulls.append(spec)
+        self._plan.pulls.append(self._pull_spec(request, params, tables, num_external_tokens))
         self._loading.add(rid)
+
+    def _pull_spec(
+        self, request: Any, params: dict[str, Any], tables: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> PullSpec:
+        rid = request.request_id
+        try:
+            remote = RemotePrefill.parse(params)  # checked in matched_tokens already
+        except ParamsError as exc:
+            return PullSpec(rid, None, error=exc.message)
+        end = self.tokens_to_load(request, remote)
+        start = end - num_external_tokens  # what the local prefix cache covers
+        if len(tables) != len(self.groups):
+            return PullSpec(rid, remote, error=f"{len(tables)} block tables for {len(self.groups)} KV-cache groups")
+        pulls: list[GroupPull] = []
+        for g, r, table in zip(self.groups, remote.groups, tables, strict=True):
+            got = group_pull(g, r, table, start, end)
+            if isinstance(got, str):
+                return PullSpec(rid, remote, error=f"group {g.name}: {got}")
+            if got is not None:
+                pulls.append(got)
+        if not pulls:
+            return PullSpec(rid, remote, error="no group has anything to load")
+        return PullSpec(rid, remote, tuple(pulls))
 
     def loads_finished(self, request_ids: Sequence[str] | set[str] | None) -> None:
         """The workers reported these loads as ended."""
@@ -154,59 +282,7 @@ class SchedulerSide:
         plan, self._plan = self._plan, StepPlan()
         return plan
 
-    def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
-        """(keep the blocks until the workers report them sent, params for the proxy)."""
-        params = request.kv_transfer_params
-        rid = request.request_id
-        if rid in self._loading:
-            # Finished (aborted) while its KV is still arriving: stop the pull; vLLM keeps the
-            # blocks until the workers report the load as ended.
-            self._loading.discard(rid)
-            self._plan.aborts.append(rid)
-            return False, None
-        if not wants_remote_decode(params):
-            return False, None
-        status = getattr(request.status, "name", str(request.status))
-        if status not in _DONE or not block_ids:
-            return False, None
-        with log_context(request_id=rid):
-            try:
-                return True, self._publish(request, list(block_ids))
-            except KvxferError as exc:
-                log.error("publish failed; the decode side computes the prompt", extra={"error": exc.message})
-                return False, None
-
-    def _publish(self, request: Any, block_ids: list[int]) -> dict[str, Any]:
-        rid = request.request_id
-        addresses, engine = self._peer_identity()
-        done: list[Client] = []
-        expires: list[int] = []
-        try:
-            for c in self._sidecars():
-                expires.append(c.publish(rid, {GROUP: block_ids}, lease_seconds=self.settings.lease_seconds))
-                done.append(c)
-        except KvxferRpcError:
-            for c in done:
-                try:
-                    c.release(rid)
-                except KvxferRpcError as exc:
-                    log.warning("release after a failed publish failed", extra={"error": exc.details})
-            self._addresses = []  # a sidecar restarted: ask again next time
-            raise
-        self._plan.published[rid] = min(expires)
-        return prefill_response(
-            engine_id=self.engine_id, request_id=rid, block_ids=block_ids, num_tokens=int(request.num_computed_tokens),
-            block_size=self.block_size, addresses=addresses, sidecar_engine_id=engine, tp_size=self.tp_size,
-            pp_size=self.pp_size,
-        )  # fmt: skip
-
     def close(self) -> None:
         """Close the sidecar channels."""
         for c in self._clients or ():
             c.close()
-
-
-def _tokens_to_load(request: Any, remote: RemotePrefill | None) -> int:
-    """Prompt tokens whose KV the prefill side holds (all of them, unless it says fewer)."""
-    prompt = len(request.prompt_token_ids or ())
-    return min(remote.num_tokens or prompt, prompt) if remote else prompt

@@ -12,17 +12,18 @@ import concurrent.futures as cf
 import contextlib
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from kvxfer.client import AsyncClient, KvxferRpcError, PullResult
+from kvxfer.client import AsyncClient, KvxferRpcError, PullResult, TokenSpan
 from kvxfer.errors import KvxferError
-from kvxfer.integrations.vllm.kvcache import SharedCaches, describe_kv_caches, share_kv_caches
+from kvxfer.integrations.vllm.kvcache import SharedCaches, share_caches
 from kvxfer.integrations.vllm.params import RemotePrefill
-from kvxfer.integrations.vllm.plan import GROUP, PullSpec, StepPlan
+from kvxfer.integrations.vllm.plan import PullSpec, StepPlan
 from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.spec import CacheGroup
 from kvxfer.logs import get_logger, log_context
 from kvxfer.topology import RankInfo
 
@@ -80,49 +81,60 @@ class SidecarLink:
 
 
 class WorkerSide:
-    """One worker rank: registers its caches with its sidecar, runs pulls, reports what finished."""
+    """One worker rank: registers its caches with its sidecar, runs pulls, reports what finished.
+
+    ``failure_policy`` is vLLM's ``kv_load_failure_policy`` (what vLLM does with a failed load);
+    it only changes what the logs say.
+    """
 
     def __init__(
         self, settings: ConnectorSettings, *, rank: RankInfo, local_rank: int, dp_rank: int = 0,
-        total_kv_heads: int, worker_id: str = "",
+        worker_id: str = "", failure_policy: str = "fail",
     ) -> None:  # fmt: skip
         self.settings = settings
         self.rank = rank
-        self.total_kv_heads = total_kv_heads
         self.worker_id = worker_id or f"rank{local_rank}"
+        self.failure_policy = failure_policy
         self.target = settings.socket_for(rank=local_rank, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=dp_rank)
         self.link = SidecarLink(self.target, token=settings.token(), timeout=settings.call_timeout_seconds)
         self.shared: SharedCaches | None = None
         self.registration: dict[str, Any] = {}
+        self._names: dict[int, list[str]] = {}  # vLLM transfer group -> kvxfer groups
         self._lock = threading.Lock()
         self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
         self._aborting: set[str] = set()
         self._published: dict[str, int] = {}
         self._released: dict[str, float] = {}
         self._errors: set[int] = set()
+        self._failed: set[str] = set()
         self._watcher: cf.Future[None] | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ registration
-    def register(self, kv_caches: Mapping[str, Any]) -> dict[str, Any]:
-        """Describe vLLM's caches, share them with the sidecar and register them; returns its answer."""
-        desc = describe_kv_caches(kv_caches, total_kv_heads=self.total_kv_heads)
-        self.shared = share_kv_caches(desc)
+    def register(self, groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]) -> dict[str, Any]:
+        """Share the described groups' memory with the sidecar and register them; returns its answer."""
         self._wait_for_sidecar()
+        self.shared = share_caches(groups, kv_caches)
+        self._names = {}
+        for g in groups:
+            self._names.setdefault(g.transfer_index, []).append(g.name)
         self.registration = self.link.call(self._register(), timeout=self.settings.call_timeout_seconds + 5)
-        lay = desc.layout
-        log.info(
-            "KV caches registered with the sidecar",
-            extra={"sidecar": self.target, "layers": lay.num_layers, "blocks": lay.num_blocks,
-                   "page_bytes": lay.page_bytes, "order": lay.order.value, "cross_layer": lay.cross_layer,
-                   "bytes": self.registration.get("registered_bytes"), "memory": type(self.shared.memory).__name__},
-        )  # fmt: skip
+        for g in groups:
+            lay = g.layout
+            log.info(
+                f"KV cache group {g.name} registered with the sidecar {self.target}: {lay.kind} {lay.dtype} "
+                f"{lay.stride_order}, {lay.num_layers} layers x {lay.num_blocks} blocks of {lay.block_size} tokens "
+                f"({lay.page_bytes} bytes per page), {'CUDA IPC' if self.shared.is_cuda else 'shared memory'}"
+            )
         self._watcher = self.link.submit(self._watch())
         return self.registration
 
     async def _register(self) -> dict[str, Any]:
         assert self.shared is not None
-        groups = {GROUP: (self.shared.description.layout, self.shared.memory)}
+        shared = self.shared
+        # Handing descriptors over is a blocking socket exchange: keep it off the loop.
+        refs = await asyncio.to_thread(shared.refs, self.target, token=self.settings.token())
+        groups = {g.name: (g.layout, refs[g.name]) for g in shared.groups}
         return await self.link.client.register_caches(groups, rank=self.rank, worker_id=self.worker_id)
 
     def _wait_for_sidecar(self) -> None:
@@ -148,18 +160,18 @@ class WorkerSide:
                         with self._lock:
                             self._released[ev.request_id] = time.monotonic()
             except KvxferRpcError as exc:
-                log.warning("completion stream lost", extra={"sidecar": self.target, "error": exc.details})
+                log.warning(f"completion stream of the sidecar {self.target} lost: {exc.details}")
             if self._closed:
                 return
             await asyncio.sleep(0.5)
             try:
                 st = await self.link.client.status(deadline=2.0)
                 if st["instance_id"] != instance or not st["registered"]:
-                    log.warning("sidecar restarted; registering the caches again", extra={"sidecar": self.target})
+                    log.warning(f"the sidecar {self.target} restarted; registering the caches again")
                     self.registration = await self._register()
                     after, instance = 0, self.registration["instance_id"]
             except KvxferError as exc:
-                log.warning("sidecar unreachable", extra={"sidecar": self.target, "error": exc.message})
+                log.warning(f"the sidecar {self.target} is unreachable: {exc.message}")
 
     # ------------------------------------------------------------------ per step
     def on_step(self, plan: StepPlan) -> None:
@@ -168,7 +180,7 @@ class WorkerSide:
             self._published.update(plan.published)
         for spec in plan.pulls:
             if spec.request_id in self._pulls:
-                log.warning("pull already running", extra={"request_id": spec.request_id})
+                log.warning(f"request {spec.request_id}: a pull is already running")
                 continue
             self._pulls[spec.request_id] = (spec, self.link.submit(self._pull(spec)))
         for rid in plan.aborts:
@@ -185,10 +197,18 @@ class WorkerSide:
         remote = spec.remote
         if remote is None or spec.error:
             raise KvxferError(f"cannot load the KV of {spec.request_id!r}: {spec.error}", field="kv_transfer_params")
+        local: dict[str, tuple[int, ...]] = {}
+        remote_blocks: dict[str, tuple[int, ...]] = {}
+        spans: dict[str, TokenSpan] = {}
+        for gp in spec.groups:
+            for name in self._names.get(gp.group, ()):
+                local[name], remote_blocks[name] = gp.local_blocks, gp.remote_blocks
+                if gp.num_tokens:
+                    spans[name] = TokenSpan(gp.num_tokens, gp.local_skip, gp.remote_skip)
         with log_context(request_id=spec.request_id, peer=remote.sidecar_engine_id or remote.engine_id or None):
             addresses = self._stage_addresses(remote.addresses)
             return await self.link.client.pull(
-                remote.request_id, addresses, {GROUP: spec.local_blocks}, remote_blocks={GROUP: spec.remote_blocks},
+                remote.request_id, addresses, local, remote_blocks=remote_blocks, spans=spans,
                 remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
             )  # fmt: skip
 
@@ -209,8 +229,7 @@ class WorkerSide:
             addresses = self._stage_addresses(remote.addresses)
             await self.link.client.drop_remote(remote.request_id, addresses, "the decode instance needs none of its KV")
         except KvxferError as exc:  # the lease still frees it
-            log.warning("could not ask the prefill side to free a request", extra={
-                "request_id": remote.request_id, "error": exc.message})  # fmt: skip
+            log.warning(f"request {remote.request_id}: could not ask the prefill side to free it: {exc.message}")
 
     async def _abort(self, spec: PullSpec) -> None:
         if spec.remote is None:
@@ -219,15 +238,17 @@ class WorkerSide:
             await self.link.client.abort(spec.remote.request_id, "the vLLM request finished before its KV arrived")
         except KvxferRpcError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
-                log.warning("abort failed", extra={"request_id": spec.request_id, "error": exc.details})
+                log.warning(f"request {spec.request_id}: abort failed: {exc.details}")
 
-    def finished(self) -> tuple[set[str], set[str]]:
-        """(requests whose published blocks vLLM may free, requests whose loads ended).
+    def finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(requests whose published blocks vLLM may free, requests whose loads ended, those that failed).
 
-        A load that failed still ends: its blocks are reported by :meth:`load_errors` so that
-        vLLM recomputes them (or fails the request, per ``kv_load_failure_policy``).
+        A load that failed still ends. With one KV-cache group its blocks are reported by
+        :meth:`load_errors` too, so that vLLM recomputes just those; vLLM takes failures of models
+        with several groups per request only (``failed``).
         """
         recving: set[str] = set()
+        failed: set[str] = set()
         for rid, (spec, fut) in list(self._pulls.items()):
             if not fut.done():
                 continue
@@ -238,12 +259,16 @@ class WorkerSide:
             self._aborting.discard(rid)
             if exc is None:
                 res = fut.result()
-                log.debug("KV loaded", extra={"request_id": rid, "bytes": res.bytes, "descriptors": res.descriptors})
+                log.debug(f"request {rid}: KV loaded, {res.bytes} bytes in {res.descriptors} descriptors")
             elif not aborted:
                 # An aborted request's blocks are freed by vLLM; naming them would mark blocks that
                 # may already belong to another request.
-                self._errors.update(spec.local_blocks)
-                log.warning("KV load failed; vLLM will recompute", extra={"request_id": rid, "error": str(exc)})
+                failed.add(rid)
+                if self.single_group:
+                    self._errors.update(spec.local_blocks)
+                then = "fails the request" if self.failure_policy == "fail" else "recomputes the prompt"
+                log.warning(f"request {rid}: KV load failed ({exc}); vLLM {then} (kv_load_failure_policy="
+                            f"{self.failure_policy})")  # fmt: skip
         sending: set[str] = set()
         now, wall_ms = time.monotonic(), time.time() * 1000
         with self._lock:
@@ -254,19 +279,24 @@ class WorkerSide:
                     del self._published[rid]
                     self._released.pop(rid, None)
                     if late:
-                        log.warning("no release from the sidecar; freeing after the lease", extra={"request_id": rid})
+                        log.warning(f"request {rid}: no release from the sidecar; freeing its blocks after the lease")
             for rid, at in list(self._released.items()):
                 if now - at > EVENT_MEMORY_SECONDS:
                     del self._released[rid]
-        return sending, recving
+        return sending, recving, failed
+
+    @property
+    def single_group(self) -> bool:
+        """True when the model has one KV-cache transfer group (vLLM then takes failed block ids)."""
+        return len(self._names) <= 1
 
     def load_errors(self) -> set[int]:
-        """Local block ids whose load failed since the last call."""
+        """Local block ids whose load failed since the last call (models with one KV-cache group)."""
         out, self._errors = self._errors, set()
         return out
 
     def close(self) -> None:
-        """Stop the link; unlink the shared-memory name (tensors keep their mapping)."""
+        """Stop the link; let the sidecar forget the memory (tensors keep their mapping)."""
         self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
