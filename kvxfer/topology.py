@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import BlockIdError, IncompatibleLayoutError, LayoutError, TopologyError
-from kvxfer.layout import CacheKind, KVCacheLayout, Order, head_range
+from kvxfer.layout import CacheKind, KVCacheLayout, Order, Packing, head_range
 
 __all__ = [
     "BlockIds",
@@ -466,6 +466,11 @@ class TransferTopology:
                 out.append(f"local {loc.order} vs remote {rem.order}: one span per row ({units} per chunk)")
             elif loc.kind is CacheKind.KV_PLANES:
                 out.append(f"kv_planes with a head slice: {units} spans per chunk per layer (one per token and plane)")
+            elif Packing.CPU_KT in (loc.packing, rem.packing):
+                out.append(
+                    f"vLLM's CPU kernel stores K transposed: a block of another size moves as {units} spans per chunk "
+                    "per layer (one per head and element of K); equal block sizes move whole pages"
+                )
         return tuple(dict.fromkeys(out))
 
     @cached_property

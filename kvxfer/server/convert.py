@@ -62,6 +62,7 @@ def layout_from_proto(msg: Any, field: str) -> KVCacheLayout:
         "heads_outer": bool(msg.heads_outer),
         "page_stride": int(msg.page_stride),
         "kernel_block_size": int(msg.kernel_block_size),
+        "packing": msg.packing or "kv",
     }
     try:
         return KVCacheLayout.from_dict(data)
@@ -77,7 +78,7 @@ def layout_to_proto(layout: KVCacheLayout) -> Any:
         block_size=layout.block_size, num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
         dtype=layout.dtype.value, order=layout.order.value, cross_layer=layout.cross_layer,
         total_kv_heads=layout.total_kv_heads, head_size_v=layout.head_size_v, heads_outer=layout.heads_outer,
-        page_stride=layout.page_stride, kernel_block_size=layout.kernel_block_size,
+        page_stride=layout.page_stride, kernel_block_size=layout.kernel_block_size, packing=layout.packing.value,
     )  # fmt: skip
 
 

