@@ -66,6 +66,10 @@ def plan_transfer(
     return topo, topo.plan(local_blocks, remote_blocks)
 
 
+#: Descriptors of each source that ``kvxfer plan --json`` lists in full.
+FIRST = 16
+
+
 def plan_report(topo: TransferTopology, plan: TransferPlan) -> dict[str, Any]:
     """A JSON-able summary of a plan (the body of ``kvxfer plan --json``)."""
     regions = [
@@ -87,6 +91,24 @@ def plan_report(topo: TransferTopology, plan: TransferPlan) -> dict[str, Any]:
                 "reason": rp.source.reason,
                 "descriptors": rp.num_descriptors,
                 "bytes": rp.total_bytes,
+                # The first descriptors, offsets inside each side's region: what moves where.
+                "first": [
+                    {
+                        "local_region": int(lr),
+                        "local_offset": int(lo),
+                        "remote_region": int(rr),
+                        "remote_offset": int(ro),
+                        "length": int(n),
+                    }
+                    for lr, lo, rr, ro, n in zip(
+                        rp.local_region[:FIRST],
+                        rp.local_offset[:FIRST],
+                        rp.remote_region[:FIRST],
+                        rp.remote_offset[:FIRST],
+                        rp.length[:FIRST],
+                        strict=True,
+                    )
+                ],
             }
             for rp in plan.per_rank
         ],

@@ -115,3 +115,18 @@ def test_core_imports_nothing_heavy() -> None:
     # numpy only: no torch, grpc, nixl, mooncake, protobuf, typer, pydantic...
     assert third_party == "numpy"
     assert ours == "kvxfer,kvxfer.errors,kvxfer.layout,kvxfer.planning,kvxfer.topology"
+
+
+def test_plan_json_lists_where_an_nvfp4_head_slice_moves() -> None:
+    # Decode rank 1 of TP 2 takes heads 4..8 of a TP-1 prefill: per side, the data rows then the scale rows.
+    out = plan_json(
+        "--kind", "quantized", "--dtype", "nvfp4", "--layers", "1", "--kv-heads", "8", "--head-size", "128",
+        "--decode-tp", "2", "--decode-rank", "1", "--blocks", "0",
+    )  # fmt: skip
+    (src,) = out["sources"]  # type: ignore[misc]
+    assert [(d["local_offset"], d["remote_offset"], d["length"]) for d in src["first"]] == [
+        (0, 4096, 4096),  # K data of heads 4..8 (16 tokens x 64 bytes each)
+        (4096, 8704, 512),  # K scales (16 tokens x 8 bytes each)
+        (4608, 13312, 4096),  # V data
+        (8704, 17920, 512),  # V scales
+    ]
