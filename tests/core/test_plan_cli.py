@@ -56,10 +56,15 @@ def test_plan_text_names_regions_descriptors_bytes_mean_and_per_block_count() ->
     assert "NHD with a head slice: 32 spans per chunk per layer (one per token)" in text
     r = plan_json(*args[1:])
     assert (r["descriptors"], r["bytes"], r["per_block_descriptors"]) == (512, 262144, 512)
-    assert r["sources"] == [
+    sources = r["sources"]
+    assert isinstance(sources, list)
+    assert [{k: v for k, v in s.items() if k != "first"} for s in sources] == [
         {"remote_rank": 1, "local_head": 0, "remote_head": 2, "num_heads": 2,
          "reason": "remote rank 1 holds heads [4, 8); local rank 3 needs [6, 8)", "descriptors": 512, "bytes": 262144}
     ]  # fmt: skip
+    # token 0 of local block 0 <- token 0 of remote block 10 (pages of 32 x 4 x 256 B), heads 2, 3 of its row
+    assert sources[0]["first"][0] == {"local_region": 0, "local_offset": 0, "remote_region": 0,
+                                      "remote_offset": 10 * 32768 + 2 * 256, "length": 512}  # fmt: skip
 
 
 @pytest.mark.parametrize(
