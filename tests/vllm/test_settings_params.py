@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.integrations.vllm.params import ParamsError, RemotePrefill, prefill_response
+from kvxfer.integrations.vllm.params import ParamsError, RemoteGroup, RemotePrefill, prefill_response
 from kvxfer.integrations.vllm.settings import DEFAULT_SOCKET, ConnectorSettings, ConnectorSettingsError
 
 
@@ -63,17 +63,28 @@ def test_token_file_problems_are_named(tmp_path: Path) -> None:
 
 
 def test_prefill_response_round_trips() -> None:
+    groups = [RemoteGroup("g0", (4, 5, 9), 32), RemoteGroup("g1", (7, 8), 32, first_block=1)]
     params = prefill_response(
-        engine_id="vllm-p", request_id="cmpl-1", block_ids=[4, 5, 9], num_tokens=70, block_size=32,
+        engine_id="vllm-p", request_id="cmpl-1", groups=groups, num_tokens=70,
         addresses=["10.0.0.7:50051", "10.0.0.7:50052"], sidecar_engine_id="pod-a", tp_size=2, pp_size=1,
     )  # fmt: skip
     assert params["do_remote_prefill"] is True
     assert params["do_remote_decode"] is False
     assert (params["remote_host"], params["remote_port"]) == ("10.0.0.7", 50051)
-    assert params["remote_block_ids"] == [[4, 5, 9]]
-    assert RemotePrefill.parse(params) == RemotePrefill(
-        "cmpl-1", "vllm-p", ("10.0.0.7:50051", "10.0.0.7:50052"), (4, 5, 9), 70, "pod-a", 32
-    )
+    assert params["remote_block_ids"] == [[4, 5, 9], [7, 8]]  # one list per KV-cache group, as vLLM's connectors
+    assert params["remote_block_size"] == 32
+    assert params["kvxfer_groups"] == [{"name": "g0", "block_size": 32, "first_block": 0},
+                                       {"name": "g1", "block_size": 32, "first_block": 1}]  # fmt: skip
+    got = RemotePrefill.parse(params)
+    assert got == RemotePrefill("cmpl-1", "vllm-p", ("10.0.0.7:50051", "10.0.0.7:50052"), tuple(groups), 70, "pod-a")
+    assert (got.block_ids, got.block_size) == ((4, 5, 9), 32)
+
+
+def test_params_without_kvxfer_groups_read_vllms_group_order() -> None:
+    """From a router or prefill instance that predates kvxfer_groups: groups g0, g1... of whole block tables."""
+    got = RemotePrefill.parse({"remote_request_id": "r", "remote_block_ids": [[1, 2], [3]], "remote_block_size": 16,
+                               "kvxfer_addresses": ["a:1"]})  # fmt: skip
+    assert got.groups == (RemoteGroup("g0", (1, 2), 16), RemoteGroup("g1", (3,), 16))
 
 
 def test_legacy_params_of_one_rank_use_remote_host_and_port() -> None:
@@ -88,8 +99,15 @@ def test_legacy_params_of_one_rank_use_remote_host_and_port() -> None:
     [
         ({"remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"]}, "remote_request_id: must be a non-empty string"),
         ({"remote_request_id": "r", "kvxfer_addresses": ["a:1"]}, "remote_block_ids: must be a non-empty list"),
-        ({"remote_request_id": "r", "remote_block_ids": [[1], [2]], "kvxfer_addresses": ["a:1"]},
-         "remote_block_ids: 2 KV-cache groups"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1], [2]], "kvxfer_addresses": ["a:1"],
+          "kvxfer_groups": [{"name": "g0"}]}, "kvxfer_groups: must list the 2 groups of remote_block_ids"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"],
+          "kvxfer_groups": [{"block_size": 16}]}, "kvxfer_groups[0]: must be {name, block_size, first_block}"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"],
+          "kvxfer_groups": [{"name": "g0", "first_block": -1}]},
+         "kvxfer_groups[0].first_block: must be an integer >= 0"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1], []], "kvxfer_addresses": ["a:1"]},
+         "remote_block_ids[1]: must be a non-empty list of block ids"),
         ({"remote_request_id": "r", "remote_block_ids": [[1, -2]], "kvxfer_addresses": ["a:1"]},
          "remote_block_ids: -2 is not a block id"),
         ({"remote_request_id": "r", "remote_block_ids": [[1]], "tp_size": 2},

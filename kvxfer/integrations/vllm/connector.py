@@ -40,7 +40,7 @@ from kvxfer.topology import RankInfo
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -127,7 +127,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return {"HND": "LBHNC", "cross_layer": "BLHNC", "auto": None}[choice]
 
     @classmethod
-    def supports_sleep_mode(cls) -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig | None = None) -> bool:
         """No: sleeping frees the KV memory a sidecar has registered (vLLM 0.33 asks)."""
         return False
 

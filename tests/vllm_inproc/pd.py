@@ -1,0 +1,241 @@
+"""A prefill and a decode "instance" made of the connector's vLLM-free halves and vLLM-made caches.
+
+Each instance has one :class:`~kvxfer.integrations.vllm.worker.WorkerSide` per rank (registered
+with that rank's sidecar through ``sidecar_socket`` with ``{rank}``) and one
+:class:`~kvxfer.integrations.vllm.scheduler.SchedulerSide`; requests are vLLM's own ``Request``
+objects, driven through the calls vLLM's scheduler makes (``on_new_request``,
+``request_finished``, ``get_num_new_matched_tokens``, ``update_state_after_alloc``, one
+``build_connector_meta`` per step, ``get_finished`` on every worker).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.request import Request, RequestStatus
+
+from kvxfer.client import Client
+from kvxfer.cluster import LocalCluster, SidecarProc
+from kvxfer.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.spec import transfer_groups
+from kvxfer.integrations.vllm.worker import WorkerSide
+from kvxfer.topology import RankInfo
+from tests.vllm_inproc.engine import Engine, as_row_bytes, vllm_parts, write_random
+
+__all__ = [
+    "PD",
+    "SIDECAR_SETS",
+    "Instance",
+    "Sidecars",
+    "block_rows",
+    "decode_request",
+    "fill_random",
+    "prefill_request",
+    "token_rows",
+]
+
+Tables = Sequence[Sequence[int]]
+
+
+def prefill_request(rid: str, prompt_len: int) -> Request:
+    """A request the proxy sent to the prefill instance (``do_remote_decode``)."""
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    return Request(rid, list(range(100, 100 + prompt_len)), params, None)
+
+
+def decode_request(rid: str, prompt_len: int, params: dict[str, Any]) -> Request:
+    """The same prompt sent to the decode instance with the prefill's ``kv_transfer_params``."""
+    sp = SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": dict(params)})
+    return Request(rid, list(range(100, 100 + prompt_len)), sp, None)
+
+
+#: The sidecar sets of the session: name -> (role, ranks). ``pre<tp>``/``dec<tp>`` serve instances of that TP
+#: size by default. The others are for tests that need sidecars no other test has used: one where several decode
+#: ranks read one prefill rank (a prefill sidecar keeps the identity of a decode sidecar from its last handshake: see
+#: test_pull.py::test_reader_reconfigured_while_its_sidecar_ran), the two reconfiguration tests themselves, and the
+#: restart test (which kills its sidecar).
+SIDECAR_SETS = {
+    "pre1": ("prefill", 1), "pre2": ("prefill", 2), "dec1": ("decode", 1), "dec2": ("decode", 2),
+    "pre1kv": ("prefill", 1), "pre1fp4": ("prefill", 1), "pre1mla": ("prefill", 1),
+    "pre1cfg": ("prefill", 1), "dec2cfg": ("decode", 2), "pre2cfg": ("prefill", 2), "dec1cfg": ("decode", 1),
+    "prst": ("prefill", 1),
+}  # fmt: skip
+
+
+@dataclass
+class Sidecars:
+    """Sets of sidecars (one per rank of an instance) shared by the session's tests.
+
+    A set is named like its engine id; its ``sidecar_socket`` template is ``<set>-{rank}.sock``. A
+    test's workers register their caches (replacing the previous test's registration) and close at
+    the test's end. Instances of different TP sizes use different sets: a decode sidecar keeps its
+    handshake with a prefill sidecar, which names that rank's place in its TP group.
+    """
+
+    cluster: LocalCluster
+    sets: dict[str, list[SidecarProc]]
+
+    @classmethod
+    def start(cls, cluster: LocalCluster, sets: dict[str, tuple[str, int]], flags: Sequence[str] = ()) -> Sidecars:
+        procs = {
+            name: [cluster.start_sidecar(f"{name}-{r}", name, role, flags=flags) for r in range(tp)]
+            for name, (role, tp) in sets.items()
+        }
+        return cls(cluster, procs)
+
+    def socket(self, name: str) -> str:
+        """``sidecar_socket`` of set ``name``: a template with ``{rank}``."""
+        assert name in self.sets, name
+        return str(self.cluster.dir / f"{name}-{{rank}}.sock")
+
+    def check_idle(self) -> None:
+        """No publish left behind (a later test could not replace the registration)."""
+        for procs in self.sets.values():
+            for sc in procs:
+                if sc.proc.poll() is not None:
+                    continue
+                client = Client(sc.local_socket, timeout=5)
+                try:
+                    st = client.status()
+                finally:
+                    client.close()
+                assert st["leases"] == 0, f"{sc.name}: {st['leases']} publishes left behind"
+
+
+@dataclass
+class Instance:
+    """One vLLM instance: its ranks' engines and workers, and its scheduler."""
+
+    engine_id: str
+    engines: list[Engine]
+    workers: list[WorkerSide]
+    scheduler: SchedulerSide
+
+    def finished(self, timeout: float = 20.0, **want: str) -> tuple[set[str], set[str], set[str]]:
+        """Poll every worker's ``finished()`` (as vLLM does each step) until ``sending``/``recving`` ids show up.
+
+        A request counts once every rank reported it. Returns (sending, recving, failed) of all ranks.
+        """
+        got: list[tuple[set[str], set[str], set[str]]] = [(set(), set(), set()) for _ in self.workers]
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, w in enumerate(self.workers):
+                s, r, f = w.finished()
+                got[i][0].update(s)
+                got[i][1].update(r)
+                got[i][2].update(f)
+            done = all(
+                (want.get("sending") is None or want["sending"] in g[0])
+                and (want.get("recving") is None or want["recving"] in g[1])
+                for g in got
+            )
+            if done:
+                return (set.union(*(g[0] for g in got)), set.union(*(g[1] for g in got)),
+                        set.union(*(g[2] for g in got)))  # fmt: skip
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.engine_id}: {want} not reported within {timeout}s: {got}")
+            time.sleep(0.02)
+
+    def step(self) -> None:
+        """One engine step: the scheduler's plan goes to every worker."""
+        plan = self.scheduler.build_plan()
+        for w in self.workers:
+            w.on_step(plan)
+
+
+@dataclass
+class PD:
+    """Builds instances on the session's sidecars and closes them at the end of a test."""
+
+    sidecars: Sidecars
+    made: list[Any] = field(default_factory=list)
+
+    def instance(
+        self, role: str, engines: Sequence[Engine], *, sidecars: str = "", engine_id: str = "", **settings: Any
+    ) -> Instance:
+        """Workers for ``engines`` (one per rank, in rank order) registered with a sidecar set.
+
+        ``sidecars``: the set's name (default ``pre<tp>`` or ``dec<tp>``).
+        """
+        tp = len(engines)
+        cs = ConnectorSettings(sidecar_socket=self.sidecars.socket(sidecars or f"{role[:3]}{tp}"), **settings)
+        workers = []
+        for r, eng in enumerate(engines):
+            w = WorkerSide(cs, rank=RankInfo(r, tp), local_rank=r, worker_id=f"{role}-{r}")
+            self.made.append(w)
+            w.register(eng.describe(), eng.kv_caches)
+            workers.append(w)
+        sched = SchedulerSide(cs, engine_id=engine_id or f"vllm-{role}",
+                              groups=transfer_groups(engines[0].kv_cache_config), tp_size=tp)  # fmt: skip
+        self.made.append(sched)
+        return Instance(engine_id or f"vllm-{role}", list(engines), workers, sched)
+
+    def publish(self, p: Instance, rid: str, prompt_len: int, tables: Tables) -> dict[str, Any]:
+        """Run a prefill request through the prefill scheduler: published on every rank; returns the params."""
+        req = prefill_request(rid, prompt_len)
+        p.scheduler.on_new_request(req)
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        req.num_computed_tokens = len(req.prompt_token_ids or ())
+        keep, params = p.scheduler.request_finished(req, [list(t) for t in tables])
+        assert keep is True
+        assert params is not None
+        p.step()
+        return params
+
+    def load(
+        self, d: Instance, rid: str, prompt_len: int, params: dict[str, Any], tables: Tables, *, computed: int = 0
+    ) -> set[str]:
+        """Run the decode request: match, allocate, one step, until every rank's load ended; returns failures."""
+        req = decode_request(rid, prompt_len, params)
+        n, is_async = d.scheduler.matched_tokens(req, computed)
+        expected = min(prompt_len - 1, params.get("remote_num_tokens") or prompt_len) - computed
+        assert (n, is_async) == (expected, True), (n, is_async, expected)
+        d.scheduler.after_alloc(req, [list(t) for t in tables], n)
+        d.step()
+        _, recving, failed = d.finished(recving=rid)
+        d.scheduler.loads_finished(recving)
+        return failed
+
+    def close(self) -> None:
+        for m in reversed(self.made):
+            m.close()
+        self.made.clear()
+
+
+# ------------------------------------------------------------------------------ reading caches
+def fill_random(engine: Engine, seed: int) -> None:
+    """Random bit patterns in every cell of every layer, written through vLLM's accessors."""
+    gen = torch.Generator().manual_seed(seed)
+    for name in engine.kv_caches:
+        write_random(vllm_parts(engine, name), gen)
+
+
+def _geometry(engine: Engine, layer: str) -> tuple[int, int, int]:
+    """(block size, kernel blocks per block, tokens per kernel block) of a layer, from vLLM's spec and view."""
+    bs = int(engine.spec_of(layer).block_size)
+    view = engine.kv_caches[layer]
+    r = view.shape[0] // engine.kv_cache_config.num_blocks if view.dim() == 4 else view.shape[1]
+    return bs, r, bs // r
+
+
+def token_rows(engine: Engine, layer: str, table: Sequence[int], tokens: range) -> torch.Tensor:
+    """Bytes of every (token, head) of a request, read through vLLM's accessors: (tokens, heads, bytes)."""
+    bs, r, nk = _geometry(engine, layer)
+    rows = as_row_bytes(vllm_parts(engine, layer))
+    out = []
+    for t in tokens:
+        block, pos = table[t // bs], t % bs
+        out.append(rows[block * r + pos // nk, :, pos % nk])
+    return torch.stack(out)
+
+
+def block_rows(engine: Engine, layer: str, block: int) -> torch.Tensor:
+    """Bytes of every cell of one (manager) block of a layer, read through vLLM's accessors."""
+    _, r, _ = _geometry(engine, layer)
+    return as_row_bytes(vllm_parts(engine, layer))[block * r : (block + 1) * r].clone()

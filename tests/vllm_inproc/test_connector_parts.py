@@ -1,0 +1,389 @@
+"""The connector's vLLM-free halves against real sidecar processes (NIXL on loopback), with vLLM-made caches.
+
+vLLM itself runs in tests/vllm/test_vllm_pd.py; here the scheduler and worker halves are driven
+directly, with caches that vLLM's own planner and allocator laid out for its CPU attention backend
+(:mod:`tests.vllm_inproc.engine`) and vLLM's ``Request`` objects, so that every branch (prefix-cache
+hits, failures, aborts, lease expiry, restarts, heterogeneous TP) is reached deterministically.
+Pages are compared through vLLM's accessors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout as VLayout
+from vllm.v1.request import RequestStatus
+
+from kvxfer.integrations.vllm.plan import StepPlan
+from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.spec import KVCacheDescriptionError
+from kvxfer.integrations.vllm.worker import SidecarUnavailableError, WorkerSide
+from kvxfer.layout import Order, Packing
+from kvxfer.topology import RankInfo
+from tests.vllm_inproc.engine import (
+    CPUAttentionBackend,
+    Engine,
+    FlashAttentionBackend,
+    GroupDef,
+    attention_spec,
+    build_engine,
+    default_layers,
+)
+from tests.vllm_inproc.pd import PD, Instance, block_rows, decode_request, fill_random, prefill_request
+
+LAYERS = default_layers("self_attn.attn", 4)
+BLOCKS, HEADS, BS, HEAD = 64, 2, 32, 64
+
+
+def engine(seed: int, *, tp: int = 1, rank: int = 0, layout: VLayout = VLayout.LBHNC) -> Engine:
+    """One rank's caches as vLLM's CPU backend has them (LBHNC, K transposed per block and head), random cells."""
+    spec = attention_spec(block_size=BS, heads=HEADS // tp, head_size=HEAD)
+    eng = build_engine([GroupDef(LAYERS, spec)], layout=layout, num_blocks=BLOCKS, backend=CPUAttentionBackend,
+                       isa="vec", tp_rank=rank, tp_size=tp, total_kv_heads=HEADS)  # fmt: skip
+    fill_random(eng, seed)
+    return eng
+
+
+def pages(eng: Engine, ids: list[int]) -> list[torch.Tensor]:
+    """Every cell of these blocks of every layer, read through vLLM's accessors."""
+    return [torch.stack([block_rows(eng, n, b) for b in ids]) for n in LAYERS]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def pair(pd: PD, **settings: Any) -> tuple[Instance, Instance]:
+    return (pd.instance("prefill", [engine(1)], engine_id="vllm-p", **settings),
+            pd.instance("decode", [engine(2)], engine_id="vllm-d", **settings))  # fmt: skip
+
+
+def publish(pd: PD, pre: Instance, rid: str, blocks: list[int], tokens: int) -> dict[str, Any]:
+    return pd.publish(pre, rid, tokens, [blocks])
+
+
+def test_publish_then_pull_moves_exact_bytes_and_frees_the_prefill_blocks(pd: PD) -> None:
+    pre, dec = pair(pd)
+    p_blocks, d_blocks = [7, 8, 9, 3, 40], [10, 11, 12, 13, 50]
+    tokens = 4 * BS + 5  # the last block is partly filled
+    params = publish(pd, pre, "p-req", p_blocks, tokens)
+    p_sc = pd.sidecars.sets["pre1"][0]
+    assert params["remote_block_ids"] == [p_blocks]
+    assert params["kvxfer_addresses"] == [p_sc.peer_address]
+    assert params["kvxfer_engine_id"] == "pre1"
+    assert params["remote_engine_id"] == "vllm-p"
+    assert params["remote_request_id"] == "p-req"
+    assert params["remote_num_tokens"] == tokens
+    assert params["remote_block_size"] == BS
+    assert params["kvxfer_groups"] == [{"name": "g0", "block_size": BS, "first_block": 0}]
+    assert f"{params['remote_host']}:{params['remote_port']}" == p_sc.peer_address
+    req = decode_request("d-req", tokens, params)
+    # The decode instance loads every prompt token but the last, which it computes itself.
+    assert dec.scheduler.matched_tokens(req, 0) == (tokens - 1, True)
+    dec.scheduler.after_alloc(req, [d_blocks], tokens - 1)
+    assert req.kv_transfer_params is not None
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    plan = dec.scheduler.build_plan()
+    assert [(g.local_blocks, g.remote_blocks, g.num_tokens) for s in plan.pulls for g in s.groups] == [
+        (tuple(d_blocks), tuple(p_blocks), tokens - 1)
+    ]
+    untouched = pages(dec.engines[0], [1, 2])
+    for w in dec.workers:
+        w.on_step(plan)
+    _, recving, failed = dec.finished(recving="d-req")
+    assert (recving, failed) == ({"d-req"}, set())
+    assert dec.workers[0].load_errors() == set()
+    assert same(pages(dec.engines[0], d_blocks), pages(pre.engines[0], p_blocks))
+    assert same(pages(dec.engines[0], [1, 2]), untouched)
+    # The decode side confirmed: the prefill worker hands the blocks back to vLLM.
+    sending, _, _ = pre.finished(sending="p-req")
+    assert sending == {"p-req"}
+    dec.scheduler.loads_finished(recving)
+
+
+def test_decode_prefix_cache_hit_pulls_only_the_missing_tail(pd: PD) -> None:
+    pre, dec = pair(pd)
+    p_blocks, d_blocks = [20, 21, 22, 23], [30, 31, 32, 33]
+    tokens = 4 * BS
+    params = publish(pd, pre, "p-hit", p_blocks, tokens)
+    req = decode_request("d-hit", tokens, params)
+    # vLLM found the first two blocks in its own prefix cache.
+    assert dec.scheduler.matched_tokens(req, 2 * BS) == (2 * BS - 1, True)
+    before = pages(dec.engines[0], d_blocks[:2])
+    dec.scheduler.after_alloc(req, [d_blocks], 2 * BS - 1)
+    plan = dec.scheduler.build_plan()
+    assert [(g.local_blocks, g.remote_blocks) for s in plan.pulls for g in s.groups] == [((32, 33), (22, 23))]
+    dec.workers[0].on_step(plan)
+    assert dec.finished(recving="d-hit")[2] == set()
+    assert same(pages(dec.engines[0], [32, 33]), pages(pre.engines[0], [22, 23]))
+    assert same(pages(dec.engines[0], d_blocks[:2]), before)
+    pre.finished(sending="p-hit")
+
+
+def test_decode_prefix_cache_covering_everything_frees_the_prefill_copy_at_once(pd: PD) -> None:
+    pre, dec = pair(pd)
+    tokens = 3 * BS
+    params = publish(pd, pre, "p-full", [4, 5, 6], tokens)
+    req = decode_request("d-full", tokens, params)
+    # vLLM's own prefix cache covered the whole prompt: nothing to load.
+    assert dec.scheduler.matched_tokens(req, tokens) == (0, False)
+    dec.scheduler.after_alloc(req, [[30, 31, 32]], 0)
+    plan = dec.scheduler.build_plan()
+    assert plan.pulls == []
+    assert [(r.request_id, r.addresses) for r in plan.drops] == [
+        ("p-full", (pd.sidecars.sets["pre1"][0].peer_address,))
+    ]
+    dec.workers[0].on_step(plan)
+    # The prefill worker gets its blocks back now, well before the sidecars' lease (20 s) ends.
+    start = time.monotonic()
+    sending, _, _ = pre.finished(sending="p-full", timeout=10)
+    assert sending == {"p-full"}
+    assert time.monotonic() - start < 10
+    assert pre.workers[0].link.call(pre.workers[0].link.client.status())["leases"] == 0
+    assert dec.workers[0].load_errors() == set()
+
+
+def test_failed_load_reports_its_blocks_and_other_loads_complete(pd: PD) -> None:
+    pre, dec = pair(pd)
+    good = publish(pd, pre, "p-good", [1, 2], 2 * BS)
+    lost = dict(good, remote_request_id="never-published")
+    r_lost = decode_request("d-lost", 2 * BS, lost)
+    r_good = decode_request("d-good", 2 * BS, good)
+    for r, blocks in ((r_lost, [40, 41]), (r_good, [42, 43])):
+        assert dec.scheduler.matched_tokens(r, 0) == (2 * BS - 1, True)
+        dec.scheduler.after_alloc(r, [blocks], 2 * BS - 1)
+    dec.step()
+    _, r1, f1 = dec.finished(recving="d-lost")
+    _, r2, f2 = dec.finished(recving="d-good") if "d-good" not in r1 else (set(), set(), set())
+    # A failed load still ends (vLLM must not wait forever) and names exactly its blocks.
+    assert {"d-lost", "d-good"} <= r1 | r2
+    assert f1 | f2 == {"d-lost"}
+    assert dec.workers[0].single_group
+    assert dec.workers[0].load_errors() == {40, 41}
+    assert dec.workers[0].load_errors() == set()
+    assert same(pages(dec.engines[0], [42, 43]), pages(pre.engines[0], [1, 2]))
+    pre.finished(sending="p-good")
+
+
+def test_failed_load_of_a_model_with_two_groups_is_reported_per_request(pd: PD) -> None:
+    """vLLM takes failed block ids from models with one KV-cache group only; with two, the request fails."""
+    full = attention_spec(block_size=BS, heads=HEADS, head_size=HEAD)
+    window = attention_spec(block_size=BS, heads=HEADS, head_size=HEAD, window=BS)
+    groups = [GroupDef(LAYERS[::2], full), GroupDef(LAYERS[1::2], window)]
+    dec = pd.instance("decode", [build_engine(groups, num_blocks=BLOCKS, backend=FlashAttentionBackend)])
+    params = {"do_remote_prefill": True, "remote_request_id": "nobody", "remote_block_ids": [[1, 2], [1, 2]],
+              "kvxfer_addresses": [pd.sidecars.sets["pre1"][0].peer_address], "remote_num_tokens": 2 * BS}  # fmt: skip
+    req = decode_request("d-two", 2 * BS, params)
+    assert dec.scheduler.matched_tokens(req, 0) == (2 * BS - 1, True)
+    dec.scheduler.after_alloc(req, [[3, 4], [5, 6]], 2 * BS - 1)
+    dec.step()
+    _, recving, failed = dec.finished(recving="d-two")
+    assert (recving, failed) == ({"d-two"}, {"d-two"})
+    assert not dec.workers[0].single_group
+    assert dec.workers[0].load_errors() == set()
+
+
+def test_request_aborted_while_loading_ends_without_load_errors(pd: PD) -> None:
+    pre, dec = pair(pd)
+    params = publish(pd, pre, "p-ab", [5], BS)
+    req = decode_request("d-ab", BS, dict(params, remote_request_id="p-unknown"))
+    dec.scheduler.matched_tokens(req, 0)
+    dec.scheduler.after_alloc(req, [[6]], BS - 1)
+    plan = dec.scheduler.build_plan()
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert dec.scheduler.request_finished(req, [[6]]) == (False, None)
+    abort_plan = dec.scheduler.build_plan()
+    assert abort_plan.aborts == ["d-ab"]
+    dec.workers[0].on_step(plan)
+    dec.workers[0].on_step(abort_plan)
+    _, _, failed = dec.finished(recving="d-ab")
+    # vLLM frees an aborted request's blocks itself; naming them as failed could hit a new owner.
+    assert failed == set()
+    assert dec.workers[0].load_errors() == set()
+    for w in pre.workers:  # nobody read p-ab
+        w.link.call(w.link.client.release("p-ab"))
+
+
+def test_lease_expiry_hands_the_blocks_back(pd: PD) -> None:
+    pre = pd.instance("prefill", [engine(1)], lease_seconds=0.5)
+    publish(pd, pre, "p-exp", [3, 4], 2 * BS)
+    sending, _, _ = pre.finished(sending="p-exp", timeout=10)
+    assert sending == {"p-exp"}
+
+
+def test_unusable_params_make_the_decode_side_compute_the_prompt(pd: PD, caplog: pytest.LogCaptureFixture) -> None:
+    dec = pd.instance("decode", [engine(2)])
+    base = {"do_remote_prefill": True, "remote_request_id": "x", "remote_block_ids": [[1, 2, 3]],
+            "kvxfer_addresses": ["127.0.0.1:1"]}  # fmt: skip
+    cases = [
+        ({k: v for k, v in base.items() if k != "remote_request_id"}, "remote_request_id: must be a non-empty string"),
+        (dict(base, remote_block_ids=[["a"]]), "remote_block_ids: 'a' is not a block id"),
+        (dict(base, kvxfer_addresses=[]), "kvxfer_addresses: must be a non-empty list"),
+        (dict(base, remote_block_ids=[[1]], remote_num_tokens=3 * BS), "published 1 blocks for"),
+        (dict(base, remote_block_size=BS + 8), f"block size {BS + 8} on the prefill side and {BS} here"),
+        (dict(base, remote_block_size=str(BS)), "remote_block_size: must be an integer >= 0"),
+        (dict(base, remote_num_tokens="lots"), "remote_num_tokens: must be an integer >= 0"),
+        (dict(base, remote_block_ids=[[1], [2]]), "KV-cache groups ['g0', 'g1'], this one ['g0']"),
+        (dict(base, kvxfer_groups=[{"name": "g7", "block_size": BS}]), "KV-cache groups ['g7']"),
+    ]
+    for params, reason in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvxfer"):
+            req = decode_request("d", 3 * BS, params)
+            assert dec.scheduler.matched_tokens(req, 0) == (0, False), params
+        assert any(reason in r.getMessage() and "computing the prompt here" in r.getMessage()
+                   for r in caplog.records), (reason, caplog.text)  # fmt: skip
+    one_token = decode_request("d1", 1, base)
+    assert dec.scheduler.matched_tokens(one_token, 0) == (0, False)
+    assert dec.scheduler.build_plan().pulls == []
+
+
+def test_prefill_not_published_when_the_request_did_not_finish_normally(pd: PD) -> None:
+    pre = pd.instance("prefill", [engine(1)])
+    for status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+        req = prefill_request("p-x", BS)
+        req.status, req.num_computed_tokens = status, BS
+        assert pre.scheduler.request_finished(req, [[1]]) == (False, None)
+    plain = prefill_request("plain", BS)
+    plain.kv_transfer_params = None
+    plain.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert pre.scheduler.request_finished(plain, [[1]]) == (False, None)
+    assert pre.scheduler.build_plan() == StepPlan()
+
+
+def test_sidecar_missing_is_a_clear_error(tmp_path: Path) -> None:
+    sock = str(tmp_path / "nobody.sock")
+    w = WorkerSide(ConnectorSettings(sidecar_socket=sock, startup_timeout_seconds=0.5), rank=RankInfo(0, 1),
+                   local_rank=0)  # fmt: skip
+    eng = engine(3)
+    try:
+        expected = f"sidecar_socket: no kvxfer sidecar answers at {sock} after 0.5s"
+        with pytest.raises(SidecarUnavailableError, match=expected):
+            w.register(eng.describe(), eng.kv_caches)
+    finally:
+        w.close()
+
+
+def test_sidecar_restart_re_registers_the_same_memory(pd: PD) -> None:
+    pre = pd.instance("prefill", [engine(1)], sidecars="prst")
+    dec = pd.instance("decode", [engine(2)])
+    pw = pre.workers[0]
+    first, handle = pw.registration["instance_id"], pw.shared.lease.handle if pw.shared and pw.shared.lease else ""
+    sc = pd.sidecars.sets["prst"][0]
+    cluster = pd.sidecars.cluster
+    cluster.kill_sidecar(sc)
+    # Same socket and peer port, new process: the worker notices on its completion stream and
+    # registers its (unchanged) shared memory again, handing the descriptors over again.
+    new = cluster.start_sidecar(sc.name, "prst", "prefill", port=int(sc.peer_address.rsplit(":", 1)[1]))
+    pd.sidecars.sets["prst"] = [new]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and pw.registration.get("instance_id") == first:
+        time.sleep(0.1)
+    assert pw.registration["instance_id"] != first
+    assert pw.shared is not None
+    assert pw.shared.lease is not None
+    assert pw.shared.lease.handle != handle  # the descriptors were handed over again
+    # ... and transfers work again, with the bytes vLLM wrote before the restart.
+    params = publish(pd, pre, "p-after", [9], BS)
+    assert pd.load(dec, "d-after", BS, params, [[19]]) == set()
+    assert dec.workers[0].load_errors() == set()
+    assert same(pages(dec.engines[0], [19]), pages(pre.engines[0], [9]))
+    pre.finished(sending="p-after")
+
+
+def test_describe_reads_vllms_layouts() -> None:
+    (g,) = engine(5).describe()
+    lay = g.layout
+    assert (lay.num_layers, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_size) == (
+        len(LAYERS), BLOCKS, BS, HEADS, HEAD)  # fmt: skip
+    assert (lay.order, lay.cross_layer, lay.packing, lay.total_kv_heads) == (Order.HND, False, Packing.CPU_KT, HEADS)
+    assert lay.page_bytes == HEADS * BS * 2 * HEAD * 2
+    spec = attention_spec(block_size=BS, heads=HEADS, head_size=HEAD)
+    (nhd,) = build_engine([GroupDef(LAYERS, spec)], layout=VLayout.LBNHC, backend=FlashAttentionBackend).describe()
+    assert (nhd.layout.order, nhd.layout.packing) == (Order.NHD, Packing.KV)
+    # vLLM's cross-layer layout (BLHNC): per-layer views of one block-major allocation, one region.
+    (cross,) = build_engine([GroupDef(LAYERS, spec)], layout=VLayout.BLHNC, backend=FlashAttentionBackend).describe()
+    assert cross.layout.cross_layer
+    assert cross.layout.num_regions == 1
+    assert len(cross.region_addresses) == 1
+
+
+def test_describe_refuses_what_it_cannot_move() -> None:
+    eng = engine(4)
+    odd = dict(eng.kv_caches)
+    odd[LAYERS[2]] = torch.zeros(BLOCKS, HEADS, BS, 2 * HEAD, dtype=torch.bfloat16).transpose(1, 2)
+    eng.kv_caches = odd
+    with pytest.raises(KVCacheDescriptionError, match=r"kv_caches\['model.layers.2.self_attn.attn'\]: vLLM's view"):
+        eng.describe()
+    eng.kv_caches = {}
+    with pytest.raises(KVCacheDescriptionError, match="no KV-cache tensors"):
+        eng.describe()
+
+
+def shm_mappings(pid: int) -> tuple[set[str], set[str]]:
+    """Files under /dev/shm that process ``pid`` maps: (still named, already unlinked).
+
+    A named one would outlive a crash of the process; the caches must be mapped from unlinked files only.
+    """
+    with open(f"/proc/{pid}/maps") as fh:
+        paths = {line.split(maxsplit=5)[5].strip() for line in fh if " /dev/shm/" in line}
+    return {p for p in paths if not p.endswith("(deleted)")}, {p for p in paths if p.endswith("(deleted)")}
+
+
+def test_cpu_memory_is_shared_in_place(pd: PD) -> None:
+    """register() moves vLLM's CPU storage into shared memory in place: same views, same bytes, no named segment."""
+    eng = engine(1)
+    before = {n: (t.shape, t.stride(), t.storage_offset(), t.clone()) for n, t in eng.kv_caches.items()}
+    storage = eng.kv_caches[LAYERS[0]].untyped_storage()
+    assert not storage.is_shared()
+    pre = pd.instance("prefill", [eng])
+    dec = pd.instance("decode", [engine(2)])
+    for n, t in eng.kv_caches.items():
+        assert t.untyped_storage().is_shared()
+        shape, stride, offset, values = before[n]
+        assert (t.shape, t.stride(), t.storage_offset()) == (shape, stride, offset)
+        assert torch.equal(t.view(torch.int16), values.view(torch.int16))  # bit patterns (random cells hold NaNs)
+    # Every view - the connector's and the attention layers' - still shares the one storage.
+    ptrs = {t.untyped_storage().data_ptr() for t in eng.kv_caches.values()}
+    ptrs |= {m.kv_cache.untyped_storage().data_ptr() for m in eng.vllm_config.compilation_config.static_forward_context
+             .values()}  # fmt: skip
+    assert len(ptrs) == 1
+    sidecar_pid = pd.sidecars.sets["pre1"][0].proc.pid
+    for pid in (os.getpid(), sidecar_pid):  # this worker and its sidecar map the same unlinked file
+        named, unlinked = shm_mappings(pid)
+        assert named == set()
+        assert unlinked
+    # Writes after registration (vLLM computing KV) are what the sidecar moves.
+    fill_random(eng, 99)
+    params = publish(pd, pre, "p-shm", [5, 6], 2 * BS)
+    assert pd.load(dec, "d-shm", 2 * BS, params, [[7, 8]]) == set()
+    assert same(pages(dec.engines[0], [7, 8]), pages(eng, [5, 6]))
+    pre.finished(sending="p-shm")
+    assert shm_mappings(os.getpid())[0] == shm_mappings(sidecar_pid)[0] == set()
+
+
+def test_heterogeneous_tp_prefill2_decode1_through_both_halves(pd: PD) -> None:
+    """A TP-2 prefill instance (one sidecar per rank) and a TP-1 decode instance: each head slice lands in place."""
+    pre = pd.instance("prefill", [engine(10 + r, tp=2, rank=r) for r in range(2)])
+    dec = pd.instance("decode", [engine(20)])
+    p_blocks, d_blocks = [3, 4, 5, 60], [7, 8, 9, 1]
+    params = pd.publish(pre, "p-tp", 4 * BS, [p_blocks])
+    # Every prefill rank's sidecar, in rank order; one engine id that all of them answer with.
+    assert params["kvxfer_addresses"] == [s.peer_address for s in pd.sidecars.sets["pre2"]]
+    assert params["kvxfer_engine_id"] == "pre2"
+    assert params["tp_size"] == 2
+    assert pd.load(dec, "d-tp", 4 * BS, params, [d_blocks]) == set()
+    # Head h of the decode rank is head h % 1 of prefill rank h (K transposed and V of the CPU kernels).
+    for n in LAYERS:
+        got = torch.stack([block_rows(dec.engines[0], n, b) for b in d_blocks])
+        for head in range(HEADS):
+            want = torch.stack([block_rows(pre.engines[head], n, b) for b in p_blocks])[:, :, 0]
+            assert torch.equal(got[:, :, head], want), (n, head)
+    # The decode rank read both prefill ranks: each frees its blocks.
+    pre.finished(sending="p-tp")
