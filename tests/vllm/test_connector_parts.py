@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.cluster import LocalCluster
+from kvxfer.harness.cluster import LocalCluster
 from kvxfer.integrations.vllm.kvcache import KVCacheDescriptionError, describe_kv_caches
 from kvxfer.integrations.vllm.plan import StepPlan
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
