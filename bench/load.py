@@ -43,11 +43,11 @@ from typing import Any
 import numpy as np
 
 from kvxfer.client import AsyncClient, PullItem
-from kvxfer.cluster import BlockAllocator, LocalCluster
+from kvxfer.harness.cluster import BlockAllocator, LocalCluster
+from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.topology import RankInfo
-from kvxfer.worker_sim import fill_blocks, verify_blocks
 
 
 async def run(

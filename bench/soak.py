@@ -31,14 +31,14 @@ os.environ.setdefault("UCX_MODULES", "^efa")  # see tests/sidecar/conftest.py: a
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs each agent's start on stdout: keep --json clean
 
 from kvxfer.client import AsyncClient
-from kvxfer.cluster import BlockAllocator
 from kvxfer.config import load_settings
 from kvxfer.errors import KvxferError
+from kvxfer.harness.cluster import BlockAllocator
+from kvxfer.harness.worker_sim import fill_blocks, poison_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout, head_range
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.server.app import Sidecar
 from kvxfer.topology import RankInfo, TransferTopology
-from kvxfer.worker_sim import fill_blocks, poison_blocks, verify_blocks
 
 TP_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4)]
 

@@ -152,7 +152,7 @@ def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Two sidecars and two synthetic workers on loopback move a Llama-3-8B-shaped cache, verified."""
-    from kvxfer.demo import demo_main
+    from kvxfer.harness.demo import demo_main
 
     code = demo_main(
         as_json=as_json, backend=backend, prefill_tp=prefill_tp, decode_tp=decode_tp, order=layout.upper(), kind=kind,

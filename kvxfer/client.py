@@ -1,8 +1,12 @@
-"""Clients of the sidecar's local API, for workers: :class:`AsyncClient` (grpc.aio) and :class:`Client`.
+"""Clients of the sidecar's local API, for workers: :class:`AsyncClient` and its blocking facade :class:`Client`.
 
 Every call carries a deadline (``deadline`` per call, else the client's ``timeout``, default 30 s)
-and the bearer token when one is set; failures raise :class:`KvxferRpcError` with the status code
-and the sidecar's message.
+and the bearer token when one is set; failures raise :class:`KvxferRpcError` with the status code,
+the sidecar's message and its machine-readable ``reason`` and ``field``.
+
+:class:`Client` runs one :class:`AsyncClient` on a private event-loop thread: its methods block,
+:meth:`Client.submit` starts any coroutine of :attr:`Client.aio` from any thread and returns a
+:class:`concurrent.futures.Future` (what vLLM's worker half uses to keep pulls off its step).
 
 Typical prefill worker::
 
@@ -18,20 +22,27 @@ Typical decode worker::
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.message import Message
 
-from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2, local_pb2_grpc
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import MemoryRef
 from kvxfer.topology import RankInfo
+from kvxfer.wire import local_pb2, local_pb2_grpc
+from kvxfer.wire.convert import blocks_to_proto, layout_to_proto, memory_to_proto, rank_to_proto
+from kvxfer.wire.status import error_from_status, parse_reason, status_code
 
 __all__ = [
     "AsyncClient",
@@ -45,18 +56,34 @@ __all__ = [
     "normalize_target",
 ]
 
+P = ParamSpec("P")
+T = TypeVar("T")
+Q = TypeVar("Q", bound=Message)
+R = TypeVar("R")
 BlockMap = Mapping[str, Sequence[int] | npt.NDArray[np.integer]]
 GroupsArg = Sequence["CacheGroupSpec"] | Mapping[str, tuple[KVCacheLayout, MemoryRef]]
 
 
 class KvxferRpcError(KvxferError):
-    """A sidecar call failed: ``code`` is the gRPC status, ``message`` the sidecar's explanation."""
+    """A sidecar call failed: ``code`` is the gRPC status, ``details`` the sidecar's explanation,
+    ``reason`` (a :class:`~kvxfer.errors.Reason`) and ``field`` what code may branch on."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, method: str = "") -> None:
-        super().__init__(f"{method}: {code.name}: {message}" if method else f"{code.name}: {message}")
+    def __init__(
+        self, code: grpc.StatusCode, message: str, method: str = "", *, reason: Reason | None = None,
+        field: str | None = None,
+    ) -> None:  # fmt: skip
+        text = f"{method}: {code.name}: {message}" if method else f"{code.name}: {message}"
+        super().__init__(text, field=field, reason=reason or parse_reason("", code))
         self.code = code
         self.details = message
         self.method = method
+
+    @classmethod
+    def of_call(cls, exc: grpc.aio.AioRpcError, method: str) -> KvxferRpcError:
+        """The error of a failed call, with the reason and field from its status details."""
+        code, details = exc.code(), exc.details() or ""
+        reason, field = error_from_status(code, details, exc.trailing_metadata())
+        return cls(code, details, method, reason=reason, field=field)
 
 
 @dataclass(frozen=True)
@@ -147,9 +174,7 @@ def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def _groups_proto(groups: GroupsArg) -> list[Any]:
-    from kvxfer.server.convert import layout_to_proto, memory_to_proto
-
+def _groups_proto(groups: GroupsArg) -> list[local_pb2.CacheGroup]:
     specs = [CacheGroupSpec(n, lay, mem) for n, (lay, mem) in groups.items()] if isinstance(groups, Mapping) else groups
     return [
         local_pb2.CacheGroup(name=g.name, layout=layout_to_proto(g.layout), memory=memory_to_proto(g.memory))
@@ -157,26 +182,12 @@ def _groups_proto(groups: GroupsArg) -> list[Any]:
     ]
 
 
-def _blocks(blocks: BlockMap | None, spans: Mapping[str, TokenSpan] | None = None, *, local: bool = True) -> list[Any]:
-    if not blocks:
-        return []
-    out = []
-    for g, ids in blocks.items():
-        bl = common_pb2.BlockList(group=g, block_ids=np.asarray(ids, dtype=np.int64).tolist())
-        span = (spans or {}).get(g)
-        if span is not None:
-            bl.skip_tokens = span.local_skip if local else span.remote_skip
-            if local:
-                bl.num_tokens = span.num_tokens
-        out.append(bl)
-    return out
+def _spans(spans: Mapping[str, TokenSpan] | None, *, local: bool) -> dict[str, tuple[int, int]]:
+    """(skip_tokens, num_tokens) per group of one side of a pull (num_tokens is the local side's)."""
+    return {g: (s.local_skip, s.num_tokens) if local else (s.remote_skip, 0) for g, s in (spans or {}).items()}
 
 
-def _rank(rank: RankInfo) -> Any:
-    return common_pb2.Rank(tp_rank=rank.tp_rank, tp_size=rank.tp_size, pp_rank=rank.pp_rank, pp_size=rank.pp_size)
-
-
-def _pull_result(resp: Any) -> PullResult:
+def _pull_result(resp: local_pb2.PullResponse) -> PullResult:
     st = resp.stats
     return PullResult(
         resp.transfer_id, resp.request_id, resp.done, st.bytes, st.descriptors, st.duration_seconds,
@@ -184,57 +195,36 @@ def _pull_result(resp: Any) -> PullResult:
     )  # fmt: skip
 
 
-def _event(ev: Any) -> CompletionEvent:
+def _event(ev: local_pb2.Completion) -> CompletionEvent:
     return CompletionEvent(
         ev.sequence, local_pb2.Completion.Kind.Name(ev.kind), ev.request_id, ev.transfer_id,
-        _code(ev.code), ev.message, ev.peer, ev.stats.bytes, ev.stats.descriptors, ev.stats.duration_seconds,
+        status_code(ev.code), ev.message, ev.peer, ev.stats.bytes, ev.stats.descriptors, ev.stats.duration_seconds,
         ev.unix_ms, ev,
     )  # fmt: skip
 
 
-def _code(value: int) -> grpc.StatusCode:
-    for c in grpc.StatusCode:
-        if c.value[0] == value:
-            return c
-    return grpc.StatusCode.UNKNOWN
-
-
-def _pull_request(
-    request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, remote_blocks: BlockMap | None,
-    remote_engine_id: str, wait: bool, deadline: float | None, spans: Mapping[str, TokenSpan] | None = None,
-) -> Any:  # fmt: skip
-    if spans and not remote_blocks:
+def _pull_request(item: PullItem) -> local_pb2.PullRequest:
+    if item.spans and not item.remote_blocks:
         raise ValueError("spans: name remote_blocks too when moving part of a group's tokens")
     return local_pb2.PullRequest(
-        request_id=request_id, remote_engine_id=remote_engine_id, remote_addresses=list(remote_addresses),
-        remote_blocks=_blocks(remote_blocks, spans, local=False), local_blocks=_blocks(local_blocks, spans), wait=wait,
-        timeout_seconds=deadline or 0.0,
+        request_id=item.request_id, remote_engine_id=item.remote_engine_id,
+        remote_addresses=list(item.remote_addresses),
+        remote_blocks=blocks_to_proto(item.remote_blocks or {}, _spans(item.spans, local=False)),
+        local_blocks=blocks_to_proto(item.local_blocks, _spans(item.spans, local=True)), wait=item.wait,
+        timeout_seconds=item.deadline or 0.0,
     )  # fmt: skip
 
 
-def _batch_request(items: Sequence[PullItem], timeout: float) -> tuple[Any, float]:
-    """The PullBatch message and its call deadline (the longest pull's, plus a second)."""
-    pulls = [
-        _pull_request(
-            i.request_id,
-            i.remote_addresses,
-            i.local_blocks,
-            i.remote_blocks,
-            i.remote_engine_id,
-            i.wait,
-            i.deadline,
-            i.spans,
-        )
-        for i in items
-    ]
-    return local_pb2.PullBatchRequest(pulls=pulls), max((i.deadline or timeout for i in items), default=timeout) + 1.0
-
-
-def _batch_results(resp: Any) -> list[PullResult | KvxferRpcError]:
-    return [
-        _pull_result(r.response) if r.code == 0 else KvxferRpcError(_code(r.code), r.message, "PullBatch")
-        for r in resp.results
-    ]
+def _batch_results(resp: local_pb2.PullBatchResponse) -> list[PullResult | KvxferRpcError]:
+    out: list[PullResult | KvxferRpcError] = []
+    for r in resp.results:
+        if r.code == 0:
+            out.append(_pull_result(r.response))
+            continue
+        code = status_code(r.code)
+        reason = parse_reason(r.reason, code)
+        out.append(KvxferRpcError(code, r.message, "PullBatch", reason=reason, field=r.field or None))
+    return out
 
 
 def _status_dict(resp: Any) -> dict[str, Any]:
@@ -246,7 +236,7 @@ def _status_dict(resp: Any) -> dict[str, Any]:
 
 
 class AsyncClient:
-    """grpc.aio client of one sidecar's local API."""
+    """grpc.aio client of one sidecar's local API (bound to the event loop that creates it)."""
 
     def __init__(
         self,
@@ -268,27 +258,30 @@ class AsyncClient:
         )
         self._stub = local_pb2_grpc.LocalStub(self._channel)
 
-    async def _call(self, method: str, req: Any, deadline: float | None) -> Any:
+    async def _call(self, rpc: grpc.aio.UnaryUnaryMultiCallable[Q, R], req: Q, deadline: float | None) -> R:
         try:
-            return await getattr(self._stub, method)(req, timeout=deadline or self.timeout, metadata=self._md)
+            return await rpc(req, timeout=deadline or self.timeout, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
-            raise KvxferRpcError(exc.code(), exc.details() or "", method) from None
+            raise KvxferRpcError.of_call(exc, type(req).DESCRIPTOR.name.removesuffix("Request")) from None
 
     async def register_caches(
         self, groups: GroupsArg, *, rank: RankInfo | None = None, worker_id: str = "", deadline: float | None = None
     ) -> dict[str, Any]:
         """Register cache groups; returns engine_id, instance_id, epoch, registered_bytes, backend, peer_address."""
         req = local_pb2.RegisterCachesRequest(
-            worker_id=worker_id, rank=_rank(rank or RankInfo(0, 1)), groups=_groups_proto(groups)
+            worker_id=worker_id, rank=rank_to_proto(rank or RankInfo(0, 1)), groups=_groups_proto(groups)
         )
-        return _status_dict(await self._call("RegisterCaches", req, deadline))
+        return _status_dict(await self._call(self._stub.RegisterCaches, req, deadline))
 
     async def publish(
         self, request_id: str, blocks: BlockMap, *, lease_seconds: float = 0.0, deadline: float | None = None
     ) -> int:
         """Publish a request's blocks; returns the lease's expiry (unix ms)."""
-        req = local_pb2.PublishRequest(request_id=request_id, blocks=_blocks(blocks), lease_seconds=lease_seconds)
-        return int((await self._call("Publish", req, deadline)).expires_unix_ms)
+        req = local_pb2.PublishRequest(
+            request_id=request_id, blocks=blocks_to_proto(blocks), lease_seconds=lease_seconds
+        )
+        resp: local_pb2.PublishResponse = await self._call(self._stub.Publish, req, deadline)
+        return int(resp.expires_unix_ms)
 
     async def pull(
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
@@ -299,10 +292,9 @@ class AsyncClient:
 
         ``spans`` moves part of a group's tokens (:class:`TokenSpan`); it needs ``remote_blocks``.
         """
-        req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
-                            spans)  # fmt: skip
-        call_timeout = (deadline or self.timeout) + 1.0
-        return _pull_result(await self._call("Pull", req, call_timeout))
+        item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
+                        spans)  # fmt: skip
+        return _pull_result(await self._call(self._stub.Pull, _pull_request(item), (deadline or self.timeout) + 1.0))
 
     async def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:
         """Several pulls in one call (e.g. all a worker starts in one step), one result or error each, in order.
@@ -310,10 +302,12 @@ class AsyncClient:
         Each pull runs and fails on its own, as with :meth:`pull`; the call returns once all have
         answered. It raises only when the batch itself is refused (empty, over 1024 pulls, no sidecar).
         """
-        req, call_timeout = _batch_request(items, self.timeout)
-        return _batch_results(await self._call("PullBatch", req, call_timeout))
+        req = local_pb2.PullBatchRequest(pulls=[_pull_request(i) for i in items])
+        # The call lasts as long as its longest pull, plus a second.
+        call_timeout = max((i.deadline or self.timeout for i in items), default=self.timeout) + 1.0
+        return _batch_results(await self._call(self._stub.PullBatch, req, call_timeout))
 
-    async def watch_completions(self, *, replay: bool = False, after: int = 0) -> AsyncIterator[CompletionEvent]:
+    async def watch_completions(self, *, replay: bool = False, after: int = 0) -> AsyncGenerator[CompletionEvent, None]:
         """Completion events as they happen (no deadline: the stream lives as long as the caller wants)."""
         call = self._stub.WatchCompletions(
             local_pb2.WatchCompletionsRequest(replay=replay, after_sequence=after), metadata=self._md
@@ -323,17 +317,22 @@ class AsyncClient:
                 yield _event(ev)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
-                raise KvxferRpcError(exc.code(), exc.details() or "", "WatchCompletions") from None
+                raise KvxferRpcError.of_call(exc, "WatchCompletions") from None
         finally:
             call.cancel()
 
     async def release(self, request_id: str, *, deadline: float | None = None) -> bool:
         """Drop a publish; False if nothing was held under that id."""
-        return bool((await self._call("Release", local_pb2.ReleaseRequest(request_id=request_id), deadline)).released)
+        resp: local_pb2.ReleaseResponse = await self._call(
+            self._stub.Release, local_pb2.ReleaseRequest(request_id=request_id), deadline
+        )
+        return bool(resp.released)
 
     async def abort(self, request_id: str, reason: str = "", *, deadline: float | None = None) -> tuple[int, bool]:
         """Abort a request here and on its peers; returns (pulls aborted, publish aborted)."""
-        resp = await self._call("Abort", local_pb2.AbortRequest(request_id=request_id, reason=reason), deadline)
+        resp: local_pb2.AbortResponse = await self._call(
+            self._stub.Abort, local_pb2.AbortRequest(request_id=request_id, reason=reason), deadline
+        )
         return int(resp.aborted_pulls), bool(resp.aborted_publish)
 
     async def drop_remote(
@@ -346,16 +345,17 @@ class AsyncClient:
         ``Abort`` of ``request_id``: a pull or publish of that id on this sidecar stops too.
         """
         req = local_pb2.AbortRequest(request_id=request_id, reason=reason, remote_addresses=list(remote_addresses))
-        return int((await self._call("Abort", req, deadline)).remote_dropped)
+        resp: local_pb2.AbortResponse = await self._call(self._stub.Abort, req, deadline)
+        return int(resp.remote_dropped)
 
     async def drain(self, timeout_seconds: float = 0.0, *, deadline: float | None = None) -> dict[str, Any]:
         """Start the graceful drain and wait for it."""
-        resp = await self._call("Drain", local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline)
+        resp = await self._call(self._stub.Drain, local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline)
         return _status_dict(resp)
 
     async def status(self, *, deadline: float | None = None) -> dict[str, Any]:
         """What the sidecar holds right now."""
-        return _status_dict(await self._call("GetStatus", local_pb2.GetStatusRequest(), deadline))
+        return _status_dict(await self._call(self._stub.GetStatus, local_pb2.GetStatusRequest(), deadline))
 
     async def wait_ready(self, within: float = 30.0) -> None:
         """Until the sidecar answers GetStatus (it started)."""
@@ -367,6 +367,7 @@ class AsyncClient:
             except KvxferRpcError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise
+                await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         """Close the channel."""
@@ -379,8 +380,26 @@ class AsyncClient:
         await self.close()
 
 
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """``method`` of :class:`AsyncClient`, run on the client's loop and waited for."""
+
+    def run(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self.call(method(self.aio, *args, **kwargs))
+
+    run.__name__ = method.__name__
+    run.__doc__ = f"Blocking :meth:`AsyncClient.{method.__name__}`."
+    return run
+
+
 class Client:
-    """Blocking client of one sidecar's local API (same methods as :class:`AsyncClient`)."""
+    """Blocking facade of an :class:`AsyncClient` that runs on a private event-loop thread.
+
+    Usable from any thread (and from inside another event loop, which it never blocks on its own
+    loop's behalf). :attr:`aio` is the async client; :meth:`submit` and :meth:`call` run any of its
+    coroutines. Close it (or use ``with``) to stop the thread.
+    """
 
     def __init__(
         self,
@@ -393,107 +412,63 @@ class Client:
     ) -> None:
         self.target = normalize_target(target)
         self.timeout = timeout
-        self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        opts = _options(max_message_bytes)
-        self._channel = (
-            grpc.secure_channel(self.target, credentials, options=opts)
-            if credentials is not None
-            else grpc.insecure_channel(self.target, options=opts)
-        )
-        self._stub = local_pb2_grpc.LocalStub(self._channel)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-client", daemon=True)
+        self._thread.start()
 
-    def _call(self, method: str, req: Any, deadline: float | None) -> Any:
-        try:
-            return getattr(self._stub, method)(req, timeout=deadline or self.timeout, metadata=self._md)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise KvxferRpcError(code, details or "", method) from None
+        async def make() -> AsyncClient:
+            # grpc.aio binds a channel to the loop that creates it.
+            return AsyncClient(target, token=token, timeout=timeout, credentials=credentials,
+                               max_message_bytes=max_message_bytes)  # fmt: skip
 
-    def register_caches(
-        self, groups: GroupsArg, *, rank: RankInfo | None = None, worker_id: str = "", deadline: float | None = None
-    ) -> dict[str, Any]:
-        """See :meth:`AsyncClient.register_caches`."""
-        req = local_pb2.RegisterCachesRequest(
-            worker_id=worker_id, rank=_rank(rank or RankInfo(0, 1)), groups=_groups_proto(groups)
-        )
-        return _status_dict(self._call("RegisterCaches", req, deadline))
+        self.aio = self.call(make())
 
-    def publish(
-        self, request_id: str, blocks: BlockMap, *, lease_seconds: float = 0.0, deadline: float | None = None
-    ) -> int:
-        """See :meth:`AsyncClient.publish`."""
-        req = local_pb2.PublishRequest(request_id=request_id, blocks=_blocks(blocks), lease_seconds=lease_seconds)
-        return int(self._call("Publish", req, deadline).expires_unix_ms)
+    def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
+        """Run ``coro`` on the client's loop; returns at once."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def pull(
-        self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
-        remote_blocks: BlockMap | None = None, remote_engine_id: str = "", wait: bool = True,
-        deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None,
-    ) -> PullResult:  # fmt: skip
-        """See :meth:`AsyncClient.pull`."""
-        req = _pull_request(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
-                            spans)  # fmt: skip
-        return _pull_result(self._call("Pull", req, (deadline or self.timeout) + 1.0))
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the client's loop and wait for its result (calls bound themselves by their deadline)."""
+        return self.submit(coro).result(timeout)
 
-    def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:
-        """See :meth:`AsyncClient.pull_batch`."""
-        req, call_timeout = _batch_request(items, self.timeout)
-        return _batch_results(self._call("PullBatch", req, call_timeout))
+    register_caches = _blocking(AsyncClient.register_caches)
+    publish = _blocking(AsyncClient.publish)
+    pull = _blocking(AsyncClient.pull)
+    pull_batch = _blocking(AsyncClient.pull_batch)
+    release = _blocking(AsyncClient.release)
+    abort = _blocking(AsyncClient.abort)
+    drop_remote = _blocking(AsyncClient.drop_remote)
+    drain = _blocking(AsyncClient.drain)
+    status = _blocking(AsyncClient.status)
+    wait_ready = _blocking(AsyncClient.wait_ready)
 
     def watch_completions(self, *, replay: bool = False, after: int = 0) -> Iterator[CompletionEvent]:
-        """See :meth:`AsyncClient.watch_completions`; cancel by closing the iterator."""
-        call = self._stub.WatchCompletions(
-            local_pb2.WatchCompletionsRequest(replay=replay, after_sequence=after), metadata=self._md
-        )
+        """Blocking :meth:`AsyncClient.watch_completions`; cancel by closing the iterator."""
+        stream = self.aio.watch_completions(replay=replay, after=after)
+
+        async def following() -> CompletionEvent:
+            return await anext(stream)
+
         try:
-            for ev in call:
-                yield _event(ev)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise KvxferRpcError(exc.code(), exc.details() or "", "WatchCompletions") from None
+            while True:
+                try:
+                    yield self.call(following())
+                except StopAsyncIteration:
+                    return
         finally:
-            call.cancel()
-
-    def release(self, request_id: str, *, deadline: float | None = None) -> bool:
-        """See :meth:`AsyncClient.release`."""
-        return bool(self._call("Release", local_pb2.ReleaseRequest(request_id=request_id), deadline).released)
-
-    def abort(self, request_id: str, reason: str = "", *, deadline: float | None = None) -> tuple[int, bool]:
-        """See :meth:`AsyncClient.abort`."""
-        resp = self._call("Abort", local_pb2.AbortRequest(request_id=request_id, reason=reason), deadline)
-        return int(resp.aborted_pulls), bool(resp.aborted_publish)
-
-    def drop_remote(
-        self, request_id: str, remote_addresses: Sequence[str], reason: str = "", *, deadline: float | None = None
-    ) -> int:
-        """See :meth:`AsyncClient.drop_remote`."""
-        req = local_pb2.AbortRequest(request_id=request_id, reason=reason, remote_addresses=list(remote_addresses))
-        return int(self._call("Abort", req, deadline).remote_dropped)
-
-    def drain(self, timeout_seconds: float = 0.0, *, deadline: float | None = None) -> dict[str, Any]:
-        """See :meth:`AsyncClient.drain`."""
-        return _status_dict(self._call("Drain", local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline))
-
-    def status(self, *, deadline: float | None = None) -> dict[str, Any]:
-        """See :meth:`AsyncClient.status`."""
-        return _status_dict(self._call("GetStatus", local_pb2.GetStatusRequest(), deadline))
-
-    def wait_ready(self, within: float = 30.0) -> None:
-        """Until the sidecar answers GetStatus."""
-        deadline = time.monotonic() + within
-        while True:
-            try:
-                self.status(deadline=min(2.0, max(deadline - time.monotonic(), 0.05)))
-                return
-            except KvxferRpcError as exc:
-                if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+            with contextlib.suppress(Exception):
+                self.call(stream.aclose(), timeout=5)
 
     def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
+        """Close the channel and stop the loop thread."""
+        if not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):  # best effort: the channel may be broken already
+            self.call(self.aio.close(), timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> Client:
         return self

@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
+from kvxfer.transport import TransportConfig, available_transports
 
 __all__ = [
     "ENV_PREFIX",
@@ -42,6 +43,7 @@ class ConfigError(KvxferError, ValueError):
     """A setting is unknown or has a bad value; ``field`` is the setting's name (underscores)."""
 
     status = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_FIELD
 
 
 def flag_name(field: str) -> str:
@@ -82,11 +84,14 @@ class Settings(BaseModel):
     local_socket: str = Field("/run/kvxfer/kvxfer.sock", description="Unix socket for the local API ('' disables)")
     local_listen: str | None = Field(None, description="optional TCP address for the local API")
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
-    backend: Literal["nixl", "mooncake"] = Field("nixl", description="data plane: nixl or mooncake")
+    backend: str = Field("nixl", description="data plane: nixl or mooncake (any registered kvxfer.transport backend)")
     nixl_backends: tuple[str, ...] = Field(("UCX",), description="comma-separated NIXL backend plugins")
     mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transport: tcp or rdma")
     mooncake_device: str = Field("", description="Mooncake RDMA device list (empty: auto)")
     data_port: int = Field(0, ge=0, le=65535, description="data-plane listen port (0: ephemeral)")
+    cuda_ipc_direct: bool = Field(
+        True, description="same-host GPU READs by CUDA device copies instead of the backend (true/false)"
+    )
     lease_seconds: float = Field(30.0, gt=0, le=86400, description="how long published blocks are held")
     transfer_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="deadline of one transfer")
     drain_seconds: float = Field(20.0, ge=0, le=3600, description="graceful shutdown budget")
@@ -125,6 +130,14 @@ class Settings(BaseModel):
     @classmethod
     def _lower(cls, v: Any) -> Any:
         return v.strip().lower() if isinstance(v, str) else v
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, v: str) -> str:
+        names = available_transports()
+        if v not in names:
+            raise ValueError(f"must be one of {', '.join(names)}")
+        return v
 
     @field_validator("nixl_backends", mode="before")
     @classmethod
@@ -177,6 +190,15 @@ class Settings(BaseModel):
             host = socket.gethostname()
         port = bound_port if bound_port is not None else port
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def transport_config(self) -> TransportConfig:
+        """The data-plane settings as :func:`kvxfer.transport.create_transport` takes them (same names)."""
+        host = self.advertise_address(0).rsplit(":", 1)[0].strip("[]")
+        return TransportConfig(
+            nixl_backends=self.nixl_backends, listen_host=host, data_port=self.data_port,
+            mooncake_protocol=self.mooncake_protocol, mooncake_device=self.mooncake_device,
+            cuda_ipc_direct=self.cuda_ipc_direct,
+        )  # fmt: skip
 
     def token(self) -> str | None:
         """The shared token (read from ``token_file``), or None when auth is off. Never log it."""

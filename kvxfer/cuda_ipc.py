@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 
 __all__ = [
     "HANDLE_BYTES",
@@ -54,12 +54,14 @@ class CudaUnavailableError(KvxferError):
     """This process cannot use CUDA (no driver library, no device, driver too old)."""
 
     status = "FAILED_PRECONDITION"
+    default_reason = Reason.UNSUPPORTED
 
 
 class CudaIpcError(KvxferError):
     """A CUDA IPC call failed (handle from a dead or the same process, memory not shareable, ...)."""
 
     status = "FAILED_PRECONDITION"
+    default_reason = Reason.MEMORY
 
     def __init__(self, message: str, *, code: int = 0, field: str | None = None) -> None:
         super().__init__(message, field=field)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.logs import get_logger
 
 __all__ = ["FdBox", "FdLease", "FdPassError", "fd_socket_path", "send_fds"]
@@ -44,6 +44,7 @@ class FdPassError(KvxferError):
     """Descriptors could not be handed over; the message says why (and names the socket)."""
 
     status = "UNAVAILABLE"
+    default_reason = Reason.SIDECAR_UNREACHABLE
 
 
 def fd_socket_path(local_socket: str | os.PathLike[str]) -> Path:

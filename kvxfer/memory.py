@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer import cuda_ipc
-from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.errors import KvxferError, LayoutError, Reason
 from kvxfer.layout import KVCacheLayout, Plane
 from kvxfer.topology import RegionTable
 
@@ -68,12 +68,14 @@ class MemoryRegistrationError(KvxferError):
     """Memory the worker described cannot be used (missing segment, too small, wrong process)."""
 
     status = "INVALID_ARGUMENT"
+    default_reason = Reason.MEMORY
 
 
 class UnsupportedMemoryError(KvxferError):
     """A memory kind that this build cannot register."""
 
     status = "UNIMPLEMENTED"
+    default_reason = Reason.UNSUPPORTED
 
 
 def shm_path(name: str) -> Path:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Two sidecars and two GPU workers: KV blocks pulled VRAM to VRAM through ``kvxfer serve`` processes.
 
-Real processes from :class:`kvxfer.cluster.LocalCluster`: a prefill and a decode sidecar
-(``python -m kvxfer.server``, NIXL/UCX) and two synthetic workers (``python -m kvxfer.worker_sim
+Real processes from :class:`kvxfer.harness.cluster.LocalCluster`: a prefill and a decode sidecar
+(``python -m kvxfer.server``, NIXL/UCX) and two synthetic workers (``python -m kvxfer.harness.worker_sim
 --memory cuda:<dev>``) whose KV caches are torch tensors on the GPU, registered with their sidecar
 by CUDA IPC (no copy). The cache is Llama-3-8B's (32 layers, 8 KV heads, head 128, bf16, block 16,
 HND: 64 KiB pages, 2 MiB per block over all layers). For each request the prefill worker writes
@@ -144,7 +144,7 @@ def run_cluster(
     facts: dict[str, Any], t_start: float,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """One prefill/decode pair of sidecars and workers; every (block list, size) pulled ``reps`` times."""
-    from kvxfer.cluster import BlockAllocator, ClusterError, LocalCluster
+    from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
 
     # Unix socket paths must stay under 108 bytes: the cluster lives under /tmp, not under --out.
     workdir = Path(tempfile.mkdtemp(prefix="kvx-gpu-"))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from sidecar_vram_bench import copy_rate  # this directory: the device-copy reference of bench/gpu
 
-from kvxfer.cluster import LocalCluster
+from kvxfer.harness.cluster import LocalCluster
 from kvxfer.integrations.vllm.plan import StepPlan
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings

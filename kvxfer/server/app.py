@@ -14,7 +14,7 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +23,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer import PROTOCOL_VERSION, __version__
-from kvxfer._proto.kvxfer.v1 import local_pb2, peer_pb2
 from kvxfer.config import ConfigError, Settings, parse_address
-from kvxfer.errors import KvxferError
+from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
-from kvxfer.server.dataplane import DataPlane, create_data_plane
 from kvxfer.server.rpc import TokenInterceptor, service_handler
-from kvxfer.transport import transport_class
+from kvxfer.transport import Transport, create_transport, transport_class
+from kvxfer.wire import local_pb2, peer_pb2
 
 __all__ = ["HEALTH_SERVICES", "Sidecar", "serve_main"]
 
@@ -43,6 +42,7 @@ HEALTH_SERVICES = ("", PEER_SERVICE.full_name, LOCAL_SERVICE.full_name)
 LIVENESS = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class _LocalApi:
@@ -51,31 +51,35 @@ class _LocalApi:
     def __init__(self, core: SidecarCore) -> None:
         self.core = core
 
-    async def register_caches(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def register_caches(
+        self, req: local_pb2.RegisterCachesRequest, _ctx: Context
+    ) -> local_pb2.RegisterCachesResponse:
         return await self.core.register_caches(req)
 
-    async def publish(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def publish(self, req: local_pb2.PublishRequest, _ctx: Context) -> local_pb2.PublishResponse:
         return await self.core.publish(req)
 
-    async def pull(self, req: Any, ctx: grpc.aio.ServicerContext) -> Any:
+    async def pull(self, req: local_pb2.PullRequest, ctx: Context) -> local_pb2.PullResponse:
         return await self.core.pull(req, ctx.time_remaining())
 
-    async def pull_batch(self, req: Any, ctx: grpc.aio.ServicerContext) -> Any:
+    async def pull_batch(self, req: local_pb2.PullBatchRequest, ctx: Context) -> local_pb2.PullBatchResponse:
         return await self.core.pull_batch(req, ctx.time_remaining())
 
-    def watch_completions(self, req: Any, _ctx: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    def watch_completions(
+        self, req: local_pb2.WatchCompletionsRequest, _ctx: Context
+    ) -> AsyncIterator[local_pb2.Completion]:
         return self.core.watch(req)
 
-    async def release(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def release(self, req: local_pb2.ReleaseRequest, _ctx: Context) -> local_pb2.ReleaseResponse:
         return await self.core.release(req)
 
-    async def abort(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def abort(self, req: local_pb2.AbortRequest, _ctx: Context) -> local_pb2.AbortResponse:
         return await self.core.abort(req)
 
-    async def drain(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def drain(self, req: local_pb2.DrainRequest, _ctx: Context) -> local_pb2.DrainResponse:
         return await self.core.drain(float(req.timeout_seconds) or None)
 
-    async def get_status(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def get_status(self, req: local_pb2.GetStatusRequest, _ctx: Context) -> local_pb2.StatusResponse:
         return await self.core.status(req)
 
 
@@ -85,29 +89,31 @@ class _PeerApi:
     def __init__(self, core: SidecarCore) -> None:
         self.core = core
 
-    async def handshake(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def handshake(self, req: peer_pb2.HandshakeRequest, _ctx: Context) -> peer_pb2.HandshakeResponse:
         return await self.core.peer_handshake(req)
 
-    async def get_published(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def get_published(self, req: peer_pb2.GetPublishedRequest, _ctx: Context) -> peer_pb2.GetPublishedResponse:
         return await self.core.peer_get_published(req)
 
-    async def get_published_batch(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def get_published_batch(
+        self, req: peer_pb2.GetPublishedBatchRequest, _ctx: Context
+    ) -> peer_pb2.GetPublishedBatchResponse:
         return await self.core.peer_get_published_batch(req)
 
-    async def notify(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def notify(self, req: peer_pb2.NotifyRequest, _ctx: Context) -> peer_pb2.NotifyResponse:
         return await self.core.peer_notify(req)
 
-    async def notify_batch(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def notify_batch(self, req: peer_pb2.NotifyBatchRequest, _ctx: Context) -> peer_pb2.NotifyBatchResponse:
         return await self.core.peer_notify_batch(req)
 
-    async def abort(self, req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def abort(self, req: peer_pb2.PeerAbortRequest, _ctx: Context) -> peer_pb2.PeerAbortResponse:
         return await self.core.peer_abort(req)
 
 
 class Sidecar:
     """One sidecar: start it, use its addresses, drain and stop it."""
 
-    def __init__(self, settings: Settings, *, data_plane: DataPlane | None = None) -> None:
+    def __init__(self, settings: Settings, *, data_plane: Transport | None = None) -> None:
         self.settings = settings
         self._dp = data_plane
         self.core: SidecarCore | None = None
@@ -151,63 +157,29 @@ class Sidecar:
         token = s.token()
         interceptors = [TokenInterceptor(token)] if token else []
         self.metrics = SidecarMetrics(s.backend)
-        if self._dp is None:
-            # A library's own log handler (NIXL's prints plain text on stdout) gives way to ours
-            # (JSON on stderr) before its agent logs a first line.
-            with contextlib.suppress(KvxferError):
-                for name in transport_class(s.backend).library_loggers():
-                    adopt_logger(name)
-            agent = f"{s.engine_id}-{os.getpid()}-{id(self):x}"
-            self._dp = create_data_plane(
-                s.backend, agent,
-                options={"nixl_backends": s.nixl_backends, "mooncake_protocol": s.mooncake_protocol,
-                         "mooncake_device": s.mooncake_device, "data_port": s.data_port,
-                         "listen_host": s.advertise_address(0).rsplit(":", 1)[0].strip("[]")},
-            )  # fmt: skip
+        data_plane = self._dp if self._dp is not None else self._start_data_plane()
+        self._dp = data_plane
         for svc in HEALTH_SERVICES:
             await self.health.set(svc, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
 
-        peer = grpc.aio.server(interceptors=interceptors, options=opts)
-        self._peer_server = peer
+        peer = self._peer_server = grpc.aio.server(interceptors=interceptors, options=opts)
         self.peer_port = self._bind(peer, s.peer_listen, "peer_listen", secure=True)
         if s.local_socket:
             # Descriptors of a worker's memory (CPU workers whose cache no other process can name).
             self.fd_box = FdBox(fd_socket_path(_prepare_socket(Path(s.local_socket))), token=token, mode=SOCKET_MODE)
         self.core = SidecarCore(
-            s, self._dp, self.metrics, peer_address=self.peer_address, channel_options=opts,
+            s, data_plane, self.metrics, peer_address=self.peer_address, channel_options=opts,
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
             fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
-        peer_limits = {"Handshake": 30.0, "GetPublished": 30.0, "GetPublishedBatch": 30.0, "Notify": 30.0,
-                       "NotifyBatch": 30.0, "Abort": 30.0}  # fmt: skip
-        peer.add_generic_rpc_handlers((service_handler(PEER_SERVICE, _PeerApi(self.core), limits=peer_limits),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, peer)
-        reflection.enable_server_reflection(
-            (PEER_SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), peer
-        )
-
-        local = grpc.aio.server(interceptors=interceptors, options=opts)
-        self._local_server = local
-        local_limits: dict[str, float | None] = {
-            # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
-            # inside the core; a second timer per call would only cost time on the hot path.
-            "Pull": None,
-            "PullBatch": None,
-            "Drain": s.drain_seconds + 30.0,
-            "RegisterCaches": 120.0,
-        }
-        local.add_generic_rpc_handlers((service_handler(LOCAL_SERVICE, _LocalApi(self.core), limits=local_limits),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, local)
-        reflection.enable_server_reflection(
-            (LOCAL_SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), local
-        )
-        if s.local_socket:
-            self._socket_path = _prepare_socket(Path(s.local_socket))
-            if local.add_insecure_port(f"unix://{self._socket_path}") == 0:
-                raise ConfigError(f"--local-socket: cannot listen on {self._socket_path}", field="local_socket")
-        if s.local_listen:
-            self.local_port = self._bind(local, s.local_listen, "local_listen", secure=False)
+        self._serve(peer, PEER_SERVICE, _PeerApi(self.core), {})
+        local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)
+        # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
+        # inside the core; a second timer per call would only cost time on the hot path.
+        local_limits = {"Pull": None, "PullBatch": None, "Drain": s.drain_seconds + 30.0, "RegisterCaches": 120.0}
+        self._serve(local, LOCAL_SERVICE, _LocalApi(self.core), local_limits)
+        self._bind_local(local)
 
         await peer.start()
         await local.start()
@@ -217,13 +189,7 @@ class Sidecar:
             # The worker runs as another user in another container: the pod's shared group
             # (fsGroup) may connect, nobody else. The token, when set, still applies.
             os.chmod(self._socket_path, SOCKET_MODE)
-        if s.metrics_listen:
-            host, port = parse_address(s.metrics_listen, setting="metrics_listen")
-            try:
-                self.metrics_port = self.metrics.serve(host, port)
-            except OSError as exc:
-                raise ConfigError(f"--metrics-listen: cannot listen on {s.metrics_listen}: {exc}",
-                                  field="metrics_listen") from None  # fmt: skip
+        self._serve_metrics(self.metrics)
         log.info(
             "sidecar started",
             extra={"engine_id": s.engine_id, "peer_address": self.peer_address, "local": self.local_target,
@@ -231,6 +197,47 @@ class Sidecar:
                    "version": __version__, "protocol": PROTOCOL_VERSION, "auth": bool(token),
                    "tls": s.tls_enabled, "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]},
         )  # fmt: skip
+
+    def _start_data_plane(self) -> Transport:
+        s = self.settings
+        # A library's own log handler (NIXL's prints plain text on stdout) gives way to ours
+        # (JSON on stderr) before its agent logs a first line.
+        with contextlib.suppress(KvxferError):
+            for name in transport_class(s.backend).library_loggers():
+                adopt_logger(name)
+        agent = f"{s.engine_id}-{os.getpid()}-{id(self):x}"
+        try:
+            return create_transport(s.backend, agent, s.transport_config())
+        except KvxferError as exc:
+            raise FailedPreconditionError(
+                f"backend: the {s.backend} data plane did not start: {exc.message}", field="backend",
+                reason=Reason.DATA_PLANE_START,
+            ) from None  # fmt: skip
+
+    def _serve(self, server: grpc.aio.Server, service: Any, api: object, limits: Mapping[str, float | None]) -> None:
+        """``api``'s methods as ``service`` on ``server``, with health checks and reflection beside them."""
+        server.add_generic_rpc_handlers((service_handler(service, api, limits=limits),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    def _bind_local(self, local: grpc.aio.Server) -> None:
+        s = self.settings
+        if s.local_socket:
+            self._socket_path = _prepare_socket(Path(s.local_socket))
+            if local.add_insecure_port(f"unix://{self._socket_path}") == 0:
+                raise ConfigError(f"--local-socket: cannot listen on {self._socket_path}", field="local_socket")
+        if s.local_listen:
+            self.local_port = self._bind(local, s.local_listen, "local_listen", secure=False)
+
+    def _serve_metrics(self, metrics: SidecarMetrics) -> None:
+        address = self.settings.metrics_listen
+        if not address:
+            return
+        host, port = parse_address(address, setting="metrics_listen")
+        try:
+            self.metrics_port = metrics.serve(host, port)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-listen: cannot listen on {address}: {exc}", field="metrics_listen") from None
 
     def _bind(self, server: grpc.aio.Server, address: str, setting: str, *, secure: bool) -> int:
         parse_address(address, setting=setting)
@@ -280,7 +287,7 @@ class Sidecar:
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(apply())
 
-    async def drain(self, budget: float | None = None) -> Any:
+    async def drain(self, budget: float | None = None) -> local_pb2.DrainResponse:
         """Graceful drain (what SIGTERM starts); ``budget`` defaults to --drain-seconds."""
         assert self.core is not None
         return await self.core.drain(budget)

@@ -10,7 +10,7 @@ under load, and their size adapts to it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from typing import Any, Generic, TypeVar
 
 __all__ = ["Coalescer"]
@@ -27,7 +27,7 @@ SendFn = Callable[[K, list[T]], Awaitable[list[Any]]]
 class Coalescer(Generic[K, T, R]):
     """Queues items per key; one sender per key sends whatever queued up while it was busy."""
 
-    def __init__(self, send: SendFn[K, T], spawn: Callable[[Awaitable[Any]], None]) -> None:
+    def __init__(self, send: SendFn[K, T], spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
         self._send = send
         self._spawn = spawn
         self._queues: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}

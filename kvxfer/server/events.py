@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvxfer._proto.kvxfer.v1 import local_pb2
 from kvxfer.logs import get_logger
+from kvxfer.wire import local_pb2
 
 __all__ = ["CompletionHub", "Kind"]
 
@@ -40,7 +40,7 @@ class CompletionHub:
     def emit(
         self, kind: Any, request_id: str, *, transfer_id: str = "", code: int = 0, message: str = "",
         peer: str = "", stats: Any = None,
-    ) -> Any:  # fmt: skip
+    ) -> local_pb2.Completion:  # fmt: skip
         """Record an event and hand it to every watcher; returns the Completion message."""
         self._seq += 1
         ev = local_pb2.Completion(

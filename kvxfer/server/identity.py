@@ -5,15 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from kvxfer import PROTOCOL_VERSION
-from kvxfer._proto.kvxfer.v1 import peer_pb2
-from kvxfer.errors import KvxferError
+from kvxfer.errors import InvalidArgumentError, KvxferError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
-from kvxfer.server.convert import check_id, layout_from_proto, layout_to_proto, rank_from_proto, rank_to_proto
-from kvxfer.server.errors import InvalidArgumentError
 from kvxfer.topology import RankInfo, TransferTopology
+from kvxfer.wire import peer_pb2
+from kvxfer.wire.convert import check_id, layout_from_proto, layout_to_proto, rank_from_proto, rank_to_proto
 
 __all__ = ["Identity", "reader_differences", "remote_sources"]
 
@@ -39,7 +37,7 @@ class Identity:
         """``engine[tp r/n]`` for messages."""
         return f"{self.engine_id}[tp {self.rank.tp_rank}/{self.rank.tp_size}]"
 
-    def to_proto(self) -> Any:
+    def to_proto(self) -> peer_pb2.PeerInfo:
         """The PeerInfo message."""
         return peer_pb2.PeerInfo(
             protocol_version=self.protocol_version, engine_id=self.engine_id, instance_id=self.instance_id,
@@ -50,7 +48,7 @@ class Identity:
         )  # fmt: skip
 
     @classmethod
-    def from_proto(cls, msg: Any, field: str = "info") -> Identity:
+    def from_proto(cls, msg: peer_pb2.PeerInfo, field: str = "info") -> Identity:
         """Parse and validate a PeerInfo message."""
         check_id(msg.engine_id, f"{field}.engine_id")
         check_id(msg.instance_id, f"{field}.instance_id")

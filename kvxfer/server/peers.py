@@ -11,18 +11,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
-from kvxfer._proto.kvxfer.v1 import peer_pb2, peer_pb2_grpc
-from kvxfer.errors import KvxferError
+from kvxfer.errors import (
+    DeadlineError,
+    FailedPreconditionError,
+    KvxferError,
+    NotFoundError,
+    PeerUnavailableError,
+    Reason,
+)
 from kvxfer.logs import get_logger
-from kvxfer.server.errors import DeadlineError, FailedPreconditionError, NotFoundError, PeerUnavailableError
 from kvxfer.server.identity import Identity, reader_differences
+from kvxfer.wire import peer_pb2, peer_pb2_grpc
+from kvxfer.wire.status import error_from_status, error_of
 
-__all__ = ["PeerDirectory", "PeerSession", "peer_error", "status_error"]
+__all__ = ["PeerDirectory", "PeerSession", "peer_error"]
 
+T = TypeVar("T")
 log = get_logger("kvxfer.server.peers")
 
 
@@ -39,26 +47,19 @@ class PeerSession:
     regions: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # group -> (raw regions, RegionTable)
 
 
-def peer_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
-    """Turn a failed peer call into the sidecar error the worker sees."""
-    return status_error(exc.code(), exc.details() or "", address, what)
-
-
-def status_error(code: grpc.StatusCode | int, details: str, address: str, what: str) -> KvxferError:
-    """The sidecar error for a peer's status (a failed call, or one failed item of a batch)."""
-    if isinstance(code, int):
-        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-    msg = f"{what} at peer {address}: {details}"
+def peer_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> KvxferError:
+    """Turn a failed peer call into the sidecar error the worker sees (the peer's reason kept)."""
+    code = exc.code()
+    details = exc.details() or ""
+    reason, field = error_from_status(code, details, exc.trailing_metadata())
     if code == grpc.StatusCode.NOT_FOUND:
-        return NotFoundError(details or msg, field="request_id")
+        return NotFoundError(details or f"{what} at peer {address}: not found", field=field or "request_id",
+                             reason=reason)  # fmt: skip
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineError(f"{what} at peer {address} ran past its deadline", field="timeout_seconds")
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return FailedPreconditionError(msg, field="remote_addresses")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
         return PeerUnavailableError(f"peer {address} is unreachable ({what}): {details}", field="remote_addresses")
-    out = PeerUnavailableError(msg, field="remote_addresses")
-    out.status = code.name  # type: ignore[misc]  # keep the peer's code (UNAUTHENTICATED, INVALID_ARGUMENT...)
+    out = error_of(code, f"{what} at peer {address}: {details}", reason.value, "remote_addresses")
     return out
 
 
@@ -88,13 +89,13 @@ class PeerDirectory:
         self._sessions: dict[str, PeerSession] = {}
         self._pending: dict[str, asyncio.Future[PeerSession]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, Any] = {}
+        self._stubs: dict[str, peer_pb2_grpc.PeerAsyncStub] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def stub(self, address: str) -> Any:
+    def stub(self, address: str) -> peer_pb2_grpc.PeerAsyncStub:
         """The Peer stub on the (shared) channel to ``address``."""
         # A stub builds one callable per method: made once per channel, not on every call of the hot path.
         stub = self._stubs.get(address)
@@ -145,15 +146,16 @@ class PeerDirectory:
                 self.invalidate(address, reconnect=True)
             if refused:
                 raise FailedPreconditionError(
-                    f"handshake with {address} refused: {exc.details()}", field="remote_addresses"
-                ) from None
+                    f"handshake with {address} refused: {exc.details()}", field="remote_addresses",
+                    reason=Reason.INCOMPATIBLE_PEER,
+                ) from None  # fmt: skip
             raise peer_error(exc, address, "handshake") from None
         try:
             them = Identity.from_proto(resp.info, "handshake.info")
         except Exception as exc:
             self._on_handshake("failed")
             raise PeerUnavailableError(
-                f"peer {address} sent a bad handshake: {exc}", field="remote_addresses"
+                f"peer {address} sent a bad handshake: {exc}", field="remote_addresses", reason=Reason.PEER_INPUT
             ) from None
         diffs = reader_differences(me, them)
         if diffs:
@@ -162,6 +164,7 @@ class PeerDirectory:
                 f"incompatible peer {them.label} at {address} (local = this sidecar, remote = the peer): "
                 + "; ".join(diffs),
                 field="remote_addresses",
+                reason=Reason.INCOMPATIBLE_PEER,
             )
         try:
             dp_name = self._load_peer(them.metadata)
@@ -199,7 +202,7 @@ class PeerDirectory:
         """Live sessions."""
         return list(self._sessions.values())
 
-    async def call(self, address: str, what: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def call(self, address: str, what: str, fn: Callable[[peer_pb2_grpc.PeerAsyncStub], Awaitable[T]]) -> T:
         """Run ``fn(stub)``; transport failures invalidate the session and become sidecar errors."""
         try:
             return await fn(self.stub(address))

@@ -20,16 +20,17 @@ import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import DeadlineError, InvalidArgumentError, KvxferError, UnauthenticatedError
 from kvxfer.logs import get_logger, log_context
-from kvxfer.server.errors import grpc_code
+from kvxfer.wire.status import abort
 
 __all__ = ["TokenInterceptor", "service_handler"]
 
 log = get_logger("kvxfer.server.rpc")
 
-Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+Context = grpc.aio.ServicerContext[Any, Any]
+Unary = Callable[[Any, Context], Awaitable[Any]]
+Stream = Callable[[Any, Context], AsyncIterator[Any]]
 
 
 def _snake(name: str) -> str:
@@ -44,7 +45,7 @@ def service_handler(
     ``limits`` caps each method's run time on the server (the client's deadline, when shorter, wins);
     a limit of None marks a method that enforces its own deadline, so no second timer is armed.
     """
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         req_cls = GetMessageClass(method.input_type)
         fn = getattr(impl, _snake(method.name))
@@ -65,17 +66,17 @@ def _serialize(msg: Any) -> bytes:
     return bytes(msg.SerializeToString())
 
 
-async def _parse(raw: bytes, req_cls: Any, context: grpc.aio.ServicerContext) -> Any:
+async def _parse(raw: bytes, req_cls: Any, context: Context) -> Any:
     try:
         return req_cls.FromString(raw)
     except DecodeError as exc:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed {req_cls.DESCRIPTOR.full_name} message: {exc}"
-        )
+        await abort(context, InvalidArgumentError(
+            f"request: malformed {req_cls.DESCRIPTOR.full_name} message: {exc}", field="request"
+        ))  # fmt: skip
 
 
 def _unary(fn: Unary, req_cls: Any, full: str, limit: float | None) -> Callable[..., Awaitable[Any]]:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    async def handle(raw: bytes, context: Context) -> Any:
         req = await _parse(raw, req_cls, context)
         rid = getattr(req, "request_id", "") or None
         peer = getattr(req, "engine_id", "") or getattr(req, "remote_engine_id", "") or None  # the calling peer
@@ -89,34 +90,33 @@ def _unary(fn: Unary, req_cls: Any, full: str, limit: float | None) -> Callable[
                 async with asyncio.timeout(budget):
                     return await fn(req, context)
             except KvxferError as exc:
-                await context.abort(grpc_code(exc), exc.message)
+                await abort(context, exc)
             except TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{full}: did not finish within its deadline of {budget:.3g}s (after {time.monotonic() - t0:.3g}s)",
-                )
+                await abort(context, DeadlineError(
+                    f"{full}: did not finish within its deadline of {budget:.3g}s (after {time.monotonic() - t0:.3g}s)"
+                ))  # fmt: skip
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 log.exception("unexpected error", extra={"method": full})
-                await context.abort(grpc.StatusCode.INTERNAL, f"{full}: internal error: {type(exc).__name__}: {exc}")
+                await abort(context, KvxferError(f"{full}: internal error: {type(exc).__name__}: {exc}"))
 
     return handle
 
 
 def _stream(fn: Stream, req_cls: Any, full: str) -> Callable[..., AsyncIterator[Any]]:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def handle(raw: bytes, context: Context) -> AsyncIterator[Any]:
         req = await _parse(raw, req_cls, context)
         try:
             async for item in fn(req, context):
                 yield item
         except KvxferError as exc:
-            await context.abort(grpc_code(exc), exc.message)
+            await abort(context, exc)
 
     return handle
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer <token>`` on every call except health checks.
 
     Kubernetes gRPC probes send no metadata, so ``grpc.health.v1.Health`` stays open. The token
@@ -130,9 +130,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = details.method
         if method.startswith(self.OPEN_PREFIXES):
             return await continuation(details)
@@ -153,14 +153,14 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _deny(handler, f"{method}: {why}")
 
 
-def _deny(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+def _deny(handler: grpc.RpcMethodHandler[Any, Any] | None, message: str) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
 
-    async def unary(_req: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def unary(_req: Any, context: Context) -> Any:
+        await abort(context, UnauthenticatedError(message, field="authorization"))
 
-    async def stream(_req: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def stream(_req: Any, context: Context) -> AsyncIterator[Any]:
+        await abort(context, UnauthenticatedError(message, field="authorization"))
         yield None  # pragma: no cover - abort raises
 
     if handler is not None and handler.response_streaming and not handler.request_streaming:

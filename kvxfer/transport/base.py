@@ -30,14 +30,19 @@ MemType = Literal["DRAM", "VRAM"]
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """Backend settings; each backend reads the fields that concern it."""
+    """Backend settings; each backend reads the fields that concern it.
+
+    Fields the sidecar's settings set have the settings' names (``kvxfer serve --nixl-backends``
+    is ``nixl_backends`` here); :meth:`kvxfer.config.Settings.transport_config` fills them.
+    """
 
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_progress_delay_us: int = 200  # progress-thread sleep; 0 spins a core per agent
     listen_host: str = "127.0.0.1"  # Mooncake: address this engine is reached at
     data_port: int = 0  # Mooncake: handshake port (0: pick one)
-    protocol: str = "tcp"  # Mooncake: tcp or rdma
-    device_names: str = ""  # Mooncake: RDMA devices (empty: auto)
+    mooncake_protocol: str = "tcp"  # Mooncake: tcp or rdma
+    mooncake_device: str = ""  # Mooncake: RDMA devices (empty: auto)
+    cuda_ipc_direct: bool = False  # same-host GPU READs by device copies (kvxfer.transport.cuda_ipc_direct)
     poll_min_s: float = 20e-6  # first completion poll; doubles up to poll_max_s
     poll_max_s: float = 2e-3
     # Mooncake: how long its own synchronous wait lasts (plus 1 s per GiB) before it gives up on a

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.topology import RegionTable
 
 
@@ -81,6 +81,7 @@ class TransportError(KvxferError):
     """A data-plane operation failed."""
 
     status = "UNAVAILABLE"
+    default_reason = Reason.DATA_PLANE
 
     def __init__(self, message: str, *, backend: str, peer: str | None = None, detail: str = "") -> None:
         where = f"{backend}" + (f" peer {peer!r}" if peer else "")
@@ -99,6 +100,7 @@ class TransferTimeoutError(TransportError):
     """A transfer did not complete within its timeout; it was cancelled."""
 
     status = "DEADLINE_EXCEEDED"
+    default_reason = Reason.DEADLINE
 
 
 class PeerUnknownError(TransportError):
@@ -111,9 +113,11 @@ class RegistrationError(TransportError):
     """Memory could not be registered or deregistered."""
 
     status = "INVALID_ARGUMENT"
+    default_reason = Reason.MEMORY
 
 
 class BackendUnavailableError(TransportError):
     """The backend's library is missing or failed to start."""
 
     status = "FAILED_PRECONDITION"
+    default_reason = Reason.DATA_PLANE_START

@@ -106,11 +106,13 @@ class MooncakeTransport(Transport):
         port = cfg.data_port or free_port(cfg.listen_host)
         self._engine: Any
         self._engine, self._wait_limit_s = _new_engine(cfg.mooncake_transfer_timeout_s)
-        rc = self._engine.initialize(f"{cfg.listen_host}:{port}", "P2PHANDSHAKE", cfg.protocol, cfg.device_names)
+        rc = self._engine.initialize(
+            f"{cfg.listen_host}:{port}", "P2PHANDSHAKE", cfg.mooncake_protocol, cfg.mooncake_device
+        )
         if rc != 0:
             raise BackendUnavailableError(
-                f"initialize({cfg.listen_host}:{port}, P2PHANDSHAKE, {cfg.protocol!r}, {cfg.device_names!r}) "
-                f"returned {rc}",
+                f"initialize({cfg.listen_host}:{port}, P2PHANDSHAKE, {cfg.mooncake_protocol!r}, "
+                f"{cfg.mooncake_device!r}) returned {rc}",
                 backend="mooncake",
             )
         self.session = f"{cfg.listen_host}:{self._engine.get_rpc_port()}"

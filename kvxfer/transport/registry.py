@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Callable
 
 from kvxfer.transport.base import Transport, TransportConfig
+from kvxfer.transport.cuda_ipc_direct import CudaIpcDirect
 from kvxfer.transport.errors import BackendUnavailableError
 
 __all__ = ["available_transports", "create_transport", "register_transport", "transport_class"]
@@ -53,5 +54,9 @@ def transport_class(name: str) -> type[Transport]:
 
 
 def create_transport(name: str, agent_name: str, config: TransportConfig | None = None) -> Transport:
-    """A new agent of backend ``name``."""
-    return transport_class(name)(agent_name, config)
+    """A new agent of backend ``name``; wrapped in the same-host CUDA IPC shortcut when
+    ``config.cuda_ipc_direct`` is set (:mod:`kvxfer.transport.cuda_ipc_direct`)."""
+    transport = transport_class(name)(agent_name, config)
+    if transport.config.cuda_ipc_direct:
+        return CudaIpcDirect(transport)
+    return transport

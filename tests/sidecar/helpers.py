@@ -16,12 +16,21 @@ import pytest
 
 from kvxfer.client import AsyncClient, KvxferRpcError, PullResult
 from kvxfer.config import load_settings
+from kvxfer.harness.worker_sim import fill_blocks, poison_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import LibraryRef, SharedKVBuffer
 from kvxfer.server.app import Sidecar
-from kvxfer.server.dataplane import DataPlane
 from kvxfer.topology import RankInfo
-from kvxfer.worker_sim import fill_blocks, poison_blocks, verify_blocks
+from kvxfer.transport import (
+    MemType,
+    Notification,
+    Op,
+    Registration,
+    TransferResult,
+    Transport,
+    TransportConfig,
+    create_transport,
+)
 
 Blocks = Mapping[str, Sequence[int] | npt.NDArray[np.integer]]
 
@@ -93,7 +102,7 @@ class Harness:
 
     async def sidecar(
         self, name: str | None = None, *, role: str = "both", engine_id: str | None = None,
-        data_plane: DataPlane | None = None, **settings: Any,
+        data_plane: Transport | None = None, **settings: Any,
     ) -> Sidecar:  # fmt: skip
         """Start an in-process sidecar on loopback (ephemeral ports)."""
         self._n += 1
@@ -185,7 +194,7 @@ def attention(
     )  # fmt: skip
 
 
-class DelayedDataPlane:
+class DelayedDataPlane(Transport):
     """FAULT INJECTOR (not a mock): the real NIXL data plane, with a hold before each READ is posted.
 
     Loopback moves a test-sized request in well under a millisecond, so "abort / kill / drain while a
@@ -194,20 +203,19 @@ class DelayedDataPlane:
     a READ reached the data plane, so a test can act exactly then.
     """
 
-    def __init__(self, name: str, delay: float) -> None:
-        from kvxfer.server.dataplane import create_data_plane
+    name = "nixl"
 
-        self.inner = create_data_plane("nixl", name)
-        self.backend = self.inner.backend
-        self.agent_name = self.inner.agent_name
+    def __init__(self, name: str, delay: float) -> None:
+        self.inner = create_transport("nixl", name, TransportConfig(cuda_ipc_direct=True))
+        super().__init__(self.inner.agent_name, self.inner.config)
         self.delay = delay
         self.reading = asyncio.Event()
 
-    def register(self, table: Any, mem_type: str) -> Any:
+    def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
         return self.inner.register(table, mem_type)
 
-    def deregister(self, handle: Any) -> None:
-        self.inner.deregister(handle)
+    def deregister(self, registration: Registration) -> None:
+        self.inner.deregister(registration)
 
     def metadata(self) -> bytes:
         return self.inner.metadata()
@@ -215,15 +223,20 @@ class DelayedDataPlane:
     def add_peer(self, metadata: bytes) -> str:
         return self.inner.add_peer(metadata)
 
-    def remove_peer(self, name: str) -> None:
-        self.inner.remove_peer(name)
+    def remove_peer(self, peer: str) -> None:
+        self.inner.remove_peer(peer)
 
-    async def read(
-        self, peer: str, local: Any, remote: Any, *, mem_type: str, remote_mem_type: str, budget: float
-    ) -> None:
+    async def transfer(
+        self, op: Op, local: Any, remote: Any, peer: str, *, timeout: float, notify: bytes | None = None,
+        mem_type: MemType = "DRAM", remote_mem_type: MemType = "DRAM",
+    ) -> TransferResult:  # fmt: skip
         self.reading.set()
         await asyncio.sleep(self.delay)
-        await self.inner.read(peer, local, remote, mem_type=mem_type, remote_mem_type=remote_mem_type, budget=budget)
+        return await self.inner.transfer(op, local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type,
+                                         remote_mem_type=remote_mem_type)  # fmt: skip
+
+    def poll_notifications(self) -> list[Notification]:
+        return self.inner.poll_notifications()
 
     def close(self) -> None:
         self.inner.close()

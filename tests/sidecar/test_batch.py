@@ -13,10 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxfer._proto.kvxfer.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer.client import KvxferRpcError, PullItem, PullResult
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.server.app import Sidecar
+from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
 from tests.sidecar.helpers import Harness, Worker, attention, expect_error, transfer
 
 LAY = attention()
@@ -151,7 +151,7 @@ async def test_lookups_fall_back_to_single_calls_for_a_peer_without_batches(
         # FAKE: stands in for a kvxfer release that predates GetPublishedBatch (gRPC answers such a
         # peer's unknown method with UNIMPLEMENTED); nothing else can produce an older peer here.
         refused.append(len(req.requests))
-        err = KvxferError("Method not found!")
+        err = KvxferError("Method not found!", reason=Reason.UNSUPPORTED)  # what a bare UNIMPLEMENTED reads as
         err.status = "UNIMPLEMENTED"  # type: ignore[misc]
         raise err
 

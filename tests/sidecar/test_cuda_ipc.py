@@ -19,8 +19,10 @@ from kvxfer import cuda_ipc
 from kvxfer.cuda_ipc import CudaIpcError, CudaUnavailableError, Exported, IpcMappings
 from kvxfer.errors import KvxferError
 from kvxfer.memory import CudaIpcRef, MemoryRegistrationError, attach
-from kvxfer.server.convert import memory_from_proto, memory_to_proto
+from kvxfer.transport import MemType, Notification, Op, Registration, TransferResult, Transport
+from kvxfer.transport.cuda_ipc_direct import CudaIpcDirect
 from kvxfer.transport.nixl_backend import UCX_DEFAULTS, ucx_engine_config
+from kvxfer.wire.convert import memory_from_proto, memory_to_proto
 from tests.sidecar.helpers import Harness, attention, expect_error
 
 LAY = attention(layers=4, blocks=8)  # region_bytes = 8 blocks * 8 heads * 16 tokens * 2 * 64 * 2 bytes
@@ -260,8 +262,8 @@ def test_ucx_engine_config_respects_the_users_env() -> None:
 # ---------------------------------------------------------------------------- the synthetic GPU worker
 @pytest.mark.parametrize("cross_layer", [False, True])
 def test_cuda_kv_buffer_pages_round_trip_on_cpu(cross_layer: bool) -> None:
+    from kvxfer.harness.worker_sim import CudaKVBuffer, fill_blocks, poison_blocks, verify_blocks
     from kvxfer.topology import RankInfo
-    from kvxfer.worker_sim import CudaKVBuffer, fill_blocks, poison_blocks, verify_blocks
 
     lay = attention(layers=3, blocks=10, cross_layer=cross_layer)
     buf = CudaKVBuffer(lay, "cpu", pad=4096)
@@ -420,34 +422,38 @@ def test_driver_init_failures(rc: int, message: str) -> None:
 
 
 # ---------------------------------------------------------------------------- same-host READ shortcut
-class InnerPlane:
+class InnerPlane(Transport):
     """A backend that records what reaches it."""
 
-    backend = "fake"
-    agent_name = "inner"
+    name = "fake"
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        super().__init__("inner")
+        self.who = name
         self.reads: list[str] = []
 
-    def register(self, table: Any, mem_type: str) -> Any:
-        return ("reg", mem_type)
+    def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
+        return Registration(table, mem_type, ("reg", mem_type))
 
-    def deregister(self, handle: Any) -> None:
-        assert handle[0] == "reg"
+    def deregister(self, registration: Registration) -> None:
+        assert registration.handle[0] == "reg"
 
     def metadata(self) -> bytes:
-        return f"backend-metadata-of-{self.name}".encode()
+        return f"backend-metadata-of-{self.who}".encode()
 
     def add_peer(self, metadata: bytes) -> str:
         assert metadata.startswith(b"backend-metadata-of-"), metadata[:40]
         return metadata.decode().rsplit("-", 1)[1]
 
-    def remove_peer(self, name: str) -> None:
+    def remove_peer(self, peer: str) -> None:
         pass
 
-    async def read(self, peer: str, local: Any, remote: Any, **kw: Any) -> None:
+    async def transfer(self, op: Op, local: Any, remote: Any, peer: str, **kw: Any) -> TransferResult:
         self.reads.append(f"{peer}:{kw['mem_type']}")
+        return TransferResult(0, 0, 0.0)
+
+    def poll_notifications(self) -> list[Notification]:
+        return []
 
     def close(self) -> None:
         pass
@@ -455,9 +461,7 @@ class InnerPlane:
 
 def _planes(fake: FakeDriver) -> tuple[Any, Any, Any]:
     """A publisher (worker allocation handle(1) at offset 0x1000 in it) and a reader on this host."""
-    from kvxfer.server.dataplane import SameHostCudaIpc
-
-    pub, rd = SameHostCudaIpc(InnerPlane("pub")), SameHostCudaIpc(InnerPlane("rd"))  # type: ignore[arg-type]
+    pub, rd = CudaIpcDirect(InnerPlane("pub")), CudaIpcDirect(InnerPlane("rd"))
     rd._pid = -1  # the two "processes" are this one
     a = attach(ref(offsets=tuple(0x1000 + i * LAY.region_bytes for i in range(4))), LAY)
     reg = pub.register(a.table, "VRAM")
@@ -476,7 +480,7 @@ async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: F
     remote = np.array([[base + 64, 4096, 0], [base + 8192, 128, 0]], dtype=np.uint64)
     local = np.array([[0x5000_0000, 4096, 1], [0x5000_2000, 128, 1]], dtype=np.uint64)
     fake.opened.clear()
-    await rd.read("pub", local, remote, mem_type="VRAM", remote_mem_type="VRAM", budget=5.0)
+    await rd.read("pub", local, remote, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
     assert rd.direct_reads == 1
     assert rd._inner.reads == []
     # The reader mapped the worker's allocation on its own GPU (1) and read at the same offsets.
@@ -484,11 +488,11 @@ async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: F
     region1 = 0x1000_0000 + 0x1000 + LAY.region_bytes
     assert fake.copies == [(1, [0x5000_0000, 0x5000_2000], [region1 + 64, region1 + 8192], [4096, 128])]
     # DRAM, or a descriptor outside the peer's regions, never take the shortcut.
-    await rd.read("pub", local, remote, mem_type="DRAM", remote_mem_type="DRAM", budget=5.0)
+    await rd.read("pub", local, remote, mem_type="DRAM", remote_mem_type="DRAM", timeout=5.0)
     assert rd._inner.reads == ["pub:DRAM"]
     with pytest.raises(KvxferError, match="outside the peer's registered regions"):
         await rd.read("pub", local, remote + np.array([[1 << 40, 0, 0]], dtype=np.uint64), mem_type="VRAM",
-                      remote_mem_type="VRAM", budget=5.0)  # fmt: skip
+                      remote_mem_type="VRAM", timeout=5.0)  # fmt: skip
     rd.remove_peer("pub")
     assert (1, 0x1000_0000) in fake.closed  # the reader's mapping is gone with the peer
     pub.deregister(reg)
@@ -508,7 +512,7 @@ async def test_same_host_shortcut_falls_back_when_the_handle_will_not_open(fake:
     fake.fail_devices = {1}
     desc = np.array([[base, 64, 1]], dtype=np.uint64)
     await rd.read("pub", desc, np.array([[base, 64, 0]], dtype=np.uint64), mem_type="VRAM", remote_mem_type="VRAM",
-                  budget=5.0)  # fmt: skip
+                  timeout=5.0)  # fmt: skip
     assert rd.direct_reads == 1
     assert fake.opened[-1] == (0, handle(1))
     rd.remove_peer("pub")
@@ -516,21 +520,19 @@ async def test_same_host_shortcut_falls_back_when_the_handle_will_not_open(fake:
     rd.add_peer(md)
     fake.fail_devices = {0, 1}
     for _ in range(2):
-        await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", budget=5.0)
+        await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
     assert rd._inner.reads == ["pub:VRAM", "pub:VRAM"]
     assert "CUDA_ERROR_INVALID_VALUE" in rd._peers["pub"].broken
     assert len(cuda_ipc.mappings) == 0
 
 
 def test_other_hosts_and_disabled_readers_use_the_backend(fake: FakeDriver) -> None:
-    from kvxfer.server.dataplane import SameHostCudaIpc
-
     pub, rd, (a, _reg) = _planes(fake)
     md = pub.metadata()
     rd._host = "another-host"
     rd.add_peer(md)
     assert "pub" not in rd._peers
-    off = SameHostCudaIpc(InnerPlane("off"), enabled=False)  # type: ignore[arg-type]
+    off = CudaIpcDirect(InnerPlane("off"), enabled=False)
     assert off.add_peer(md) == "pub"  # the envelope is stripped even when the shortcut is off
     assert off._peers == {}
     a.close()

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from kvxfer import demo
-from kvxfer.demo import run_demo
+from kvxfer.harness import demo
+from kvxfer.harness.demo import run_demo
+from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.topology import RankInfo
-from kvxfer.worker_sim import fill_blocks, verify_blocks
 
 
 def test_demo_json_is_one_object_with_the_figures() -> None:

@@ -9,13 +9,13 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2, local_pb2_grpc
 from kvxfer.client import AsyncClient, KvxferRpcError
-from kvxfer.cluster import LocalCluster
+from kvxfer.harness.cluster import LocalCluster
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import CudaIpcRef, LibraryRef, SharedMemoryRef, ShmRegionRef
 from kvxfer.server.app import Sidecar
-from kvxfer.server.convert import layout_to_proto
+from kvxfer.wire import common_pb2, local_pb2, local_pb2_grpc
+from kvxfer.wire.convert import layout_to_proto
 from tests.sidecar.conftest import JsonLogs
 from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, transfer
 

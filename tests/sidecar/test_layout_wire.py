@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from kvxfer.layout import KVCacheLayout
-from kvxfer.server.convert import layout_from_proto, layout_to_proto
+from kvxfer.wire.convert import layout_from_proto, layout_to_proto
 
 LAYOUTS = [
     KVCacheLayout.attention(num_layers=3, num_blocks=9, block_size=32, num_kv_heads=2, head_size=64, dtype="fp16",

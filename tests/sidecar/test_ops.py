@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -293,6 +294,25 @@ def test_generated_code_is_up_to_date() -> None:
     out = subprocess.run([sys.executable, "-m", "kvxfer.tools.genproto", "--check"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_generated_code_check_covers_the_typing_stubs(tmp_path: Path) -> None:
+    from kvxfer.tools import genproto
+
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    # protoc in a process of its own: grpc_tools' compiler crashes a process that already loaded NIXL.
+    code = (
+        "import sys; from pathlib import Path; from kvxfer.tools import genproto; genproto.generate(Path(sys.argv[1]))"
+    )
+    subprocess.run([sys.executable, "-c", code, str(fresh)], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    shutil.copytree(fresh, stale)
+    assert genproto.differences(fresh, stale) == []
+    stub = stale / "kvxfer" / "v1" / "local_pb2.pyi"
+    stub.write_text(stub.read_text().replace("request_id", "request_key", 1))
+    (stale / "kvxfer" / "v1" / "peer_pb2_grpc.pyi").unlink()
+    assert genproto.differences(fresh, stale) == [
+        "missing: kvxfer/v1/peer_pb2_grpc.pyi", "differs: kvxfer/v1/local_pb2.pyi",
+    ]  # fmt: skip
 
 
 def _certs(d: Path) -> tuple[str, str, str]:

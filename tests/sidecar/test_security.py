@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from kvxfer import PROTOCOL_VERSION
-from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.server.app import Sidecar
-from kvxfer.server.convert import rank_to_proto
 from kvxfer.topology import RankInfo
+from kvxfer.wire import common_pb2, local_pb2, peer_pb2, peer_pb2_grpc
+from kvxfer.wire.convert import rank_to_proto
 from tests.sidecar.helpers import Harness, Worker, attention, expect_error, transfer
 
 OK = grpc.StatusCode

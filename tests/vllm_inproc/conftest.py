@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import vllm  # unconditionally: without vLLM this suite must fail, not skip
 
-from kvxfer.cluster import LocalCluster
+from kvxfer.harness.cluster import LocalCluster
 from tests.vllm_inproc.pd import PD, SIDECAR_SETS, Sidecars
 
 WANTED = os.environ.get("KVXFER_VLLM_INPROC", "")

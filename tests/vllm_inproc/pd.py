@@ -20,7 +20,7 @@ from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from kvxfer.client import Client
-from kvxfer.cluster import LocalCluster, SidecarProc
+from kvxfer.harness.cluster import LocalCluster, SidecarProc
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import transfer_groups

@@ -145,7 +145,7 @@ def test_decode_prefix_cache_covering_everything_frees_the_prefill_copy_at_once(
     sending, _, _ = pre.finished(sending="p-full", timeout=10)
     assert sending == {"p-full"}
     assert time.monotonic() - start < 10
-    assert pre.workers[0].link.call(pre.workers[0].link.client.status())["leases"] == 0
+    assert pre.workers[0].sidecar.status()["leases"] == 0
     assert dec.workers[0].load_errors() == set()
 
 
@@ -207,7 +207,7 @@ def test_request_aborted_while_loading_ends_without_load_errors(pd: PD) -> None:
     assert failed == set()
     assert dec.workers[0].load_errors() == set()
     for w in pre.workers:  # nobody read p-ab
-        w.link.call(w.link.client.release("p-ab"))
+        w.sidecar.release("p-ab")
 
 
 def test_lease_expiry_hands_the_blocks_back(pd: PD) -> None:

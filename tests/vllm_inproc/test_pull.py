@@ -389,7 +389,7 @@ def pull_rank_by_rank(dec: Instance, rid: str, prompt: int, params: dict[str, An
 def release_everywhere(inst: Instance, rid: str) -> None:
     """Drop a publish a failed pull left behind (the test's teardown checks that none is left)."""
     for w in inst.workers:
-        w.link.call(w.link.client.release(rid))
+        w.sidecar.release(rid)
 
 
 BUG_STALE_READER = (

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 
 __all__ = [
     "ParamsError",
@@ -37,6 +37,7 @@ class ParamsError(KvxferError):
     """``kv_transfer_params`` that cannot drive a transfer; the message names the key."""
 
     status = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_FIELD
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:

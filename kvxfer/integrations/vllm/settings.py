@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 
 __all__ = ["DEFAULT_SOCKET", "ConnectorSettings", "ConnectorSettingsError"]
 
@@ -26,6 +26,7 @@ class ConnectorSettingsError(KvxferError):
     """A connector setting is missing or malformed; the message names it."""
 
     status = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_FIELD
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.errors import KvxferError, LayoutError, Reason
 from kvxfer.layout import CacheKind, DType, KVCacheLayout, Order, Packing, head_range
 
 __all__ = [
@@ -42,6 +42,7 @@ class KVCacheDescriptionError(KvxferError):
     """vLLM's caches are not something kvxfer can move; the message names vLLM's field and value."""
 
     status = "FAILED_PRECONDITION"
+    default_reason = Reason.LAYOUT
 
 
 def vllm_version_supported(version: str) -> bool:

@@ -1,7 +1,8 @@
 """The worker side of the vLLM connector, free of vLLM: one rank's caches, pulls and releases.
 
 vLLM calls the worker side from its model-runner thread and expects every call to return at
-once. All sidecar calls therefore run on a private event-loop thread (:class:`SidecarLink`);
+once. All sidecar calls therefore run on the blocking client's event-loop thread
+(:class:`kvxfer.client.Client`, started with :meth:`~kvxfer.client.Client.submit`);
 the runner thread only starts them and, once per step, collects what finished.
 """
 
@@ -9,16 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import contextlib
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from kvxfer.client import AsyncClient, KvxferRpcError, PullResult, TokenSpan
-from kvxfer.errors import KvxferError
+from kvxfer.client import Client, KvxferRpcError, PullResult, TokenSpan
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.integrations.vllm.kvcache import SharedCaches, share_caches
 from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.plan import PullSpec, StepPlan
@@ -27,7 +27,7 @@ from kvxfer.integrations.vllm.spec import CacheGroup
 from kvxfer.logs import get_logger, log_context
 from kvxfer.topology import RankInfo
 
-__all__ = ["SidecarLink", "SidecarUnavailableError", "WorkerSide"]
+__all__ = ["SidecarUnavailableError", "WorkerSide"]
 
 log = get_logger("kvxfer.vllm.worker")
 T = TypeVar("T")
@@ -44,40 +44,7 @@ class SidecarUnavailableError(KvxferError):
     """The worker's sidecar cannot be reached; the message names its address."""
 
     status = "UNAVAILABLE"
-
-
-class SidecarLink:
-    """One sidecar's local API on a private event-loop thread, usable from any thread."""
-
-    def __init__(self, target: str, *, token: str | None, timeout: float) -> None:
-        self.target = target
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-link", daemon=True)
-        self._thread.start()
-
-        async def make() -> AsyncClient:
-            # grpc.aio binds a channel to the loop that creates it.
-            return AsyncClient(target, token=token, timeout=timeout)
-
-        self.client = self.call(make())
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
-        """Run ``coro`` on the link's loop; returns at once."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the link's loop and wait for its result."""
-        return self.submit(coro).result(timeout)
-
-    def close(self) -> None:
-        """Close the channel and stop the loop thread."""
-        if not self._thread.is_alive():
-            return
-        # Best effort: the process is going away.
-        with contextlib.suppress(Exception):
-            self.call(self.client.close(), timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+    default_reason = Reason.SIDECAR_UNREACHABLE
 
 
 class WorkerSide:
@@ -96,7 +63,7 @@ class WorkerSide:
         self.worker_id = worker_id or f"rank{local_rank}"
         self.failure_policy = failure_policy
         self.target = settings.socket_for(rank=local_rank, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=dp_rank)
-        self.link = SidecarLink(self.target, token=settings.token(), timeout=settings.call_timeout_seconds)
+        self.sidecar = Client(self.target, token=settings.token(), timeout=settings.call_timeout_seconds)
         self.shared: SharedCaches | None = None
         self.registration: dict[str, Any] = {}
         self._names: dict[int, list[str]] = {}  # vLLM transfer group -> kvxfer groups
@@ -118,7 +85,7 @@ class WorkerSide:
         self._names = {}
         for g in groups:
             self._names.setdefault(g.transfer_index, []).append(g.name)
-        self.registration = self.link.call(self._register(), timeout=self.settings.call_timeout_seconds + 5)
+        self.registration = self.sidecar.call(self._register(), timeout=self.settings.call_timeout_seconds + 5)
         for g in groups:
             lay = g.layout
             log.info(
@@ -127,7 +94,7 @@ class WorkerSide:
                 f"{lay.block_size} tokens "
                 f"({lay.page_bytes} bytes per page), {'CUDA IPC' if self.shared.is_cuda else 'shared memory'}"
             )
-        self._watcher = self.link.submit(self._watch())
+        self._watcher = self.sidecar.submit(self._watch())
         return self.registration
 
     async def _register(self) -> dict[str, Any]:
@@ -136,12 +103,12 @@ class WorkerSide:
         # Handing descriptors over is a blocking socket exchange: keep it off the loop.
         refs = await asyncio.to_thread(shared.refs, self.target, token=self.settings.token())
         groups = {g.name: (g.layout, refs[g.name]) for g in shared.groups}
-        return await self.link.client.register_caches(groups, rank=self.rank, worker_id=self.worker_id)
+        return await self.sidecar.aio.register_caches(groups, rank=self.rank, worker_id=self.worker_id)
 
     def _wait_for_sidecar(self) -> None:
         within = self.settings.startup_timeout_seconds
         try:
-            self.link.call(self.link.client.wait_ready(within), timeout=within + 5)
+            self.sidecar.call(self.sidecar.aio.wait_ready(within), timeout=within + 5)
         except (KvxferRpcError, cf.TimeoutError) as exc:
             raise SidecarUnavailableError(
                 f"sidecar_socket: no kvxfer sidecar answers at {self.target} after {within:g}s ({exc}); start "
@@ -155,7 +122,7 @@ class WorkerSide:
         after, instance = 0, self.registration.get("instance_id", "")
         while not self._closed:
             try:
-                async for ev in self.link.client.watch_completions(replay=True, after=after):
+                async for ev in self.sidecar.aio.watch_completions(replay=True, after=after):
                     after = ev.sequence
                     if ev.kind in _RELEASE_KINDS:
                         with self._lock:
@@ -166,7 +133,7 @@ class WorkerSide:
                 return
             await asyncio.sleep(0.5)
             try:
-                st = await self.link.client.status(deadline=2.0)
+                st = await self.sidecar.aio.status(deadline=2.0)
                 if st["instance_id"] != instance or not st["registered"]:
                     log.warning(f"the sidecar {self.target} restarted; registering the caches again")
                     self.registration = await self._register()
@@ -183,16 +150,16 @@ class WorkerSide:
             if spec.request_id in self._pulls:
                 log.warning(f"request {spec.request_id}: a pull is already running")
                 continue
-            self._pulls[spec.request_id] = (spec, self.link.submit(self._pull(spec)))
+            self._pulls[spec.request_id] = (spec, self.sidecar.submit(self._pull(spec)))
         for rid in plan.aborts:
             running = self._pulls.get(rid)
             if running is None or running[1].done():
                 continue
             self._aborting.add(rid)
-            self.link.submit(self._abort(running[0]))
+            self.sidecar.submit(self._abort(running[0]))
         if self.rank.tp_rank == 0:  # one rank per pipeline stage tells that stage's prefill ranks
             for remote in plan.drops:
-                self.link.submit(self._drop(remote))
+                self.sidecar.submit(self._drop(remote))
 
     async def _pull(self, spec: PullSpec) -> PullResult:
         remote = spec.remote
@@ -208,7 +175,7 @@ class WorkerSide:
                     spans[name] = TokenSpan(gp.num_tokens, gp.local_skip, gp.remote_skip)
         with log_context(request_id=spec.request_id, peer=remote.sidecar_engine_id or remote.engine_id or None):
             addresses = self._stage_addresses(remote.addresses)
-            return await self.link.client.pull(
+            return await self.sidecar.aio.pull(
                 remote.request_id, addresses, local, remote_blocks=remote_blocks, spans=spans,
                 remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
             )  # fmt: skip
@@ -228,7 +195,7 @@ class WorkerSide:
     async def _drop(self, remote: RemotePrefill) -> None:
         try:
             addresses = self._stage_addresses(remote.addresses)
-            await self.link.client.drop_remote(remote.request_id, addresses, "the decode instance needs none of its KV")
+            await self.sidecar.aio.drop_remote(remote.request_id, addresses, "the decode instance needs none of its KV")
         except KvxferError as exc:  # the lease still frees it
             log.warning(f"request {remote.request_id}: could not ask the prefill side to free it: {exc.message}")
 
@@ -236,7 +203,7 @@ class WorkerSide:
         if spec.remote is None:
             return
         try:
-            await self.link.client.abort(spec.remote.request_id, "the vLLM request finished before its KV arrived")
+            await self.sidecar.aio.abort(spec.remote.request_id, "the vLLM request finished before its KV arrived")
         except KvxferRpcError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 log.warning(f"request {spec.request_id}: abort failed: {exc.details}")
@@ -297,10 +264,10 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
-        """Stop the link; let the sidecar forget the memory (tensors keep their mapping)."""
+        """Close the client; let the sidecar forget the memory (tensors keep their mapping)."""
         self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
-        self.link.close()
+        self.sidecar.close()
         if self.shared is not None:
             self.shared.close()

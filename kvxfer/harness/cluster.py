@@ -27,9 +27,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import KvxferError
+from kvxfer.harness.worker_sim import WorkerConfig
 from kvxfer.layout import KVCacheLayout
 from kvxfer.ports import free_port
-from kvxfer.worker_sim import WorkerConfig
 
 __all__ = ["BlockAllocator", "ClusterError", "LocalCluster", "SidecarProc", "WorkerProc"]
 
@@ -69,7 +69,7 @@ class SidecarProc:
 
 @dataclass
 class WorkerProc:
-    """A synthetic worker process (``python -m kvxfer.worker_sim``) driven by JSON lines."""
+    """A synthetic worker process (``python -m kvxfer.harness.worker_sim``) driven by JSON lines."""
 
     name: str
     proc: subprocess.Popen[str]
@@ -200,7 +200,7 @@ class LocalCluster:
         log_path = self.dir / f"{name}.log"
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvxfer.worker_sim", cfg.to_json()], stdin=subprocess.PIPE,
+                [sys.executable, "-m", "kvxfer.harness.worker_sim", cfg.to_json()], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=logf, text=True, start_new_session=True,
             )  # fmt: skip
         w = WorkerProc(name, proc, log_path)

@@ -8,7 +8,7 @@ within the row - and a per-request salt. Any rank of any TP size, block size or 
 side: a decode rank that got every byte from the right place of the right prefill rank sees
 exactly the expected values, and anything misplaced, stale or missing shows up as mismatches.
 
-:func:`worker_main` (``python -m kvxfer.worker_sim``) runs a worker process driven by JSON lines
+:func:`worker_main` (``python -m kvxfer.harness.worker_sim``) runs a worker process driven by JSON lines
 on stdin (the demo and the soak script use it): it creates its shared-memory cache, registers it
 with its sidecar, then prefills-and-publishes or pulls-and-verifies on command.
 """
@@ -303,10 +303,10 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvxfer.worker_sim '<WorkerConfig JSON>'``: commands on stdin, answers on stdout."""
+    """``python -m kvxfer.harness.worker_sim '<WorkerConfig JSON>'``: commands on stdin, answers on stdout."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m kvxfer.worker_sim '<WorkerConfig JSON>'", file=sys.stderr)
+        print("usage: python -m kvxfer.harness.worker_sim '<WorkerConfig JSON>'", file=sys.stderr)
         return 2
     return worker_main(WorkerConfig.from_json(args[0]), sys.stdin, sys.stdout)
 

@@ -1,17 +1,14 @@
-"""The data plane as the sidecar uses it: register memory, exchange metadata, READ descriptor arrays.
+"""Same-host GPU READs by CUDA device copies: a transport wrapper around any backend.
 
-:class:`DataPlane` is the small surface the control plane needs; :func:`create_data_plane` builds
-one from :mod:`kvxfer.transport` (NIXL or Mooncake, one registry). Keeping this seam lets tests put
-a fault injector between the sidecar and a real backend (see tests/sidecar/helpers.py).
-
-Same-node GPU shortcut (:class:`SameHostCudaIpc`): a sidecar's GPU memory is the worker's, opened
-by CUDA IPC, and CUDA cannot export IPC-opened memory again (cuIpcGetMemHandle fails on it), so
-UCX's cuda_ipc transport cannot serve it and a NIXL READ between two sidecars of one node falls
-back to copies through host memory over tcp (0.4 GB/s on the lent H100 against a 1400 GB/s device
-copy). Instead, a publisher advertises the worker's own IPC handles in its data-plane metadata; a
-reader on the same host opens them itself and READs with device copies on its GPU. Anything else
-(another host, DRAM, a handle that will not open) goes through the backend as before.
-``KVXFER_CUDA_IPC_DIRECT=0`` turns the shortcut off.
+A sidecar's GPU memory is the worker's, opened by CUDA IPC, and CUDA cannot export IPC-opened
+memory again (``cuIpcGetMemHandle`` fails on it), so UCX's cuda_ipc transport cannot serve it and a
+NIXL READ between two sidecars of one node falls back to copies through host memory over tcp
+(0.4 GB/s on the lent H100 against a 1400 GB/s device copy). Instead, a publisher advertises the
+worker's own IPC handles in its data-plane metadata; a reader on the same host opens them itself
+and READs with device copies on its GPU. Anything else (another host, DRAM, a handle that will not
+open, WRITEs) goes through the wrapped backend. ``kvxfer serve --cuda-ipc-direct false`` (or
+``KVXFER_CUDA_IPC_DIRECT=0``) turns it off; :func:`kvxfer.transport.create_transport` wraps a
+backend when ``TransportConfig.cuda_ipc_direct`` is set.
 """
 
 from __future__ import annotations
@@ -19,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -30,112 +28,16 @@ from kvxfer import cuda_ipc
 from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger
 from kvxfer.topology import RegionTable
-from kvxfer.transport import Transport, TransportConfig, create_transport
+from kvxfer.transport.base import MemType, Notification, Op, Registration, TransferResult, Transport
 from kvxfer.transport.errors import TransferFailedError, TransferTimeoutError
 
-__all__ = ["DataPlane", "DataPlaneError", "SameHostCudaIpc", "create_data_plane"]
+__all__ = ["CudaIpcDirect"]
 
-log = get_logger("kvxfer.dataplane")
+log = get_logger("kvxfer.transport.cuda_ipc_direct")
 
 U64 = npt.NDArray[np.uint64]
 
 
-class DataPlaneError(KvxferError):
-    """The data plane could not be started."""
-
-    status = "FAILED_PRECONDITION"
-
-
-class DataPlane(Protocol):
-    """What the sidecar needs from a transfer backend."""
-
-    backend: str
-    agent_name: str
-
-    def register(self, table: RegionTable, mem_type: str) -> Any:
-        """Register every region of ``table``; returns a handle for :meth:`deregister`."""
-
-    def deregister(self, handle: Any) -> None:
-        """Undo :meth:`register`."""
-
-    def metadata(self) -> bytes:
-        """What a peer loads to reach this agent (after registration)."""
-
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns the name to pass to :meth:`read`."""
-
-    def remove_peer(self, name: str) -> None:
-        """Forget a peer."""
-
-    async def read(
-        self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str, budget: float
-    ) -> None:
-        """READ ``remote`` (N, 3) descriptors of ``peer`` into ``local`` ones within ``budget`` seconds."""
-
-    def close(self) -> None:
-        """Release the agent."""
-
-
-def create_data_plane(backend: str, name: str, *, options: dict[str, Any] | None = None) -> DataPlane:
-    """A data plane for ``backend`` (``nixl`` or ``mooncake``) named ``name``.
-
-    ``options``: ``nixl_backends``, ``data_port``, ``mooncake_protocol``, ``mooncake_device``,
-    ``listen_host`` (the address peers reach this host at).
-    """
-    options = options or {}
-    config = TransportConfig(
-        nixl_backends=tuple(options.get("nixl_backends", ("UCX",))),
-        listen_host=str(options.get("listen_host", "127.0.0.1")),
-        data_port=int(options.get("data_port", 0)),
-        protocol=str(options.get("mooncake_protocol", "tcp")),
-        device_names=str(options.get("mooncake_device", "")),
-    )
-    try:
-        dp = _TransportAdapter(create_transport(backend, name, config))
-    except KvxferError as exc:
-        raise DataPlaneError(
-            f"backend: the {backend} data plane did not start: {exc.message}", field="backend"
-        ) from None
-    return SameHostCudaIpc(dp, enabled=os.environ.get("KVXFER_CUDA_IPC_DIRECT", "1").strip().lower() not in _OFF)
-
-
-class _TransportAdapter:
-    """A :class:`kvxfer.transport.Transport` seen through :class:`DataPlane`."""
-
-    def __init__(self, transport: Transport) -> None:
-        self._t = transport
-        self.backend = transport.backend
-        self.agent_name = transport.agent_name
-
-    def register(self, table: RegionTable, mem_type: str) -> Any:
-        return self._t.register(table, "VRAM" if mem_type == "VRAM" else "DRAM")
-
-    def deregister(self, handle: Any) -> None:
-        self._t.deregister(handle)
-
-    def metadata(self) -> bytes:
-        return self._t.metadata()
-
-    def add_peer(self, metadata: bytes) -> str:
-        return self._t.add_peer(metadata)
-
-    def remove_peer(self, name: str) -> None:
-        self._t.remove_peer(name)
-
-    async def read(
-        self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str, budget: float
-    ) -> None:
-        await self._t.read(
-            peer, local, remote, timeout=budget, mem_type="VRAM" if mem_type == "VRAM" else "DRAM",
-            remote_mem_type="VRAM" if remote_mem_type == "VRAM" else "DRAM",
-        )  # fmt: skip
-
-    def close(self) -> None:
-        self._t.close()
-
-
-# ---------------------------------------------------------------------------- same-node CUDA IPC
-_OFF = ("0", "false", "no", "off")
 _ENVELOPE = b"KVXFER-CUDA-IPC/1\n"  # metadata = envelope, 4-byte header length, JSON header, backend metadata
 
 
@@ -159,12 +61,6 @@ class _Export:
     uuid: str
 
 
-@dataclass(frozen=True)
-class _Registration:
-    inner: Any
-    exports: tuple[_Export, ...]
-
-
 @dataclass
 class _Peer:
     """A publisher on this host whose worker memory this process maps itself."""
@@ -176,18 +72,17 @@ class _Peer:
     broken: str = ""
 
 
-class SameHostCudaIpc:
-    """A :class:`DataPlane` that READs VRAM of publishers on the same host with device copies.
+class CudaIpcDirect(Transport):
+    """A :class:`Transport` that READs VRAM of publishers on the same host with device copies.
 
-    See the module docstring. Wraps any data plane; its metadata is the wrapped one's unless GPU
+    See the module docstring. Wraps any transport; its metadata is the wrapped one's unless GPU
     memory registered by CUDA IPC is present.
     """
 
-    def __init__(self, inner: DataPlane, *, enabled: bool = True) -> None:
+    def __init__(self, inner: Transport, *, enabled: bool = True) -> None:
+        super().__init__(inner.agent_name, inner.config)
         self._inner = inner
         self.enabled = enabled
-        self.backend = inner.backend
-        self.agent_name = inner.agent_name
         self._host = _host_id()
         self._pid = os.getpid()
         self._exports: dict[int, tuple[_Export, ...]] = {}
@@ -195,11 +90,24 @@ class SameHostCudaIpc:
         self.direct_reads = 0  # READs that took the shortcut (tests, benchmarks)
         self._waiter: ThreadPoolExecutor | None = None  # waits for device copies (one stream: in order)
 
+    name = "cuda-ipc-direct"
+
+    @property
+    def backend(self) -> str:
+        """The wrapped backend's name: what peers compare in a handshake."""
+        return self._inner.backend
+
+    @property
+    def inner(self) -> Transport:
+        """The wrapped backend."""
+        return self._inner
+
     # ------------------------------------------------------------------ registration
-    def register(self, table: RegionTable, mem_type: str) -> Any:
-        reg = _Registration(self._inner.register(table, mem_type), self._exports_of(table, mem_type))
-        if reg.exports:
-            self._exports[id(reg)] = reg.exports
+    def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:
+        reg = self._inner.register(table, mem_type)
+        exports = self._exports_of(table, mem_type)
+        if exports:
+            self._exports[id(reg)] = exports
         return reg
 
     def _exports_of(self, table: RegionTable, mem_type: str) -> tuple[_Export, ...]:
@@ -214,9 +122,9 @@ class SameHostCudaIpc:
             out.append(_Export(int(base), int(size), handle, offset, cuda_ipc.driver().device_uuid(ordinal)))
         return tuple(out)
 
-    def deregister(self, handle: Any) -> None:
-        self._exports.pop(id(handle), None)
-        self._inner.deregister(handle.inner if isinstance(handle, _Registration) else handle)
+    def deregister(self, registration: Registration) -> None:
+        self._exports.pop(id(registration), None)
+        self._inner.deregister(registration)
 
     def metadata(self) -> bytes:
         inner = self._inner.metadata()
@@ -264,11 +172,13 @@ class SameHostCudaIpc:
                 log.warning("could not unmap a peer's CUDA IPC handle", extra={"peer": name, "error": exc.message})
 
     # ------------------------------------------------------------------ transfers
-    async def read(
-        self, peer: str, local: U64, remote: U64, *, mem_type: str, remote_mem_type: str, budget: float
-    ) -> None:
+    async def transfer(
+        self, op: Op, local: U64, remote: U64, peer: str, *, timeout: float, notify: bytes | None = None,
+        mem_type: MemType = "DRAM", remote_mem_type: MemType = "DRAM",
+    ) -> TransferResult:  # fmt: skip
         p = self._peers.get(peer)
-        if p is not None and not p.broken and mem_type == "VRAM" and remote_mem_type == "VRAM" and local.shape[0]:
+        direct = op == "READ" and notify is None and mem_type == "VRAM" and remote_mem_type == "VRAM"
+        if direct and p is not None and not p.broken and local.shape[0]:
             ordinal = int(local[0, 2])
             try:
                 src = self._translate(peer, p, remote, ordinal)
@@ -279,10 +189,16 @@ class SameHostCudaIpc:
                     extra={"peer": peer, "error": exc.message},
                 )  # fmt: skip
             else:
-                await self._copy(peer, ordinal, local[:, 0], src, local[:, 1], budget)
+                t0 = time.perf_counter()
+                await self._copy(peer, ordinal, local[:, 0], src, local[:, 1], timeout)
                 self.direct_reads += 1
-                return
-        await self._inner.read(peer, local, remote, mem_type=mem_type, remote_mem_type=remote_mem_type, budget=budget)
+                return TransferResult(int(local[:, 1].sum()), int(local.shape[0]), time.perf_counter() - t0)
+        return await self._inner.transfer(
+            op, local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type, remote_mem_type=remote_mem_type
+        )
+
+    def poll_notifications(self) -> list[Notification]:
+        return self._inner.poll_notifications()
 
     def _translate(self, name: str, p: _Peer, remote: U64, ordinal: int) -> U64:
         """The peer's descriptor addresses as addresses of the worker's memory mapped in this process."""

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.cluster import BlockAllocator, ClusterError, LocalCluster
 from kvxfer.errors import KvxferError
+from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
 from kvxfer.layout import CacheKind, DType, KVCacheLayout, Order
 from kvxfer.planning import ModelShape
 from kvxfer.topology import RankInfo, TransferTopology

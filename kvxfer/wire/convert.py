@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer._proto.kvxfer.v1 import common_pb2, local_pb2
-from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.errors import InvalidArgumentError, KvxferError, LayoutError
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import CudaIpcRef, FdMemoryRef, FdRegionRef, LibraryRef, MemoryRef, SharedMemoryRef, ShmRegionRef
-from kvxfer.server.errors import InvalidArgumentError
 from kvxfer.topology import RankInfo, RegionTable
+from kvxfer.wire import common_pb2, local_pb2
 
 __all__ = [
     "MAX_ID_LEN",
@@ -45,7 +43,7 @@ def check_id(value: str, field: str) -> str:
     return value
 
 
-def layout_from_proto(msg: Any, field: str) -> KVCacheLayout:
+def layout_from_proto(msg: common_pb2.Layout, field: str) -> KVCacheLayout:
     """Build and validate a layout; errors read ``<field>.<layout field>: ...``."""
     data = {
         "kind": msg.kind,
@@ -71,7 +69,7 @@ def layout_from_proto(msg: Any, field: str) -> KVCacheLayout:
         raise InvalidArgumentError(f"{field}.{exc.message}", field=f"{field}.{sub}") from None
 
 
-def layout_to_proto(layout: KVCacheLayout) -> Any:
+def layout_to_proto(layout: KVCacheLayout) -> common_pb2.Layout:
     """The wire form of a layout."""
     return common_pb2.Layout(
         kind=layout.kind.value, num_layers=layout.num_layers, num_blocks=layout.num_blocks,
@@ -82,7 +80,7 @@ def layout_to_proto(layout: KVCacheLayout) -> Any:
     )  # fmt: skip
 
 
-def rank_from_proto(msg: Any, field: str) -> RankInfo:
+def rank_from_proto(msg: common_pb2.Rank, field: str) -> RankInfo:
     """A rank; sizes of 0 (unset) read as 1."""
     try:
         return RankInfo(int(msg.tp_rank), int(msg.tp_size) or 1, int(msg.pp_rank), int(msg.pp_size) or 1)
@@ -90,12 +88,14 @@ def rank_from_proto(msg: Any, field: str) -> RankInfo:
         raise InvalidArgumentError(f"{field}.{exc.message}", field=f"{field}.{exc.field}") from None
 
 
-def rank_to_proto(rank: RankInfo) -> Any:
+def rank_to_proto(rank: RankInfo) -> common_pb2.Rank:
     """The wire form of a rank."""
     return common_pb2.Rank(tp_rank=rank.tp_rank, tp_size=rank.tp_size, pp_rank=rank.pp_rank, pp_size=rank.pp_size)
 
 
-def blocks_from_proto(lists: Sequence[Any], layouts: Mapping[str, KVCacheLayout], field: str) -> dict[str, I64]:
+def blocks_from_proto(
+    lists: Sequence[common_pb2.BlockList], layouts: Mapping[str, KVCacheLayout], field: str
+) -> dict[str, I64]:
     """Block ids per cache group: every registered group exactly once, ids unique and in range."""
     out: dict[str, I64] = {}
     for i, bl in enumerate(lists):
@@ -135,14 +135,20 @@ def check_block_ids(ids: I64, num_blocks: int, field: str) -> I64:
     return ids
 
 
-def blocks_to_proto(blocks: Mapping[str, Iterable[int] | I64]) -> list[Any]:
-    """BlockList messages, one per group."""
-    return [
-        common_pb2.BlockList(group=g, block_ids=np.asarray(ids, dtype=np.int64).tolist()) for g, ids in blocks.items()
-    ]
+def blocks_to_proto(
+    blocks: Mapping[str, Iterable[int] | I64], spans: Mapping[str, tuple[int, int]] | None = None
+) -> list[common_pb2.BlockList]:
+    """BlockList messages, one per group; ``spans`` gives a group's (skip_tokens, num_tokens)."""
+    out = []
+    for g, ids in blocks.items():
+        skip, num = (spans or {}).get(g, (0, 0))
+        out.append(common_pb2.BlockList(
+            group=g, block_ids=np.asarray(ids, dtype=np.int64).tolist(), skip_tokens=skip, num_tokens=num
+        ))  # fmt: skip
+    return out
 
 
-def memory_from_proto(msg: Any, field: str) -> MemoryRef:
+def memory_from_proto(msg: local_pb2.Memory, field: str) -> MemoryRef:
     """The memory reference a worker sent."""
     kind = msg.WhichOneof("kind")
     if kind == "shm":
@@ -163,7 +169,7 @@ def memory_from_proto(msg: Any, field: str) -> MemoryRef:
     raise InvalidArgumentError(f"{field}: no memory given (set shm, cuda_ipc, library or fd)", field=field)
 
 
-def memory_to_proto(ref: MemoryRef) -> Any:
+def memory_to_proto(ref: MemoryRef) -> local_pb2.Memory:
     """The wire form of a memory reference."""
     if isinstance(ref, SharedMemoryRef):
         regions = [local_pb2.ShmRegion(name=r.name, offset=r.offset) for r in ref.regions]
@@ -185,7 +191,7 @@ def memory_to_proto(ref: MemoryRef) -> Any:
     )
 
 
-def regions_to_proto(table: RegionTable) -> list[Any]:
+def regions_to_proto(table: RegionTable) -> list[common_pb2.Region]:
     """Region messages of a table."""
     return [
         common_pb2.Region(base=int(b), size=int(s), device=int(d))
@@ -193,7 +199,7 @@ def regions_to_proto(table: RegionTable) -> list[Any]:
     ]
 
 
-def regions_from_proto(regions: Sequence[Any], layout: KVCacheLayout, field: str) -> RegionTable:
+def regions_from_proto(regions: Sequence[common_pb2.Region], layout: KVCacheLayout, field: str) -> RegionTable:
     """A remote region table, checked against the remote layout."""
     table = RegionTable(
         np.array([r.base for r in regions], dtype=np.uint64),

@@ -1,0 +1,302 @@
+"""The prefill side: publishes under leases, and the peer API that readers call about them.
+
+A worker *publishes* a request's blocks; they are held under a lease until every decode rank
+that reads them confirms (peer ``Notify``), the lease expires, or someone aborts. Readers first
+handshake (:meth:`Publisher.handshake`), then look the request up (``GetPublished``): only a
+reader that handshook learns block ids and region tables, and only a reader that fetched a
+request may free it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from kvxfer.config import Settings
+from kvxfer.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KvxferError,
+    NotFoundError,
+    Reason,
+)
+from kvxfer.logs import get_logger, log_context
+from kvxfer.metrics import SidecarMetrics
+from kvxfer.server.events import CompletionHub, Kind
+from kvxfer.server.identity import Identity, reader_differences
+from kvxfer.server.outbox import Outbox
+from kvxfer.server.registration import Registry
+from kvxfer.server.state import PublishEntry, ReaderKey, Registration
+from kvxfer.server.topologies import TopologyCache
+from kvxfer.server.validation import check_lease
+from kvxfer.topology import RankInfo
+from kvxfer.wire import local_pb2, peer_pb2
+from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto
+from kvxfer.wire.status import code_of
+
+__all__ = ["MAX_BATCH", "Publisher"]
+
+log = get_logger("kvxfer.server")
+MAX_BATCH = 1024  # items in one PullBatch or GetPublishedBatch
+
+
+class Publisher:
+    """Owns the publishes (leases) and the readers that handshook (see the module docs)."""
+
+    def __init__(
+        self, settings: Settings, registry: Registry, hub: CompletionHub, metrics: SidecarMetrics, outbox: Outbox,
+        topologies: TopologyCache,
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.registry = registry
+        self.hub = hub
+        self.metrics = metrics
+        self.outbox = outbox
+        self.topologies = topologies
+        self.publishes: dict[str, PublishEntry] = {}
+        self.readers: dict[ReaderKey, Identity] = {}  # sidecars that handshook us
+
+    # ------------------------------------------------------------------ local API
+    def publish(self, req: local_pb2.PublishRequest) -> local_pb2.PublishResponse:
+        """Hold a request's blocks under a lease."""
+        reg = self.registry.require()
+        rid = check_id(req.request_id, "request_id")
+        lease = check_lease(float(req.lease_seconds)) or self.settings.lease_seconds
+        old = self.publishes.get(rid)
+        if old is not None:
+            raise AlreadyExistsError(
+                f"request_id: {rid!r} is already published (lease expires in "
+                f"{max(0.0, old.expires_at - time.monotonic()):.1f}s)",
+                field="request_id",
+            )
+        blocks = blocks_from_proto(req.blocks, reg.layouts, "blocks")
+        entry = PublishEntry(rid, blocks, lease, time.monotonic() + lease)
+        self.publishes[rid] = entry
+        self._arm_lease(entry)
+        return local_pb2.PublishResponse(request_id=rid, expires_unix_ms=entry.expires_unix_ms)
+
+    def release(self, rid: str) -> bool:
+        """Drop a publish (the worker frees the blocks itself); False when none was held."""
+        return self.drop(rid) is not None
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Drop a publish and stop its readers; False when none was held."""
+        entry = self.drop(rid)
+        if entry is None:
+            return False
+        self.hub.emit(Kind.ABORTED, rid, code=grpc.StatusCode.ABORTED.value[0], message=reason)
+        self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=None))
+        return True
+
+    def drop(self, rid: str) -> PublishEntry | None:
+        """Forget a publish and its lease timer."""
+        entry = self.publishes.pop(rid, None)
+        if entry is not None and entry.timer is not None:
+            entry.timer.cancel()
+        return entry
+
+    def _arm_lease(self, entry: PublishEntry) -> None:
+        if entry.timer is not None:
+            entry.timer.cancel()
+        delay = max(0.0, entry.expires_at - time.monotonic())
+        entry.timer = asyncio.get_running_loop().call_later(delay, self._expire, entry)
+
+    def _expire(self, entry: PublishEntry) -> None:
+        if self.publishes.get(entry.request_id) is not entry:
+            return
+        if entry.expires_at > time.monotonic() + 1e-3:  # extended meanwhile
+            self._arm_lease(entry)
+            return
+        del self.publishes[entry.request_id]
+        self.metrics.lease_expirations.inc()
+        msg = f"lease of {entry.lease_seconds:g}s expired before the decode side confirmed; blocks released"
+        with log_context(request_id=entry.request_id):
+            log.info("lease expired", extra={"lease_seconds": entry.lease_seconds})
+        self.hub.emit(Kind.EXPIRED, entry.request_id, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message=msg)
+
+    def release_all(self, message: str) -> int:
+        """Release every publish (a drain ran out); returns how many."""
+        released = 0
+        for rid in list(self.publishes):
+            if self.drop(rid) is not None:
+                released += 1
+                with log_context(request_id=rid):
+                    log.info("lease released by the drain")
+                self.hub.emit(Kind.RELEASED, rid, code=grpc.StatusCode.UNAVAILABLE.value[0], message=message)
+        return released
+
+    # ------------------------------------------------------------------ peer API
+    def handshake(self, req: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
+        """Refuse incompatible readers with every difference listed; remember the others."""
+        try:
+            reader = Identity.from_proto(req.info, "info")
+        except KvxferError:
+            self.metrics.handshakes.labels(outcome="failed").inc()
+            raise
+        me = self.registry.identity()
+        diffs = reader_differences(reader, me)
+        if diffs:
+            self.metrics.handshakes.labels(outcome="refused").inc()
+            log.warning("handshake refused", extra={"peer": reader.label, "differences": "; ".join(diffs)})
+            raise FailedPreconditionError(
+                f"incompatible peer: {reader.label} cannot read from {me.label} (local = the reader, remote = this "
+                "sidecar): " + "; ".join(diffs),
+                field="info", reason=Reason.INCOMPATIBLE_PEER,
+            )  # fmt: skip
+        key = (reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank)
+        # A restarted reader gets a new instance id: forget its old ones.
+        for old in [k for k in self.readers if k[0] == key[0] and k[2:] == key[2:] and k[1] != key[1]]:
+            del self.readers[old]
+        self.readers[key] = reader
+        self.metrics.handshakes.labels(outcome="ok").inc()
+        return peer_pb2.HandshakeResponse(info=me.to_proto())
+
+    def knows(self, engine_id: str, instance_id: str) -> bool:
+        """True when that sidecar instance handshook with this one."""
+        return any(k[0] == engine_id and k[1] == instance_id for k in self.readers)
+
+    def get_published(self, req: peer_pb2.GetPublishedRequest) -> peer_pb2.GetPublishedResponse:
+        """A reader asks for a published request's blocks and regions."""
+        rid = check_id(req.request_id, "request_id")
+        reg = self.registry.require()
+        entry = self.publishes.get(rid)
+        if entry is None:
+            raise NotFoundError(
+                f"request_id: {rid!r} is not published on {self.settings.engine_id} (unknown, released or expired)",
+                field="request_id",
+            )
+        rank = rank_from_proto(req.rank, "rank")
+        key = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
+        reader = self.readers.get(key)
+        if reader is None:
+            raise FailedPreconditionError(
+                f"engine_id: reader {req.engine_id!r} (instance {req.instance_id}) has not handshaken with this "
+                "sidecar; handshake first",
+                field="engine_id", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
+        if entry.expected_readers is None or entry.reader_tp_size != rank.tp_size:
+            entry.expected_readers = self._expected_readers(reader, rank.tp_size, reg)
+            entry.reader_tp_size = rank.tp_size
+        entry.readers[key] = reader.address
+        # Hold the blocks at least as long as this reader may take to read them.
+        hold = time.monotonic() + self.settings.transfer_timeout_seconds
+        if entry.expires_at < hold:
+            entry.expires_at = hold
+        resp = peer_pb2.GetPublishedResponse(
+            request_id=rid, instance_id=self.registry.instance_id, epoch=reg.epoch,
+            expires_unix_ms=entry.expires_unix_ms,
+        )  # fmt: skip
+        for name, g in reg.groups.items():
+            resp.groups.append(
+                peer_pb2.PublishedGroup(
+                    name=name, block_ids=entry.blocks[name].tolist(), regions=self.registry.regions_of(name, reg),
+                    memory_type=g.memory.mem_type,
+                )
+            )  # fmt: skip
+        return resp
+
+    def get_published_batch(self, req: peer_pb2.GetPublishedBatchRequest) -> peer_pb2.GetPublishedBatchResponse:
+        """Several lookups, each answered (or refused) on its own."""
+        if len(req.requests) > MAX_BATCH:
+            raise InvalidArgumentError(
+                f"requests: {len(req.requests)} lookups in one GetPublishedBatch; at most {MAX_BATCH}",
+                field="requests",
+            )
+        out = peer_pb2.GetPublishedBatchResponse()
+        for r in req.requests:
+            try:
+                out.results.add(response=self.get_published(r))
+            except KvxferError as exc:  # one unknown request must not cost the others
+                out.results.add(code=code_of(exc).value[0], message=exc.message, reason=exc.reason.value,
+                                field=exc.field or "")  # fmt: skip
+        return out
+
+    def _expected_readers(self, reader: Identity, tp_size: int, reg: Registration) -> set[int]:
+        """Reader TP ranks that read from this rank, for every group (who must confirm)."""
+        out: set[int] = set()
+        for name, g in reg.groups.items():
+            theirs = reader.groups.get(name)
+            if theirs is None:
+                continue
+            for r in range(tp_size):
+                rank = RankInfo(r, tp_size, reader.rank.pp_rank, reader.rank.pp_size)
+                try:
+                    topo = self.topologies.topology(f"<{name}", theirs, g.layout, rank, reg.rank.tp_size)
+                except KvxferError:
+                    continue
+                if any(s.remote_rank == reg.rank.tp_rank for s in topo.sources()):
+                    out.add(r)
+        return out or {reader.rank.tp_rank}
+
+    def notify(self, req: peer_pb2.NotifyRequest) -> peer_pb2.NotifyResponse:
+        """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is."""
+        rid = check_id(req.request_id, "request_id")
+        entry = self.publishes.get(rid)
+        if entry is None:
+            return peer_pb2.NotifyResponse(released=False)
+        rank = rank_from_proto(req.rank, "rank")
+        unread = req.outcome == peer_pb2.NotifyRequest.UNREAD
+        self._check_notifier(req, rank, entry, unread)
+        if unread:
+            if entry.readers:
+                return peer_pb2.NotifyResponse(released=False)  # someone did read it: wait for them
+            self.drop(rid)
+            msg = f"no rank of {req.engine_id} reads this rank's copy (replicated elsewhere); released"
+            self.hub.emit(Kind.RELEASED, rid, message=msg, peer=req.engine_id)
+            return peer_pb2.NotifyResponse(released=True)
+        entry.done_readers.add(rank.tp_rank)
+        if req.outcome == peer_pb2.NotifyRequest.FAILED:
+            entry.failures.append(f"{req.engine_id}[tp {rank.tp_rank}]: {req.message}")
+        expected = entry.expected_readers or {rank.tp_rank}
+        if not expected <= entry.done_readers:
+            return peer_pb2.NotifyResponse(released=False)
+        self.drop(rid)
+        if entry.failures:
+            code = grpc.StatusCode.UNAVAILABLE.value[0]
+            msg = "decode side gave up: " + "; ".join(entry.failures) + "; blocks released"
+        else:
+            code, msg = 0, f"decode side ({req.engine_id}) has the blocks; released"
+        self.hub.emit(Kind.RELEASED, rid, code=code, message=msg, peer=req.engine_id)
+        return peer_pb2.NotifyResponse(released=True)
+
+    def _check_notifier(self, req: peer_pb2.NotifyRequest, rank: RankInfo, entry: PublishEntry, unread: bool) -> None:
+        # Only a reader that handshook (UNREAD) or fetched this request (DONE/FAILED) may free its blocks.
+        if unread:
+            known = self.knows(req.engine_id, req.instance_id)
+        else:
+            known = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank) in entry.readers
+        if not known:
+            raise FailedPreconditionError(
+                f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}, tp rank {rank.tp_rank}) "
+                f"{'has not handshaken with' if unread else 'did not fetch'} {req.request_id!r} from this sidecar; "
+                "notice refused",
+                field="engine_id", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
+
+    def notify_batch(self, req: peer_pb2.NotifyBatchRequest) -> peer_pb2.NotifyBatchResponse:
+        """Several notices at once; a bad one does not cost the others."""
+        released = 0
+        for n in req.notices:
+            try:
+                released += int(self.notify(n).released)
+            except KvxferError as exc:
+                log.warning("completion notice refused", extra={"peer": n.engine_id, "error": exc.message})
+        return peer_pb2.NotifyBatchResponse(released=released)
+
+    def peer_abort(self, req: peer_pb2.PeerAbortRequest, reason: str) -> bool:
+        """A reader aborted: drop the publish and stop the other readers; False when none was held."""
+        entry = self.drop(req.request_id)
+        if entry is None:
+            return False
+        self.hub.emit(Kind.ABORTED, req.request_id, code=grpc.StatusCode.ABORTED.value[0], message=reason,
+                      peer=req.engine_id)  # fmt: skip
+        self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=(req.engine_id, req.instance_id)))
+        return True
+
+    def count_readers(self) -> int:
+        """Reader sidecar instances that handshook (for the peers gauge)."""
+        # Called from the metrics server's thread: copy the keys in one step before iterating.
+        return len({k[:2] for k in tuple(self.readers)})

@@ -1,0 +1,325 @@
+"""The steps of one pull, in order: (1) sources, (2) handshakes and lookups, (3) descriptors, (4) READs.
+
+(1) works out which remote ranks hold what this rank needs (its own layout alone), (2) handshakes
+them (cached) and asks each for the published request, (3) checks what they answer and builds
+descriptors with :mod:`kvxfer.topology`, (4) READs from every rank at once over the data plane.
+Each step is a method of its own and raises a typed error with a reason; a retry policy or another
+step goes in between (:meth:`PullSteps.run`). What surrounds a pull (admission, its task, the
+outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.errors import (
+    DeadlineError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KvxferError,
+    NotFoundError,
+    PeerUnavailableError,
+    Reason,
+)
+from kvxfer.layout import KVCacheLayout
+from kvxfer.server.outbox import Outbox
+from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.registration import Registry
+from kvxfer.server.state import PullEntry, Registration
+from kvxfer.server.topologies import TopologyCache
+from kvxfer.server.validation import not_published
+from kvxfer.topology import RegionTable
+from kvxfer.transport import MemType, Transport
+from kvxfer.wire import local_pb2, peer_pb2
+from kvxfer.wire.convert import check_block_ids, rank_to_proto, regions_from_proto
+
+__all__ = ["PullSteps"]
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass
+class _Fetched:
+    """What one remote rank answered for a pull: per group, block ids and region table."""
+
+    blocks: dict[str, I64]
+    tables: dict[str, RegionTable]
+    mem_type: str
+
+
+class PullSteps:
+    """The steps of a pull (see the module docs); stateless between pulls apart from caches it reads."""
+
+    def __init__(
+        self, registry: Registry, data_plane: Transport, peers: PeerDirectory, outbox: Outbox,
+        topologies: TopologyCache,
+    ) -> None:  # fmt: skip
+        self.registry = registry
+        self.dp = data_plane
+        self.peers = peers
+        self.outbox = outbox
+        self.topologies = topologies
+
+    async def run(
+        self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
+        sessions: dict[int, PeerSession],
+    ) -> local_pb2.TransferStats:  # fmt: skip
+        """Every step of one pull, in order; ``sessions`` collects the peers contacted (for cleanup on failure)."""
+        ranks = self._plan_sources(entry, reg)
+        t_fetch = time.monotonic()
+        published = await self._fetch_all(entry, ranks, sessions)
+        fetch_seconds = time.monotonic() - t_fetch
+        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
+        total_bytes, total_desc, data_seconds = await self._read_all(entry, reg, per_rank, published, sessions)
+        entry.stage = "done"
+        return local_pb2.TransferStats(
+            bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
+            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ 1. sources
+    def _plan_sources(self, entry: PullEntry, reg: Registration) -> list[int]:
+        """Which remote ranks hold what this rank needs (from the local layout alone)."""
+        entry.stage = "planning sources"
+        remote_tp = len(entry.addresses)
+        needed: set[int] = set()
+        for name, g in reg.groups.items():
+            try:
+                needed |= self.topologies.sources(name, g.layout, reg, remote_tp)
+            except KvxferError as exc:
+                raise FailedPreconditionError(
+                    f"remote_addresses: {remote_tp} remote ranks do not fit group {name!r}: {exc.message}",
+                    field="remote_addresses", reason=Reason.LAYOUT,
+                ) from None  # fmt: skip
+        if reg.rank.tp_rank == 0:
+            # Remote ranks that no local rank reads (replicated heads or MLA latents) would hold their
+            # blocks until the lease expires; local rank 0 tells them to free at once.
+            everyone = self.topologies.read_by_all(reg, remote_tp)
+            entry.unread = [entry.addresses[q] for q in range(remote_tp) if q not in everyone]
+        return sorted(needed)
+
+    # ------------------------------------------------------------------ 2. handshakes and lookups
+    async def _fetch_all(
+        self, entry: PullEntry, ranks: list[int], sessions: dict[int, PeerSession]
+    ) -> dict[int, _Fetched]:
+        entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
+        if len(ranks) == 1:  # the common case: no task per rank
+            fetched = [await self._fetch(entry, ranks[0], sessions)]
+        else:
+            fetched = await asyncio.gather(*(self._fetch(entry, q, sessions) for q in ranks))
+        return dict(zip(ranks, fetched, strict=True))
+
+    async def _fetch(self, entry: PullEntry, q: int, sessions: dict[int, PeerSession]) -> _Fetched:
+        """Handshake rank ``q`` (cached) and get the published request from it."""
+        address = entry.addresses[q]
+        for attempt in range(2):
+            remaining = max(entry.deadline - time.monotonic(), 0.001)
+            session = await self.peers.session(address, budget=remaining)
+            self._check_rank(entry, q, session)
+            sessions[q] = session
+            if address not in entry.asked:
+                entry.asked.append(address)  # an abort from here on must reach it, answered or not
+            try:
+                resp = await self.outbox.lookup(address, self._lookup_request(entry), entry.deadline)
+            except NotFoundError:
+                raise NotFoundError(
+                    f"request_id: {entry.request_id!r} is not published on {session.identity.label} at {address} "
+                    "(unknown, already released, or its lease expired)",
+                    field="request_id",
+                ) from None
+            except FailedPreconditionError as exc:
+                if attempt == 0 and exc.reason is Reason.NOT_HANDSHAKEN:
+                    self.peers.invalidate(address)  # the peer restarted and forgot us
+                    continue
+                raise
+            them = session.identity
+            if resp.instance_id != them.instance_id or resp.epoch != them.epoch:
+                # The peer restarted or re-registered its memory: its data-plane metadata changed.
+                self.peers.invalidate(address)
+                if attempt == 0:
+                    continue
+                raise PeerUnavailableError(f"peer {address} changed while being contacted", field="remote_addresses",
+                                           reason=Reason.PEER_CHANGED)  # fmt: skip
+            entry.contacted.append(address)
+            return self._answer(session, resp)
+        raise PeerUnavailableError(f"peer {address}: could not get a stable handshake", field="remote_addresses",
+                                   reason=Reason.PEER_CHANGED)  # fmt: skip
+
+    def _lookup_request(self, entry: PullEntry) -> peer_pb2.GetPublishedRequest:
+        me = self.registry.identity()
+        return peer_pb2.GetPublishedRequest(
+            request_id=entry.request_id, engine_id=me.engine_id, instance_id=me.instance_id,
+            rank=rank_to_proto(me.rank),
+        )  # fmt: skip
+
+    @staticmethod
+    def _check_rank(entry: PullEntry, q: int, session: PeerSession) -> None:
+        them = session.identity
+        problems = []
+        if them.rank.tp_rank != q or them.rank.tp_size != len(entry.addresses):
+            problems.append(
+                f"it is tp rank {them.rank.tp_rank}/{them.rank.tp_size}, but remote_addresses[{q}] must be rank "
+                f"{q}/{len(entry.addresses)}"
+            )
+        if entry.remote_engine_id and them.engine_id != entry.remote_engine_id:
+            problems.append(f"it is engine {them.engine_id!r}, not {entry.remote_engine_id!r}")
+        if problems:
+            raise FailedPreconditionError(
+                f"remote_addresses[{q}]: the sidecar at {session.address} does not match: " + "; ".join(problems),
+                field=f"remote_addresses[{q}]", reason=Reason.PEER_MISMATCH,
+            )  # fmt: skip
+
+    def _answer(self, session: PeerSession, resp: peer_pb2.GetPublishedResponse) -> _Fetched:
+        """A publisher's answer, checked like a worker's input: READs may only touch what its handshake announced."""
+        out = _Fetched({}, {}, "DRAM")
+        address = session.address
+        for pg in resp.groups:
+            layout = session.identity.groups.get(pg.name)
+            if layout is None:
+                raise PeerUnavailableError(f"peer {address} published unknown group {pg.name!r}", field="groups",
+                                           reason=Reason.PEER_INPUT)  # fmt: skip
+            try:
+                out.blocks[pg.name] = check_block_ids(
+                    np.asarray(pg.block_ids, dtype=np.int64), layout.num_blocks,
+                    f"peer {address} published block_ids[{pg.name}]",
+                )  # fmt: skip
+                out.tables[pg.name] = _remote_regions(session, pg, layout)
+            except InvalidArgumentError as exc:
+                raise FailedPreconditionError(f"{exc.message}; refusing to read", field="remote_addresses",
+                                              reason=Reason.PEER_INPUT) from None  # fmt: skip
+            out.mem_type = pg.memory_type or "DRAM"
+        return out
+
+    # ------------------------------------------------------------------ 3. descriptors
+    def _descriptors(
+        self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
+        published: dict[int, _Fetched], sessions: dict[int, PeerSession],
+    ) -> tuple[dict[int, list[tuple[U64, U64]]], list[str]]:  # fmt: skip
+        """Validate block ids and build every rank's descriptor arrays, group by group."""
+        entry.stage = "building descriptors"
+        remote_tp = len(entry.addresses)
+        per_rank: dict[int, list[tuple[U64, U64]]] = {q: [] for q in published}
+        warnings: list[str] = []
+        for name, g in reg.groups.items():
+            for rids, qs in self._remote_lists(entry, name, remote_given.get(name), published):
+                topo = self.topologies.topology(name, g.layout, sessions[qs[0]].identity.groups[name], reg.rank,
+                                                remote_tp)  # fmt: skip
+                num_tokens, local_skip, remote_skip = entry.spans.get(name, (None, 0, 0))
+                try:
+                    plan = topo.plan(local_blocks[name], rids, num_tokens=num_tokens, local_skip=local_skip,
+                                     remote_skip=remote_skip)  # fmt: skip
+                except KvxferError as exc:
+                    field = exc.field or "blocks"
+                    raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
+                                               field=f"{field}[{name}]") from None  # fmt: skip
+                warnings.extend(plan.warnings)
+                for rp in plan.per_rank:
+                    if rp.remote_rank in qs:
+                        per_rank[rp.remote_rank].append(
+                            rp.descriptors(g.memory.table, published[rp.remote_rank].tables[name])
+                        )
+        return per_rank, warnings
+
+    @staticmethod
+    def _remote_lists(
+        entry: PullEntry, name: str, given: I64 | None, published: dict[int, _Fetched]
+    ) -> list[tuple[I64, list[int]]]:
+        """The remote ids to read per distinct published list, and which ranks published it."""
+        by_list: dict[bytes, list[int]] = {}
+        chosen: dict[bytes, I64] = {}
+        for q, fetched in published.items():
+            rids = fetched.blocks[name]
+            if given is not None:
+                # A reader may take any part of a publish (e.g. the tail its own prefix cache lacks), but
+                # nothing beyond it: ids that were not published are refused before any descriptor exists.
+                unknown = not_published(given, rids)
+                if unknown:
+                    raise InvalidArgumentError(
+                        f"remote_blocks[{name}]: {unknown} (remote rank {q} at {entry.addresses[q]} published "
+                        f"{rids.size} blocks)",
+                        field=f"remote_blocks[{name}]",
+                    )
+            key = rids.tobytes()
+            by_list.setdefault(key, []).append(q)
+            chosen[key] = given if given is not None else rids
+        return [(chosen[k], qs) for k, qs in by_list.items()]
+
+    # ------------------------------------------------------------------ 4. data plane
+    async def _read_all(
+        self, entry: PullEntry, reg: Registration, per_rank: dict[int, list[tuple[U64, U64]]],
+        published: dict[int, _Fetched], sessions: dict[int, PeerSession],
+    ) -> tuple[int, int, float]:  # fmt: skip
+        """READ from every remote rank at once; returns (bytes, descriptors, seconds of data movement)."""
+        entry.stage = "reading from " + ", ".join(f"rank {q} ({entry.addresses[q]})" for q in per_rank)
+        total_bytes = total_desc = 0
+        reads = []
+        mem_type = next(iter(reg.groups.values())).memory.mem_type
+        for q, parts in per_rank.items():
+            if not parts:
+                continue
+            local = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            remote = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            total_bytes += int(local[:, 1].sum())
+            total_desc += int(local.shape[0])
+            reads.append(self._read(entry, sessions[q], local, remote, mem_type, published[q].mem_type))
+        t0 = time.monotonic()
+        if not entry.posted.done():
+            entry.posted.set_result(None)
+        await _gather_or_cancel(reads)
+        return total_bytes, total_desc, time.monotonic() - t0
+
+    async def _read(self, entry: PullEntry, s: PeerSession, local: U64, remote: U64, mem: str, rmem: str) -> None:
+        remaining = max(entry.deadline - time.monotonic(), 0.001)
+        try:
+            await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=_mem(mem),
+                               remote_mem_type=_mem(rmem))  # fmt: skip
+        except KvxferError as exc:
+            self.peers.invalidate(s.address, reconnect=True)
+            if exc.status == "DEADLINE_EXCEEDED":
+                raise DeadlineError(
+                    f"data plane READ from {s.identity.label} at {s.address} did not finish within {remaining:.3g}s "
+                    f"(while {entry.stage}): {exc.message}",
+                    field="timeout_seconds",
+                ) from None
+            raise PeerUnavailableError(
+                f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
+                field="remote_addresses", reason=Reason.DATA_PLANE,
+            ) from None  # fmt: skip
+
+
+def _mem(value: str) -> MemType:
+    return "VRAM" if value == "VRAM" else "DRAM"
+
+
+def _remote_regions(session: PeerSession, pg: peer_pb2.PublishedGroup, layout: KVCacheLayout) -> RegionTable:
+    """A publisher's region table; fixed for one instance and epoch, so parsed once per session."""
+    raw = tuple((r.base, r.size, r.device) for r in pg.regions)
+    cached = session.regions.get(pg.name)
+    if cached is not None and cached[0] == raw:
+        table: RegionTable = cached[1]
+        return table
+    table = regions_from_proto(pg.regions, layout, f"peer {session.address} regions[{pg.name}]")
+    session.regions[pg.name] = (raw, table)
+    return table
+
+
+async def _gather_or_cancel(coros: list[Any]) -> None:
+    """Run all; on the first failure cancel the rest and raise it."""
+    if len(coros) == 1:
+        await coros[0]
+        return
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for c in coros:
+                tg.create_task(c)
+    except BaseExceptionGroup as group:
+        # Report the first real failure, not the group (the others were cancelled because of it).
+        first = next((e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)), group.exceptions[0])
+        raise first from None

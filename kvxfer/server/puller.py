@@ -1,0 +1,267 @@
+"""The decode side: the pulls in flight, from admission to the outcome.
+
+A Pull is validated and admitted (one per request id), runs as a task under its deadline through
+the steps of :mod:`kvxfer.server.pull_steps`, and ends in exactly one outcome: done, failed,
+timed out or aborted. Every outcome is reported the same way: a completion event, metrics, the
+waiting Pull call, and a notice to the publishers so they free their blocks at once. Every
+failure carries a status code, a reason and a message naming the field or peer; other pulls are
+untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.config import Settings
+from kvxfer.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    DeadlineError,
+    InvalidArgumentError,
+    KvxferError,
+    Reason,
+)
+from kvxfer.logs import get_logger, log_context
+from kvxfer.metrics import SidecarMetrics
+from kvxfer.server.events import CompletionHub, Kind
+from kvxfer.server.outbox import Outbox
+from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.publisher import MAX_BATCH
+from kvxfer.server.pull_steps import PullSteps
+from kvxfer.server.registration import Registry
+from kvxfer.server.state import PullEntry, Registration
+from kvxfer.server.topologies import TopologyCache
+from kvxfer.server.validation import check_addresses, check_timeout, remote_blocks, token_spans
+from kvxfer.transport import Transport
+from kvxfer.wire import local_pb2
+from kvxfer.wire.convert import blocks_from_proto, check_id
+from kvxfer.wire.status import code_of
+
+__all__ = ["Puller"]
+
+log = get_logger("kvxfer.server")
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+
+class Puller:
+    """Owns the pulls in flight (see the module docs)."""
+
+    def __init__(
+        self, settings: Settings, registry: Registry, data_plane: Transport, peers: PeerDirectory, outbox: Outbox,
+        hub: CompletionHub, metrics: SidecarMetrics, topologies: TopologyCache,
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.registry = registry
+        self.peers = peers
+        self.outbox = outbox
+        self.hub = hub
+        self.metrics = metrics
+        self.steps = PullSteps(registry, data_plane, peers, outbox, topologies)
+        self.pulls: dict[str, PullEntry] = {}
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ local API
+    async def pull(self, req: local_pb2.PullRequest, client_timeout: float | None) -> local_pb2.PullResponse:
+        """Validate, start the transfer, and answer when posted (or done, with ``wait``)."""
+        entry = self._start(req, client_timeout)
+        wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
+        try:
+            await asyncio.shield(wait_for)
+        except asyncio.CancelledError:
+            # The worker gave up on a waiting Pull (cancelled or its deadline passed): abort it.
+            if req.wait and entry.task is not None and not entry.task.done():
+                entry.abort_reason = "the worker cancelled its Pull call"
+                entry.task.cancel()
+            raise
+        failure = entry.done.exception() if entry.done.done() else None
+        if failure is not None:
+            raise failure
+        resp = local_pb2.PullResponse(transfer_id=entry.transfer_id, request_id=entry.request_id,
+                                      done=entry.done.done())  # fmt: skip
+        if entry.done.done():
+            resp.stats.CopyFrom(entry.done.result())
+        return resp
+
+    def _start(self, req: local_pb2.PullRequest, client_timeout: float | None) -> PullEntry:
+        reg = self.registry.require()
+        rid = check_id(req.request_id, "request_id")
+        if req.remote_engine_id:
+            check_id(req.remote_engine_id, "remote_engine_id")
+        if not req.remote_addresses:
+            raise InvalidArgumentError(
+                "remote_addresses: give the peer API address of every remote TP rank's sidecar, in rank order",
+                field="remote_addresses",
+            )
+        addresses = check_addresses(req.remote_addresses)
+        local_blocks = blocks_from_proto(req.local_blocks, reg.layouts, "local_blocks")
+        remote_given = remote_blocks(req.remote_blocks, reg.layouts)
+        limit = self.settings.transfer_timeout_seconds
+        timeout = min(check_timeout(float(req.timeout_seconds)) or limit, limit)
+        if client_timeout is not None:
+            timeout = min(timeout, max(client_timeout - 0.05, 0.01))
+        if rid in self.pulls:
+            raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
+        now = time.monotonic()
+        entry = PullEntry(
+            f"{self.registry.instance_id[:8]}-{next(self._ids)}", rid, req.remote_engine_id, addresses,
+            now + timeout, now, spans=token_spans(req.local_blocks, req.remote_blocks),
+        )  # fmt: skip
+        self.pulls[rid] = entry
+        entry.task = asyncio.get_running_loop().create_task(self._run(entry, reg, local_blocks, remote_given, timeout))
+        return entry
+
+    async def pull_batch(
+        self, req: local_pb2.PullBatchRequest, client_timeout: float | None
+    ) -> local_pb2.PullBatchResponse:
+        """Every pull runs as if it came alone; each gets its own result, in order."""
+        n = len(req.pulls)
+        if not 1 <= n <= MAX_BATCH:
+            raise InvalidArgumentError(f"pulls: {n} pulls in one PullBatch; give 1 to {MAX_BATCH}", field="pulls")
+
+        async def one(p: local_pb2.PullRequest) -> local_pb2.PullResult:
+            with log_context(request_id=p.request_id or None, peer=p.remote_engine_id or None):
+                try:
+                    return local_pb2.PullResult(response=await self.pull(p, client_timeout))
+                except KvxferError as exc:
+                    return local_pb2.PullResult(code=code_of(exc).value[0], message=exc.message,
+                                                reason=exc.reason.value, field=exc.field or "")  # fmt: skip
+                except Exception as exc:  # a bug: answer it for this pull, keep the others
+                    log.exception("pull failed unexpectedly")
+                    return local_pb2.PullResult(
+                        code=grpc.StatusCode.INTERNAL.value[0], message=f"internal error: {type(exc).__name__}: {exc}",
+                        reason=Reason.INTERNAL.value,
+                    )  # fmt: skip
+
+        # Tasks start in order and each registers its request id before its first await, so a
+        # repeated id within the batch is refused (ALREADY_EXISTS) like a second Pull would be.
+        return local_pb2.PullBatchResponse(results=await asyncio.gather(*(one(p) for p in req.pulls)))
+
+    async def abort(self, rid: str, reason: str) -> bool:
+        """Stop a pull of ``rid``; False when none was running."""
+        pull = self.pulls.get(rid)
+        if pull is None or pull.task is None or pull.task.done():
+            return False
+        pull.abort_reason = reason
+        pull.task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(pull.done), timeout=5.0)
+        return True
+
+    def peer_abort(self, rid: str, publishers: set[str], reason: str) -> bool:
+        """A publisher aborted ``rid``: cancel our pull of it if it reads from that publisher."""
+        pull = self.pulls.get(rid)
+        if pull is None or pull.task is None or pull.task.done() or publishers.isdisjoint(pull.addresses):
+            return False
+        pull.abort_reason, pull.abort_from_peer = reason, True
+        pull.task.cancel()
+        return True
+
+    async def cancel_all(self, reason: str, wait: float) -> int:
+        """Cancel every pull in flight (drain ran out, shutdown); returns how many."""
+        pulls = list(self.pulls.values())
+        for p in pulls:
+            if p.task is not None:
+                p.abort_reason = reason
+                p.task.cancel()
+        for p in pulls:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(p.done), timeout=wait)
+        return len(pulls)
+
+    # ------------------------------------------------------------------ one pull
+    async def _run(
+        self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
+        budget: float,
+    ) -> None:  # fmt: skip
+        sessions: dict[int, PeerSession] = {}
+        peer = entry.remote_engine_id or ",".join(entry.addresses)
+        with log_context(request_id=entry.request_id, transfer_id=entry.transfer_id, peer=peer):
+            failure: tuple[KvxferError, str] | None = None
+            try:
+                async with asyncio.timeout(budget):
+                    stats = await self.steps.run(entry, reg, local_blocks, remote_given, sessions)
+            except (Exception, asyncio.CancelledError) as exc:  # every way a pull ends is reported below
+                failure = self._failure(entry, exc, budget, sessions)
+            finally:
+                self.pulls.pop(entry.request_id, None)
+            if failure is not None:
+                self._failed(entry, *failure)
+                return
+            if not entry.done.done():
+                entry.done.set_result(stats)
+            # Bookkeeping runs after the waiting Pull handler (woken by set_result, so scheduled
+            # first) has answered the worker: it is off the worker's critical path.
+            asyncio.get_running_loop().call_soon(self._pulled, entry, stats, time.monotonic() - entry.started)
+
+    def _failure(
+        self, entry: PullEntry, exc: BaseException, budget: float, sessions: dict[int, PeerSession]
+    ) -> tuple[KvxferError, str]:
+        """The error a pull ended with, and its outcome label (timeout, aborted, failed)."""
+        rid = entry.request_id
+        if isinstance(exc, TimeoutError):
+            if entry.stage.startswith("reading"):
+                for s in sessions.values():
+                    self.peers.invalidate(s.address, reconnect=True)
+            return DeadlineError(f"pull of {rid!r} did not finish within {budget:.3g}s (while {entry.stage})",
+                                 field="timeout_seconds"), "timeout"  # fmt: skip
+        if isinstance(exc, asyncio.CancelledError):
+            why = entry.abort_reason or "the sidecar is shutting down"
+            return AbortedError(f"pull of {rid!r} aborted: {why}", field="request_id"), "aborted"
+        if isinstance(exc, KvxferError):
+            return exc, "failed"
+        log.exception("pull failed unexpectedly", exc_info=exc)
+        return KvxferError(f"internal error in pull of {rid!r}: {type(exc).__name__}: {exc}"), "failed"
+
+    def _failed(self, entry: PullEntry, err: KvxferError, outcome: str) -> None:
+        """Report a failed pull: metrics, event, the publishers, and the waiting Pull call."""
+        elapsed = time.monotonic() - entry.started
+        self.metrics.transfer_done("read", outcome, nbytes=0, descriptors=0, seconds=elapsed,  # type: ignore[arg-type]
+                                   reason=_metric_reason(err, outcome))  # fmt: skip
+        kind = Kind.ABORTED if outcome == "aborted" else Kind.PULL_FAILED
+        self.hub.emit(kind, entry.request_id, transfer_id=entry.transfer_id, code=code_of(err).value[0],
+                      message=err.message, peer=entry.remote_engine_id)  # fmt: skip
+        log.info("pull ended", extra={"outcome": outcome, "error": err.message})
+        reg = self.registry.registration
+        if outcome == "aborted" and not entry.abort_from_peer:
+            self.outbox.abort_publishers(entry, err.message)
+        elif reg is not None:
+            if outcome == "aborted":
+                entry.contacted.clear()  # only the unread replicas are told
+            self.outbox.notify_publishers(entry, reg.rank, "failed", err.message, 0)
+        for fut in (entry.posted, entry.done):
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()  # retrieved: a non-waiting Pull never awaits it
+
+    def _pulled(self, entry: PullEntry, stats: local_pb2.TransferStats, elapsed: float) -> None:
+        self.metrics.transfer_done("read", "ok", nbytes=stats.bytes, descriptors=stats.descriptors, seconds=elapsed)
+        self.hub.emit(
+            Kind.PULLED, entry.request_id, transfer_id=entry.transfer_id, peer=entry.remote_engine_id, stats=stats
+        )
+        log.debug("pull done", extra={"bytes": stats.bytes, "descriptors": stats.descriptors,
+                                      "seconds": round(elapsed, 6)})  # fmt: skip
+        reg = self.registry.registration
+        if reg is not None:
+            self.outbox.notify_publishers(entry, reg.rank, "done", "", stats.bytes)
+
+
+def _metric_reason(err: KvxferError, outcome: str) -> str:
+    """The ``reason`` label of kvxfer_transfer_failures_total (values the dashboard and contract name)."""
+    if outcome in ("timeout", "aborted"):
+        return outcome
+    if err.reason is Reason.DATA_PLANE:
+        return "data_plane"
+    return err.status.lower()
+
+
+async def _first(a: asyncio.Future[Any], b: asyncio.Future[Any]) -> None:
+    await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)

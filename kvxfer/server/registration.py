@@ -1,0 +1,154 @@
+"""The worker's registration: its cache groups, their memory, and who this sidecar is to peers.
+
+One sidecar serves one worker rank (``RegisterCaches``): the memory it described is attached
+(shared memory, descriptors, CUDA IPC, or this process's own) and registered with the data plane.
+The same rank may register again (a restarted worker) while nothing is published or pulled; every
+registration gets a new epoch, which peers see in the handshake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+from kvxfer import PROTOCOL_VERSION
+from kvxfer.config import Settings
+from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, Reason
+from kvxfer.logs import get_logger
+from kvxfer.memory import FdLookup, attach
+from kvxfer.metrics import SidecarMetrics
+from kvxfer.server.identity import Identity
+from kvxfer.server.state import Group, Registration
+from kvxfer.server.validation import check_rank_heads
+from kvxfer.transport import Transport
+from kvxfer.wire import common_pb2, local_pb2
+from kvxfer.wire.convert import check_id, layout_from_proto, memory_from_proto, rank_from_proto, regions_to_proto
+
+__all__ = ["Registry"]
+
+log = get_logger("kvxfer.server")
+
+
+class Registry:
+    """Owns the registration, its epoch and this sidecar's identity (see the module docs)."""
+
+    def __init__(
+        self, settings: Settings, data_plane: Transport, metrics: SidecarMetrics, *, instance_id: str,
+        peer_address: str, fd_lookup: FdLookup | None = None,
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.dp = data_plane
+        self.metrics = metrics
+        self.instance_id = instance_id
+        self.peer_address = peer_address
+        self.registration: Registration | None = None
+        self._fd_lookup = fd_lookup
+        self._epoch = 0
+        self._identity: Identity | None = None
+        self._regions_msg: dict[tuple[str, int], list[common_pb2.Region]] = {}
+
+    # ------------------------------------------------------------------ queries
+    def require(self) -> Registration:
+        """The registration, or FAILED_PRECONDITION when the worker has not registered yet."""
+        if self.registration is None:
+            raise FailedPreconditionError(
+                "no KV caches registered with this sidecar yet (call RegisterCaches first)", field="groups",
+                reason=Reason.NOT_REGISTERED,
+            )  # fmt: skip
+        return self.registration
+
+    def identity(self) -> Identity:
+        """This sidecar as its handshake describes it (needs a registration)."""
+        reg = self.require()
+        if self._identity is None or self._identity.epoch != reg.epoch:
+            self._identity = Identity(
+                PROTOCOL_VERSION, self.settings.engine_id, self.instance_id, reg.epoch, reg.rank, reg.layouts,
+                self.dp.backend, self.dp.agent_name, self.dp.metadata(), self.peer_address, self.settings.role,
+            )  # fmt: skip
+        return self._identity
+
+    def regions_of(self, name: str, reg: Registration) -> list[common_pb2.Region]:
+        """The region messages of group ``name`` (fixed per epoch, built once)."""
+        key = (name, reg.epoch)
+        msgs = self._regions_msg.get(key)
+        if msgs is None:
+            msgs = self._regions_msg[key] = regions_to_proto(reg.groups[name].memory.table)
+        return msgs
+
+    # ------------------------------------------------------------------ RegisterCaches
+    def register(self, req: local_pb2.RegisterCachesRequest, *, busy: str = "") -> local_pb2.RegisterCachesResponse:
+        """Attach and register the worker's memory; ``busy`` says why a registration cannot be replaced now."""
+        if self.registration is not None and busy:
+            raise FailedPreconditionError(f"groups: cannot replace the registration while {busy}", field="groups",
+                                          reason=Reason.REGISTRATION_BUSY)  # fmt: skip
+        rank = rank_from_proto(req.rank, "rank")
+        self._refuse_other_rank(req.worker_id, rank.tp_rank, rank.pp_rank, rank.tp_size, rank.pp_size)
+        if not req.groups:
+            raise InvalidArgumentError("groups: at least one cache group is needed", field="groups")
+        groups = self._attach_groups(req, rank)
+        old = self.registration
+        self._epoch += 1
+        self.registration = Registration(req.worker_id, rank, groups, self._epoch)
+        self._identity = None
+        self._regions_msg.clear()
+        if old is not None:
+            self.release(old.groups.values())
+        self.metrics.registered_bytes.set(self.registration.nbytes)
+        log.info(
+            "caches registered",
+            extra={"groups": ",".join(groups), "bytes": self.registration.nbytes, "epoch": self._epoch,
+                   "tp_rank": rank.tp_rank, "tp_size": rank.tp_size},
+        )  # fmt: skip
+        return local_pb2.RegisterCachesResponse(
+            engine_id=self.settings.engine_id, instance_id=self.instance_id, epoch=self._epoch,
+            registered_bytes=self.registration.nbytes, backend=self.dp.backend, peer_address=self.peer_address,
+        )  # fmt: skip
+
+    def _refuse_other_rank(self, worker: str, tp: int, pp: int, tp_size: int, pp_size: int) -> None:
+        held = self.registration
+        if held is None or (held.rank.tp_rank, held.rank.pp_rank) == (tp, pp):
+            return
+        # Two ranks sharing a sidecar would silently replace each other's memory: refuse the second.
+        raise FailedPreconditionError(
+            f"rank: this sidecar serves tp rank {held.rank.tp_rank}/{held.rank.tp_size} pp rank "
+            f"{held.rank.pp_rank}/{held.rank.pp_size} (worker {held.worker_id!r}); worker {worker!r} "
+            f"registered tp rank {tp}/{tp_size} pp rank {pp}/{pp_size}. One sidecar serves one worker rank: run one "
+            "sidecar per rank",
+            field="rank", reason=Reason.RANK_TAKEN,
+        )  # fmt: skip
+
+    def _attach_groups(self, req: local_pb2.RegisterCachesRequest, rank: Any) -> dict[str, Group]:
+        groups: dict[str, Group] = {}
+        try:
+            for i, g in enumerate(req.groups):
+                name = check_id(g.name, f"groups[{i}].name")
+                if name in groups:
+                    raise InvalidArgumentError(f"groups[{i}].name: group {name!r} given twice", field="groups")
+                layout = layout_from_proto(g.layout, f"groups[{i}].layout")
+                check_rank_heads(layout, rank, f"groups[{i}].layout")
+                memory = attach(memory_from_proto(g.memory, f"groups[{i}].memory"), layout,
+                                field=f"groups[{i}].memory", fds=self._fd_lookup)  # fmt: skip
+                try:
+                    handle = self.dp.register(memory.table, "VRAM" if memory.mem_type == "VRAM" else "DRAM")
+                except BaseException:
+                    memory.close()
+                    raise
+                groups[name] = Group(name, layout, memory, handle)
+        except BaseException:
+            self.release(groups.values())
+            raise
+        return groups
+
+    def release(self, groups: Iterable[Group]) -> None:
+        """Deregister and unmap ``groups`` (the worker's memory itself stays the worker's)."""
+        for g in groups:
+            with contextlib.suppress(Exception):
+                self.dp.deregister(g.dp_handle)
+            g.memory.close()
+
+    def close(self) -> None:
+        """Release the registration (shutdown)."""
+        if self.registration is not None:
+            self.release(self.registration.groups.values())
+            self.registration = None

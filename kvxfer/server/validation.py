@@ -1,0 +1,117 @@
+"""Checks of what callers send, before anything is changed: each names the field and the value.
+
+Workers and peers are checked alike: a value that fails here leaves every other request as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.config import ConfigError, parse_address
+from kvxfer.errors import InvalidArgumentError, KvxferError
+from kvxfer.layout import CacheKind, KVCacheLayout, head_range
+from kvxfer.topology import RankInfo
+from kvxfer.wire import common_pb2
+from kvxfer.wire.convert import check_block_ids
+
+__all__ = [
+    "TokenSpans",
+    "check_addresses",
+    "check_lease",
+    "check_rank_heads",
+    "check_timeout",
+    "not_published",
+    "remote_blocks",
+    "token_spans",
+]
+
+I64 = npt.NDArray[np.int64]
+#: Per group: (tokens to move or None for all, local skip, remote skip) (see BlockList in common.proto).
+TokenSpans = dict[str, tuple[int | None, int, int]]
+MAX_LEASE_SECONDS = 86400.0
+
+
+def check_rank_heads(layout: KVCacheLayout, rank: RankInfo, field: str) -> None:
+    """A layout's head count must be what its rank holds of the model's heads."""
+    if layout.kind in (CacheKind.MLA, CacheKind.MAMBA):
+        return
+    try:
+        h0, h1 = head_range(layout.total_kv_heads, rank.tp_size, rank.tp_rank)
+    except KvxferError as exc:
+        raise InvalidArgumentError(f"{field}: {exc.message}", field=f"{field}.total_kv_heads") from None
+    if h1 - h0 != layout.num_kv_heads:
+        raise InvalidArgumentError(
+            f"{field}.num_kv_heads: rank {rank.tp_rank}/{rank.tp_size} holds {h1 - h0} of {layout.total_kv_heads} "
+            f"heads, the layout says {layout.num_kv_heads}",
+            field=f"{field}.num_kv_heads",
+        )
+
+
+def check_addresses(values: Iterable[str]) -> list[str]:
+    """Peer API addresses of remote ranks: each one parseable, none twice."""
+    addresses = list(values)
+    for i, a in enumerate(addresses):
+        try:
+            parse_address(a, setting=f"remote_addresses[{i}]")
+        except ConfigError as exc:
+            raise InvalidArgumentError(exc.message, field=exc.field) from None
+    if len(set(addresses)) != len(addresses):
+        raise InvalidArgumentError(
+            f"remote_addresses: an address appears twice in {addresses}", field="remote_addresses"
+        )
+    return addresses
+
+
+def check_lease(value: float) -> float:
+    """A publish's lease in seconds: 0 (the sidecar's default) up to a day."""
+    if not math.isfinite(value) or value < 0 or value > MAX_LEASE_SECONDS:
+        raise InvalidArgumentError(
+            f"lease_seconds: must be in [0, {MAX_LEASE_SECONDS:g}], got {value}", field="lease_seconds"
+        )
+    return value
+
+
+def check_timeout(value: float) -> float:
+    """A pull's timeout in seconds: 0 (the sidecar's default) or more."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(f"timeout_seconds: must be >= 0, got {value}", field="timeout_seconds")
+    return value
+
+
+def remote_blocks(lists: Sequence[common_pb2.BlockList], layouts: Mapping[str, KVCacheLayout]) -> dict[str, I64]:
+    """The published ids a pull names per group (checked against the publish once it is fetched)."""
+    out: dict[str, I64] = {}
+    for i, bl in enumerate(lists):
+        if bl.group not in layouts:
+            raise InvalidArgumentError(
+                f"remote_blocks[{i}].group: unknown cache group {bl.group!r}; registered: {', '.join(layouts)}",
+                field=f"remote_blocks[{i}].group",
+            )
+        ids = np.asarray(bl.block_ids, dtype=np.int64)
+        out[bl.group] = check_block_ids(ids, 2**62, f"remote_blocks[{bl.group}]")
+    return out
+
+
+def token_spans(local: Sequence[common_pb2.BlockList], remote: Sequence[common_pb2.BlockList]) -> TokenSpans:
+    """Per group: (tokens to move or None for all, local skip, remote skip) from the block lists."""
+    remote_skip = {bl.group: int(bl.skip_tokens) for bl in remote}
+    out: TokenSpans = {}
+    for bl in local:
+        skip_r = remote_skip.get(bl.group, 0)
+        if bl.num_tokens or bl.skip_tokens or skip_r:
+            out[bl.group] = (int(bl.num_tokens) or None, int(bl.skip_tokens), skip_r)
+    return out
+
+
+def not_published(given: I64, published: I64) -> str:
+    """'' when every id of ``given`` was published, else which one was not."""
+    outside = np.flatnonzero(~np.isin(given, published))
+    if not outside.size:
+        return ""
+    i = int(outside[0])
+    more = f" ({outside.size} ids in all)" if outside.size > 1 else ""
+    return f"block id {int(given[i])} at position {i} was not published{more}"

@@ -1,0 +1,143 @@
+"""Machine-readable reasons: every failure that crosses a process carries one, and code branches on it.
+
+The reason travels in the status details (``google.rpc.ErrorInfo``, domain ``kvxfer``) of a failed
+call, and in the ``reason``/``field`` of one failed item of a batch; the client turns both into
+:attr:`KvxferRpcError.reason` and ``.field``. Messages stay for people.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import grpc
+
+from kvxfer.client import AsyncClient, KvxferRpcError, PullItem, PullResult
+from kvxfer.errors import NotFoundError, Reason
+from kvxfer.wire.status import error_from_status, error_of, status_of
+from tests.sidecar.helpers import Harness, attention, expect_error
+
+OK = grpc.StatusCode
+LAY = attention()
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_a_failed_call_carries_its_reason_and_field(harness: Harness) -> None:
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    dw = await harness.worker(d, {"kv": LAY})
+    bare = AsyncClient(p.local_target)
+    try:
+        err = await expect_error(OK.FAILED_PRECONDITION, bare.publish("r0", {"kv": [1]}), "register")
+        assert err.reason is Reason.NOT_REGISTERED
+    finally:
+        await bare.close()
+    pw = await harness.worker(p, {"kv": LAY})
+    err = await expect_error(OK.NOT_FOUND, dw.pull("missing", [p], {"kv": [1]}), "missing")
+    assert (err.reason, err.field) == (Reason.NOT_PUBLISHED, "request_id")
+    err = await expect_error(OK.FAILED_PRECONDITION, dw.client.publish("r1", {"kv": [1]}), "role")
+    assert err.reason is Reason.WRONG_ROLE
+    err = await expect_error(OK.INVALID_ARGUMENT, pw.client.publish("r2", {"kv": [LAY.num_blocks]}), "out of range")
+    assert err.reason is Reason.INVALID_FIELD
+    assert err.field == "blocks[kv]"
+    await pw.prefill("r3", {"kv": [1]}, salt=1)
+    err = await expect_error(OK.ALREADY_EXISTS, pw.client.publish("r3", {"kv": [2]}), "r3")
+    assert (err.reason, err.field) == (Reason.DUPLICATE, "request_id")
+
+
+async def test_each_failed_item_of_a_batch_carries_its_reason(harness: Harness) -> None:
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    pw = await harness.worker(p, {"kv": LAY})
+    dw = await harness.worker(d, {"kv": LAY})
+    await pw.prefill("ok", {"kv": [1, 2]}, salt=4)
+    results = await dw.client.pull_batch([
+        PullItem("ok", [p.peer_address], {"kv": [3, 4]}),
+        PullItem("nobody-published-this", [p.peer_address], {"kv": [5]}),
+        PullItem("bad-ids", [p.peer_address], {"kv": [LAY.num_blocks + 3]}),
+    ])  # fmt: skip
+    assert isinstance(results[0], PullResult)
+    missing, bad = results[1], results[2]
+    assert isinstance(missing, KvxferRpcError)
+    assert (missing.code, missing.reason, missing.field) == (OK.NOT_FOUND, Reason.NOT_PUBLISHED, "request_id")
+    assert isinstance(bad, KvxferRpcError)
+    assert (bad.code, bad.reason) == (OK.INVALID_ARGUMENT, Reason.INVALID_FIELD)
+    assert bad.field == "local_blocks[kv]"
+
+
+async def test_unauthenticated_calls_say_so_in_the_reason(harness: Harness, token_file: object) -> None:
+    good = token_file("s3cret-token")  # type: ignore[operator]
+    p = await harness.sidecar(role="prefill", engine_id="prefill", token_file=good)
+    c = AsyncClient(p.local_target, token="guess")
+    try:
+        err = await expect_error(OK.UNAUTHENTICATED, c.status(), "not valid")
+        assert (err.reason, err.field) == (Reason.UNAUTHENTICATED, "authorization")
+    finally:
+        await c.close()
+
+
+async def test_a_restarted_publisher_is_rehandshaken_on_its_reason(harness: Harness) -> None:
+    """The reader's cached session outlives the publisher: the new one answers NOT_HANDSHAKEN, the
+    reader handshakes again and the pull succeeds (restart recovery rides on the reason)."""
+    p = await harness.sidecar("pub", role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    pw = await harness.worker(p, {"kv": LAY})
+    dw = await harness.worker(d, {"kv": LAY})
+    await pw.prefill("before", {"kv": [1]}, salt=1)
+    assert (await dw.pull("before", [p], {"kv": [2]})).done
+    address = p.peer_address
+    await pw.close()
+    harness.workers.remove(pw)
+    await p.stop(0)
+    harness.sidecars.remove(p)
+    again = await harness.sidecar("pub2", role="prefill", engine_id="prefill", peer_listen=address)
+    assert again.peer_address == address
+    pw2 = await harness.worker(again, {"kv": LAY})
+    await pw2.prefill("after", {"kv": [5, 6]}, salt=9)
+    assert d.metrics is not None
+    before = d.metrics.handshakes.labels(outcome="ok")._value.get()
+    res = await dw.pull("after", [address], {"kv": [7, 8]})
+    assert res.done
+    assert dw.verify({"kv": [7, 8]}, 9) == (2 * LAY.page_bytes * LAY.num_layers, 0)
+    assert d.metrics.handshakes.labels(outcome="ok")._value.get() == before + 1
+
+
+def test_reason_and_field_survive_the_status_details() -> None:
+    exc = NotFoundError("request_id: 'x' is not published", field="request_id")
+    status = status_of(exc)
+    assert status.code is OK.NOT_FOUND
+    assert error_from_status(status.code, status.details, status.trailing_metadata) == (
+        Reason.NOT_PUBLISHED,
+        "request_id",
+    )
+    # A reason-less failure (an older peer, gRPC itself) reads as what its code implies.
+    assert error_from_status(OK.UNIMPLEMENTED, "Method not found!", ()) == (Reason.UNSUPPORTED, None)
+    # A reason this build does not know (a newer peer) also falls back to the code's.
+    err = error_of(OK.UNAVAILABLE.value[0], "peer went away", "SOMETHING_NEW", "remote_addresses")
+    assert (err.status, err.reason, err.field) == ("UNAVAILABLE", Reason.PEER_UNREACHABLE, "remote_addresses")
+
+
+def _decisions_on_message_text(path: Path, root: Path = ROOT) -> list[str]:
+    """``"..." in <x>.message`` / ``in str(exc)`` / ``in <x>.details`` comparisons: behaviour decided by text."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare) or not any(isinstance(op, ast.In | ast.NotIn) for op in node.ops):
+            continue
+        for right in node.comparators:
+            text = ast.unparse(right)
+            if text.endswith((".message", ".details", ".details()")) or text.startswith("str("):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_code_branches_on_an_error_message() -> None:
+    found = [hit for p in sorted((ROOT / "kvxfer").rglob("*.py")) if "_proto" not in p.parts
+             for hit in _decisions_on_message_text(p)]  # fmt: skip
+    assert found == []
+
+
+def test_the_text_check_finds_a_decision_on_text(tmp_path: Path) -> None:
+    # The check above must be able to fail.
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(exc):\n    return 'has not handshaken' in exc.message or 'x' in str(exc)\n")
+    assert len(_decisions_on_message_text(sample, tmp_path)) == 2
