@@ -75,8 +75,9 @@ def draw_config(rng: np.random.Generator, idx: int) -> Config:
         if kind == "quantized":
             dtype = str(rng_side[side].choice(["fp8_e4m3", "int8", "nvfp4"]))
             hs = int(rng_side[side].choice([16, 32, 64]))
+            order = "HND" if dtype == "nvfp4" else orders[side]  # nvfp4 pages are HND (data then scales per side)
             return KVCacheLayout.quantized(num_layers=layers, num_blocks=nb, block_size=bs, num_kv_heads=h1 - h0,
-                                           total_kv_heads=heads, head_size=hs, dtype=dtype, order=orders[side],
+                                           total_kv_heads=heads, head_size=hs, dtype=dtype, order=order,
                                            cross_layer=cross[side])  # fmt: skip
         return KVCacheLayout.attention(num_layers=layers, num_blocks=nb, block_size=bs, num_kv_heads=h1 - h0,
                                        total_kv_heads=heads, head_size=head_size, dtype=dtype_a,

@@ -27,7 +27,11 @@ logical ``[L, B, H, N, C]`` (``vllm/v1/kv_cache_layout.py``):
 LBHNC = HND, LBNHC = NHD, LHBNC = HND + heads_outer, BLHNC = HND + cross_layer, BLNHC = NHD +
 cross_layer, BHLNC = HND + cross_layer + heads_outer. A page may be padded (``page_stride`` >
 ``page_bytes``), and vLLM may split a block of ``block_size`` tokens into ``block_size //
-kernel_block_size`` kernel blocks laid out one after the other.
+kernel_block_size`` kernel blocks laid out one after the other. In a block-major region a block
+may be longer than its layers' pages (``block_bytes``): vLLM gives every cache group of a
+block-outermost cache the largest group's block, the groups overlaying one allocation. The
+one-slot kinds (mla, mamba) have no head axis to move, so ``heads_outer`` is dropped for them
+(LHBNC and BHLNC are then the same bytes as LBHNC and BLHNC).
 
 Every byte is addressed through :attr:`KVCacheLayout.planes`: a *plane* is a set of equal rows,
 one per (head, token), at ``offset + head * head_stride + (token // kernel_block_size) *
@@ -258,6 +262,7 @@ class KVCacheLayout:
     page_stride: int = 0  # 0: no padding; else bytes between consecutive pages of a layer
     kernel_block_size: int = 0  # 0: blocks not split; else tokens per kernel block (vLLM's splitting)
     packing: Packing = Packing.KV  # attention only: K and V inside a (block, head) page
+    block_bytes: int = 0  # block-major only; 0: a block is its layers' pages, else bytes from block to block
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _parse_enum(CacheKind, self.kind, "kind"))
@@ -268,7 +273,7 @@ class KVCacheLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name}: must be a positive integer, got {value!r}", field=name)
-        for name in ("total_kv_heads", "head_size_v", "page_stride", "kernel_block_size"):
+        for name in ("total_kv_heads", "head_size_v", "page_stride", "kernel_block_size", "block_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise LayoutError(f"{name}: must be an integer >= 0, got {value!r}", field=name)
@@ -283,10 +288,15 @@ class KVCacheLayout:
             object.__setattr__(self, "head_size_v", 0)
         if self.kernel_block_size == self.block_size:
             object.__setattr__(self, "kernel_block_size", 0)
+        if self.kind in (CacheKind.MLA, CacheKind.MAMBA):
+            object.__setattr__(self, "heads_outer", False)  # one slot: the head axis changes no byte
         self._validate_kind()
         if self.page_stride == self.page_bytes:
             object.__setattr__(self, "page_stride", 0)
         self._validate_geometry()
+        if self.block_bytes == self._natural_block_bytes:
+            object.__setattr__(self, "block_bytes", 0)
+        self._validate_block_bytes()
 
     def _validate_kind(self) -> None:
         kind, dtype = self.kind, self.dtype
@@ -367,6 +377,31 @@ class KVCacheLayout:
                     field="page_stride",
                 )
 
+    @property
+    def _natural_block_bytes(self) -> int:
+        """Bytes of one block of a block-major region without slack: its layers' (padded) pages."""
+        page = self.page_bytes if self.heads_outer else self.padded_page_bytes
+        return self.num_layers * page
+
+    def _validate_block_bytes(self) -> None:
+        if not self.block_bytes:
+            return
+        if not self.cross_layer:
+            raise LayoutError(
+                f"block_bytes: {self.block_bytes} describes a block-major region (BLHNC, BLNHC, BHLNC); a region per "
+                f"layer ({self.stride_order}) has no block of all layers",
+                field="block_bytes",
+            )
+        if self.kernel_block_size:
+            raise LayoutError("block_bytes: a block-major region of kernel blocks has no slack between blocks "
+                              "(vLLM does not split block-major blocks)", field="block_bytes")  # fmt: skip
+        if self.block_bytes < self._natural_block_bytes:
+            raise LayoutError(
+                f"block_bytes: {self.block_bytes} is less than the {self.num_layers} layers' pages of a block "
+                f"({self._natural_block_bytes} bytes)",
+                field="block_bytes",
+            )
+
     def __getstate__(self) -> dict[str, Any]:
         # Cached properties are derived state: do not send them along with a pickled layout.
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -394,6 +429,7 @@ class KVCacheLayout:
         page_stride: int = 0,
         kernel_block_size: int = 0,
         packing: str | Packing = Packing.KV,
+        block_bytes: int = 0,
     ) -> KVCacheLayout:
         """Attention cache with K and V packed in the content dim: (B, H, N, head_size + head_size_v).
 
@@ -403,7 +439,7 @@ class KVCacheLayout:
         return cls(
             CacheKind.ATTENTION, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
             _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, head_size_v, heads_outer, page_stride,
-            kernel_block_size, _parse_enum(Packing, packing, "packing"),
+            kernel_block_size, _parse_enum(Packing, packing, "packing"), block_bytes,
         )  # fmt: skip
 
     @classmethod
@@ -421,11 +457,13 @@ class KVCacheLayout:
         cross_layer: bool = False,
         heads_outer: bool = False,
         kernel_block_size: int = 0,
+        block_bytes: int = 0,
     ) -> KVCacheLayout:
         """K and V as separate head groups: (B, 2*H, N, head_size) codes; nvfp4 as data then scales per side."""
         return cls(
             CacheKind.QUANTIZED, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
             _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, heads_outer, 0, kernel_block_size,
+            block_bytes=block_bytes,
         )  # fmt: skip
 
     @classmethod
@@ -442,11 +480,13 @@ class KVCacheLayout:
         total_kv_heads: int = 0,
         cross_layer: bool = False,
         kernel_block_size: int = 0,
+        block_bytes: int = 0,
     ) -> KVCacheLayout:
         """A K plane and a V plane: (B, 2, N, num_kv_heads * head_size), vLLM's ``num_head_slots=2`` form."""
         return cls(
             CacheKind.KV_PLANES, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
             _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, False, 0, kernel_block_size,
+            block_bytes=block_bytes,
         )  # fmt: skip
 
     @classmethod
@@ -461,6 +501,7 @@ class KVCacheLayout:
         cross_layer: bool = False,
         page_stride: int = 0,
         kernel_block_size: int = 0,
+        block_bytes: int = 0,
     ) -> KVCacheLayout:
         """MLA cache: (B, N, kv_lora_rank + rope_dim), one latent head, replicated on every TP rank.
 
@@ -469,12 +510,19 @@ class KVCacheLayout:
         """
         return cls(
             CacheKind.MLA, num_layers, num_blocks, block_size, 1, latent_dim, DType.parse(dtype), Order.NHD,
-            cross_layer, 1, 0, False, page_stride, kernel_block_size,
+            cross_layer, 1, 0, False, page_stride, kernel_block_size, block_bytes=block_bytes,
         )  # fmt: skip
 
     @classmethod
     def mamba(
-        cls, *, num_layers: int, num_blocks: int, page_size_bytes: int, cross_layer: bool = False, page_stride: int = 0
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        page_size_bytes: int,
+        cross_layer: bool = False,
+        page_stride: int = 0,
+        block_bytes: int = 0,
     ) -> KVCacheLayout:
         """Mamba page tensors: (B, 1, 1, page_size_bytes) int8, one region per layer.
 
@@ -482,7 +530,7 @@ class KVCacheLayout:
         """
         return cls(
             CacheKind.MAMBA, num_layers, num_blocks, 1, 1, page_size_bytes, DType.INT8, Order.HND, cross_layer, 1, 0,
-            False, page_stride,
+            False, page_stride, block_bytes=block_bytes,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- derived sizes
@@ -576,11 +624,11 @@ class KVCacheLayout:
         if self.heads_outer:
             if self.cross_layer:  # BHLNC
                 layer, slot = nk * c, layers * nk * c
-                kblock = s * layers * nk * c
+                kblock = self.block_bytes or s * layers * nk * c
             else:  # LHBNC
                 layer, kblock, slot = 0, nk * c, kblocks * nk * c
         elif self.cross_layer:  # BLHNC, BLNHC
-            layer, kblock = kpage, layers * kpage
+            layer, kblock = kpage, self.block_bytes or layers * kpage
         else:  # LBHNC, LBNHC
             layer, kblock = 0, kpage
         return layer, kblock, slot, tok, kblock * r
@@ -598,11 +646,11 @@ class KVCacheLayout:
     @property
     def region_bytes(self) -> int:
         """Bytes of one region."""
-        if self.heads_outer or not self.cross_layer:
-            if self.heads_outer:
-                return self.num_blocks * self.page_bytes * (self.num_layers if self.cross_layer else 1)
-            return self.num_blocks * self.padded_page_bytes
-        return self.num_blocks * self.num_layers * self.padded_page_bytes
+        if not self.cross_layer:
+            return self.num_blocks * (self.page_bytes if self.heads_outer else self.padded_page_bytes)
+        # The last block ends with its layers' pages: slack after it belongs to nobody (another group's
+        # bytes, or the end of vLLM's allocation).
+        return (self.num_blocks - 1) * self.block_stride + self._natural_block_bytes
 
     @property
     def total_bytes(self) -> int:

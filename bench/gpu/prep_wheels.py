@@ -1,16 +1,17 @@
 """Prepare the wheels the GPU scripts carry to the lent machine (run here, not there).
 
-The lent machine's image (Python 3.12, torch 2.11+cu130) lacks NIXL, pydantic and the gRPC health
-and reflection modules, and may hold grpcio/protobuf older than what ``kvxfer/_proto`` was generated
-with. Everything travels in ``.whl/`` (git-ignored), within the 64 MiB a call may carry:
+The lent machine's image (Python 3.12, torch 2.11+cu130) lacks NIXL, pydantic and the gRPC health,
+reflection and status modules, and may hold grpcio/protobuf older than what ``kvxfer/wire/_proto`` was
+generated with. Everything travels in ``.whl/`` (git-ignored), within the 64 MiB a call may carry:
 
 * ``nixl-cu13==1.5.1`` is 59 MB; most of it is the NIXL-EP extension (three 31 MB torch builds),
   headers, example programs and storage plugins (GDS, object stores, ...) that a UCX data plane never
   loads. :func:`trim` rewrites it without them (about 16 MB) and fixes its RECORD so pip accepts it.
 * ``nixl==1.5.1`` (the ``import nixl`` shim that picks nixl_cu12/nixl_cu13), grpcio and protobuf at
   the versions this repo generated its code with, grpcio-health-checking, grpcio-reflection,
-  pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions (pydantic needs
-  >= 4.16). Installed with ``--target`` and put first on PYTHONPATH, they shadow the image's copies.
+  grpcio-status with googleapis-common-protos (the reasons in status details), pydantic,
+  pydantic-core, annotated-types, typing-inspection, typing-extensions (pydantic needs >= 4.16).
+  Installed with ``--target`` and put first on PYTHONPATH, they shadow the image's copies.
 
 Usage: ``python3 bench/gpu/prep_wheels.py`` (downloads with pip, trims, prints the total size).
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 WHEELS = (
     "nixl-cu13==1.5.1", "nixl==1.5.1", "grpcio==1.85.1", "protobuf==7.36.2", "grpcio-health-checking==1.85.1",
-    "grpcio-reflection==1.85.1", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
+    "grpcio-reflection==1.85.1", "grpcio-status==1.85.1", "googleapis-common-protos==1.76.0",
+    "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
     "typing-inspection==0.4.5", "typing-extensions==4.16.0",
 )  # fmt: skip
 KEEP_PLUGINS = ("libplugin_UCX.so",)

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plans = [("cuda-ipc" if not smoke else "default", {}, block_lists, args.sizes, args.reps)]
     if not smoke and args.nixl_reps:
         # The same sidecars with the same-host shortcut off: what NIXL/UCX does with IPC-opened memory.
-        plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "0"}, block_lists, args.sizes[:1], args.nixl_reps))
+        plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "false"}, block_lists, args.sizes[:1], args.nixl_reps))
     for path, env, lists, sizes, reps in plans:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"budget reached; {path} path not run", flush=True)

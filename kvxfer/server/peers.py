@@ -42,6 +42,7 @@ class PeerSession:
     identity: Identity
     stub: Any
     dp_name: str
+    my_epoch: int = 0  # this sidecar's registration epoch when it handshook (a new one needs a new handshake)
     alive: bool = True
     users: int = field(default=0)
     regions: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # group -> (raw regions, RegionTable)
@@ -111,7 +112,7 @@ class PeerDirectory:
     async def session(self, address: str, *, budget: float | None = None) -> PeerSession:
         """The handshaken session to ``address`` (handshaking now if there is none)."""
         s = self._sessions.get(address)
-        if s is not None and s.alive:
+        if s is not None and s.alive and s.my_epoch == self._me().epoch:
             return s
         fut = self._pending.get(address)
         if fut is None:
@@ -174,7 +175,7 @@ class PeerDirectory:
         old = self._sessions.get(address)
         if old is not None and old.dp_name != dp_name:
             self._forget_peer(old.dp_name)
-        s = PeerSession(address, them, stub, dp_name)
+        s = PeerSession(address, them, stub, dp_name, me.epoch)
         self._sessions[address] = s
         self._on_handshake("ok")
         log.info("handshake ok", extra={"peer": them.label, "address": address, "epoch": them.epoch})

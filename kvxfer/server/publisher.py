@@ -177,6 +177,14 @@ class Publisher:
                 "sidecar; handshake first",
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
+        if req.epoch and req.epoch != reader.epoch:
+            # The reader's worker registered again since the handshake: its layouts (and so who reads
+            # what, and whether it may read at all) are checked again before anything is answered.
+            raise FailedPreconditionError(
+                f"epoch: reader {reader.label} registered again (epoch {req.epoch}) since its handshake (epoch "
+                f"{reader.epoch}); handshake again",
+                field="epoch", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
         if entry.expected_readers is None or entry.reader_tp_size != rank.tp_size:
             entry.expected_readers = self._expected_readers(reader, rank.tp_size, reg)
             entry.reader_tp_size = rank.tp_size

@@ -122,7 +122,14 @@ class PullSteps:
         for attempt in range(2):
             remaining = max(entry.deadline - time.monotonic(), 0.001)
             session = await self.peers.session(address, budget=remaining)
-            self._check_rank(entry, q, session)
+            try:
+                self._check_rank(entry, q, session)
+            except FailedPreconditionError:
+                if attempt == 0 and session.identity.epoch:
+                    # The handshake may predate the peer's re-registration (another TP size): ask again.
+                    self.peers.invalidate(address)
+                    continue
+                raise
             sessions[q] = session
             if address not in entry.asked:
                 entry.asked.append(address)  # an abort from here on must reach it, answered or not
@@ -136,7 +143,7 @@ class PullSteps:
                 ) from None
             except FailedPreconditionError as exc:
                 if attempt == 0 and exc.reason is Reason.NOT_HANDSHAKEN:
-                    self.peers.invalidate(address)  # the peer restarted and forgot us
+                    self.peers.invalidate(address)  # the peer restarted and forgot us, or we re-registered
                     continue
                 raise
             them = session.identity
@@ -155,7 +162,7 @@ class PullSteps:
     def _lookup_request(self, entry: PullEntry) -> peer_pb2.GetPublishedRequest:
         me = self.registry.identity()
         return peer_pb2.GetPublishedRequest(
-            request_id=entry.request_id, engine_id=me.engine_id, instance_id=me.instance_id,
+            request_id=entry.request_id, engine_id=me.engine_id, instance_id=me.instance_id, epoch=me.epoch,
             rank=rank_to_proto(me.rank),
         )  # fmt: skip
 

@@ -22,6 +22,9 @@ the axis order its stride order names (``LBHNC`` ... ``BHLNC``): a stride order 
 kernel_block_size``); its token ``t`` is token ``t % kernel_block_size`` of kernel block ``b * r +
 t // kernel_block_size``. A padded page (``page_stride``) replaces the extent of the innermost
 ``H, N, C`` axes (one page) by ``page_stride`` bytes, the bytes after the page's data being padding.
+In a stride order starting with ``B`` a block may be followed by slack (``block_bytes``: bytes from
+one block to the next, as when cache groups of different sizes share vLLM's allocation); the region
+then ends with the last block's data.
 
 What a slot and a cell hold (``g`` = global head, ``h`` = the rank's local head):
 
@@ -103,6 +106,7 @@ class Side:
     stride_order: str  # one of STRIDE_ORDERS
     page_stride: int = 0  # bytes from one page to the next; 0: no padding
     kernel_block_size: int = 0  # tokens per kernel block; 0: block_size (no splitting)
+    block_bytes: int = 0  # B-first orders: bytes from one block to the next; 0: no slack
     rank: int = 0
 
     def __post_init__(self) -> None:
@@ -112,6 +116,9 @@ class Side:
             assert self.stride_order in PADDABLE_ORDERS
             assert self.kernel_tokens == self.block_size
             assert self.page_stride >= self.page_bytes
+        if self.block_bytes:
+            assert self.stride_order[0] == "B"
+            assert self.kernel_tokens == self.block_size
         if self.dtype == "nvfp4":
             assert self.kind == "quantized"
             assert self.stride_order in ("LBHNC", "BLHNC")
@@ -198,7 +205,12 @@ class Side:
         extent, inner = 1, ""
         for axis in reversed(self.stride_order):
             strides[axis] = extent
-            extent *= sizes[axis]
+            if axis == "B" and self.block_bytes:  # the outermost axis: the last block has no slack after it
+                assert self.block_bytes >= extent
+                strides[axis] = self.block_bytes
+                extent += (sizes[axis] - 1) * self.block_bytes
+            else:
+                extent *= sizes[axis]
             inner += axis
             if self.page_stride and sorted(inner) == ["C", "H", "N"]:
                 extent = self.page_stride  # the page is followed by its padding
@@ -312,7 +324,7 @@ def check_side(side: Side) -> None:
     assert (region >= 0).all()
     assert (region < side.regions).all()
     assert (inside < side.region_bytes).all()
-    if not side.page_stride:  # without padding the data fills the regions exactly
+    if not side.page_stride and not side.block_bytes:  # without padding the data fills the regions exactly
         assert addr.size == side.regions * side.region_bytes
 
 

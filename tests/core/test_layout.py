@@ -447,6 +447,33 @@ def test_padded_pages_keep_padding_out_of_every_span() -> None:
     assert (mla.page_bytes, mla.region_bytes, mla.spans(0, 3)) == (64, 400, [(300, 64)])
 
 
+def test_a_block_major_block_may_be_longer_than_its_layers() -> None:
+    # vLLM's block-outermost cache of two groups: every block is the larger group's (3 pages); this
+    # group has 1 layer, so each block is its page and 2 pages of another group's bytes.
+    lay = KVCacheLayout.attention(num_layers=1, num_blocks=5, block_size=16, num_kv_heads=2, head_size=64,
+                                  cross_layer=True, block_bytes=3 * 8192)  # fmt: skip
+    assert (lay.page_bytes, lay.block_stride, lay.layer_stride) == (8192, 3 * 8192, 8192)
+    assert lay.region_bytes == 4 * 3 * 8192 + 8192  # the last block ends with its own page
+    assert lay.spans(0, 4) == [(4 * 3 * 8192, 8192)]
+    bhlnc = KVCacheLayout.attention(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64,
+                                    cross_layer=True, heads_outer=True, block_bytes=5 * 8192)  # fmt: skip
+    # [B, H, L, N, C] inside a block of 5 pages: (head h, layer l) at (h * 2 + l) * 4096
+    assert bhlnc.spans(1, 2) == [(2 * 5 * 8192 + 4096, 4096), (2 * 5 * 8192 + 3 * 4096, 4096)]
+    assert bhlnc.region_bytes == 2 * 5 * 8192 + 2 * 8192
+    # The block of the group's own pages is the canonical 0, so equal geometry compares equal.
+    plain = KVCacheLayout.attention(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64,
+                                    cross_layer=True)  # fmt: skip
+    assert dataclasses.replace(plain, block_bytes=2 * 8192) == plain
+    assert dataclasses.replace(plain, block_bytes=2 * 8192).block_bytes == 0
+
+
+def test_one_slot_kinds_have_no_head_axis_to_put_outside() -> None:
+    mla = KVCacheLayout.mla(num_layers=2, num_blocks=4, block_size=4, latent_dim=8, page_stride=100)
+    assert dataclasses.replace(mla, heads_outer=True) == mla  # LHBNC of one slot: LBHNC's bytes
+    mamba = KVCacheLayout.mamba(num_layers=2, num_blocks=4, page_size_bytes=1000, page_stride=1024, cross_layer=True)
+    assert dataclasses.replace(mamba, heads_outer=True).stride_order == "BLHNC"
+
+
 def test_kernel_blocks_are_full_pages_one_after_another() -> None:
     # block 32 = kernel blocks of 16 tokens, each an HND page of 2 heads x 16 rows x 256 B = 8192 B
     lay = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=32, num_kv_heads=2, head_size=64,
@@ -522,6 +549,14 @@ BASE = {"num_layers": 2, "num_blocks": 8, "block_size": 16, "num_kv_heads": 8, "
         ({"page_stride": 70000, "heads_outer": True, "cross_layer": True},
          "page_stride: padded pages must be whole blocks"),
         ({"head_size_v": -2}, "head_size_v: must be an integer >= 0, got -2"),
+        ({"block_bytes": 200000},
+         "block_bytes: 200000 describes a block-major region (BLHNC, BLNHC, BHLNC); a region per layer (LBHNC) has "
+         "no block of all layers"),
+        ({"block_bytes": 100, "cross_layer": True},
+         "block_bytes: 100 is less than the 2 layers' pages of a block (131072 bytes)"),
+        ({"block_bytes": 200000, "cross_layer": True, "kernel_block_size": 8},
+         "block_bytes: a block-major region of kernel blocks has no slack between blocks"),
+        ({"block_bytes": -1}, "block_bytes: must be an integer >= 0, got -1"),
         ({"heads_outer": 1}, "heads_outer: must be a bool, got 1"),
     ],
 )  # fmt: skip

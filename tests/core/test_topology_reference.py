@@ -48,6 +48,7 @@ class SideCase:
     stride_order: str
     pad: int = 0  # page_stride - page_bytes (0: no padding)
     kernel: int = 0  # kernel_block_size (0: no splitting)
+    slack: int = 0  # block-major orders: block_bytes - the block's own bytes (0: none)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,11 @@ def _side_case(draw: st.DrawFn, kind: str, dtype: str, tokens: int) -> SideCase:
     pad = 0
     if kind in ("attention", "mla", "mamba") and order in PADDABLE_ORDERS and not kernel and draw(st.booleans()):
         pad = draw(st.sampled_from([1, 5, 64]))
-    return SideCase(tokens=tokens, blocks_n=draw(st.integers(4, 12)), stride_order=order, pad=pad, kernel=kernel)
+    slack = 0
+    if order[0] == "B" and not kernel and draw(st.booleans()):
+        slack = draw(st.sampled_from([1, 8, 4096]))  # another group's larger block (vLLM's block-outermost groups)
+    return SideCase(tokens=tokens, blocks_n=draw(st.integers(4, 12)), stride_order=order, pad=pad, kernel=kernel,
+                    slack=slack)  # fmt: skip
 
 
 @st.composite
@@ -180,6 +185,9 @@ def _side(case: Case, sc: SideCase, tp: int, rank: int) -> Side:
     )
     if sc.pad:
         side = dataclasses.replace(side, page_stride=side.page_bytes + sc.pad)
+    if sc.slack:
+        own = side.layers * (side.page_stride or side.page_bytes)
+        side = dataclasses.replace(side, block_bytes=own + sc.slack)
     return side
 
 
@@ -189,26 +197,27 @@ def _layout(case: Case, side: Side) -> KVCacheLayout:
     layers, blocks, tokens, kernel = case.layers, side.blocks, side.block_size, side.kernel_block_size
     if case.kind == "mamba":
         return KVCacheLayout.mamba(num_layers=layers, num_blocks=blocks, page_size_bytes=case.head_size,
-                                   cross_layer=cross, page_stride=side.page_stride)  # fmt: skip
+                                   cross_layer=cross, page_stride=side.page_stride,
+                                   block_bytes=side.block_bytes)  # fmt: skip
     if case.kind == "mla":
         return KVCacheLayout.mla(num_layers=layers, num_blocks=blocks, block_size=tokens, latent_dim=case.head_size,
                                  dtype=case.dtype, cross_layer=cross, page_stride=side.page_stride,
-                                 kernel_block_size=kernel)  # fmt: skip
+                                 kernel_block_size=kernel, block_bytes=side.block_bytes)  # fmt: skip
     if case.kind == "kv_planes":
         return KVCacheLayout.kv_planes(num_layers=layers, num_blocks=blocks, block_size=tokens, num_kv_heads=side.heads,
                                        head_size=case.head_size, dtype=case.dtype, order=order,
                                        total_kv_heads=case.total_heads, cross_layer=cross,
-                                       kernel_block_size=kernel)  # fmt: skip
+                                       kernel_block_size=kernel, block_bytes=side.block_bytes)  # fmt: skip
     if case.kind == "quantized":
         return KVCacheLayout.quantized(num_layers=layers, num_blocks=blocks, block_size=tokens, num_kv_heads=side.heads,
                                        head_size=case.head_size, dtype=case.dtype, order=order,
                                        total_kv_heads=case.total_heads, cross_layer=cross, heads_outer=heads_outer,
-                                       kernel_block_size=kernel)  # fmt: skip
+                                       kernel_block_size=kernel, block_bytes=side.block_bytes)  # fmt: skip
     return KVCacheLayout.attention(num_layers=layers, num_blocks=blocks, block_size=tokens, num_kv_heads=side.heads,
                                    head_size=case.head_size, dtype=case.dtype, order=order,
                                    total_kv_heads=case.total_heads, cross_layer=cross, heads_outer=heads_outer,
                                    head_size_v=case.head_size_v, page_stride=side.page_stride,
-                                   kernel_block_size=kernel)  # fmt: skip
+                                   kernel_block_size=kernel, block_bytes=side.block_bytes)  # fmt: skip
 
 
 def _check_layout(layout: KVCacheLayout, side: Side) -> None:

@@ -204,3 +204,50 @@ async def test_registration_errors_name_the_field_and_value(harness: Harness) ->
     await expect_error(OK.FAILED_PRECONDITION, w.client.publish("r", {"kv": [1]}), "no KV caches registered")
     await w.register()  # the failures left nothing half-registered
     assert (await w.client.status())["registered"] is True
+
+
+async def test_a_reader_that_registered_again_is_checked_again_before_it_reads(harness: Harness) -> None:
+    """A handshake vouches for the layouts of one registration: after the decode worker registers
+    other caches on the same sidecar, the publisher answers nothing until the reader handshakes again,
+    and refuses it if the new layouts cannot read its blocks."""
+    p, pw, d, dw = await _pair(harness)
+    await transfer([pw], [p], [dw], "before", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=1)
+    assert d.metrics is not None
+    handshakes = d.metrics.handshakes.labels(outcome="ok")._value.get()
+    # Same layouts again (a restarted vLLM with the same config): one more handshake, exact bytes.
+    await dw.close()
+    harness.workers.remove(dw)
+    dw2 = await harness.worker(d, {"kv": LAY})
+    await transfer([pw], [p], [dw2], "same", {"kv": [5]}, {"kv": [6]}, salt=2)
+    assert d.metrics.handshakes.labels(outcome="ok")._value.get() == handshakes + 1
+    # Another dtype: the new handshake is refused, listing the difference; nothing is read.
+    await dw2.close()
+    harness.workers.remove(dw2)
+    other = attention(dtype="fp16")
+    dw3 = await harness.worker(d, {"kv": other})
+    await pw.prefill("other", {"kv": [7]}, salt=3)
+    err = await expect_error(OK.FAILED_PRECONDITION, dw3.pull("other", [p], {"kv": [8]}), "dtype")
+    assert err.reason.value == "INCOMPATIBLE_PEER"
+    await pw.client.release("other")
+
+
+async def test_get_published_from_a_stale_registration_is_refused(harness: Harness) -> None:
+    """The publisher side of the same rule: a lookup that names another registration epoch than the
+    reader's handshake is answered NOT_HANDSHAKEN (the reader then handshakes again)."""
+    p, pw, d, dw = await _pair(harness)
+    await transfer([pw], [p], [dw], "r0", {"kv": [1]}, {"kv": [2]}, salt=1)
+    await pw.prefill("r1", {"kv": [3]}, salt=2)
+    assert d.core is not None
+    me = d.core.identity()
+    async with grpc.aio.insecure_channel(p.peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        req = peer_pb2.GetPublishedRequest(request_id="r1", engine_id=me.engine_id, instance_id=me.instance_id,
+                                           rank=rank_to_proto(me.rank), epoch=me.epoch + 1)  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetPublished(req, timeout=5)
+        assert info.value.code() == OK.FAILED_PRECONDITION
+        assert "registered again" in (info.value.details() or "")
+        req.epoch = me.epoch
+        resp = await stub.GetPublished(req, timeout=5)
+        assert list(resp.groups[0].block_ids) == [3]
+    await pw.client.release("r1")

@@ -52,8 +52,10 @@ __all__ = [
     "CPUAttentionBackend",
     "Engine",
     "FlashAttentionBackend",
+    "FlashInferName",
     "GroupDef",
     "MambaStub",
+    "MiniMaxMsaName",
     "as_row_bytes",
     "attention_spec",
     "build_engine",
@@ -87,6 +89,25 @@ def attention_spec(
         SlidingWindowSpec(sliding_window=window, **common) if window is not None else FullAttentionSpec(**common)
     )
     return backend.customize_spec(spec) if backend is not None else spec
+
+
+class FlashInferName:
+    """STAND-IN for vLLM's FlashInfer backend class, which cannot be imported on a CPU host (it needs the
+    flashinfer package). kvxfer reads only the backend's name from an nvfp4 layer (whose arrangement it
+    is); the spec comes from :func:`nvfp4_spec` and the bytes from vLLM's own allocation and accessors."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+
+class MiniMaxMsaName:
+    """STAND-IN for vLLM 0.33's ``MiniMaxM3SparseMSANvfp4Backend`` (its module needs torchvision): the
+    name of an nvfp4 backend that publishes FlashInfer's spec fields for another arrangement."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUTLASS_MSA"
 
 
 def nvfp4_spec(*, block_size: int, heads: int, head_size: int, window: int | None = None) -> AttentionSpec:

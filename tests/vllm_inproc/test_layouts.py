@@ -33,7 +33,9 @@ from kvxfer.integrations.vllm.spec import KVCacheDescriptionError, vllm_version_
 from kvxfer.layout import CacheKind, DType, Packing
 from tests.vllm_inproc.engine import (
     FlashAttentionBackend,
+    FlashInferName,
     GroupDef,
+    MiniMaxMsaName,
     attention_spec,
     build_engine,
     check_group_against_vllm,
@@ -50,15 +52,6 @@ HND = (VLayout.LBHNC, VLayout.LHBNC, VLayout.BLHNC, VLayout.BHLNC)
 PAGE_GRID = (VLayout.LBHNC, VLayout.LBNHC, VLayout.BLHNC, VLayout.BLNHC)  # L and B outside the page
 LAYER_OUTER = (VLayout.LBHNC, VLayout.LBNHC)
 H, D = 4, 64
-
-BUG_ONE_SLOT_HEADS_OUTER = (
-    "kvxfer bug: a padded cache of one head slot (MLA, Mamba) in LHBNC/BHLNC - the same bytes as LBHNC/BLHNC - is "
-    "refused with a raw LayoutError ('page_stride: padded pages must be whole blocks')"
-)
-BUG_BLOCK_OUTER_GROUPS = (
-    "kvxfer bug: in a block-outermost layout vLLM gives every group the largest group's block stride; kvxfer's "
-    "cross-layer layout assumes the group's own layers x page and refuses the views"
-)
 
 
 @dataclass(frozen=True)
@@ -79,6 +72,7 @@ def one(spec: Any, layers: tuple[str, ...] = L3) -> Callable[[], list[GroupDef]]
 
 
 FA = {"backend": FlashAttentionBackend}
+FI = {"backend": FlashInferName}  # nvfp4 layers: FlashInfer's arrangement
 ATT = CacheKind.ATTENTION
 CASES: dict[str, Case] = {
     "fp16": Case(one(attention_spec(block_size=16, heads=H, head_size=D)), FA),
@@ -95,10 +89,10 @@ CASES: dict[str, Case] = {
                      expect=((ATT, DType.FP16, Packing.CPU_KT),)),
     "cpu_fp8": Case(one(attention_spec(block_size=32, heads=H, head_size=D, cache_dtype="fp8")), {"cache_dtype": "fp8"},
                     layouts=HND, expect=((ATT, DType.FP8_E4M3, Packing.CPU_KT),)),
-    "nvfp4": Case(one(nvfp4_spec(block_size=16, heads=H, head_size=D)), FA | {"cache_dtype": "nvfp4"},
+    "nvfp4": Case(one(nvfp4_spec(block_size=16, heads=H, head_size=D)), FI | {"cache_dtype": "nvfp4"},
                   layouts=(VLayout.LBHNC, VLayout.BLHNC), expect=((CacheKind.QUANTIZED, DType.NVFP4, Packing.KV),)),
     "nvfp4_kernel_blocks": Case(one(nvfp4_spec(block_size=64, heads=H, head_size=D)),
-                                FA | {"cache_dtype": "nvfp4", "kernel_block_sizes": [16]}, layouts=(VLayout.LBHNC,),
+                                FI | {"cache_dtype": "nvfp4", "kernel_block_sizes": [16]}, layouts=(VLayout.LBHNC,),
                                 expect=((CacheKind.QUANTIZED, DType.NVFP4, Packing.KV),)),
     "kv_planes": Case(one(attention_spec(block_size=16, heads=H, head_size=D, backend=RocmAttentionBackend)),
                       {"backend": RocmAttentionBackend}, expect=((CacheKind.KV_PLANES, DType.FP16, Packing.KV),)),
@@ -114,11 +108,9 @@ CASES: dict[str, Case] = {
     "mla_fp8_ds_rows": Case(one(mla_spec(block_size=16, cache_dtype="fp8_ds_mla", state_content_bytes=656)),
                             FA | {"cache_dtype": "fp8_ds_mla"}, expect=((CacheKind.MLA, DType.INT8, Packing.KV),)),
     "mla_padded": Case(one(mla_spec(block_size=16, alignment=4096)), FA,
-                       expect=((CacheKind.MLA, DType.FP16, Packing.KV),),
-                       bugs={VLayout.LHBNC: BUG_ONE_SLOT_HEADS_OUTER, VLayout.BHLNC: BUG_ONE_SLOT_HEADS_OUTER}),
+                       expect=((CacheKind.MLA, DType.FP16, Packing.KV),)),
     "mamba": Case(one(mamba_spec()), expect=((CacheKind.MAMBA, DType.INT8, Packing.KV),)),
-    "mamba_padded": Case(one(mamba_spec(page_size_padded=8192)), expect=((CacheKind.MAMBA, DType.INT8, Packing.KV),),
-                         bugs={VLayout.LHBNC: BUG_ONE_SLOT_HEADS_OUTER, VLayout.BHLNC: BUG_ONE_SLOT_HEADS_OUTER}),
+    "mamba_padded": Case(one(mamba_spec(page_size_padded=8192)), expect=((CacheKind.MAMBA, DType.INT8, Packing.KV),)),
     "sliding_window_and_full": Case(
         lambda: [GroupDef(L4[::2], attention_spec(block_size=16, heads=H, head_size=D)),
                  GroupDef(L4[1::2], attention_spec(block_size=16, heads=H, head_size=D, window=32))],
@@ -126,20 +118,15 @@ CASES: dict[str, Case] = {
     "sliding_window_and_full_1_2": Case(
         lambda: [GroupDef(L3[:1], attention_spec(block_size=16, heads=H, head_size=D)),
                  GroupDef(L3[1:], attention_spec(block_size=16, heads=H, head_size=D, window=32))],
-        FA, expect=((ATT, DType.FP16, Packing.KV),) * 2,
-        bugs={VLayout.BLHNC: BUG_BLOCK_OUTER_GROUPS, VLayout.BLNHC: BUG_BLOCK_OUTER_GROUPS,
-              VLayout.BHLNC: BUG_BLOCK_OUTER_GROUPS}),
+        FA, expect=((ATT, DType.FP16, Packing.KV),) * 2),
     "attention_and_mamba": Case(
         lambda: [GroupDef(L3[:2], attention_spec(block_size=16, heads=H, head_size=D)),
                  GroupDef(L3[2:], mamba_spec(block_size=16, page_size_padded=16 * H * 2 * D * 2))],
-        FA, expect=((ATT, DType.FP16, Packing.KV), (CacheKind.MAMBA, DType.INT8, Packing.KV)),
-        bugs={VLayout.LHBNC: BUG_ONE_SLOT_HEADS_OUTER, VLayout.BHLNC: BUG_ONE_SLOT_HEADS_OUTER,
-              VLayout.BLHNC: BUG_BLOCK_OUTER_GROUPS, VLayout.BLNHC: BUG_BLOCK_OUTER_GROUPS}),
+        FA, expect=((ATT, DType.FP16, Packing.KV), (CacheKind.MAMBA, DType.INT8, Packing.KV))),
     "attention_and_mamba_mixed_pages": Case(
         lambda: [GroupDef(L3[:2], attention_spec(block_size=16, heads=H, head_size=D)),
                  GroupDef(L3[2:], mamba_spec(block_size=16))],
-        FA, layouts=(), expect=((ATT, DType.FP16, Packing.KV), (CacheKind.MAMBA, DType.INT8, Packing.KV)),
-        bugs={VLayout.BLHNC: BUG_BLOCK_OUTER_GROUPS, VLayout.BLNHC: BUG_BLOCK_OUTER_GROUPS}),
+        FA, layouts=(), expect=((ATT, DType.FP16, Packing.KV), (CacheKind.MAMBA, DType.INT8, Packing.KV))),
 }  # fmt: skip
 
 #: Combinations vLLM's planner or allocator refuses (so there is nothing for kvxfer to describe).
@@ -249,14 +236,12 @@ def _refused_engine(kind: str) -> Any:
         return build_engine(one(attention_spec(block_size=32, heads=H, head_size=D))(), layout=VLayout.LBNHC)
     if kind == "nvfp4_nhd":
         return build_engine(one(nvfp4_spec(block_size=16, heads=H, head_size=D))(), layout=VLayout.LBNHC,
-                            cache_dtype="nvfp4", **FA)  # fmt: skip
+                            cache_dtype="nvfp4", **FI)  # fmt: skip
+    if kind == "nvfp4_other_backend":  # the same spec fields, another kernel's arrangement (vLLM 0.33's MiniMax-M3)
+        return build_engine(one(nvfp4_spec(block_size=16, heads=H, head_size=D))(), cache_dtype="nvfp4",
+                            backend=MiniMaxMsaName)  # fmt: skip
     raise AssertionError(kind)
 
-
-BUG_RAW_LAYOUT_ERROR = (
-    "kvxfer bug: describe_caches applies vLLM's layout name outside its LayoutError handler, so this refusal is a "
-    "raw LayoutError instead of a KVCacheDescriptionError naming vLLM's field"
-)
 
 REFUSALS = {
     "tokens_per_state": refusal("tokens_per_state", "tokens_per_state=4", "model.layers.0.self_attn.attn"),
@@ -268,14 +253,14 @@ REFUSALS = {
     "no_caches": refusal("kv_caches", "no KV-cache tensors"),
     "cpu_nhd": refusal("kv_cache_spec", "cpu_kt", "LBNHC"),
     "nvfp4_nhd": refusal("kv_cache_spec", "nvfp4", "LBNHC"),
+    "nvfp4_other_backend": refusal("attn_backend", "CUTLASS_MSA", "FLASHINFER"),
 }
 
 
 @pytest.mark.parametrize(
     "kind",
-    [pytest.param(k, marks=[pytest.mark.xfail(strict=True, reason=BUG_RAW_LAYOUT_ERROR)] * k.endswith("_nhd"))
-     for k in REFUSALS],
-)  # fmt: skip
+    list(REFUSALS),
+)
 def test_what_kvxfer_cannot_move_is_refused_naming_vllms_field(kind: str) -> None:
     eng = _refused_engine(kind)
     with pytest.raises(KVCacheDescriptionError) as info:

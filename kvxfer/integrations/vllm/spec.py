@@ -167,15 +167,15 @@ def describe_caches(
             )
             view = kv_caches[layer]
             ratio = _kernel_ratio(view, num_blocks, layer)
-            lay = dataclasses.replace(
-                base, num_blocks=num_blocks, order=order, heads_outer=heads_outer,
-                kernel_block_size=base.block_size // ratio if ratio > 1 else 0,
+            lay = _replace(
+                base, f"kv_cache_spec of {layer!r} in vLLM layout {facts.layout_name}", num_blocks=num_blocks,
+                order=order, heads_outer=heads_outer, kernel_block_size=base.block_size // ratio if ratio > 1 else 0,
             )  # fmt: skip
             by_layout.setdefault(lay, []).append(layer)
         parts = list(by_layout.items())
         for k, (lay, layers) in enumerate(parts):
             gname = f"g{index}" if len(parts) == 1 else f"g{index}.{k}"
-            out.append(_group(gname, index, lay, layers, kv_caches, kv_cache_config, cross))
+            out.append(_group(gname, index, lay, layers, kv_caches, cross, facts.layout_name))
     if not out:
         raise KVCacheDescriptionError(
             f"kv_caches: none of the {len(kv_caches)} layers vLLM registered belongs to a transfer group "
@@ -312,6 +312,17 @@ def _attention_layout(spec: Any, facts: _EngineFacts, where: str, module: Any) -
     padded = int(spec.page_size_bytes)
     elem = max(1, dtype.bits // 8)
     if dtype is DType.NVFP4:
+        backend = _backend_name(module)
+        if backend not in NVFP4_FLASHINFER_BACKENDS:
+            # Other nvfp4 kernels publish the same spec fields for another arrangement (vLLM 0.33's
+            # MiniMax-M3 backend: K and V of a head in adjacent slots, each slot's data then scales):
+            # only the backend tells them apart, so anything but FlashInfer's is refused, not guessed.
+            raise KVCacheDescriptionError(
+                f"{where}: nvfp4 cache of attention backend {backend or '(unknown)'}; kvxfer moves nvfp4 only in the "
+                f"arrangement of {', '.join(sorted(NVFP4_FLASHINFER_BACKENDS))} (K heads then V heads, each side's "
+                "data rows then its scale rows)",
+                field="attn_backend",
+            )
         if slots != 2 * heads or hs != hs_v:
             raise KVCacheDescriptionError(
                 f"{where}: nvfp4 with num_head_slots={slots} (expected 2 x num_kv_heads={2 * heads}) and "
@@ -336,6 +347,15 @@ def _attention_layout(spec: Any, facts: _EngineFacts, where: str, module: Any) -
     return dataclasses.replace(lay, page_stride=padded) if padded != lay.page_bytes else lay
 
 
+#: Attention backends whose nvfp4 pages are FlashInfer's (``nvfp4_split_data_scale`` per side).
+NVFP4_FLASHINFER_BACKENDS = frozenset({"FLASHINFER"})
+
+
+def _backend_name(module: Any) -> str:
+    backend = getattr(module, "attn_backend", None)
+    return str(backend.get_name()) if backend is not None else ""
+
+
 def _total_heads(heads: int, facts: _EngineFacts, where: str) -> int:
     """The model's KV heads of this group, checked against vLLM's per-rank count (replicas included)."""
     for total in (facts.total_kv_heads, heads * facts.tp_size):
@@ -354,8 +374,7 @@ def _total_heads(heads: int, facts: _EngineFacts, where: str) -> int:
 
 def _packing(module: Any, spec: Any, facts: _EngineFacts) -> Packing:
     """How the layer's attention kernel arranges K and V in a page (vLLM's CPU kernels differ)."""
-    backend = getattr(module, "attn_backend", None)
-    if backend is None or backend.get_name() != "CPU_ATTN":
+    if _backend_name(module) != "CPU_ATTN":
         return Packing.KV
     isa = getattr(module, "isa", None)
     if isa is None:  # set on the layer when its metadata builder is made; the same rule otherwise
@@ -368,13 +387,17 @@ def _packing(module: Any, spec: Any, facts: _EngineFacts) -> Packing:
 
 
 def _group(
-    name: str, index: int, lay: KVCacheLayout, layers: list[str], kv_caches: Mapping[str, Any],
-    kv_cache_config: Any, cross: bool,
+    name: str, index: int, lay: KVCacheLayout, layers: list[str], kv_caches: Mapping[str, Any], cross: bool,
+    layout_name: str,
 ) -> CacheGroup:  # fmt: skip
     """One kvxfer group: its layout over all its layers, each view checked against it."""
     views = [kv_caches[n] for n in layers]
+    where = f"kv_cache_spec of {layers[0]!r} in vLLM layout {layout_name}"
     if cross:
-        lay = dataclasses.replace(lay, num_layers=len(layers), cross_layer=True)
+        # vLLM gives every group of a block-outermost cache the largest group's block (groups overlay
+        # one allocation), so a block may be longer than this group's layers: take vLLM's stride.
+        block_bytes = int(views[0].stride(0)) * int(views[0].element_size())
+        lay = _replace(lay, where, num_layers=len(layers), cross_layer=True, block_bytes=block_bytes)
         first = int(views[0].data_ptr())
         for i, (layer, v) in enumerate(zip(layers, views, strict=True)):
             if int(v.data_ptr()) != first + lay.layer_offset(i):
@@ -386,11 +409,19 @@ def _group(
                 )
         addresses: tuple[int, ...] = (first,)
     else:
-        lay = dataclasses.replace(lay, num_layers=len(layers))
+        lay = _replace(lay, where, num_layers=len(layers))
         addresses = tuple(int(v.data_ptr()) for v in views)
     for layer, v in zip(layers, views, strict=True):
         _check_view(lay, layer, v)
     return CacheGroup(name, index, lay, tuple(layers), addresses)
+
+
+def _replace(lay: KVCacheLayout, where: str, **changes: Any) -> KVCacheLayout:
+    """``lay`` with vLLM's physical layout applied; what kvxfer cannot describe names vLLM's spec."""
+    try:
+        return dataclasses.replace(lay, **changes)
+    except LayoutError as exc:
+        raise KVCacheDescriptionError(f"{where}: {exc.message}", field="kv_cache_spec") from None
 
 
 def _check_view(lay: KVCacheLayout, layer: str, view: Any) -> None:

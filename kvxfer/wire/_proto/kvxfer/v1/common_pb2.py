@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/common.proto\x12\tkvxfer.v1\"\xb1\x02\n\x06Layout\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05order\x18\x08 \x01(\t\x12\x13\n\x0b\x63ross_layer\x18\t \x01(\x08\x12\x16\n\x0etotal_kv_heads\x18\n \x01(\r\x12\x13\n\x0bhead_size_v\x18\x0b \x01(\r\x12\x13\n\x0bheads_outer\x18\x0c \x01(\x08\x12\x13\n\x0bpage_stride\x18\r \x01(\x04\x12\x19\n\x11kernel_block_size\x18\x0e \x01(\r\x12\x0f\n\x07packing\x18\x0f \x01(\t\"J\n\x04Rank\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_size\x18\x04 \x01(\r\"V\n\tBlockList\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x13\n\x0bskip_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"4\n\x06Region\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/common.proto\x12\tkvxfer.v1\"\xc6\x02\n\x06Layout\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05order\x18\x08 \x01(\t\x12\x13\n\x0b\x63ross_layer\x18\t \x01(\x08\x12\x16\n\x0etotal_kv_heads\x18\n \x01(\r\x12\x13\n\x0bhead_size_v\x18\x0b \x01(\r\x12\x13\n\x0bheads_outer\x18\x0c \x01(\x08\x12\x13\n\x0bpage_stride\x18\r \x01(\x04\x12\x19\n\x11kernel_block_size\x18\x0e \x01(\r\x12\x0f\n\x07packing\x18\x0f \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x10 \x01(\x04\"J\n\x04Rank\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_size\x18\x04 \x01(\r\"V\n\tBlockList\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x13\n\x0bskip_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"4\n\x06Region\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxfer.v1.common_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LAYOUT']._serialized_start=38
-  _globals['_LAYOUT']._serialized_end=343
-  _globals['_RANK']._serialized_start=345
-  _globals['_RANK']._serialized_end=419
-  _globals['_BLOCKLIST']._serialized_start=421
-  _globals['_BLOCKLIST']._serialized_end=507
-  _globals['_REGION']._serialized_start=509
-  _globals['_REGION']._serialized_end=561
+  _globals['_LAYOUT']._serialized_end=364
+  _globals['_RANK']._serialized_start=366
+  _globals['_RANK']._serialized_end=440
+  _globals['_BLOCKLIST']._serialized_start=442
+  _globals['_BLOCKLIST']._serialized_end=528
+  _globals['_REGION']._serialized_start=530
+  _globals['_REGION']._serialized_end=582
 # @@protoc_insertion_point(module_scope)

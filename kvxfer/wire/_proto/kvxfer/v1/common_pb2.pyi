@@ -42,6 +42,7 @@ class Layout(_message.Message):
     PAGE_STRIDE_FIELD_NUMBER: _builtins.int
     KERNEL_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     PACKING_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """attention | quantized | kv_planes | mla | mamba"""
     num_layers: _builtins.int
@@ -70,6 +71,8 @@ class Layout(_message.Message):
     """tokens per kernel block (0: blocks are not split)"""
     packing: _builtins.str
     """attention: K and V inside a (block, head) page: kv (default) | cpu_kt | head_block"""
+    block_bytes: _builtins.int
+    """block-major: bytes from one block to the next (0: the block is its layers' pages)"""
     def __init__(
         self,
         *,
@@ -88,10 +91,11 @@ class Layout(_message.Message):
         page_stride: _builtins.int = ...,
         kernel_block_size: _builtins.int = ...,
         packing: _builtins.str = ...,
+        block_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cross_layer", b"cross_layer", "dtype", b"dtype", "head_size", b"head_size", "head_size_v", b"head_size_v", "heads_outer", b"heads_outer", "kernel_block_size", b"kernel_block_size", "kind", b"kind", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "order", b"order", "packing", b"packing", "page_stride", b"page_stride", "total_kv_heads", b"total_kv_heads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size", b"block_size", "cross_layer", b"cross_layer", "dtype", b"dtype", "head_size", b"head_size", "head_size_v", b"head_size_v", "heads_outer", b"heads_outer", "kernel_block_size", b"kernel_block_size", "kind", b"kind", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "order", b"order", "packing", b"packing", "page_stride", b"page_stride", "total_kv_heads", b"total_kv_heads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -167,11 +167,14 @@ class GetPublishedRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     engine_id: _builtins.str
     """the reader"""
     instance_id: _builtins.str
     """the reader's instance (must have handshaken)"""
+    epoch: _builtins.int
+    """the reader's registration epoch (0: not sent); must be the handshake's"""
     @_builtins.property
     def rank(self) -> _common_pb2.Rank:
         """the reader's rank"""
@@ -183,10 +186,11 @@ class GetPublishedRequest(_message.Message):
         engine_id: _builtins.str = ...,
         instance_id: _builtins.str = ...,
         rank: _common_pb2.Rank | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "instance_id", b"instance_id", "rank", b"rank", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "instance_id", b"instance_id", "rank", b"rank", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
