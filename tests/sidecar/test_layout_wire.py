@@ -14,6 +14,8 @@ LAYOUTS = [
                             total_kv_heads=8, head_size_v=32, packing="cpu_kt", kernel_block_size=16),
     KVCacheLayout.attention(num_layers=2, num_blocks=5, block_size=16, num_kv_heads=4, head_size=8,
                             heads_outer=True, cross_layer=True, packing="head_block"),
+    KVCacheLayout.attention(num_layers=2, num_blocks=5, block_size=16, num_kv_heads=4, head_size=8,
+                            cross_layer=True, block_bytes=2 * 16 * 4 * 16 * 2 + 512),
     KVCacheLayout.attention(num_layers=2, num_blocks=5, block_size=16, num_kv_heads=4, head_size=8, order="NHD",
                             page_stride=4096 + 128),
     KVCacheLayout.quantized(num_layers=1, num_blocks=3, block_size=16, num_kv_heads=8, head_size=128, dtype="nvfp4"),
