@@ -275,12 +275,18 @@ class AsyncClient:
         return _status_dict(await self._call(self._stub.RegisterCaches, req, deadline))
 
     async def publish(
-        self, request_id: str, blocks: BlockMap, *, lease_seconds: float = 0.0, deadline: float | None = None
-    ) -> int:
-        """Publish a request's blocks; returns the lease's expiry (unix ms)."""
+        self, request_id: str, blocks: BlockMap, *, lease_seconds: float = 0.0, deadline: float | None = None,
+        reader_engine_id: str = "",
+    ) -> int:  # fmt: skip
+        """Publish a request's blocks; returns the lease's expiry (unix ms).
+
+        ``reader_engine_id`` binds the publish to the decode engine meant to read it (else to the
+        first reader engine that fetches it).
+        """
         req = local_pb2.PublishRequest(
-            request_id=request_id, blocks=blocks_to_proto(blocks), lease_seconds=lease_seconds
-        )
+            request_id=request_id, blocks=blocks_to_proto(blocks), lease_seconds=lease_seconds,
+            reader_engine_id=reader_engine_id,
+        )  # fmt: skip
         resp: local_pb2.PublishResponse = await self._call(self._stub.Publish, req, deadline)
         return int(resp.expires_unix_ms)
 

@@ -25,6 +25,7 @@ __all__ = [
     "LayoutError",
     "NotFoundError",
     "PeerUnavailableError",
+    "PermissionDeniedError",
     "Reason",
     "TopologyError",
     "UnauthenticatedError",
@@ -57,6 +58,9 @@ class Reason(enum.StrEnum):
     DEADLINE = "DEADLINE"  # ran past a deadline
     ABORTED = "ABORTED"  # aborted by the worker, a peer, or a shutdown
     UNAUTHENTICATED = "UNAUTHENTICATED"  # missing or wrong credentials
+    IDENTITY = "IDENTITY"  # a peer claims an engine id its credentials do not carry
+    NOT_BOUND_READER = "NOT_BOUND_READER"  # a publish is bound to another reader engine
+    WORKER_GONE = "WORKER_GONE"  # the worker that registered the memory has exited
     UNSUPPORTED = "UNSUPPORTED"  # a feature this build or host does not have
     INTERNAL = "INTERNAL"  # a bug
 
@@ -134,6 +138,13 @@ class UnauthenticatedError(KvxferError):
 
     status = "UNAUTHENTICATED"
     default_reason = Reason.UNAUTHENTICATED
+
+
+class PermissionDeniedError(KvxferError):
+    """An authenticated caller asked for something its identity does not allow."""
+
+    status = "PERMISSION_DENIED"
+    default_reason = Reason.IDENTITY
 
 
 class LayoutError(KvxferError, ValueError):

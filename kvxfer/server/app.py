@@ -29,6 +29,7 @@ from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
+from kvxfer.server.peer_auth import PeerCredentials
 from kvxfer.server.rpc import TokenInterceptor, service_handler
 from kvxfer.transport import Transport, create_transport, transport_class
 from kvxfer.wire import local_pb2, peer_pb2
@@ -84,30 +85,30 @@ class _LocalApi:
 
 
 class _PeerApi:
-    """Peer service methods."""
+    """Peer service methods: each passes on what the caller's credentials prove (see peer_auth)."""
 
     def __init__(self, core: SidecarCore) -> None:
         self.core = core
 
-    async def handshake(self, req: peer_pb2.HandshakeRequest, _ctx: Context) -> peer_pb2.HandshakeResponse:
-        return await self.core.peer_handshake(req)
+    async def handshake(self, req: peer_pb2.HandshakeRequest, ctx: Context) -> peer_pb2.HandshakeResponse:
+        return await self.core.peer_handshake(req, PeerCredentials.of(ctx))
 
-    async def get_published(self, req: peer_pb2.GetPublishedRequest, _ctx: Context) -> peer_pb2.GetPublishedResponse:
-        return await self.core.peer_get_published(req)
+    async def get_published(self, req: peer_pb2.GetPublishedRequest, ctx: Context) -> peer_pb2.GetPublishedResponse:
+        return await self.core.peer_get_published(req, PeerCredentials.of(ctx))
 
     async def get_published_batch(
-        self, req: peer_pb2.GetPublishedBatchRequest, _ctx: Context
+        self, req: peer_pb2.GetPublishedBatchRequest, ctx: Context
     ) -> peer_pb2.GetPublishedBatchResponse:
-        return await self.core.peer_get_published_batch(req)
+        return await self.core.peer_get_published_batch(req, PeerCredentials.of(ctx))
 
-    async def notify(self, req: peer_pb2.NotifyRequest, _ctx: Context) -> peer_pb2.NotifyResponse:
-        return await self.core.peer_notify(req)
+    async def notify(self, req: peer_pb2.NotifyRequest, ctx: Context) -> peer_pb2.NotifyResponse:
+        return await self.core.peer_notify(req, PeerCredentials.of(ctx))
 
-    async def notify_batch(self, req: peer_pb2.NotifyBatchRequest, _ctx: Context) -> peer_pb2.NotifyBatchResponse:
-        return await self.core.peer_notify_batch(req)
+    async def notify_batch(self, req: peer_pb2.NotifyBatchRequest, ctx: Context) -> peer_pb2.NotifyBatchResponse:
+        return await self.core.peer_notify_batch(req, PeerCredentials.of(ctx))
 
-    async def abort(self, req: peer_pb2.PeerAbortRequest, _ctx: Context) -> peer_pb2.PeerAbortResponse:
-        return await self.core.peer_abort(req)
+    async def abort(self, req: peer_pb2.PeerAbortRequest, ctx: Context) -> peer_pb2.PeerAbortResponse:
+        return await self.core.peer_abort(req, PeerCredentials.of(ctx))
 
 
 class Sidecar:

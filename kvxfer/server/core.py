@@ -30,6 +30,7 @@ from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub
 from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import Outbox
+from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
 from kvxfer.server.puller import Puller
@@ -173,31 +174,43 @@ class SidecarCore:
             yield ev
 
     # ================================================================== peer API
-    async def peer_handshake(self, req: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
-        """Handshake: refuse incompatible readers with every difference listed."""
-        return self.publisher.handshake(req)
+    # ``creds`` says which engine ids the caller may act as (from its certificate; see peer_auth).
+    async def peer_handshake(
+        self, req: peer_pb2.HandshakeRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.HandshakeResponse:
+        """Handshake: refuse impostors and incompatible readers (every difference listed)."""
+        return self.publisher.handshake(req, creds)
 
-    async def peer_get_published(self, req: peer_pb2.GetPublishedRequest) -> peer_pb2.GetPublishedResponse:
+    async def peer_get_published(
+        self, req: peer_pb2.GetPublishedRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.GetPublishedResponse:
         """GetPublished: a reader asks for a published request's blocks and regions."""
-        return self.publisher.get_published(req)
+        return self.publisher.get_published(req, creds)
 
     async def peer_get_published_batch(
-        self, req: peer_pb2.GetPublishedBatchRequest
+        self, req: peer_pb2.GetPublishedBatchRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.GetPublishedBatchResponse:
         """GetPublishedBatch: several lookups, each answered (or refused) on its own."""
-        return self.publisher.get_published_batch(req)
+        return self.publisher.get_published_batch(req, creds)
 
-    async def peer_notify(self, req: peer_pb2.NotifyRequest) -> peer_pb2.NotifyResponse:
+    async def peer_notify(
+        self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.NotifyResponse:
         """Notify: a reader is done; free the blocks once every expected reader is."""
-        return self.publisher.notify(req)
+        return self.publisher.notify(req, creds)
 
-    async def peer_notify_batch(self, req: peer_pb2.NotifyBatchRequest) -> peer_pb2.NotifyBatchResponse:
+    async def peer_notify_batch(
+        self, req: peer_pb2.NotifyBatchRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.NotifyBatchResponse:
         """NotifyBatch: several notices at once."""
-        return self.publisher.notify_batch(req)
+        return self.publisher.notify_batch(req, creds)
 
-    async def peer_abort(self, req: peer_pb2.PeerAbortRequest) -> peer_pb2.PeerAbortResponse:
+    async def peer_abort(
+        self, req: peer_pb2.PeerAbortRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.PeerAbortResponse:
         """Abort from a peer: drop our publish and/or cancel our pull of that request."""
         rid = check_id(req.request_id, "request_id")
+        creds.check(req.engine_id, "engine_id")
         reader = self.publisher.knows(req.engine_id, req.instance_id)
         publishers = {
             s.address for s in self.peers.sessions()
@@ -210,8 +223,9 @@ class SidecarCore:
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
         reason = f"aborted by peer {req.engine_id}" + (f": {req.reason}" if req.reason else "")
-        found = reader and self.publisher.peer_abort(req, reason)
-        found = self.puller.peer_abort(rid, publishers, reason) or found
+        found = self.puller.peer_abort(rid, publishers, reason)
+        if reader:  # refused (PERMISSION_DENIED) when the publish is bound to another reader
+            found = self.publisher.peer_abort(req, reason) or found
         return peer_pb2.PeerAbortResponse(found=found)
 
     # ================================================================== drain / shutdown

@@ -5,6 +5,11 @@ that reads them confirms (peer ``Notify``), the lease expires, or someone aborts
 handshake (:meth:`Publisher.handshake`), then look the request up (``GetPublished``): only a
 reader that handshook learns block ids and region tables, and only a reader that fetched a
 request may free it.
+
+A publish is *bound* to one reader engine: the one the worker named (``reader_engine_id``), else
+the first that fetches, frees or aborts it. Every other engine is refused (PERMISSION_DENIED,
+reason NOT_BOUND_READER). Which engine a caller is comes from its credentials
+(:class:`~kvxfer.server.peer_auth.PeerCredentials`): with mutual TLS, its certificate.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from kvxfer.errors import (
     InvalidArgumentError,
     KvxferError,
     NotFoundError,
+    PermissionDeniedError,
     Reason,
 )
 from kvxfer.logs import get_logger, log_context
@@ -28,6 +34,7 @@ from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
 from kvxfer.server.identity import Identity, reader_differences
 from kvxfer.server.outbox import Outbox
+from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import PublishEntry, ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
@@ -73,7 +80,8 @@ class Publisher:
                 field="request_id",
             )
         blocks = blocks_from_proto(req.blocks, reg.layouts, "blocks")
-        entry = PublishEntry(rid, blocks, lease, time.monotonic() + lease)
+        reader = check_id(req.reader_engine_id, "reader_engine_id") if req.reader_engine_id else ""
+        entry = PublishEntry(rid, blocks, lease, time.monotonic() + lease, reader_engine=reader)
         self.publishes[rid] = entry
         self._arm_lease(entry)
         return local_pb2.PublishResponse(request_id=rid, expires_unix_ms=entry.expires_unix_ms)
@@ -129,10 +137,13 @@ class Publisher:
         return released
 
     # ------------------------------------------------------------------ peer API
-    def handshake(self, req: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
-        """Refuse incompatible readers with every difference listed; remember the others."""
+    def handshake(
+        self, req: peer_pb2.HandshakeRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.HandshakeResponse:
+        """Refuse impostors and incompatible readers (every difference listed); remember the others."""
         try:
             reader = Identity.from_proto(req.info, "info")
+            creds.check(reader.engine_id, "info.engine_id")
         except KvxferError:
             self.metrics.handshakes.labels(outcome="failed").inc()
             raise
@@ -158,9 +169,12 @@ class Publisher:
         """True when that sidecar instance handshook with this one."""
         return any(k[0] == engine_id and k[1] == instance_id for k in self.readers)
 
-    def get_published(self, req: peer_pb2.GetPublishedRequest) -> peer_pb2.GetPublishedResponse:
+    def get_published(
+        self, req: peer_pb2.GetPublishedRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.GetPublishedResponse:
         """A reader asks for a published request's blocks and regions."""
         rid = check_id(req.request_id, "request_id")
+        creds.check(req.engine_id, "engine_id")
         reg = self.registry.require()
         entry = self.publishes.get(rid)
         if entry is None:
@@ -185,6 +199,7 @@ class Publisher:
                 f"{reader.epoch}); handshake again",
                 field="epoch", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
+        self._bind(entry, req.engine_id, "fetch")
         if entry.expected_readers is None or entry.reader_tp_size != rank.tp_size:
             entry.expected_readers = self._expected_readers(reader, rank.tp_size, reg)
             entry.reader_tp_size = rank.tp_size
@@ -206,7 +221,9 @@ class Publisher:
             )  # fmt: skip
         return resp
 
-    def get_published_batch(self, req: peer_pb2.GetPublishedBatchRequest) -> peer_pb2.GetPublishedBatchResponse:
+    def get_published_batch(
+        self, req: peer_pb2.GetPublishedBatchRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.GetPublishedBatchResponse:
         """Several lookups, each answered (or refused) on its own."""
         if len(req.requests) > MAX_BATCH:
             raise InvalidArgumentError(
@@ -216,7 +233,7 @@ class Publisher:
         out = peer_pb2.GetPublishedBatchResponse()
         for r in req.requests:
             try:
-                out.results.add(response=self.get_published(r))
+                out.results.add(response=self.get_published(r, creds))
             except KvxferError as exc:  # one unknown request must not cost the others
                 out.results.add(code=code_of(exc).value[0], message=exc.message, reason=exc.reason.value,
                                 field=exc.field or "")  # fmt: skip
@@ -239,15 +256,18 @@ class Publisher:
                     out.add(r)
         return out or {reader.rank.tp_rank}
 
-    def notify(self, req: peer_pb2.NotifyRequest) -> peer_pb2.NotifyResponse:
+    def notify(self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.NotifyResponse:
         """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is."""
         rid = check_id(req.request_id, "request_id")
+        creds.check(req.engine_id, "engine_id")
         entry = self.publishes.get(rid)
         if entry is None:
             return peer_pb2.NotifyResponse(released=False)
         rank = rank_from_proto(req.rank, "rank")
         unread = req.outcome == peer_pb2.NotifyRequest.UNREAD
+        self._check_bound(entry, req.engine_id, "free")  # refused before anything else: no binding on a refusal
         self._check_notifier(req, rank, entry, unread)
+        self._bind(entry, req.engine_id, "free")
         if unread:
             if entry.readers:
                 return peer_pb2.NotifyResponse(released=False)  # someone did read it: wait for them
@@ -284,25 +304,44 @@ class Publisher:
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
 
-    def notify_batch(self, req: peer_pb2.NotifyBatchRequest) -> peer_pb2.NotifyBatchResponse:
+    def notify_batch(
+        self, req: peer_pb2.NotifyBatchRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.NotifyBatchResponse:
         """Several notices at once; a bad one does not cost the others."""
         released = 0
         for n in req.notices:
             try:
-                released += int(self.notify(n).released)
+                released += int(self.notify(n, creds).released)
             except KvxferError as exc:
                 log.warning("completion notice refused", extra={"peer": n.engine_id, "error": exc.message})
         return peer_pb2.NotifyBatchResponse(released=released)
 
     def peer_abort(self, req: peer_pb2.PeerAbortRequest, reason: str) -> bool:
         """A reader aborted: drop the publish and stop the other readers; False when none was held."""
-        entry = self.drop(req.request_id)
+        entry = self.publishes.get(req.request_id)
         if entry is None:
             return False
+        self._bind(entry, req.engine_id, "abort")
+        self.drop(req.request_id)
         self.hub.emit(Kind.ABORTED, req.request_id, code=grpc.StatusCode.ABORTED.value[0], message=reason,
                       peer=req.engine_id)  # fmt: skip
         self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=(req.engine_id, req.instance_id)))
         return True
+
+    @classmethod
+    def _bind(cls, entry: PublishEntry, engine_id: str, what: str) -> None:
+        """Bind ``entry`` to ``engine_id`` when it is unbound; refuse any other engine."""
+        cls._check_bound(entry, engine_id, what)
+        entry.reader_engine = engine_id
+
+    @staticmethod
+    def _check_bound(entry: PublishEntry, engine_id: str, what: str) -> None:
+        if entry.reader_engine and entry.reader_engine != engine_id:
+            raise PermissionDeniedError(
+                f"engine_id: {entry.request_id!r} is bound to reader engine {entry.reader_engine!r}; "
+                f"{engine_id!r} may not {what} it",
+                field="engine_id", reason=Reason.NOT_BOUND_READER,
+            )  # fmt: skip
 
     def count_readers(self) -> int:
         """Reader sidecar instances that handshook (for the peers gauge)."""

@@ -236,6 +236,12 @@ class Puller:
         elif reg is not None:
             if outcome == "aborted":
                 entry.contacted.clear()  # only the unread replicas are told
+            elif outcome == "failed" and not entry.posted.done():
+                # Nothing was read: the mistake (block counts, ids not published, a layout or peer
+                # that does not fit) is the caller's or this side's, so the publish stays as it was
+                # and a corrected retry finds it. Only a data-plane failure, a timeout or an abort
+                # tells the publisher FAILED.
+                entry.contacted.clear()
             self.outbox.notify_publishers(entry, reg.rank, "failed", err.message, 0)
         for fut in (entry.posted, entry.done):
             if not fut.done():

@@ -64,6 +64,8 @@ class PublishEntry:
     readers: dict[ReaderKey, str] = field(default_factory=dict)  # who fetched it -> their address
     done_readers: set[int] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
+    #: The reader engine allowed to fetch, notify or abort it ('' until named or first touched).
+    reader_engine: str = ""
 
     @property
     def expires_unix_ms(self) -> int:

@@ -26,7 +26,9 @@ from kvxfer.errors import (
     KvxferError,
     NotFoundError,
     PeerUnavailableError,
+    PermissionDeniedError,
     Reason,
+    UnauthenticatedError,
 )
 
 __all__ = [
@@ -52,7 +54,7 @@ _REASON_OF_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: Reason.DEADLINE,
     grpc.StatusCode.ABORTED: Reason.ABORTED,
     grpc.StatusCode.UNAUTHENTICATED: Reason.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED: Reason.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: Reason.IDENTITY,
     grpc.StatusCode.UNIMPLEMENTED: Reason.UNSUPPORTED,
     grpc.StatusCode.UNAVAILABLE: Reason.PEER_UNREACHABLE,
     grpc.StatusCode.CANCELLED: Reason.ABORTED,
@@ -145,4 +147,6 @@ _CLASS_OF_CODE: dict[grpc.StatusCode, type[KvxferError]] = {
     grpc.StatusCode.UNAVAILABLE: PeerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineError,
     grpc.StatusCode.ABORTED: AbortedError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }

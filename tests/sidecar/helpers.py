@@ -60,9 +60,13 @@ class Worker:
 
     async def prefill(self, rid: str, blocks: Blocks, salt: int, lease: float = 0.0) -> int:
         """Write the request's contents and publish it."""
+        self.fill(blocks, salt)
+        return await self.client.publish(rid, blocks, lease_seconds=lease)
+
+    def fill(self, blocks: Blocks, salt: int) -> None:
+        """Write a request's contents (what :meth:`verify` checks on the other side)."""
         for g, ids in blocks.items():
             fill_blocks(self.buffers[g], self.rank, ids, salt)
-        return await self.client.publish(rid, blocks, lease_seconds=lease)
 
     async def pull(self, rid: str, remotes: Sequence[Sidecar | str], blocks: Blocks, **kw: Any) -> PullResult:
         """Poison the destination blocks and pull."""
@@ -139,14 +143,16 @@ class Harness:
             return list(spec) if isinstance(spec, Sequence) else [spec] * n
 
         ps, pw, ds, dw = [], [], [], []
+        token_file = sidecar_settings.get("token_file")
+        token = Path(token_file).read_text().strip() if token_file else None  # noqa: ASYNC240 - the workers hold it too
         for q, lay in enumerate(per_rank(prefill, prefill_tp)):
             sc = await self.sidecar(f"p{q}-{self._n}", role="prefill", engine_id="prefill", **sidecar_settings)
             ps.append(sc)
-            pw.append(await self.worker(sc, lay, (q, prefill_tp)))
+            pw.append(await self.worker(sc, lay, (q, prefill_tp), token=token))
         for r, lay in enumerate(per_rank(decode, decode_tp)):
             sc = await self.sidecar(f"d{r}-{self._n}", role="decode", engine_id="decode", **sidecar_settings)
             ds.append(sc)
-            dw.append(await self.worker(sc, lay, (r, decode_tp)))
+            dw.append(await self.worker(sc, lay, (r, decode_tp), token=token))
         return ps, pw, ds, dw
 
     async def close(self) -> None:

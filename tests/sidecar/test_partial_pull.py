@@ -41,12 +41,22 @@ async def test_pull_of_an_unpublished_id_is_refused(harness: Harness) -> None:
         "remote_blocks[kv]: block id 8 at position 1 was not published",
         "published 8 blocks",
     )
-    # The reader gave up on r1, so the prefill side freed it; r2 is untouched and moves exactly.
-    assert (await pw[0].client.status())["leases"] == 1
-    res = await dw[0].pull("r2", ps, {"kv": [1, 2]}, remote_blocks={"kv": [51, 50]})
+    # The mistake was the caller's and nothing was read: r1 stays published (both leases held), a
+    # block-count mismatch is refused the same way, and the corrected retries move exactly.
+    assert (await pw[0].client.status())["leases"] == 2
+    await expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        dw[0].pull("r1", ps, {"kv": [1, 2, 3]}, remote_blocks={"kv": [7, 6]}),
+        "remote_blocks[kv]: length mismatch: 3 local blocks",
+    )
+    assert (await pw[0].client.status())["leases"] == 2
     src, dst = pw[0].buffers["kv"], dw[0].buffers["kv"]
+    res = await dw[0].pull("r1", ps, {"kv": [1, 2]}, remote_blocks={"kv": [7, 6]})
     for layer in range(lay.num_layers):
-        assert np.array_equal(dst.pages(layer)[[1, 2]], src.pages(layer)[[51, 50]])
+        assert np.array_equal(dst.pages(layer)[[1, 2]], src.pages(layer)[[7, 6]])
+    res = await dw[0].pull("r2", ps, {"kv": [3, 4]}, remote_blocks={"kv": [51, 50]})
+    for layer in range(lay.num_layers):
+        assert np.array_equal(dst.pages(layer)[[3, 4]], src.pages(layer)[[51, 50]])
     assert res.bytes == 2 * lay.page_bytes * lay.num_layers
 
 

@@ -30,10 +30,10 @@ def _tamper(sidecar: Sidecar, edit: Callable[[Any], None]) -> Callable[[], None]
     """FAULT INJECTOR: the publisher's GetPublished answers, edited as a broken or hostile peer would send them."""
     core = sidecar.core
     assert core is not None
-    honest: Callable[[Any], Awaitable[Any]] = core.peer_get_published
+    honest: Callable[[Any, Any], Awaitable[Any]] = core.peer_get_published
 
-    async def lying(req: Any) -> Any:
-        resp = await honest(req)
+    async def lying(req: Any, creds: Any) -> Any:
+        resp = await honest(req, creds)
         edit(resp)
         return resp
 

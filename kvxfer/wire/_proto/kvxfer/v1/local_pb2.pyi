@@ -344,9 +344,15 @@ class PublishRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    READER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     lease_seconds: _builtins.float
     """0: the sidecar's --lease-seconds"""
+    reader_engine_id: _builtins.str
+    """The decode engine meant to read it (its sidecars' --engine-id). Empty: the first authenticated
+    reader engine that fetches it (or frees it, or aborts it) is bound to it. Only the bound engine
+    may fetch, notify or abort it.
+    """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockList]: ...
     def __init__(
@@ -355,10 +361,11 @@ class PublishRequest(_message.Message):
         request_id: _builtins.str = ...,
         blocks: _abc.Iterable[_common_pb2.BlockList] | None = ...,
         lease_seconds: _builtins.float = ...,
+        reader_engine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "lease_seconds", b"lease_seconds", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "lease_seconds", b"lease_seconds", "reader_engine_id", b"reader_engine_id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
