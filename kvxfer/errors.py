@@ -57,6 +57,7 @@ class Reason(enum.StrEnum):
     DEADLINE = "DEADLINE"  # ran past a deadline
     ABORTED = "ABORTED"  # aborted by the worker, a peer, or a shutdown
     UNAUTHENTICATED = "UNAUTHENTICATED"  # missing or wrong credentials
+    INSECURE_LISTEN = "INSECURE_LISTEN"  # asked to listen beyond loopback with no credentials (see --insecure)
     UNSUPPORTED = "UNSUPPORTED"  # a feature this build or host does not have
     INTERNAL = "INTERNAL"  # a bug
 
