@@ -12,6 +12,7 @@ dependency of its own.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "Settings",
     "env_name",
     "flag_name",
+    "is_loopback_host",
     "load_settings",
     "parse_address",
     "read_config_file",
@@ -71,6 +73,24 @@ def parse_address(value: str, *, setting: str = "address") -> tuple[str, int]:
     return host, port
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1, ::ffff:127.x.y.z).
+
+    Any other name counts as reachable from elsewhere: what a hostname resolves to can change
+    after start-up, so it is never resolved here.
+    """
+    h = host.strip().strip("[]").lower().rstrip(".")
+    if h == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
 class Settings(BaseModel):
     """Validated sidecar settings (field names are the flags with dashes as underscores)."""
 
@@ -84,6 +104,9 @@ class Settings(BaseModel):
     local_socket: str = Field("/run/kvxfer/kvxfer.sock", description="Unix socket for the local API ('' disables)")
     local_listen: str | None = Field(None, description="optional TCP address for the local API")
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
+    metrics_auth: Literal["token", "none"] | None = Field(
+        None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"
+    )
     backend: str = Field("nixl", description="data plane: nixl or mooncake (any registered kvxfer.transport backend)")
     nixl_backends: tuple[str, ...] = Field(("UCX",), description="comma-separated NIXL backend plugins")
     mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transport: tcp or rdma")
@@ -100,6 +123,9 @@ class Settings(BaseModel):
     tls_key: Path | None = Field(None, description="PEM private key")
     tls_ca: Path | None = Field(None, description="PEM CA bundle: client-cert checks and peer verification")
     token_file: Path | None = Field(None, description="file holding the shared bearer token")
+    insecure: bool = Field(
+        False, description="allow a non-loopback --peer-listen/--local-listen without --token-file or TLS (true/false)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["json", "text"] = Field("json", description="json or text")
 
@@ -126,7 +152,7 @@ class Settings(BaseModel):
         _address_or_raise(v)
         return v.strip()
 
-    @field_validator("role", "backend", "mooncake_protocol", "log_level", "log_format", mode="before")
+    @field_validator("role", "backend", "mooncake_protocol", "log_level", "log_format", "metrics_auth", mode="before")
     @classmethod
     def _lower(cls, v: Any) -> Any:
         return v.strip().lower() if isinstance(v, str) else v
@@ -173,7 +199,50 @@ class Settings(BaseModel):
             raise _SettingError("local_socket", "the local API needs --local-socket or --local-listen")
         if self.token_file is not None and not self.token_file.read_text().strip():
             raise _SettingError("token_file", f"file {str(self.token_file)!r} is empty")
+        if self.metrics_auth == "token" and self.token_file is None:
+            raise _SettingError("metrics_auth", "token needs --token-file (the token /metrics asks for)")
+        self._refuse_open_listeners()
         return self
+
+    def _refuse_open_listeners(self) -> None:
+        """Secure by default: an API reachable from other hosts needs credentials or --insecure.
+
+        Whoever can call the peer API without credentials gets the data-plane metadata (and, on the
+        same host, CUDA IPC handles) from a Handshake, and with it one-sided READ access to every
+        registered byte; the local API registers memory and drains the sidecar. TLS protects only
+        the peer API (the local API is plaintext), so the local API's TCP listener needs the token.
+        TLS without ``--tls-ca`` encrypts but lets any client in, so it does not count.
+        """
+        if self.insecure:
+            return
+        if not self.peers_authenticated and not is_loopback_host(self.peer_host_port[0]):
+            tls = " (TLS without --tls-ca checks no client certificate)" if self.tls_enabled else ""
+            raise _SettingError(
+                "peer_listen",
+                f"{self.peer_listen!r} is not a loopback address and neither --token-file nor mutual TLS "
+                f"(--tls-cert/--tls-key with --tls-ca) is set{tls}: anyone who reaches that port could handshake "
+                "and read every registered KV byte. Set --token-file or mutual TLS, listen on 127.0.0.1, or pass "
+                "--insecure true (KVXFER_INSECURE=true) to accept that",
+                reason=Reason.INSECURE_LISTEN,
+            )
+        if self.local_listen and not self.token_file:
+            host, _ = parse_address(self.local_listen, setting="local_listen")
+            if not is_loopback_host(host):
+                raise _SettingError(
+                    "local_listen",
+                    f"{self.local_listen!r} is not a loopback address and --token-file is not set: anyone who "
+                    "reaches that port could register memory, pull into it or drain the sidecar (TLS does not "
+                    "cover the local API). Set --token-file, listen on 127.0.0.1, or pass --insecure true "
+                    "(KVXFER_INSECURE=true) to accept that",
+                    reason=Reason.INSECURE_LISTEN,
+                )
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The token /metrics asks for (``--metrics-auth``, by default token when a token is set), or None."""
+        if self.metrics_auth == "none":
+            return None
+        return self.token()
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -209,17 +278,23 @@ class Settings(BaseModel):
         """True when the peer API serves TLS."""
         return self.tls_cert is not None and self.tls_key is not None
 
+    @property
+    def peers_authenticated(self) -> bool:
+        """True when a peer must prove itself before any peer call: the shared token or mutual TLS."""
+        return self.token_file is not None or (self.tls_enabled and self.tls_ca is not None)
+
     def redacted(self) -> dict[str, Any]:
         """Settings as a JSON-able dict for the start-up log (the token file's path, never its contents)."""
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.model_dump().items()}
 
 
 class _SettingError(ValueError):
-    """Raised inside model validation to name the setting a cross-field check blames."""
+    """Raised inside model validation to name the setting a cross-field check blames (and why)."""
 
-    def __init__(self, setting: str, message: str) -> None:
+    def __init__(self, setting: str, message: str, *, reason: Reason = Reason.INVALID_FIELD) -> None:
         super().__init__(message)
         self.setting = setting
+        self.reason = reason
 
 
 def _address_or_raise(v: str) -> None:
@@ -348,7 +423,9 @@ def load_settings(flags: Mapping[str, Any] | None = None, env: Mapping[str, str]
     except ValidationError as exc:
         raise _config_error(exc, merged, source, config_path) from None
     except _SettingError as exc:
-        raise ConfigError(f"{_where(exc.setting, source, config_path)}: {exc}", field=exc.setting) from None
+        raise ConfigError(
+            f"{_where(exc.setting, source, config_path)}: {exc}", field=exc.setting, reason=exc.reason
+        ) from None
 
 
 def _where(field: str, source: Mapping[str, str], config_path: Any) -> str:
@@ -367,14 +444,16 @@ def _config_error(
 ) -> ConfigError:
     parts: list[str] = []
     first: str | None = None
+    reason: Reason | None = None
     for err in exc.errors():
         field = str(err["loc"][0]) if err["loc"] else ""
         ctx = err.get("ctx") or {}
         if not field and isinstance(ctx.get("error"), _SettingError):
             field = ctx["error"].setting
+            reason = reason or ctx["error"].reason
         msg = str(ctx["error"]) if isinstance(ctx.get("error"), Exception) else err["msg"]
         msg = msg.removeprefix("Value error, ")
         first = first or field
-        value = f" (got {merged[field]!r})" if field in merged else ""
+        value = f" (got {merged[field]!r})" if field in merged and repr(merged[field]) not in msg else ""
         parts.append(f"{_where(field, source, config_path)}: {msg}{value}")
-    return ConfigError("; ".join(parts), field=first)
+    return ConfigError("; ".join(parts), field=first, reason=reason)

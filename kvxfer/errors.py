@@ -61,6 +61,7 @@ class Reason(enum.StrEnum):
     IDENTITY = "IDENTITY"  # a peer claims an engine id its credentials do not carry
     NOT_BOUND_READER = "NOT_BOUND_READER"  # a publish is bound to another reader engine
     WORKER_GONE = "WORKER_GONE"  # the worker that registered the memory has exited
+    INSECURE_LISTEN = "INSECURE_LISTEN"  # asked to listen beyond loopback with no credentials (see --insecure)
     UNSUPPORTED = "UNSUPPORTED"  # a feature this build or host does not have
     INTERNAL = "INTERNAL"  # a bug
 

@@ -1,14 +1,22 @@
-"""Prometheus metrics of one sidecar, on a registry the sidecar owns.
+"""Prometheus metrics of one sidecar, on a registry the sidecar owns, and the /metrics server.
 
 The names, types and labels are fixed by docs/sidecar-contract.md (the dashboard and alerts are
 written against them). A private :class:`CollectorRegistry` instead of prometheus_client's global
 one lets several sidecars live in one process (tests, library mode) without clashing.
+
+prometheus_client's own ``start_http_server`` cannot ask for credentials, so /metrics is its WSGI
+app behind an optional bearer-token check, served by wsgiref in a daemon thread.
 """
 
 from __future__ import annotations
 
+import hmac
+import socket
 import threading
-from typing import Literal
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any, Literal
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,12 +25,12 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
 
 from kvxfer import PROTOCOL_VERSION, __version__
 
-__all__ = ["Direction", "Outcome", "SidecarMetrics"]
+__all__ = ["Direction", "Outcome", "SidecarMetrics", "bearer_auth"]
 
 Direction = Literal["read", "write"]
 Outcome = Literal["ok", "failed", "aborted", "timeout"]
@@ -72,7 +80,7 @@ class SidecarMetrics:
                 self.transfers.labels(direction=d, outcome=o)
         for o in ("ok", "refused", "failed"):
             self.handshakes.labels(outcome=o)
-        self._server: object | None = None
+        self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def transfer_done(
@@ -92,9 +100,20 @@ class SidecarMetrics:
         """The text exposition format (what /metrics serves)."""
         return generate_latest(self.registry)
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on ``host:port`` in a daemon thread; returns the bound port."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, *, token: str | None = None) -> int:
+        """Serve /metrics on ``host:port`` in a daemon thread; returns the bound port.
+
+        With ``token`` every request must carry ``Authorization: Bearer <token>`` (401 otherwise).
+        Raises OSError when the address cannot be bound.
+        """
+        app = make_wsgi_app(self.registry)
+        if token is not None:
+            app = bearer_auth(app, token)
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
+        server: WSGIServer = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        thread = threading.Thread(target=server.serve_forever, name="kvxfer-metrics", daemon=True)
+        thread.start()
         self._server, self._thread = server, thread
         return int(server.server_port)
 
@@ -102,9 +121,51 @@ class SidecarMetrics:
         """Stop the /metrics server, if any."""
         server = self._server
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
+            server.shutdown()
+            server.server_close()
             self._server = None
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+# ---------------------------------------------------------------------------- /metrics server
+_WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """One thread per scrape, so a slow client cannot hold /metrics for the others."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr: the sidecar's logs are JSON lines."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def bearer_auth(app: _WsgiApp, token: str) -> _WsgiApp:
+    """``app`` behind ``Authorization: Bearer <token>``: 401 with ``WWW-Authenticate`` otherwise.
+
+    The comparison takes the same time whatever the guess, and the token is never echoed.
+    """
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        got = str(environ.get("HTTP_AUTHORIZATION", "")).encode("latin-1", "replace")
+        scheme, _, _ = got.partition(b" ")
+        # The scheme is case-insensitive (RFC 9110); the credentials are not.
+        got = b"Bearer" + got[len(scheme) :] if scheme.lower() == b"bearer" else got
+        if hmac.compare_digest(got, expected):
+            return app(environ, start_response)
+        body = b"401 Unauthorized: /metrics needs the header 'Authorization: Bearer <token>' (--metrics-auth token)\n"
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
+             ("WWW-Authenticate", 'Bearer realm="kvxfer-metrics"')],
+        )  # fmt: skip
+        return [body]
+
+    return guarded

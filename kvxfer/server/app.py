@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer import PROTOCOL_VERSION, __version__
-from kvxfer.config import ConfigError, Settings, parse_address
+from kvxfer.config import ConfigError, Settings, is_loopback_host, parse_address
 from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
@@ -186,15 +188,13 @@ class Sidecar:
         await local.start()
         if self.fd_box is not None:
             await self.fd_box.start()
-        if self._socket_path is not None:
-            # The worker runs as another user in another container: the pod's shared group
-            # (fsGroup) may connect, nobody else. The token, when set, still applies.
-            os.chmod(self._socket_path, SOCKET_MODE)
         self._serve_metrics(self.metrics)
+        self._warn_if_open()
         log.info(
             "sidecar started",
             extra={"engine_id": s.engine_id, "peer_address": self.peer_address, "local": self.local_target,
-                   "metrics_port": self.metrics_port, "backend": s.backend, "role": s.role,
+                   "metrics_port": self.metrics_port, "metrics_auth": s.metrics_token is not None,
+                   "backend": s.backend, "role": s.role,
                    "version": __version__, "protocol": PROTOCOL_VERSION, "auth": bool(token),
                    "tls": s.tls_enabled, "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]},
         )  # fmt: skip
@@ -224,9 +224,9 @@ class Sidecar:
     def _bind_local(self, local: grpc.aio.Server) -> None:
         s = self.settings
         if s.local_socket:
-            self._socket_path = _prepare_socket(Path(s.local_socket))
-            if local.add_insecure_port(f"unix://{self._socket_path}") == 0:
-                raise ConfigError(f"--local-socket: cannot listen on {self._socket_path}", field="local_socket")
+            path = _prepare_socket(Path(s.local_socket))
+            _listen_unix(local, path)
+            self._socket_path = path
         if s.local_listen:
             self.local_port = self._bind(local, s.local_listen, "local_listen", secure=False)
 
@@ -236,9 +236,27 @@ class Sidecar:
             return
         host, port = parse_address(address, setting="metrics_listen")
         try:
-            self.metrics_port = metrics.serve(host, port)
+            self.metrics_port = metrics.serve(host, port, token=self.settings.metrics_token)
         except OSError as exc:
             raise ConfigError(f"--metrics-listen: cannot listen on {address}: {exc}", field="metrics_listen") from None
+
+    def _warn_if_open(self) -> None:
+        """One line per listener that anyone on the network may use (allowed by --insecure)."""
+        s = self.settings
+        open_ones = []
+        if not s.peers_authenticated and not is_loopback_host(s.peer_host_port[0]):
+            open_ones.append(("peer_listen", s.peer_listen))
+        for setting, address, guarded in (
+            ("local_listen", s.local_listen, s.token_file is not None),
+            ("metrics_listen", s.metrics_listen, s.metrics_token is not None),
+        ):
+            if address and not guarded and not is_loopback_host(parse_address(address, setting=setting)[0]):
+                open_ones.append((setting, address))
+        for setting, address in open_ones:
+            log.warning(
+                "listening without credentials beyond loopback",
+                extra={"setting": setting, "address": address, "insecure": s.insecure},
+            )
 
     def _bind(self, server: grpc.aio.Server, address: str, setting: str, *, secure: bool) -> int:
         parse_address(address, setting=setting)
@@ -321,8 +339,40 @@ class Sidecar:
         await self._stopped.wait()
 
 
-#: Mode of the local API's Unix socket: owner and group read/write.
+#: Mode of the local API's Unix socket: owner and group read/write. The worker runs as another
+#: user in another container: the pod's shared group (fsGroup) may connect, nobody else. The
+#: token, when set, still applies.
 SOCKET_MODE = 0o660
+
+
+def _listen_unix(server: grpc.aio.Server, path: Path) -> None:
+    """Bind ``server`` to the Unix socket ``path``, which appears there already with SOCKET_MODE.
+
+    gRPC binds and listens inside ``add_insecure_port``, with the process umask: a chmod after it
+    leaves a window in which anyone the umask lets in may connect. Setting the umask around the
+    bind would change the mode of whatever any other thread creates meanwhile (in library mode the
+    sidecar runs inside a worker's process). So the socket is bound in a private directory (mode
+    0700, beside ``path`` so that the rename stays on one filesystem and is atomic), given its
+    mode there, where nobody else can reach it, and renamed into place. Connections made before
+    the server starts wait in the listen backlog.
+    """
+    try:
+        private = Path(tempfile.mkdtemp(prefix=".", dir=path.parent))
+    except OSError as exc:
+        raise ConfigError(f"--local-socket: cannot create a directory in {path.parent}: {exc}",
+                          field="local_socket") from None  # fmt: skip
+    staged = private / "s"  # short: a Unix socket path has at most 107 bytes
+    try:
+        try:
+            bound = server.add_insecure_port(f"unix://{staged}")
+        except RuntimeError as exc:
+            raise ConfigError(f"--local-socket: cannot listen on {path}: {exc}", field="local_socket") from None
+        if bound == 0:
+            raise ConfigError(f"--local-socket: cannot listen on {path}", field="local_socket")
+        os.chmod(staged, SOCKET_MODE)
+        os.rename(staged, path)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _prepare_socket(path: Path) -> Path:

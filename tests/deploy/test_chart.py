@@ -270,6 +270,12 @@ def check_worker_pod(role: str, spec: dict[str, Any]) -> None:
                 assert any(opts[flag].startswith(p + "/") for p in mounts), flag
         if "--token-file" in opts:
             assert vllm_env["KVXFER_TOKEN_FILE"]["value"] == opts["--token-file"]
+            token_dir = opts["--token-file"].rsplit("/", 1)[0]
+            assert vllm_mounts[token_dir] == mounts[token_dir], "the worker reads the sidecar's token file"
+        # The peer port listens on the pod's addresses: a credential, or an explicit --insecure.
+        assert "--token-file" in opts or "--tls-ca" in opts or opts.get("--insecure") == "true", where
+        assert opts["--metrics-auth"] in {"token", "none"}, where
+        assert opts["--metrics-auth"] == "none" or "--token-file" in opts, where
     # Port names and numbers are unique in the pod; names fit Kubernetes' 15 characters.
     assert len(pod_port_names) == len(set(pod_port_names)), pod_port_names
     assert len(pod_port_numbers) == len(set(pod_port_numbers)), pod_port_numbers
@@ -325,7 +331,7 @@ def test_one_sidecar_per_rank(helm_render: Path, tmp_path: Path) -> None:
             ["peer-3", "metrics-3"],
         ]
         assert [c["readinessProbe"]["grpc"]["port"] for c in side] == [50051, 50052, 50053, 50054]
-        assert [c["lifecycle"]["preStop"]["exec"]["command"][-1] for c in side] == [
+        assert [c["lifecycle"]["preStop"]["exec"]["command"][2] for c in side] == [
             f"--target=/run/kvxfer/kvxfer-{r}.sock" for r in range(4)
         ]
         (vllm,) = spec["containers"]
@@ -456,7 +462,19 @@ def test_host_network_is_off_by_default(helm_render: Path) -> None:
     ("values", "message"),
     [
         ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
-        ({"auth": {"enabled": True}}, "auth.enabled needs auth.secretName"),
+        (
+            {"auth": {"enabled": False}},
+            "auth.enabled is false and TLS is not mutual (tls.enabled with tls.caKey): any process that reaches "
+            "a pod's peer port could handshake and read every registered KV byte",
+        ),
+        (
+            {"auth": {"enabled": False}, "tls": {"enabled": True, "secretName": "t", "caKey": ""}},
+            "auth.enabled is false and TLS is not mutual",
+        ),
+        (
+            {"auth": {"enabled": False}, "insecure": True},
+            "metrics.auth is token but auth.enabled is false: there is no token for /metrics to ask for",
+        ),
         (
             {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
             "enable one of them",
@@ -497,7 +515,9 @@ def test_host_network_is_off_by_default(helm_render: Path) -> None:
     ],
     ids=[
         "tls-without-secret",
-        "auth-without-secret",
+        "no-credentials",
+        "tls-without-client-certificates",
+        "metrics-token-without-auth",
         "two-monitors",
         "claims-without-claims",
         "data-port-collides-with-rank-1",

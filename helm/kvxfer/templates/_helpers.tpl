@@ -144,3 +144,51 @@ kvxfer-{{ .kind }}
 {{- end -}}
 {{- $max -}}
 {{- end -}}
+
+{{/* The Secret holding the shared token: auth.secretName, or the one the chart creates. */}}
+{{- define "kvxfer.tokenSecretName" -}}
+{{- default (printf "%s-token" (include "kvxfer.fullname" .)) .Values.auth.secretName -}}
+{{- end -}}
+
+{{/* True (non-empty) when the chart creates the token Secret itself. */}}
+{{- define "kvxfer.createsToken" -}}
+{{- if and .Values.auth.enabled (not .Values.auth.secretName) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The token of the Secret the chart creates: the one already in the cluster (so `helm upgrade` keeps
+it and no running sidecar is left with an old one), else 48 random letters and digits. Computed
+once per render and kept in .Values.auth, so the Secret and the pods' checksum annotation agree
+whichever template asks first. `helm template` cannot look up, so it makes a new token each time;
+the checksum then rolls every pod onto it together.
+*/}}
+{{- define "kvxfer.generatedToken" -}}
+{{- if not (hasKey .Values.auth "__generatedToken") -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "kvxfer.tokenSecretName" .) -}}
+{{- $old := dig "data" .Values.auth.tokenKey "" (default dict $existing) -}}
+{{- $_ := set .Values.auth "__generatedToken" (ternary (b64dec $old) (randAlphaNum 48) (ne $old "")) -}}
+{{- end -}}
+{{- index .Values.auth "__generatedToken" -}}
+{{- end -}}
+
+{{/*
+Whether peers must prove themselves: the shared token, or mutual TLS (TLS with a CA to check
+client certificates; TLS alone lets any client in). Non-empty when they must.
+*/}}
+{{- define "kvxfer.peersAuthenticated" -}}
+{{- if or .Values.auth.enabled (and .Values.tls.enabled .Values.tls.caKey) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The Prometheus Operator endpoint's bearer credentials when /metrics asks for the token
+(metrics.auth: token): the token Secret's key.
+*/}}
+{{- define "kvxfer.metricsAuthorization" -}}
+{{- if eq .Values.metrics.auth "token" -}}
+authorization:
+  type: Bearer
+  credentials:
+    name: {{ include "kvxfer.tokenSecretName" . }}
+    key: {{ .Values.auth.tokenKey }}
+{{- end -}}
+{{- end -}}
