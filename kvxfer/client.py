@@ -266,12 +266,19 @@ class AsyncClient:
             raise KvxferRpcError.of_call(exc, type(req).DESCRIPTOR.name.removesuffix("Request")) from None
 
     async def register_caches(
-        self, groups: GroupsArg, *, rank: RankInfo | None = None, worker_id: str = "", deadline: float | None = None
-    ) -> dict[str, Any]:
-        """Register cache groups; returns engine_id, instance_id, epoch, registered_bytes, backend, peer_address."""
+        self, groups: GroupsArg, *, rank: RankInfo | None = None, worker_id: str = "", deadline: float | None = None,
+        worker_lease: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
+        """Register cache groups; returns engine_id, instance_id, epoch, registered_bytes, backend, peer_address.
+
+        ``worker_lease`` names a lease this process holds on the descriptor socket
+        (:func:`kvxfer.fdpass.send_fds` with no descriptors): when it closes, the sidecar drops the
+        registration.
+        """
         req = local_pb2.RegisterCachesRequest(
-            worker_id=worker_id, rank=rank_to_proto(rank or RankInfo(0, 1)), groups=_groups_proto(groups)
-        )
+            worker_id=worker_id, rank=rank_to_proto(rank or RankInfo(0, 1)), groups=_groups_proto(groups),
+            worker_lease=worker_lease,
+        )  # fmt: skip
         return _status_dict(await self._call(self._stub.RegisterCaches, req, deadline))
 
     async def publish(

@@ -72,9 +72,13 @@ class FdLease:
 
 def send_fds(path: str | os.PathLike[str], fds: Sequence[int], *, token: str | None = None,
              timeout: float = _HELLO_TIMEOUT_S) -> FdLease:  # fmt: skip
-    """Hand ``fds`` to the sidecar listening at ``path``; returns the lease naming them."""
-    if not 0 < len(fds) <= MAX_FDS:
-        raise FdPassError(f"fds: between 1 and {MAX_FDS} descriptors can be passed, got {len(fds)}", field="fds")
+    """Hand ``fds`` to the sidecar listening at ``path``; returns the lease naming them.
+
+    With no descriptors the lease only says the worker is alive (``RegisterCaches.worker_lease``):
+    the kernel closes the connection when the process exits, however it exits.
+    """
+    if not 0 <= len(fds) <= MAX_FDS:
+        raise FdPassError(f"fds: at most {MAX_FDS} descriptors can be passed, got {len(fds)}", field="fds")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -235,8 +239,6 @@ class FdBox:
             return refuse("the message is not a JSON object", "INVALID_ARGUMENT")
         if self._token and not hmac.compare_digest(token.encode(), self._token.encode()):
             return refuse("token: missing or wrong", "UNAUTHENTICATED")
-        if not fds:
-            return refuse("fds: no descriptors attached", "INVALID_ARGUMENT")
         sizes = []
         for fd in fds:
             st = os.fstat(fd)

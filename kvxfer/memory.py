@@ -349,6 +349,15 @@ class SharedKVBuffer:
         region = self.regions[lay.region_of_layer(layer)]
         return np.lib.stride_tricks.as_strided(region[offset:], shape=shape, strides=strides, writeable=True)
 
+    def unlink(self) -> None:
+        """Remove the segment's name now; the pages live on while any process maps them.
+
+        Call it once the sidecar has mapped the segment (after ``RegisterCaches``): from then on
+        nothing is left in /dev/shm however either process ends.
+        """
+        if self.owner:
+            self._unlink_quietly()
+
     def close(self) -> None:
         """Unmap, and unlink the segment when this process created it."""
         self.regions = []

@@ -223,6 +223,7 @@ class WorkerConfig:
 def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
     """Serve JSON-line commands from ``inp`` until ``["stop"]``; answers ``{"ok": result}`` or ``{"error": text}``."""
     from kvxfer.client import Client
+    from kvxfer.fdpass import FdLease, fd_socket_path, send_fds
     from kvxfer.memory import SharedKVBuffer
 
     def reply(obj: dict[str, Any]) -> None:
@@ -239,9 +240,17 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
     events: dict[str, int] = {}
     client = Client(cfg.target, token=cfg.token, timeout=60.0)
+    lease: FdLease | None = None
     try:
         client.wait_ready(60.0)
-        client.register_caches({g: (layouts[g], b.ref()) for g, b in buffers.items()}, rank=rank, worker_id=cfg.name)
+        if cfg.target.startswith(("unix:", "/", ".")):  # a Unix socket: its descriptor socket is beside it
+            # Held while this process lives: when it exits, however, the sidecar drops the registration.
+            lease = send_fds(fd_socket_path(cfg.target), [], token=cfg.token)
+        client.register_caches({g: (layouts[g], b.ref()) for g, b in buffers.items()}, rank=rank, worker_id=cfg.name,
+                               worker_lease=lease.handle if lease else "")  # fmt: skip
+        for b in buffers.values():
+            if isinstance(b, SharedKVBuffer):
+                b.unlink()  # the sidecar has mapped it: no name left behind in /dev/shm, however we exit
         if cfg.watch:
             threading.Thread(target=_watch, args=(client, events), daemon=True).start()
         reply({"ok": {"name": cfg.name, "bytes": sum(lay.total_bytes for lay in layouts.values())}})
@@ -260,6 +269,8 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         return 1
     finally:
         client.close()
+        if lease is not None:
+            lease.close()
         for b in buffers.values():
             b.close()
 

@@ -170,7 +170,8 @@ class Sidecar:
         self.peer_port = self._bind(peer, s.peer_listen, "peer_listen", secure=True)
         if s.local_socket:
             # Descriptors of a worker's memory (CPU workers whose cache no other process can name).
-            self.fd_box = FdBox(fd_socket_path(_prepare_socket(Path(s.local_socket))), token=token, mode=SOCKET_MODE)
+            self.fd_box = FdBox(fd_socket_path(_prepare_socket(Path(s.local_socket))), token=token, mode=SOCKET_MODE,
+                                on_gone=self._lease_closed)  # fmt: skip
         self.core = SidecarCore(
             s, data_plane, self.metrics, peer_address=self.peer_address, channel_options=opts,
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
@@ -297,6 +298,10 @@ class Sidecar:
             private_key=s.tls_key.read_bytes(),
             certificate_chain=s.tls_cert.read_bytes(),
         )
+
+    def _lease_closed(self, handle: str) -> None:
+        if self.core is not None and not self._stopped.is_set():  # on shutdown every lease closes
+            self.core.lease_closed(handle)
 
     def _set_serving(self, serving: bool) -> None:
         async def apply() -> None:

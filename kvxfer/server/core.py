@@ -110,6 +110,9 @@ class SidecarCore:
     async def register_caches(self, req: local_pb2.RegisterCachesRequest) -> local_pb2.RegisterCachesResponse:
         """RegisterCaches: attach the worker's memory and register it with the data plane."""
         self._refuse_if_draining("RegisterCaches")
+        old = self.registry.registration
+        if old is not None and old.leases and not any(map(self.registry.lease_open, old.leases)):
+            await self.worker_gone(old.epoch)  # its lease closed a moment ago: do not wait for the notice
         publishes, pulls = len(self.publisher.publishes), len(self.puller.pulls)
         busy = f"{publishes} requests are published and {pulls} pulls are in flight" if publishes or pulls else ""
         resp = self.registry.register(req, busy=busy)
@@ -227,6 +230,34 @@ class SidecarCore:
         if reader:  # refused (PERMISSION_DENIED) when the publish is bound to another reader
             found = self.publisher.peer_abort(req, reason) or found
         return peer_pb2.PeerAbortResponse(found=found)
+
+    # ================================================================== worker liveness
+    def lease_closed(self, handle: str) -> None:
+        """A descriptor-socket connection closed; when it was the worker's, the worker is gone."""
+        reg = self.registry.registration
+        if reg is not None and handle in reg.leases:
+            asyncio.get_running_loop().create_task(self.worker_gone(reg.epoch))
+
+    async def worker_gone(self, epoch: int) -> None:
+        """The worker that registered ``epoch`` exited: nothing it registered may be read or written again.
+
+        Its publishes are aborted (readers get ABORTED: the blocks no longer exist), its pulls are
+        cancelled (publishers are told to drop theirs), its memory is deregistered and unmapped, and
+        the sidecar reports NOT_SERVING until a worker registers again, which it may at once.
+        """
+        reg = self.registry.registration
+        if reg is None or reg.epoch != epoch:
+            return  # already replaced by a new registration
+        why = f"worker {reg.worker_id or '(unnamed)'} (tp rank {reg.rank.tp_rank}) exited"
+        log.warning("worker gone; dropping its registration", extra={"epoch": epoch, "worker": reg.worker_id,
+                    "leases": len(self.publisher.publishes), "pulls": len(self.puller.pulls)})  # fmt: skip
+        self._on_serving(False)
+        for rid in list(self.publisher.publishes):
+            self.publisher.abort(rid, why)
+        await self.puller.cancel_all(why, wait=2.0)
+        if self.registry.registration is reg:
+            self.registry.drop()
+            self.topologies.clear()
 
     # ================================================================== drain / shutdown
     async def drain(self, budget: float | None = None) -> local_pb2.DrainResponse:

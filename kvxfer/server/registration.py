@@ -86,10 +86,11 @@ class Registry:
         self._refuse_other_rank(req.worker_id, rank.tp_rank, rank.pp_rank, rank.tp_size, rank.pp_size)
         if not req.groups:
             raise InvalidArgumentError("groups: at least one cache group is needed", field="groups")
+        leases = self._worker_leases(req)
         groups = self._attach_groups(req, rank)
         old = self.registration
         self._epoch += 1
-        self.registration = Registration(req.worker_id, rank, groups, self._epoch)
+        self.registration = Registration(req.worker_id, rank, groups, self._epoch, leases)
         self._identity = None
         self._regions_msg.clear()
         if old is not None:
@@ -104,6 +105,46 @@ class Registry:
             engine_id=self.settings.engine_id, instance_id=self.instance_id, epoch=self._epoch,
             registered_bytes=self.registration.nbytes, backend=self.dp.backend, peer_address=self.peer_address,
         )  # fmt: skip
+
+    def _worker_leases(self, req: local_pb2.RegisterCachesRequest) -> frozenset[str]:
+        """Handles whose connection is the worker's life: its ``worker_lease`` and its descriptor handles."""
+        leases = {g.memory.fd.handle for g in req.groups if g.memory.WhichOneof("kind") == "fd"}
+        if req.worker_lease:
+            if self._fd_lookup is None:
+                raise InvalidArgumentError(
+                    "worker_lease: this sidecar has no descriptor socket (it runs without --local-socket)",
+                    field="worker_lease",
+                )
+            try:
+                self._fd_lookup(req.worker_lease)
+            except KeyError:
+                raise InvalidArgumentError(
+                    f"worker_lease: {req.worker_lease!r} is not an open lease on the descriptor socket (closed, or "
+                    "never handed out by this sidecar)",
+                    field="worker_lease",
+                ) from None
+            leases.add(req.worker_lease)
+        return frozenset(leases)
+
+    def lease_open(self, handle: str) -> bool:
+        """True while the descriptor-socket connection behind ``handle`` is open."""
+        if self._fd_lookup is None:
+            return False
+        try:
+            self._fd_lookup(handle)
+        except KeyError:
+            return False
+        return True
+
+    def drop(self) -> Registration | None:
+        """Forget the registration and release its memory (its worker is gone); returns it."""
+        old, self.registration = self.registration, None
+        self._identity = None
+        self._regions_msg.clear()
+        if old is not None:
+            self.release(old.groups.values())
+            self.metrics.registered_bytes.set(0)
+        return old
 
     def _refuse_other_rank(self, worker: str, tp: int, pp: int, tp_size: int, pp_size: int) -> None:
         held = self.registration

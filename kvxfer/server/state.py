@@ -38,6 +38,8 @@ class Registration:
     rank: RankInfo
     groups: dict[str, Group]
     epoch: int
+    #: Descriptor-socket handles whose closing means the worker is gone (see RegisterCaches.worker_lease).
+    leases: frozenset[str] = frozenset()
 
     @property
     def layouts(self) -> dict[str, KVCacheLayout]:

@@ -57,12 +57,17 @@ class SharedCaches:
         return not self.fds
 
     def refs(self, sidecar_socket: str, *, token: str | None) -> dict[str, MemoryRef]:
-        """Memory references for a (new) registration: on a CPU, hands the descriptors over (again)."""
-        if self.is_cuda:
-            return self.memory
+        """Memory references for a (new) registration: on a CPU, hands the descriptors over (again).
+
+        Either way this process then holds a lease on the sidecar's descriptor socket (with no
+        descriptors on a GPU): when the process exits the sidecar drops the registration
+        (``RegisterCaches.worker_lease``).
+        """
         if self.lease is not None:
             self.lease.close()
         self.lease = send_fds(fd_socket_path(sidecar_socket), self.fds, token=token)
+        if self.is_cuda:
+            return self.memory
         handle = self.lease.handle
         return {name: FdMemoryRef(handle, regions) for name, regions in self.fd_regions.items()}
 

@@ -103,7 +103,9 @@ class WorkerSide:
         # Handing descriptors over is a blocking socket exchange: keep it off the loop.
         refs = await asyncio.to_thread(shared.refs, self.target, token=self.settings.token())
         groups = {g.name: (g.layout, refs[g.name]) for g in shared.groups}
-        return await self.sidecar.aio.register_caches(groups, rank=self.rank, worker_id=self.worker_id)
+        lease = shared.lease.handle if shared.lease is not None else ""
+        return await self.sidecar.aio.register_caches(groups, rank=self.rank, worker_id=self.worker_id,
+                                                      worker_lease=lease)  # fmt: skip
 
     def _wait_for_sidecar(self) -> None:
         within = self.settings.startup_timeout_seconds

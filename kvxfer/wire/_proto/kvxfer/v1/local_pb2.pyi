@@ -278,7 +278,14 @@ class RegisterCachesRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    WORKER_LEASE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
+    worker_lease: _builtins.str
+    """A handle from the descriptor socket (kvxfer.fdpass) whose connection the worker holds for as
+    long as it lives. When it closes (the worker exited, however it exited) the sidecar drops the
+    registration, aborts its publishes and pulls, and the next worker registers at once.
+    Descriptor handles named by the groups' memory count the same way.
+    """
     @_builtins.property
     def rank(self) -> _common_pb2.Rank: ...
     @_builtins.property
@@ -289,10 +296,11 @@ class RegisterCachesRequest(_message.Message):
         worker_id: _builtins.str = ...,
         rank: _common_pb2.Rank | None = ...,
         groups: _abc.Iterable[Global___CacheGroup] | None = ...,
+        worker_lease: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "rank", b"rank", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "rank", b"rank", "worker_id", b"worker_id", "worker_lease", b"worker_lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
