@@ -362,6 +362,15 @@ class AsyncClient:
         resp: local_pb2.AbortResponse = await self._call(self._stub.Abort, req, deadline)
         return int(resp.remote_dropped)
 
+    async def expect(self, request_id: str, remote_addresses: Sequence[str], *, deadline: float | None = None) -> bool:
+        """Keep a queued request's publishes alive until its pull starts (decode side; see ``Expect``).
+
+        Returns False when the request was already expected.
+        """
+        req = local_pb2.ExpectRequest(request_id=request_id, remote_addresses=list(remote_addresses))
+        resp: local_pb2.ExpectResponse = await self._call(self._stub.Expect, req, deadline)
+        return bool(resp.held)
+
     async def drain(self, timeout_seconds: float = 0.0, *, deadline: float | None = None) -> dict[str, Any]:
         """Start the graceful drain and wait for it."""
         resp = await self._call(self._stub.Drain, local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline)
@@ -453,6 +462,7 @@ class Client:
     release = _blocking(AsyncClient.release)
     abort = _blocking(AsyncClient.abort)
     drop_remote = _blocking(AsyncClient.drop_remote)
+    expect = _blocking(AsyncClient.expect)
     drain = _blocking(AsyncClient.drain)
     status = _blocking(AsyncClient.status)
     wait_ready = _blocking(AsyncClient.wait_ready)

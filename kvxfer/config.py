@@ -116,6 +116,10 @@ class Settings(BaseModel):
         True, description="same-host GPU READs by CUDA device copies instead of the backend (true/false)"
     )
     lease_seconds: float = Field(30.0, gt=0, le=86400, description="how long published blocks are held")
+    max_hold_seconds: float = Field(
+        600.0, gt=0, le=86400,
+        description="longest a decode side's holds keep a publish alive (reader: how long it holds a request)",
+    )  # fmt: skip
     transfer_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="deadline of one transfer")
     drain_seconds: float = Field(20.0, ge=0, le=3600, description="graceful shutdown budget")
     max_message_bytes: int = Field(67108864, ge=65536, le=2**31 - 1, description="gRPC max send/receive message size")

@@ -85,6 +85,9 @@ class _LocalApi:
     async def get_status(self, req: local_pb2.GetStatusRequest, _ctx: Context) -> local_pb2.StatusResponse:
         return await self.core.status(req)
 
+    async def expect(self, req: local_pb2.ExpectRequest, _ctx: Context) -> local_pb2.ExpectResponse:
+        return await self.core.expect(req)
+
 
 class _PeerApi:
     """Peer service methods: each passes on what the caller's credentials prove (see peer_auth)."""
@@ -111,6 +114,9 @@ class _PeerApi:
 
     async def abort(self, req: peer_pb2.PeerAbortRequest, ctx: Context) -> peer_pb2.PeerAbortResponse:
         return await self.core.peer_abort(req, PeerCredentials.of(ctx))
+
+    async def hold(self, req: peer_pb2.HoldRequest, ctx: Context) -> peer_pb2.HoldResponse:
+        return await self.core.peer_hold(req, PeerCredentials.of(ctx))
 
 
 class Sidecar:

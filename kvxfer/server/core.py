@@ -23,11 +23,12 @@ import grpc
 
 from kvxfer import PROTOCOL_VERSION
 from kvxfer.config import Settings
-from kvxfer.errors import FailedPreconditionError, Reason, UnavailableError
+from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, Reason, UnavailableError
 from kvxfer.logs import get_logger
 from kvxfer.memory import FdLookup
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub
+from kvxfer.server.holds import Holds
 from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
@@ -85,6 +86,7 @@ class SidecarCore:
         self.publisher = Publisher(settings, self.registry, self.hub, metrics, self.outbox, self.topologies)
         self.puller = Puller(settings, self.registry, data_plane, self.peers, self.outbox, self.hub, metrics,
                              self.topologies)  # fmt: skip
+        self.holds = Holds(settings, self.peers, me=lambda: (settings.engine_id, self.instance_id))
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publisher.publishes))
         metrics.in_flight.set_function(lambda: len(self.puller.pulls))
@@ -131,13 +133,30 @@ class SidecarCore:
         """Pull: validate, start the transfer, and answer when posted (or done, with ``wait``)."""
         self._refuse_if_draining("Pull")
         self._require_role("decode", "Pull")
+        self.holds.discard(req.request_id)
         return await self.puller.pull(req, client_timeout)
 
     async def pull_batch(
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None
     ) -> local_pb2.PullBatchResponse:
         """PullBatch: every pull runs as if it came alone; each gets its own result, in order."""
+        for p in req.pulls:
+            self.holds.discard(p.request_id)
         return await self.puller.pull_batch(req, client_timeout)
+
+    async def expect(self, req: local_pb2.ExpectRequest) -> local_pb2.ExpectResponse:
+        """Expect: keep a queued request's publishes alive until its Pull starts (see kvxfer.server.holds)."""
+        self._refuse_if_draining("Expect")
+        self._require_role("decode", "Expect")
+        rid = check_id(req.request_id, "request_id")
+        if not req.remote_addresses:
+            raise InvalidArgumentError(
+                "remote_addresses: give the peer API address of every remote TP rank's sidecar, in rank order",
+                field="remote_addresses",
+            )
+        addresses = check_addresses(req.remote_addresses)
+        self.registry.require()  # holding needs a handshake, which needs a registration
+        return local_pb2.ExpectResponse(held=self.holds.expect(rid, addresses))
 
     async def release(self, req: local_pb2.ReleaseRequest) -> local_pb2.ReleaseResponse:
         """Release: drop a publish (the worker frees the blocks itself)."""
@@ -147,6 +166,7 @@ class SidecarCore:
     async def abort(self, req: local_pb2.AbortRequest) -> local_pb2.AbortResponse:
         """Abort: stop a request here and on its peers; frees blocks on both sides."""
         rid = check_id(req.request_id, "request_id")
+        self.holds.discard(rid)
         reason = req.reason or "aborted by the worker"
         addresses: list[str] = []
         if req.remote_addresses:  # checked before anything is stopped
@@ -208,6 +228,10 @@ class SidecarCore:
         """NotifyBatch: several notices at once."""
         return self.publisher.notify_batch(req, creds)
 
+    async def peer_hold(self, req: peer_pb2.HoldRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.HoldResponse:
+        """Hold: a reader still wants these requests; extend their leases."""
+        return self.publisher.hold(req, creds)
+
     async def peer_abort(
         self, req: peer_pb2.PeerAbortRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.PeerAbortResponse:
@@ -252,6 +276,7 @@ class SidecarCore:
         log.warning("worker gone; dropping its registration", extra={"epoch": epoch, "worker": reg.worker_id,
                     "leases": len(self.publisher.publishes), "pulls": len(self.puller.pulls)})  # fmt: skip
         self._on_serving(False)
+        self.holds.clear()
         for rid in list(self.publisher.publishes):
             self.publisher.abort(rid, why)
         await self.puller.cancel_all(why, wait=2.0)
@@ -293,6 +318,7 @@ class SidecarCore:
                 p.task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
+        await self.holds.close()
         await self.outbox.close()
         for rid in list(self.publisher.publishes):
             self.publisher.drop(rid)

@@ -81,7 +81,8 @@ class Publisher:
             )
         blocks = blocks_from_proto(req.blocks, reg.layouts, "blocks")
         reader = check_id(req.reader_engine_id, "reader_engine_id") if req.reader_engine_id else ""
-        entry = PublishEntry(rid, blocks, lease, time.monotonic() + lease, reader_engine=reader)
+        now = time.monotonic()
+        entry = PublishEntry(rid, blocks, lease, now + lease, reader_engine=reader, published_at=now)
         self.publishes[rid] = entry
         self._arm_lease(entry)
         return local_pb2.PublishResponse(request_id=rid, expires_unix_ms=entry.expires_unix_ms)
@@ -327,6 +328,32 @@ class Publisher:
                       peer=req.engine_id)  # fmt: skip
         self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=(req.engine_id, req.instance_id)))
         return True
+
+    def hold(self, req: peer_pb2.HoldRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.HoldResponse:
+        """A reader still wants these requests: extend each lease, bounded by --max-hold-seconds."""
+        creds.check(req.engine_id, "engine_id")
+        if len(req.request_ids) > MAX_BATCH:
+            raise InvalidArgumentError(f"request_ids: {len(req.request_ids)} ids in one Hold; at most {MAX_BATCH}",
+                                       field="request_ids")  # fmt: skip
+        if not self.knows(req.engine_id, req.instance_id):
+            raise FailedPreconditionError(
+                f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "
+                "hold refused",
+                field="engine_id", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
+        out = peer_pb2.HoldResponse()
+        now = time.monotonic()
+        for rid in req.request_ids:
+            entry = self.publishes.get(rid)
+            if entry is None or (entry.reader_engine and entry.reader_engine != req.engine_id):
+                continue  # gone, or another reader's: not held (the reader stops holding it)
+            entry.reader_engine = req.engine_id
+            until = min(now + entry.lease_seconds, entry.published_at + self.settings.max_hold_seconds)
+            if until > entry.expires_at:
+                entry.expires_at = until  # the lease timer re-arms itself when it fires early
+            out.held.append(rid)
+            out.expires_unix_ms.append(entry.expires_unix_ms)
+        return out
 
     @classmethod
     def _bind(cls, entry: PublishEntry, engine_id: str, what: str) -> None:

@@ -68,6 +68,7 @@ class PublishEntry:
     failures: list[str] = field(default_factory=list)
     #: The reader engine allowed to fetch, notify or abort it ('' until named or first touched).
     reader_engine: str = ""
+    published_at: float = 0.0  # time.monotonic(): holds never extend past published_at + --max-hold-seconds
 
     @property
     def expires_unix_ms(self) -> int:

@@ -69,6 +69,7 @@ class SchedulerSide:
         self._sidecar_groups: tuple[str, ...] = ()
         self._plan = StepPlan()
         self._loading: set[str] = set()  # decode requests whose KV is on its way
+        self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
 
     @property
     def block_size(self) -> int:
@@ -130,6 +131,10 @@ class SchedulerSide:
         """
         params = request.kv_transfer_params
         rid = request.request_id
+        if rid in self._expected:  # finished while queued: its publishers are told to drop it
+            self._expected.discard(rid)
+            with contextlib.suppress(ParamsError):
+                self._plan.drops.append(RemotePrefill.parse(params))
         if rid in self._loading:
             # Finished (aborted) while its KV is still arriving: stop the pull; vLLM keeps the
             # blocks until the workers report the load as ended.
@@ -167,9 +172,15 @@ class SchedulerSide:
         }
         done: list[Client] = []
         expires: list[int] = []
+        # A proxy that knows which decode engine will read binds the publish to it (docs/security.md).
+        reader = request.kv_transfer_params.get("kvxfer_reader_engine_id") or ""
+        if not isinstance(reader, str):
+            raise KvxferError(f"kvxfer_reader_engine_id: must be a string, got {reader!r}",
+                              field="kvxfer_reader_engine_id")  # fmt: skip
         try:
             for c in self._sidecars():
-                expires.append(c.publish(rid, blocks, lease_seconds=self.settings.lease_seconds))
+                expires.append(c.publish(rid, blocks, lease_seconds=self.settings.lease_seconds,
+                                         reader_engine_id=reader))  # fmt: skip
                 done.append(c)
         except KvxferRpcError:
             for c in done:
@@ -214,7 +225,21 @@ class SchedulerSide:
             log.warning(f"request {rid}: {why}; computing the prompt here")
             return 0, False
         count = self.tokens_to_load(request, remote) - num_computed_tokens
+        if count > 0 and rid not in self._expected:
+            self._expected.add(rid)
+            self._expect(rid, remote)
         return (count, True) if count > 0 else (0, False)
+
+    def _expect(self, rid: str, remote: RemotePrefill) -> None:
+        """Have this engine's first sidecar hold the request's publishes while vLLM queues it (not waiting)."""
+        c = self._sidecars()[0]
+
+        def done(fut: Any) -> None:
+            exc = fut.exception()
+            if exc is not None:  # the lease still covers a short wait
+                log.warning(f"request {rid}: could not hold the prefill side's blocks while queued: {exc}")
+
+        c.submit(c.aio.expect(rid, remote.addresses)).add_done_callback(done)
 
     def _unusable(self, remote: RemotePrefill, tokens: int) -> str:
         """Why a publish cannot feed this instance ('' when it can)."""
@@ -247,6 +272,7 @@ class SchedulerSide:
         # One transfer per request: vLLM may call this again when it allocates more blocks.
         params["do_remote_prefill"] = False
         rid = request.request_id
+        self._expected.discard(rid)  # its pull (or drop) is queued: the sidecar stops holding then
         if num_external_tokens <= 0:
             # Nothing to load (the local prefix cache covered the prompt, or it is computed here):
             # tell the prefill side, so that it frees its copy now rather than at lease expiry.

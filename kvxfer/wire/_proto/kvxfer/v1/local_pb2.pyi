@@ -773,6 +773,51 @@ class AbortRequest(_message.Message):
 Global___AbortRequest: _TypeAlias = AbortRequest  # noqa: Y015
 
 @_typing.final
+class ExpectRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_ADDRESSES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def remote_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the publishers (peer API address of every remote TP rank)"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        remote_addresses: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["remote_addresses", b"remote_addresses", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpectRequest: _TypeAlias = ExpectRequest  # noqa: Y015
+
+@_typing.final
+class ExpectResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELD_FIELD_NUMBER: _builtins.int
+    held: _builtins.bool
+    """false when the request was already expected here"""
+    def __init__(
+        self,
+        *,
+        held: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpectResponse: _TypeAlias = ExpectResponse  # noqa: Y015
+
+@_typing.final
 class AbortResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -69,6 +69,11 @@ class LocalStub:
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_local__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Expect = channel.unary_unary(
+                '/kvxfer.v1.Local/Expect',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.ExpectRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.ExpectResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/kvxfer.v1.Local/Drain',
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.DrainRequest.SerializeToString,
@@ -135,6 +140,15 @@ class LocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Expect(self, request, context):
+        """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
+        keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
+        --max-hold-seconds have passed since the Expect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Start the graceful drain (what SIGTERM does) and wait for it.
         """
@@ -186,6 +200,11 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvxfer_dot_v1_dot_local__pb2.AbortRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_local__pb2.AbortResponse.SerializeToString,
+            ),
+            'Expect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Expect,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.ExpectRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.ExpectResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -387,6 +406,33 @@ class Local:
             '/kvxfer.v1.Local/Abort',
             kvxfer_dot_v1_dot_local__pb2.AbortRequest.SerializeToString,
             kvxfer_dot_v1_dot_local__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Expect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/Expect',
+            kvxfer_dot_v1_dot_local__pb2.ExpectRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.ExpectResponse.FromString,
             options,
             channel_credentials,
             insecure,

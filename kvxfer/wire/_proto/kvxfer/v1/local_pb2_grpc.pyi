@@ -52,6 +52,11 @@ class LocalStub:
     """Drop a publish (its lease) or forget a finished pull."""
     Abort: _grpc.UnaryUnaryMultiCallable[_local_pb2.AbortRequest, _local_pb2.AbortResponse]
     """Stop a request's work on this sidecar and on its peers; frees blocks on both sides."""
+    Expect: _grpc.UnaryUnaryMultiCallable[_local_pb2.ExpectRequest, _local_pb2.ExpectResponse]
+    """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
+    keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
+    --max-hold-seconds have passed since the Expect.
+    """
     Drain: _grpc.UnaryUnaryMultiCallable[_local_pb2.DrainRequest, _local_pb2.DrainResponse]
     """Start the graceful drain (what SIGTERM does) and wait for it."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_local_pb2.GetStatusRequest, _local_pb2.StatusResponse]
@@ -78,6 +83,11 @@ class LocalAsyncStub(LocalStub):
     """Drop a publish (its lease) or forget a finished pull."""
     Abort: _aio.UnaryUnaryMultiCallable[_local_pb2.AbortRequest, _local_pb2.AbortResponse]  # type: ignore[assignment]
     """Stop a request's work on this sidecar and on its peers; frees blocks on both sides."""
+    Expect: _aio.UnaryUnaryMultiCallable[_local_pb2.ExpectRequest, _local_pb2.ExpectResponse]  # type: ignore[assignment]
+    """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
+    keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
+    --max-hold-seconds have passed since the Expect.
+    """
     Drain: _aio.UnaryUnaryMultiCallable[_local_pb2.DrainRequest, _local_pb2.DrainResponse]  # type: ignore[assignment]
     """Start the graceful drain (what SIGTERM does) and wait for it."""
     GetStatus: _aio.UnaryUnaryMultiCallable[_local_pb2.GetStatusRequest, _local_pb2.StatusResponse]  # type: ignore[assignment]
@@ -143,6 +153,17 @@ class LocalServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_local_pb2.AbortResponse, _abc.Awaitable[_local_pb2.AbortResponse]]:
         """Stop a request's work on this sidecar and on its peers; frees blocks on both sides."""
+
+    @_abc_1.abstractmethod
+    def Expect(
+        self,
+        request: _local_pb2.ExpectRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_local_pb2.ExpectResponse, _abc.Awaitable[_local_pb2.ExpectResponse]]:
+        """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
+        keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
+        --max-hold-seconds have passed since the Expect.
+        """
 
     @_abc_1.abstractmethod
     def Drain(

@@ -485,6 +485,60 @@ class PeerAbortRequest(_message.Message):
 Global___PeerAbortRequest: _TypeAlias = PeerAbortRequest  # noqa: Y015
 
 @_typing.final
+class HoldRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    instance_id: _builtins.str
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        engine_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "instance_id", b"instance_id", "request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldRequest: _TypeAlias = HoldRequest  # noqa: Y015
+
+@_typing.final
+class HoldResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELD_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def held(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """ids now held (published, and bound to this reader)"""
+
+    @_builtins.property
+    def expires_unix_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """their new expiry, in the order of held"""
+
+    def __init__(
+        self,
+        *,
+        held: _abc.Iterable[_builtins.str] | None = ...,
+        expires_unix_ms: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_unix_ms", b"expires_unix_ms", "held", b"held"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldResponse: _TypeAlias = HoldResponse  # noqa: Y015
+
+@_typing.final
 class PeerAbortResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

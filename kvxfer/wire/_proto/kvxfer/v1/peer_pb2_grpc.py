@@ -64,6 +64,11 @@ class PeerStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_unary(
+                '/kvxfer.v1.Peer/Hold',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.HoldRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.HoldResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -113,6 +118,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request, context):
+        """A reader still wants these requests (its engine has them queued): extend their leases by up to
+        the publisher's --lease-seconds, never past --max-hold-seconds after the publish. Binds an
+        unbound publish to the caller; publishes bound to another reader are left alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +159,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.HoldRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.HoldResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +328,33 @@ class Peer:
             '/kvxfer.v1.Peer/Abort',
             kvxfer_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Peer/Hold',
+            kvxfer_dot_v1_dot_peer__pb2.HoldRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.HoldResponse.FromString,
             options,
             channel_credentials,
             insecure,

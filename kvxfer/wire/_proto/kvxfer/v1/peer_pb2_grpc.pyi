@@ -47,6 +47,11 @@ class PeerStub:
     """Several notices at once (a busy reader batches the notices it owes one publisher)."""
     Abort: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerAbortRequest, _peer_pb2.PeerAbortResponse]
     """Stop a request on the receiving side (publisher: drop the lease; reader: cancel the pull)."""
+    Hold: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HoldRequest, _peer_pb2.HoldResponse]
+    """A reader still wants these requests (its engine has them queued): extend their leases by up to
+    the publisher's --lease-seconds, never past --max-hold-seconds after the publish. Binds an
+    unbound publish to the caller; publishes bound to another reader are left alone.
+    """
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -67,6 +72,11 @@ class PeerAsyncStub(PeerStub):
     """Several notices at once (a busy reader batches the notices it owes one publisher)."""
     Abort: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerAbortRequest, _peer_pb2.PeerAbortResponse]  # type: ignore[assignment]
     """Stop a request on the receiving side (publisher: drop the lease; reader: cancel the pull)."""
+    Hold: _aio.UnaryUnaryMultiCallable[_peer_pb2.HoldRequest, _peer_pb2.HoldResponse]  # type: ignore[assignment]
+    """A reader still wants these requests (its engine has them queued): extend their leases by up to
+    the publisher's --lease-seconds, never past --max-hold-seconds after the publish. Binds an
+    unbound publish to the caller; publishes bound to another reader are left alone.
+    """
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -120,5 +130,16 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.PeerAbortResponse, _abc.Awaitable[_peer_pb2.PeerAbortResponse]]:
         """Stop a request on the receiving side (publisher: drop the lease; reader: cancel the pull)."""
+
+    @_abc_1.abstractmethod
+    def Hold(
+        self,
+        request: _peer_pb2.HoldRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.HoldResponse, _abc.Awaitable[_peer_pb2.HoldResponse]]:
+        """A reader still wants these requests (its engine has them queued): extend their leases by up to
+        the publisher's --lease-seconds, never past --max-hold-seconds after the publish. Binds an
+        unbound publish to the caller; publishes bound to another reader are left alone.
+        """
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

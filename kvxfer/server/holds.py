@@ -1,0 +1,113 @@
+"""The decode side's holds: requests it will pull, kept alive at their publishers until the pull starts.
+
+vLLM queues a decode request before it allocates the blocks its KV goes into, and a busy or
+just-started decode instance may keep it queued longer than the prefill side's lease. The worker
+says so with ``Expect(request_id, remote_addresses)`` when the request arrives; this sidecar then
+sends each publisher one peer ``Hold`` for every request it expects from it, at once and every
+:func:`hold_period` seconds, until the request's Pull starts, it is aborted, a publisher answers
+that it no longer holds it, or ``--max-hold-seconds`` have passed. The publisher extends each
+lease by its own ``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvxfer.config import Settings
+from kvxfer.errors import KvxferError
+from kvxfer.logs import get_logger, log_context
+from kvxfer.server.outbox import PEER_CALL_SECONDS
+from kvxfer.server.peers import PeerDirectory
+from kvxfer.wire import peer_pb2
+
+__all__ = ["Holds", "hold_period"]
+
+log = get_logger("kvxfer.server")
+
+
+def hold_period(settings: Settings) -> float:
+    """Seconds between two holds of one request: a third of a lease (so one lost hold costs nothing), at most 5."""
+    return min(settings.lease_seconds / 3.0, 5.0)
+
+
+@dataclass
+class _Expected:
+    addresses: tuple[str, ...]
+    until: float  # time.monotonic(): stop holding then
+
+
+class Holds:
+    """Requests this (decode) sidecar expects to pull, and the task that holds them (see the module docs)."""
+
+    def __init__(self, settings: Settings, peers: PeerDirectory, *, me: Callable[[], tuple[str, str]]) -> None:
+        self.settings = settings
+        self.peers = peers
+        self._me = me  # (engine id, instance id)
+        self.expected: dict[str, _Expected] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def expect(self, request_id: str, addresses: list[str]) -> bool:
+        """Hold ``request_id`` at ``addresses`` from now on; False when it was already expected."""
+        new = request_id not in self.expected
+        self.expected[request_id] = _Expected(tuple(addresses), time.monotonic() + self.settings.max_hold_seconds)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return new
+
+    def discard(self, request_id: str) -> None:
+        """Stop holding ``request_id`` (its pull started, or it was aborted)."""
+        self.expected.pop(request_id, None)
+
+    def clear(self) -> None:
+        """Stop holding everything (the worker is gone)."""
+        self.expected.clear()
+
+    async def close(self) -> None:
+        """Stop the holding task."""
+        self.expected.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while self.expected:
+            await self._round()
+            await asyncio.sleep(hold_period(self.settings))
+
+    async def _round(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, e in self.expected.items() if e.until <= now]:
+            del self.expected[rid]
+            with log_context(request_id=rid):
+                log.warning("stopped holding a request that was never pulled",
+                            extra={"max_hold_seconds": self.settings.max_hold_seconds})  # fmt: skip
+        by_address: dict[str, list[str]] = {}
+        for rid, e in self.expected.items():
+            for address in e.addresses:
+                by_address.setdefault(address, []).append(rid)
+        await asyncio.gather(*(self._hold(a, rids) for a, rids in by_address.items()))
+
+    async def _hold(self, address: str, rids: list[str]) -> None:
+        engine_id, instance_id = self._me()
+        req = peer_pb2.HoldRequest(request_ids=rids[:1024], engine_id=engine_id, instance_id=instance_id)
+        try:
+            await self.peers.session(address, budget=PEER_CALL_SECONDS)  # a publisher holds only for a known reader
+            resp = await self.peers.call(
+                address, "Hold", lambda s: s.Hold(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
+            )
+        except KvxferError as exc:  # the next round tries again; the lease may still cover the gap
+            log.warning("could not hold requests at a publisher", extra={"peer": address, "error": exc.message,
+                        "requests": len(req.request_ids)})  # fmt: skip
+            return
+        held = set(resp.held)
+        for rid in req.request_ids:
+            if rid not in held and rid in self.expected:
+                # Released, expired, aborted, or another reader's: holding it further cannot help.
+                del self.expected[rid]
+                with log_context(request_id=rid, peer=address):
+                    log.info("publisher no longer holds an expected request; stopped holding it")
