@@ -35,6 +35,8 @@ T = TypeVar("T")
 #: A published request whose release never arrived (sidecar restarted, stream lost) is handed
 #: back to vLLM this long after its lease ran out: the sidecar has dropped it by then anyway.
 RELEASE_GRACE_SECONDS = 10.0
+#: Longest wait between two attempts to reach a sidecar that went away.
+RECONNECT_MAX_S = 10.0
 #: Completion events for ids this worker never saw published are forgotten after this long.
 EVENT_MEMORY_SECONDS = 300.0
 _RELEASE_KINDS = frozenset({"RELEASED", "EXPIRED", "ABORTED"})
@@ -122,26 +124,31 @@ class WorkerSide:
     async def _watch(self) -> None:
         """Follow the completion stream; re-register after a sidecar restart."""
         after, instance = 0, self.registration.get("instance_id", "")
+        failures = 0  # consecutive failed reconnects: the wait doubles from 0.5 s to RECONNECT_MAX_S
         while not self._closed:
             try:
                 async for ev in self.sidecar.aio.watch_completions(replay=True, after=after):
-                    after = ev.sequence
+                    after, failures = ev.sequence, 0
                     if ev.kind in _RELEASE_KINDS:
                         with self._lock:
                             self._released[ev.request_id] = time.monotonic()
             except KvxferRpcError as exc:
-                log.warning(f"completion stream of the sidecar {self.target} lost: {exc.details}")
+                if not failures:
+                    log.warning(f"completion stream of the sidecar {self.target} lost: {exc.details}")
             if self._closed:
                 return
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(min(0.5 * 2**failures, RECONNECT_MAX_S))
             try:
                 st = await self.sidecar.aio.status(deadline=2.0)
                 if st["instance_id"] != instance or not st["registered"]:
                     log.warning(f"the sidecar {self.target} restarted; registering the caches again")
                     self.registration = await self._register()
                     after, instance = 0, self.registration["instance_id"]
+                failures = 0
             except KvxferError as exc:
-                log.warning(f"the sidecar {self.target} is unreachable: {exc.message}")
+                failures += 1
+                if failures == 1 or failures % 10 == 0:  # a down sidecar is said once, then now and then
+                    log.warning(f"the sidecar {self.target} is unreachable ({failures} attempts): {exc.message}")
 
     # ------------------------------------------------------------------ per step
     def on_step(self, plan: StepPlan) -> None:
