@@ -31,9 +31,9 @@ class CallCounter:
         self.sizes: list[int] = []
         real = getattr(sidecar.core, name)
 
-        async def spy(req: Any) -> Any:
+        async def spy(req: Any, *args: Any) -> Any:
             self.sizes.append(len(req.requests) if hasattr(req, "requests") else 1)
-            return await real(req)
+            return await real(req, *args)
 
         monkeypatch.setattr(sidecar.core, name, spy)
 
@@ -92,13 +92,14 @@ async def test_pull_batch_answers_each_pull_on_its_own(harness: Harness, monkeyp
         assert np.array_equal(dst.pages(layer)[[6, 7]], src.pages(layer)[[10, 11]])
     # The pulls that got as far as a lookup (a, nope, c, b) asked the publisher in one call.
     assert lookups.sizes == [4]
-    # Done and failed pulls released what they asked for (notices are sent after the answer, so wait
-    # for them); "e" was never asked for and is still held.
+    # Done pulls released what they asked for (notices are sent after the answer, so wait for them);
+    # "e" was never asked for and "c" failed on its own input before any READ: both are still held.
     for _ in range(500):
-        if (await pw.client.status())["leases"] == 1:
+        if (await pw.client.status())["leases"] == 2:
             break
         await asyncio.sleep(0.01)
-    assert (await pw.client.status())["leases"] == 1
+    await asyncio.sleep(0.1)
+    assert (await pw.client.status())["leases"] == 2
     res = await dw.pull("e", [p], {"kv": [11]})
     assert res.bytes == LAY.page_bytes * LAY.num_layers
     assert dw.verify({"kv": [11]}, 43) == (LAY.page_bytes * LAY.num_layers, 0)
@@ -147,7 +148,7 @@ async def test_lookups_fall_back_to_single_calls_for_a_peer_without_batches(
 
     refused: list[int] = []
 
-    async def unimplemented(req: Any) -> Any:
+    async def unimplemented(req: Any, *_creds: Any) -> Any:
         # FAKE: stands in for a kvxfer release that predates GetPublishedBatch (gRPC answers such a
         # peer's unknown method with UNIMPLEMENTED); nothing else can produce an older peer here.
         refused.append(len(req.requests))
