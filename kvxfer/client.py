@@ -477,4 +477,3 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
