@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvxfer.client import AsyncClient, KvxferRpcError, PullItem
 from kvxfer.config import ConfigError, Settings, load_settings, parse_address
-from kvxfer.errors import Reason
+from kvxfer.errors import InvalidArgumentError, Reason
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.ports import free_port
 from kvxfer.server.cli import drain_main
@@ -515,3 +515,28 @@ def test_listen_and_advertise_settings_are_checked() -> None:
             load_settings(flags, env={})
         assert info.value.message.startswith(message), info.value.message
         assert info.value.field == next(iter(flags))
+
+
+async def test_bad_seconds_from_the_client_are_refused_by_name(harness: Harness) -> None:
+    # Lease, pull timeout and drain budget are checked by the sidecar (NaN, infinite, negative); the
+    # client's own deadlines never become a gRPC timeout that ends the call at once as DEADLINE_EXCEEDED.
+    ps, pw, _ds, dw = await harness.deployment({"kv": attention()}, {"kv": attention()})
+    await pw[0].prefill("r1", {"kv": [1, 2]}, salt=1)
+    for bad in (math.nan, math.inf, -1.0):
+        await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pw[0].client.publish("r2", {"kv": [3]}, lease_seconds=bad),
+                           f"lease_seconds: must be in [0, 86400], got {bad}")  # fmt: skip
+        pull = dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [3, 4]}, deadline=bad)
+        await expect_error(
+            grpc.StatusCode.INVALID_ARGUMENT, pull,
+            f"timeout_seconds: must be a finite number >= 0 (0: the sidecar's --transfer-timeout-seconds), got {bad}",
+        )  # fmt: skip
+        (item,) = await dw[0].client.pull_batch([PullItem("r1", [ps[0].peer_address], {"kv": [3, 4]}, deadline=bad)])
+        assert isinstance(item, KvxferRpcError)
+        assert (item.code, item.field) == (grpc.StatusCode.INVALID_ARGUMENT, "timeout_seconds")
+        exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pw[0].client.release("r1", deadline=bad),
+                                 f"deadline: must be a finite number of seconds > 0, got {bad}")  # fmt: skip
+        assert exc.field == "deadline"
+        with pytest.raises(InvalidArgumentError, match=r"timeout: must be a finite number of seconds > 0"):
+            AsyncClient(ps[0].local_target, timeout=bad)
+    # Nothing was lost on the way: the publish is still there to pull.
+    assert (await dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [3, 4]})).done
