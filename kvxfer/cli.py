@@ -95,7 +95,9 @@ def _usage_message(exc: click_errors.ClickException, argv: Sequence[str]) -> str
         if isinstance(exc, click_errors.MissingParameter):
             return f"{flag}: missing"
         value = _given(argv, getattr(exc.param, "opts", []))
-        got = f" (got {value!r})" if value is not None and repr(value) not in exc.message else ""
+        # A choice's error names the value already ("'HDN' is not one of ..."); a number's does not.
+        is_choice = bool(getattr(getattr(exc.param, "type_descriptor", None), "is_choice", False))
+        got = f" (got {value!r})" if value is not None and not is_choice else ""
         # typer words a failed conversion like a validator's error ("Value error, ..."): drop that prefix.
         return f"{flag}: {exc.message.removeprefix('Value error, ').rstrip('.')}{got}"
     if isinstance(exc, click_errors.NoSuchOption):

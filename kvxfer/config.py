@@ -225,18 +225,17 @@ class Settings(BaseModel):
     def _registered_backend(cls, v: str) -> str:
         names = available_transports()
         if v not in names:
-            raise ValueError(f"must be one of {', '.join(names)}")
+            raise ValueError(f"must be one of {', '.join(names)}, got {v!r}")
         return v
 
     @field_validator("nixl_backends", mode="before")
     @classmethod
-    def _split_backends(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = [p.strip() for p in v.split(",")]
+    def _split_backends(cls, given: Any) -> Any:
+        v = [p.strip() for p in given.split(",")] if isinstance(given, str) else given
         if isinstance(v, list | tuple):
             items = [str(p).strip() for p in v if str(p).strip()]
             if not items:
-                raise ValueError("needs at least one NIXL backend plugin name (e.g. UCX)")
+                raise ValueError(f"needs at least one NIXL backend plugin name (e.g. UCX), got {given!r}")
             return tuple(items)
         return v
 
@@ -464,6 +463,7 @@ def _config_error(
         msg = str(ctx["error"]) if isinstance(ctx.get("error"), Exception) else err["msg"]
         msg = msg.removeprefix("Value error, ")
         first = first or field
-        value = f" (got {merged[field]!r})" if field in merged and repr(merged[field]) not in msg else ""
+        # kvxfer's own checks (value_error) name the value; pydantic's built-in ones do not.
+        value = f" (got {merged[field]!r})" if field in merged and err["type"] != "value_error" else ""
         parts.append(f"{_where(field, source, config_path)}: {msg}{value}")
     return ConfigError("; ".join(parts), field=first)
