@@ -23,7 +23,8 @@ from typer._click import exceptions as click_errors  # the parser typer vendors 
 from typer.core import TyperCommand, TyperGroup
 
 from kvxfer import __version__
-from kvxfer.cli_errors import EXIT_FAILURE, EXIT_USAGE, describe, report
+from kvxfer.cli_errors import EXIT_FAILURE, EXIT_USAGE, describe
+from kvxfer.cli_errors import report as report_error
 from kvxfer.errors import KvxferError
 from kvxfer.layout import CacheKind, Order
 
@@ -46,10 +47,10 @@ class _Commands(TyperGroup):
             print(exc.format_message(), file=sys.stderr)
             code = EXIT_USAGE
         except click_errors.ClickException as exc:
-            report(_usage_message(exc, argv))
+            report_error(_usage_message(exc, argv))
             code = exc.exit_code
         except typer.Abort:
-            report("aborted")
+            report_error("aborted")
             code = EXIT_FAILURE
         else:
             code = rv if isinstance(rv, int) else 0
@@ -130,13 +131,13 @@ app.add_typer(bench_app, name="bench")
 
 def _usage_error(text: str) -> NoReturn:
     """Report a usage error (the command cannot run with what it was given) and exit 2."""
-    report(text)
+    report_error(text)
     raise typer.Exit(code=EXIT_USAGE)
 
 
 def _failure(text: str) -> NoReturn:
     """Report a failure at run time and exit 1."""
-    report(text)
+    report_error(text)
     raise typer.Exit(code=EXIT_FAILURE)
 
 
@@ -405,7 +406,7 @@ def main() -> None:
     try:
         app()
     except KvxferError as exc:  # a failure no command reported itself
-        report(exc.message)
+        report_error(exc.message)
         sys.exit(EXIT_FAILURE)
 
 
