@@ -187,8 +187,8 @@ def test_a_failure_at_run_time_exits_1_naming_the_flag(tmp_path: Path) -> None:
 
 def _help(*args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "kvxfer.cli", *args, "--help"], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "COLUMNS": "80"})  # fmt: skip
-    assert out.returncode == 0, out.stderr
+                         timeout=180, env={**os.environ, "COLUMNS": "80"})  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
 
