@@ -19,17 +19,25 @@ VLLM033_STAMP := $(VLLM033_DIR)/.kvxfer-installed
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup vllm-setup vllm033-setup demo test lint typecheck proto proto-check clean sysdeps check-deploy lock lock-vllm
+.PHONY: setup vllm-setup vllm033-setup demo test lint typecheck proto proto-check clean sysdeps sysdeps-test check-deploy lock lock-vllm
 
-# Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts; the chart's test
-# renderer (tools/helm-render) builds with Debian's Go and its sprig/yaml sources.
-APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
-sysdeps:
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# Mooncake's wheel links libibverbs/librdmacm/libnuma even on TCP-only hosts: what kvxfer needs to
+# run (`make setup`, `make demo`). The chart's test renderer (tools/helm-render) builds with Debian's
+# Go and its sprig/yaml sources: only the tests need those (`make test`, `make check-deploy`).
+APT_RUNTIME := libibverbs1 librdmacm1 libnuma1
+APT_TEST := golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
+define apt_install
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing apt packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+endef
+sysdeps:
+	$(call apt_install,$(APT_RUNTIME))
+
+sysdeps-test: sysdeps
+	$(call apt_install,$(APT_TEST))
 
 $(STAMP): pyproject.toml constraints.txt | sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,7 +76,7 @@ demo: setup
 # Three runs: the suite in .venv (sidecars, vLLM end to end through subprocesses), then the tests
 # that need vLLM in their own process (its spec classes, layout helpers and CPU kernels) with
 # vLLM 0.32, and again with vLLM 0.33's Python code in front of it (no kernels there).
-test: setup vllm-setup vllm033-setup
+test: setup sysdeps-test vllm-setup vllm033-setup
 	$(BIN)/python -m pytest -q
 	KVXFER_VLLM_INPROC=0.32 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_inproc
 	KVXFER_VLLM_INPROC=0.33 PYTHONPATH=$(VLLM033_DIR) VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q \
@@ -85,7 +93,7 @@ proto: setup
 proto-check: setup
 	$(BIN)/python -m kvxfer.tools.genproto --check
 
-check-deploy: setup
+check-deploy: setup sysdeps-test
 	scripts/check-deploy.sh
 
 # Re-pin constraints.txt to what the current .venv resolved (after changing dependencies).

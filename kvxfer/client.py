@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import math
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
@@ -37,7 +38,7 @@ import numpy.typing as npt
 import uvloop
 from google.protobuf.message import Message
 
-from kvxfer.errors import KvxferError, Reason
+from kvxfer.errors import InvalidArgumentError, KvxferError, Reason
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import MemoryRef
 from kvxfer.topology import RankInfo
@@ -228,6 +229,13 @@ def _batch_results(resp: local_pb2.PullBatchResponse) -> list[PullResult | Kvxfe
     return out
 
 
+def _check_timeout(value: float) -> float:
+    """A client's default deadline: a finite number of seconds > 0."""
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"timeout: must be a finite number of seconds > 0, got {value}", field="timeout")
+    return value
+
+
 def _status_dict(resp: Any) -> dict[str, Any]:
     out = {}
     for f in resp.DESCRIPTOR.fields:
@@ -249,7 +257,7 @@ class AsyncClient:
         max_message_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.target = normalize_target(target)
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
         opts = _options(max_message_bytes)
         self._channel = (
@@ -260,8 +268,15 @@ class AsyncClient:
         self._stub = local_pb2_grpc.LocalStub(self._channel)
 
     async def _call(self, rpc: grpc.aio.UnaryUnaryMultiCallable[Q, R], req: Q, deadline: float | None) -> R:
+        timeout = deadline or self.timeout
+        if not math.isfinite(timeout) or timeout <= 0:
+            # gRPC would end such a call at once with DEADLINE_EXCEEDED, which reads like a slow sidecar.
+            raise KvxferRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"deadline: must be a finite number of seconds > 0, got {deadline}",
+                type(req).DESCRIPTOR.name.removesuffix("Request"), reason=Reason.INVALID_FIELD, field="deadline",
+            )  # fmt: skip
         try:
-            return await rpc(req, timeout=deadline or self.timeout, metadata=self._md)
+            return await rpc(req, timeout=timeout, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise KvxferRpcError.of_call(exc, type(req).DESCRIPTOR.name.removesuffix("Request")) from None
 
@@ -308,7 +323,7 @@ class AsyncClient:
         """
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
                         spans)  # fmt: skip
-        return _pull_result(await self._call(self._stub.Pull, _pull_request(item), (deadline or self.timeout) + 1.0))
+        return _pull_result(await self._call(self._stub.Pull, _pull_request(item), self._pull_timeout(deadline)))
 
     async def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:
         """Several pulls in one call (e.g. all a worker starts in one step), one result or error each, in order.
@@ -318,8 +333,18 @@ class AsyncClient:
         """
         req = local_pb2.PullBatchRequest(pulls=[_pull_request(i) for i in items])
         # The call lasts as long as its longest pull, plus a second.
-        call_timeout = max((i.deadline or self.timeout for i in items), default=self.timeout) + 1.0
+        call_timeout = max((self._pull_timeout(i.deadline) for i in items), default=self.timeout + 1.0)
         return _batch_results(await self._call(self._stub.PullBatch, req, call_timeout))
+
+    def _pull_timeout(self, deadline: float | None) -> float:
+        """The call's timeout for a pull of ``deadline`` (its ``timeout_seconds``), plus a second.
+
+        A deadline that is no number of seconds is left to the sidecar, which refuses it naming
+        ``timeout_seconds`` and the value: the call itself keeps the client's timeout.
+        """
+        if deadline is not None and math.isfinite(deadline) and deadline > 0:
+            return deadline + 1.0
+        return self.timeout + 1.0
 
     async def watch_completions(self, *, replay: bool = False, after: int = 0) -> AsyncGenerator[CompletionEvent, None]:
         """Completion events as they happen (no deadline: the stream lives as long as the caller wants)."""
@@ -434,7 +459,7 @@ class Client:
         max_message_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.target = normalize_target(target)
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
         # uvloop: the facade's round trips are loop-bound; measured ~10% less CPU per call.
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-client", daemon=True)

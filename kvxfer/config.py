@@ -28,8 +28,10 @@ from kvxfer.transport import TransportConfig, available_transports
 
 __all__ = [
     "ENV_PREFIX",
+    "WILDCARD_HOSTS",
     "ConfigError",
     "Settings",
+    "check_host",
     "env_name",
     "flag_name",
     "is_loopback_host",
@@ -58,19 +60,79 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
-_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]*)):(?P<port>\d{1,5})$")
+_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[^\]]*)\]|(?P<host>[^:\[\]]*)):(?P<port>[^:]*)$")
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+#: Hosts that mean "every interface" to a listener; nobody can dial them.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 
-def parse_address(value: str, *, setting: str = "address") -> tuple[str, int]:
-    """Split ``host:port`` (``[v6]:port`` for IPv6) and check the port; raises :class:`ConfigError`."""
-    m = _HOSTPORT.match(value.strip())
+def check_host(host: str, *, setting: str, value: str | None = None) -> str:
+    """A host name, an IPv4 address or an IPv6 address (without brackets); raises :class:`ConfigError`.
+
+    ``value`` is the whole text the host came from, for the message (default: the host itself).
+    """
+    shown = repr(value if value is not None else host)
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{setting}: {host!r} in {shown} is not an IPv6 address", field=setting) from None
+        return host
+    if host and all(c.isdigit() or c == "." for c in host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(f"{setting}: {host!r} in {shown} is not an IPv4 address", field=setting) from None
+        return host
+    if len(host) > 253 or not all(_LABEL.match(label) for label in host.split(".")):
+        raise ConfigError(
+            f"{setting}: {host!r} in {shown} is not a host name (letters, digits, '-' and '_' in dot-separated "
+            "labels of 1-63 characters) or an IP address",
+            field=setting,
+        )
+    return host
+
+
+def parse_address(value: str, *, setting: str = "address", dial: bool = False) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6) and check both parts; raises :class:`ConfigError`.
+
+    A listen address (the default) may leave the host empty (every interface) and use port 0 (the
+    system picks a free port). An address to ``dial`` (a peer's) needs a host that is not a
+    wildcard, a port in [1, 65535], and no surrounding spaces: the address is used exactly as given.
+    """
+    text = value if dial else value.strip()
+    lowest = 1 if dial else 0
+    if "/" in text:
+        raise ConfigError(
+            f"{setting}: {value!r} is a path or URL; this is a TCP address, host:port (no scheme)", field=setting
+        )
+    m = _HOSTPORT.match(text)
     if not m:
         raise ConfigError(f"{setting}: {value!r} is not host:port (use [addr]:port for IPv6)", field=setting)
-    port = int(m.group("port"))
+    raw_port = m.group("port")
+    if not raw_port.isascii() or not raw_port.isdigit():
+        what = "has no port" if not raw_port else f"has port {raw_port!r}, not a number"
+        raise ConfigError(f"{setting}: {value!r} {what} (host:port, port in [{lowest}, 65535])", field=setting)
+    port = int(raw_port)
     if port > 65535:
-        raise ConfigError(f"{setting}: port {port} in {value!r} is not in [0, 65535]", field=setting)
-    host = m.group("v6") or m.group("host") or "0.0.0.0"
-    return host, port
+        raise ConfigError(f"{setting}: port {port} in {value!r} is not in [{lowest}, 65535]", field=setting)
+    v6 = m.group("v6")
+    host = v6 if v6 is not None else m.group("host")
+    if v6 is not None and not v6:
+        raise ConfigError(f"{setting}: {value!r} has empty brackets where the IPv6 address goes", field=setting)
+    if host:
+        check_host(host, setting=setting, value=value)
+    if dial:
+        if port == 0:
+            raise ConfigError(
+                f"{setting}: port 0 in {value!r} cannot be dialled (0 only means 'any free port' to a listener); "
+                "give the port the peer listens on, in [1, 65535]",
+                field=setting,
+            )
+        if host in WILDCARD_HOSTS:
+            why = "has no host" if not host else f"names the wildcard host {host!r}, which only a listener can use"
+            raise ConfigError(f"{setting}: {value!r} {why}; give the host name or IP peers reach", field=setting)
+    return host or "0.0.0.0", port
 
 
 def is_loopback_host(host: str) -> bool:
@@ -115,13 +177,17 @@ class Settings(BaseModel):
     cuda_ipc_direct: bool = Field(
         True, description="same-host GPU READs by CUDA device copies instead of the backend (true/false)"
     )
-    lease_seconds: float = Field(30.0, gt=0, le=86400, description="how long published blocks are held")
+    lease_seconds: float = Field(
+        30.0, gt=0, le=86400, allow_inf_nan=False, description="how long published blocks are held"
+    )
     max_hold_seconds: float = Field(
-        600.0, gt=0, le=86400,
+        600.0, gt=0, le=86400, allow_inf_nan=False,
         description="longest a decode side's holds keep a publish alive (reader: how long it holds a request)",
     )  # fmt: skip
-    transfer_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="deadline of one transfer")
-    drain_seconds: float = Field(20.0, ge=0, le=3600, description="graceful shutdown budget")
+    transfer_timeout_seconds: float = Field(
+        30.0, gt=0, le=3600, allow_inf_nan=False, description="deadline of one transfer"
+    )
+    drain_seconds: float = Field(20.0, ge=0, le=3600, allow_inf_nan=False, description="graceful shutdown budget")
     max_message_bytes: int = Field(67108864, ge=65536, le=2**31 - 1, description="gRPC max send/receive message size")
     tls_cert: Path | None = Field(None, description="PEM certificate (with --tls-key: TLS on the peer API)")
     tls_key: Path | None = Field(None, description="PEM private key")
@@ -148,6 +214,28 @@ class Settings(BaseModel):
         _address_or_raise(v)
         return v.strip()
 
+    @field_validator("advertise_host")
+    @classmethod
+    def _advertise_host(cls, v: str | None) -> str | None:
+        # Peers dial this host at the peer port: a port here, a scheme or a wildcard would be
+        # advertised as is and fail only when the first peer tries to connect.
+        if v is None or not v.strip():
+            return None
+        host = v.strip()
+        if "/" in host:
+            raise ValueError(f"{v!r} is a URL or path; give the host alone (a name or an IP address)")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        elif host.count(":") == 1:
+            raise ValueError(f"{v!r} has a port; give the host alone (peers use --peer-listen's port)")
+        try:
+            check_host(host, setting="advertise_host", value=v)
+        except ConfigError as exc:
+            raise ValueError(exc.message.removeprefix("advertise_host: ")) from None
+        if host in WILDCARD_HOSTS:
+            raise ValueError(f"{v!r} is a wildcard address, which peers cannot dial; give the pod IP or a host name")
+        return host
+
     @field_validator("local_listen", "metrics_listen")
     @classmethod
     def _optional_address(cls, v: str | None) -> str | None:
@@ -166,18 +254,17 @@ class Settings(BaseModel):
     def _registered_backend(cls, v: str) -> str:
         names = available_transports()
         if v not in names:
-            raise ValueError(f"must be one of {', '.join(names)}")
+            raise ValueError(f"must be one of {', '.join(names)}, got {v!r}")
         return v
 
     @field_validator("nixl_backends", mode="before")
     @classmethod
-    def _split_backends(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = [p.strip() for p in v.split(",")]
+    def _split_backends(cls, given: Any) -> Any:
+        v = [p.strip() for p in given.split(",")] if isinstance(given, str) else given
         if isinstance(v, list | tuple):
             items = [str(p).strip() for p in v if str(p).strip()]
             if not items:
-                raise ValueError("needs at least one NIXL backend plugin name (e.g. UCX)")
+                raise ValueError(f"needs at least one NIXL backend plugin name (e.g. UCX), got {given!r}")
             return tuple(items)
         return v
 
@@ -458,6 +545,7 @@ def _config_error(
         msg = str(ctx["error"]) if isinstance(ctx.get("error"), Exception) else err["msg"]
         msg = msg.removeprefix("Value error, ")
         first = first or field
-        value = f" (got {merged[field]!r})" if field in merged and repr(merged[field]) not in msg else ""
+        # kvxfer's own checks (value_error) name the value; pydantic's built-in ones do not.
+        value = f" (got {merged[field]!r})" if field in merged and err["type"] != "value_error" else ""
         parts.append(f"{_where(field, source, config_path)}: {msg}{value}")
     return ConfigError("; ".join(parts), field=first, reason=reason)

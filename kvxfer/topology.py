@@ -232,24 +232,37 @@ class TransferPlan:
         return self.num_layers * sum(p.raw_spans for p in self.per_rank)
 
 
-def parse_block_ids(spec: str) -> I64:
-    """Parse ``"0:2048"``, ``"3,4,5,9"`` or ``"0:8,20:24"`` into an int64 array (ranges are half-open)."""
+#: The most block ids :func:`parse_block_ids` expands a spec to (a typo must not exhaust memory).
+MAX_PARSED_IDS = 1 << 24
+
+
+def parse_block_ids(spec: str, *, name: str = "blocks") -> I64:
+    """Parse ``"0:2048"``, ``"3,4,5,9"`` or ``"0:8,20:24"`` into an int64 array (ranges are half-open).
+
+    Errors are :class:`BlockIdError` on field ``name``, naming the part that could not be used.
+    """
     parts: list[I64] = []
+    count = 0
     for raw in spec.split(","):
         item = raw.strip()
         if not item:
             continue
+        lo, colon, hi = item.partition(":")
         try:
-            if ":" in item:
-                lo, hi = item.split(":", 1)
-                parts.append(np.arange(int(lo), int(hi), dtype=np.int64))
-            else:
-                parts.append(np.array([int(item)], dtype=np.int64))
+            start, stop = int(lo), int(hi) if colon else int(lo) + 1
         except ValueError:
-            raise BlockIdError(f"blocks: cannot parse {item!r} (use 'a:b' ranges or ids separated by commas)",
-                               field="blocks") from None  # fmt: skip
+            raise BlockIdError(f"{name}: cannot parse {item!r} (use 'a:b' ranges or ids separated by commas)",
+                               field=name) from None  # fmt: skip
+        if start < 0:
+            raise BlockIdError(f"{name}: block id {start} in {item!r} is negative", field=name)
+        if stop <= start:
+            raise BlockIdError(f"{name}: the range {item!r} is empty ('a:b' takes ids a to b-1, so a < b)", field=name)
+        count += stop - start
+        if count > MAX_PARSED_IDS:
+            raise BlockIdError(f"{name}: {spec!r} names more than {MAX_PARSED_IDS} block ids", field=name)
+        parts.append(np.arange(start, stop, dtype=np.int64))
     if not parts:
-        raise BlockIdError(f"blocks: {spec!r} names no block ids", field="blocks")
+        raise BlockIdError(f"{name}: {spec!r} names no block ids", field=name)
     return np.concatenate(parts)
 
 

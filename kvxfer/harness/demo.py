@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.cli_errors import EXIT_FAILURE, EXIT_USAGE, describe, report
 from kvxfer.errors import KvxferError
 from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
 from kvxfer.layout import CacheKind, DType, KVCacheLayout, Order
 from kvxfer.planning import ModelShape
 from kvxfer.topology import RankInfo, TransferTopology
 
-__all__ = ["DEFAULTS", "demo_main", "run_demo"]
+__all__ = ["DEFAULTS", "FLAGS", "DemoOptionError", "demo_main", "run_demo"]
 
 DEFAULTS: dict[str, Any] = {
     "backend": "nixl",
@@ -57,6 +58,19 @@ def _layout(opts: dict[str, Any], tp: int, num_blocks: int) -> KVCacheLayout:
     return shape.layout(tp_size=tp, num_blocks=num_blocks, block_size=block_size)
 
 
+class DemoOptionError(KvxferError):
+    """A demo option the demo cannot run with; the message names the command-line flag."""
+
+    status = "INVALID_ARGUMENT"
+
+
+#: The flag of each option (and of the layout fields the core names in its errors).
+FLAGS: dict[str, str] = {
+    **{k: "--" + k.replace("_", "-") for k in DEFAULTS},
+    "order": "--layout", "num_layers": "--layers", "total_kv_heads": "--kv-heads", "num_kv_heads": "--kv-heads",
+}  # fmt: skip
+
+
 def _check_options(opts: dict[str, Any]) -> None:
     """Refuse a bad option before any process starts; messages name the command-line flag."""
     choices = {
@@ -67,14 +81,22 @@ def _check_options(opts: dict[str, Any]) -> None:
     for key, (flag, allowed) in choices.items():
         value = str(opts[key]).upper() if key == "order" else str(opts[key])
         if value not in allowed:
-            raise KvxferError(f"{flag}: must be one of {', '.join(allowed)}, got {opts[key]!r}", field=key)
+            raise DemoOptionError(f"{flag}: must be one of {', '.join(allowed)}, got {opts[key]!r}", field=key)
     for key in ("prefill_tp", "decode_tp", "requests", "layers", "min_tokens", "max_tokens", "memory_mib"):
         if int(opts[key]) < 1:
-            raise KvxferError(f"--{key.replace('_', '-')}: must be >= 1, got {opts[key]}", field=key)
+            raise DemoOptionError(f"--{key.replace('_', '-')}: must be >= 1, got {opts[key]}", field=key)
     if int(opts["min_tokens"]) > int(opts["max_tokens"]):
-        raise KvxferError(
+        raise DemoOptionError(
             f"--min-tokens: {opts['min_tokens']} is more than --max-tokens {opts['max_tokens']}", field="min_tokens"
         )
+    # The model's shape on each side, so that an error names that side's TP flag.
+    for key in ("prefill_tp", "decode_tp"):
+        try:
+            _layout(opts, int(opts[key]), 1)
+        except KvxferError as exc:
+            flags = {**FLAGS, "tp_size": FLAGS[key]}
+            side = f" ({FLAGS[key]} {opts[key]})" if exc.field in ("tp_size", "total_kv_heads", "num_kv_heads") else ""
+            raise DemoOptionError(describe(exc, flags) + side, field=exc.field) from None
 
 
 def run_demo(**options: Any) -> dict[str, Any]:
@@ -85,7 +107,7 @@ def run_demo(**options: Any) -> dict[str, Any]:
     """
     unknown = set(options) - set(DEFAULTS)
     if unknown:
-        raise KvxferError(f"demo: unknown options {sorted(unknown)}", field=sorted(unknown)[0])
+        raise DemoOptionError(f"demo: unknown options {sorted(unknown)}", field=sorted(unknown)[0])
     opts = {**DEFAULTS, **options}
     _check_options(opts)
     p_tp, d_tp, n_req = int(opts["prefill_tp"]), int(opts["decode_tp"]), int(opts["requests"])
@@ -99,11 +121,14 @@ def run_demo(**options: Any) -> dict[str, Any]:
     need = 2 * max_blocks + 4
     num_blocks = int(opts["num_blocks"]) or max(need, min(512, int(opts["memory_mib"]) * 2**20 // per_block_side))
     if num_blocks < need:
-        raise KvxferError(
+        raise DemoOptionError(
             f"num_blocks: {num_blocks} cannot hold two requests of {max_blocks} blocks", field="num_blocks"
         )
     p_layout, d_layout = _layout(opts, p_tp, num_blocks), _layout(opts, d_tp, num_blocks)
-    TransferTopology(d_layout, p_layout, RankInfo(0, d_tp), p_tp)  # refuse impossible shapes before any process
+    try:  # refuse impossible shapes before any process
+        TransferTopology(d_layout, p_layout, RankInfo(0, d_tp), p_tp)
+    except KvxferError as exc:
+        raise DemoOptionError(describe(exc, {**FLAGS, "tp_size": "--prefill-tp"}), field=exc.field) from None
     rng = np.random.default_rng(int(opts["seed"]))
     show = bool(opts["progress"])
     t_start = time.perf_counter()
@@ -259,15 +284,21 @@ def _progress(show: bool, total: int) -> Any:
 
 
 def demo_main(as_json: bool = False, **options: Any) -> int:
-    """Run the demo and print a table (or one JSON object); returns the exit code (1 if any byte differs)."""
+    """Run the demo and print a table (or one JSON object); returns the exit code.
+
+    0: every byte verified; 1: a byte differs or the demo failed while running; 2: a bad option
+    (refused before anything starts). Errors are one ``error: ...`` line on stderr (and, with
+    ``as_json``, ``{"ok": false, "error": ...}`` on stdout).
+    """
     try:
         result = run_demo(progress=not as_json, **options)
     except KvxferError as exc:
+        usage = isinstance(exc, DemoOptionError)
+        text = exc.message if usage else f"demo failed: {exc.message}"
         if as_json:
-            print(json.dumps({"ok": False, "error": str(exc)}))
-        else:
-            print(f"demo failed: {exc}", file=sys.stderr)
-        return 2
+            print(json.dumps({"ok": False, "error": text}))
+        report(text)
+        return EXIT_USAGE if usage else EXIT_FAILURE
     if as_json:
         print(json.dumps(result))
     else:

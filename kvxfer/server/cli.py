@@ -8,31 +8,148 @@ sidecar processes this way.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+import math
+import os
+import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from kvxfer.config import ConfigError, Settings, env_name, flag_name, load_settings
+from pydantic.fields import FieldInfo
 
-__all__ = ["build_parser", "drain_main", "parse_serve_args"]
+from kvxfer.cli_errors import EXIT_USAGE, report
+from kvxfer.config import ConfigError, Settings, env_name, flag_name, load_settings, parse_address
+
+__all__ = ["DrainUsageError", "build_parser", "check_drain_args", "drain_main", "parse_serve_args"]
+
+USAGE = "kvxfer serve [--flag VALUE ...]"
+
+
+def _metavar(name: str, f: FieldInfo) -> str:
+    """What a flag's value looks like (its choices, a number, a file, an address)."""
+    ann = f.annotation
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    inner = args[0] if args and typing.get_origin(ann) is not typing.Literal else ann
+    if typing.get_origin(ann) is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(ann)) + "}"
+    if inner is bool:
+        return "{true,false}"
+    if inner is Path:
+        return "FILE"
+    if inner is int:
+        return "PORT" if name.endswith("_port") else "N"
+    if inner is float:
+        return "SECONDS"
+    if name.endswith("_listen"):
+        return "HOST:PORT"
+    if name.endswith("_host"):
+        return "HOST"
+    if name.endswith("_socket"):
+        return "PATH"
+    return "LIST" if typing.get_origin(inner) is tuple else "TEXT"
+
+
+def _default(f: FieldInfo) -> str:
+    """A setting's default as a user would type it."""
+    if f.default_factory is not None:
+        return "this host's name"
+    value = f.default
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return repr(value) if value == "" else str(value)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in kvxfer's one error style instead of printing usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        report(f"{message} (kvxfer serve --help lists the flags)")
+        raise SystemExit(EXIT_USAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """argparse flags for every setting (each defaults to "not given", so env and file apply)."""
-    p = argparse.ArgumentParser(prog="kvxfer serve", description="Run the kvxfer sidecar.")
+    """argparse flags for every setting (each defaults to "not given", so env and file apply).
+
+    The help shows each setting's default and environment variable.
+    """
+    p = _Parser(
+        prog="kvxfer serve", usage=USAGE, allow_abbrev=False, exit_on_error=False,
+        description="Run the kvxfer sidecar. Flags > KVXFER_* environment > --config file > defaults.",
+    )  # fmt: skip
     for name, f in Settings.model_fields.items():
         p.add_argument(
-            flag_name(name), dest=name, default=None, metavar=name.upper(),
-            help=f"{f.description} (env {env_name(name)})",
+            flag_name(name), dest=name, default=None, metavar=_metavar(name, f),
+            help=f"{f.description} (default: {_default(f)}; env {env_name(name)})",
         )  # fmt: skip
     return p
 
 
 def parse_serve_args(argv: Sequence[str] | None = None) -> Settings:
-    """Flags (argv) > env > --config file > defaults, validated."""
-    ns = build_parser().parse_args(argv)
+    """Flags (argv) > env > --config file > defaults, validated.
+
+    Raises :class:`ConfigError` naming the flag for an unknown flag, a flag without its value or a bad value.
+    """
+    parser = build_parser()
+    try:
+        ns, extra = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        flag = exc.argument_name or "kvxfer serve"
+        raise ConfigError(f"{flag}: {exc.message}", field=flag.removeprefix("--").replace("-", "_")) from None
+    if extra:
+        word = extra[0]
+        if word.startswith("-"):
+            flag = word.split("=", 1)[0]
+            raise ConfigError(f"{flag}: unknown flag (kvxfer serve --help lists the flags)", field=flag)
+        raise ConfigError(f"{word}: unexpected argument; kvxfer serve takes --flag value pairs only", field=word)
     return load_settings(vars(ns))
+
+
+class DrainUsageError(ConfigError):
+    """``kvxfer drain`` was given a bad option (``field`` is the option, e.g. ``timeout_seconds``)."""
+
+
+def check_drain_args(target: str, token_file: str | None, timeout_seconds: float) -> tuple[str, str | None]:
+    """``kvxfer drain``'s options, checked before anything is sent: (gRPC target, token).
+
+    ``target`` is a Unix socket path (absolute, relative or ``unix:...``) or ``host:port``.
+    """
+    if not math.isfinite(timeout_seconds) or timeout_seconds < 0:
+        raise DrainUsageError(
+            f"--timeout-seconds: must be a finite number >= 0 (0: the sidecar's --drain-seconds), "
+            f"got {timeout_seconds}",
+            field="timeout_seconds",
+        )
+    if not target.strip():
+        raise DrainUsageError("--target: must not be empty (a Unix socket path or host:port)", field="target")
+    if target.startswith("unix:") or "/" in target or target.endswith(".sock"):
+        socket_path = target.removeprefix("unix://").removeprefix("unix:")
+        grpc_target = f"unix://{os.path.abspath(socket_path)}"
+    else:
+        try:
+            parse_address(target, setting="--target", dial=True)
+        except ConfigError as exc:
+            raise DrainUsageError(
+                f"{exc.message}; --target is a Unix socket path or host:port", field="target"
+            ) from None
+        grpc_target = target
+    token = None
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise DrainUsageError(
+                f"--token-file: cannot read {token_file!r}: {exc.strerror}", field="token_file"
+            ) from None
+        if not token:
+            raise DrainUsageError(f"--token-file: file {token_file!r} is empty", field="token_file")
+    return grpc_target, token
 
 
 def drain_main(
@@ -42,25 +159,24 @@ def drain_main(
     """``kvxfer drain``: ask the sidecar at ``target`` to drain and wait for it; returns the counts.
 
     ``target`` is a Unix socket path or ``host:port`` of the local API; ``timeout_seconds`` 0 uses the
-    sidecar's ``--drain-seconds``. Raises :class:`kvxfer.client.KvxferRpcError` when the call fails.
+    sidecar's ``--drain-seconds``. Raises :class:`DrainUsageError` for a bad option (nothing is
+    sent) and :class:`kvxfer.client.KvxferRpcError` when the call fails.
     """
-    from pathlib import Path
-
     from kvxfer.client import Client
 
-    token = Path(token_file).read_text().strip() if token_file else None
+    grpc_target, token = check_drain_args(target, token_file, timeout_seconds)
     wait = call_timeout or (timeout_seconds or 600.0) + 30.0
-    with Client(target, token=token, timeout=wait) as c:
+    with Client(grpc_target, token=token, timeout=wait) as c:
         return c.drain(timeout_seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvxfer.server``."""
+    """``python -m kvxfer.server`` (and ``kvxfer serve``): exit 2 with one error line for a bad setting."""
     from kvxfer.server.app import serve_main
 
     try:
         settings = parse_serve_args(argv)
     except ConfigError as exc:
-        print(json.dumps({"level": "error", "msg": f"invalid setting: {exc}", "setting": exc.field}), file=sys.stderr)
-        return 2
+        report(exc.message)
+        return EXIT_USAGE
     return serve_main(settings)

@@ -37,7 +37,7 @@ from kvxfer.server.publisher import Publisher
 from kvxfer.server.puller import Puller
 from kvxfer.server.registration import Registry
 from kvxfer.server.topologies import TopologyCache
-from kvxfer.server.validation import check_addresses
+from kvxfer.server.validation import NOTICE_OUTCOMES, check_addresses, check_drain_timeout, check_outcome
 from kvxfer.transport import Transport
 from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import check_id
@@ -71,7 +71,7 @@ class SidecarCore:
         self.draining = False
         self.drain_done = asyncio.Event()  # set once a drain has finished
         self._on_serving = on_serving
-        self._drained: asyncio.Future[local_pb2.DrainResponse] | None = None
+        self._drained: asyncio.Future[local_pb2.DrainResponse] | None = None  # the drain, once started
         self.registry = Registry(settings, data_plane, metrics, instance_id=self.instance_id,
                                  peer_address=peer_address, fd_lookup=fd_lookup)  # fmt: skip
         token = settings.token()
@@ -220,12 +220,20 @@ class SidecarCore:
         self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.NotifyResponse:
         """Notify: a reader is done; free the blocks once every expected reader is."""
+        check_id(req.request_id, "request_id")
+        check_outcome(req.outcome)
         return self.publisher.notify(req, creds)
 
     async def peer_notify_batch(
         self, req: peer_pb2.NotifyBatchRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.NotifyBatchResponse:
-        """NotifyBatch: several notices at once."""
+        """NotifyBatch: several notices at once (one with an unknown outcome is dropped, the others count)."""
+        bad = [n for n in req.notices if n.outcome not in NOTICE_OUTCOMES]
+        for n in bad:
+            why = f"outcome: {n.outcome} is not DONE, FAILED or UNREAD"
+            log.warning("completion notice refused", extra={"peer": n.engine_id, "error": why})
+        if bad:
+            req = peer_pb2.NotifyBatchRequest(notices=[n for n in req.notices if n.outcome in NOTICE_OUTCOMES])
         return self.publisher.notify_batch(req, creds)
 
     async def peer_hold(self, req: peer_pb2.HoldRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.HoldResponse:
@@ -286,12 +294,22 @@ class SidecarCore:
 
     # ================================================================== drain / shutdown
     async def drain(self, budget: float | None = None) -> local_pb2.DrainResponse:
-        """Refuse new work, let in-flight pulls and published leases finish, then release the rest."""
-        if self._drained is not None:
-            return await asyncio.shield(self._drained)
-        self._drained = asyncio.get_running_loop().create_future()
-        self.draining = True
-        self._on_serving(False)
+        """Refuse new work, let in-flight pulls and published leases finish, then release the rest.
+
+        ``budget`` (seconds; None: --drain-seconds) is checked before anything changes: a bad one
+        (negative, NaN, infinite, above --drain-seconds) is INVALID_ARGUMENT and drains nothing.
+        """
+        if budget is not None:
+            check_drain_timeout(budget, self.settings.drain_seconds)
+        if self._drained is None:
+            self.draining = True  # from this call on, not from the task's first step
+            self._on_serving(False)
+            # The drain runs as a task of its own: a caller that stops waiting (its deadline passed,
+            # it went away) must not leave the sidecar half drained, refusing work but never done.
+            self._drained = asyncio.ensure_future(self._drain(budget))
+        return await asyncio.shield(self._drained)
+
+    async def _drain(self, budget: float | None) -> local_pb2.DrainResponse:
         budget = self.settings.drain_seconds if budget is None else budget
         pulls, publishes = self.puller.pulls, self.publisher.publishes
         log.info("draining", extra={"budget_seconds": budget, "pulls": len(pulls), "leases": len(publishes)})
@@ -305,7 +323,6 @@ class SidecarCore:
             completed=max(start_pulls - abandoned, 0), abandoned=abandoned, released_leases=released
         )
         log.info("drained", extra={"abandoned": abandoned, "released_leases": released})
-        self._drained.set_result(resp)
         self.drain_done.set()
         return resp
 

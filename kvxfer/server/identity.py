@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvxfer import PROTOCOL_VERSION
 from kvxfer.errors import InvalidArgumentError, KvxferError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
+from kvxfer.server.validation import check_peer_address
 from kvxfer.topology import RankInfo, TransferTopology
 from kvxfer.wire import peer_pb2
 from kvxfer.wire.convert import check_id, layout_from_proto, layout_to_proto, rank_from_proto, rank_to_proto
@@ -58,6 +59,8 @@ class Identity:
             if g.name in groups:
                 raise InvalidArgumentError(f"{field}.groups[{i}].name: group {g.name!r} given twice", field=field)
             groups[g.name] = layout_from_proto(g.layout, f"{field}.groups[{g.name}].layout")
+        # The publisher dials this address to tell the reader of aborts: refuse one nobody can dial now.
+        check_peer_address(msg.address, f"{field}.address")
         return cls(
             int(msg.protocol_version), msg.engine_id, msg.instance_id, int(msg.epoch),
             rank_from_proto(msg.rank, f"{field}.rank"), groups, msg.data_plane.backend, msg.data_plane.agent_name,

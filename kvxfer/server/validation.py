@@ -15,13 +15,17 @@ from kvxfer.config import ConfigError, parse_address
 from kvxfer.errors import InvalidArgumentError, KvxferError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
 from kvxfer.topology import RankInfo
-from kvxfer.wire import common_pb2
+from kvxfer.wire import common_pb2, peer_pb2
 from kvxfer.wire.convert import check_block_ids
 
 __all__ = [
+    "NOTICE_OUTCOMES",
     "TokenSpans",
     "check_addresses",
+    "check_drain_timeout",
     "check_lease",
+    "check_outcome",
+    "check_peer_address",
     "check_rank_heads",
     "check_timeout",
     "not_published",
@@ -42,7 +46,9 @@ def check_rank_heads(layout: KVCacheLayout, rank: RankInfo, field: str) -> None:
     try:
         h0, h1 = head_range(layout.total_kv_heads, rank.tp_size, rank.tp_rank)
     except KvxferError as exc:
-        raise InvalidArgumentError(f"{field}: {exc.message}", field=f"{field}.total_kv_heads") from None
+        # The head count does not split over the rank's TP size: the layout's total, or the rank's size.
+        where = f"{field}.total_kv_heads" if exc.field == "total_kv_heads" else f"rank.{exc.field}"
+        raise InvalidArgumentError(f"{where}: {exc.message.split(': ', 1)[-1]}", field=where) from None
     if h1 - h0 != layout.num_kv_heads:
         raise InvalidArgumentError(
             f"{field}.num_kv_heads: rank {rank.tp_rank}/{rank.tp_size} holds {h1 - h0} of {layout.total_kv_heads} "
@@ -52,18 +58,28 @@ def check_rank_heads(layout: KVCacheLayout, rank: RankInfo, field: str) -> None:
 
 
 def check_addresses(values: Iterable[str]) -> list[str]:
-    """Peer API addresses of remote ranks: each one parseable, none twice."""
+    """Peer API addresses of remote ranks: each one a host and port that can be dialled, none twice.
+
+    Checked here, before any connection is tried, so that a malformed address (port 0, no host, a
+    wildcard, a Unix socket path) is the caller's INVALID_ARGUMENT, not a peer's UNAVAILABLE.
+    """
     addresses = list(values)
     for i, a in enumerate(addresses):
-        try:
-            parse_address(a, setting=f"remote_addresses[{i}]")
-        except ConfigError as exc:
-            raise InvalidArgumentError(exc.message, field=exc.field) from None
+        check_peer_address(a, f"remote_addresses[{i}]")
     if len(set(addresses)) != len(addresses):
         raise InvalidArgumentError(
             f"remote_addresses: an address appears twice in {addresses}", field="remote_addresses"
         )
     return addresses
+
+
+def check_peer_address(value: str, field: str) -> str:
+    """A peer API address to dial (``host:port``, ``[v6]:port``): INVALID_ARGUMENT naming ``field`` otherwise."""
+    try:
+        parse_address(value, setting=field, dial=True)
+    except ConfigError as exc:
+        raise InvalidArgumentError(exc.message, field=exc.field) from None
+    return value
 
 
 def check_lease(value: float) -> float:
@@ -78,7 +94,37 @@ def check_lease(value: float) -> float:
 def check_timeout(value: float) -> float:
     """A pull's timeout in seconds: 0 (the sidecar's default) or more."""
     if not math.isfinite(value) or value < 0:
-        raise InvalidArgumentError(f"timeout_seconds: must be >= 0, got {value}", field="timeout_seconds")
+        raise InvalidArgumentError(
+            f"timeout_seconds: must be a finite number >= 0 (0: the sidecar's --transfer-timeout-seconds), got {value}",
+            field="timeout_seconds",
+        )
+    return value
+
+
+def check_drain_timeout(value: float, drain_seconds: float) -> float:
+    """A Drain's budget in seconds: 0 (``drain_seconds``, the sidecar's --drain-seconds) up to ``drain_seconds``.
+
+    A Drain may shorten the budget the deployment gave the sidecar, not extend it: the deployment
+    sized its shutdown window (Kubernetes' terminationGracePeriodSeconds) for --drain-seconds.
+    """
+    if not math.isfinite(value) or not 0 <= value <= drain_seconds:
+        raise InvalidArgumentError(
+            f"timeout_seconds: must be in [0, {drain_seconds:g}] (0: the sidecar's --drain-seconds, "
+            f"{drain_seconds:g}s; a Drain may shorten the budget, not extend it), got {value}",
+            field="timeout_seconds",
+        )
+    return value
+
+
+#: The outcomes a Notify may carry (``OUTCOME_UNSPECIFIED`` and numbers the proto does not define are refused).
+NOTICE_OUTCOMES = frozenset({peer_pb2.NotifyRequest.DONE, peer_pb2.NotifyRequest.FAILED, peer_pb2.NotifyRequest.UNREAD})
+
+
+def check_outcome(value: int, field: str = "outcome") -> int:
+    """A Notify's outcome: DONE, FAILED or UNREAD (a missing one must not read as DONE and free the blocks)."""
+    if value not in NOTICE_OUTCOMES:
+        names = ", ".join(f"{peer_pb2.NotifyRequest.Outcome.Name(v)} ({v})" for v in sorted(NOTICE_OUTCOMES))
+        raise InvalidArgumentError(f"{field}: {value} is not one of {names}", field=field)
     return value
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -87,22 +89,146 @@ def test_plan_json_for_every_kind(args: list[str], descriptors: int, nbytes: int
     assert (r["descriptors"], r["bytes"], len(r["regions"])) == (descriptors, nbytes, regions)  # type: ignore[arg-type]
 
 
+def error_line(*args: str) -> str:
+    """Run `kvxfer <args>` expecting a usage error (exit 2); returns its one `error:` line."""
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, result.output
+    assert not result.stdout, result.stdout
+    return lines[0]
+
+
 def test_plan_refuses_unknown_layout_and_dtype() -> None:
-    result = runner.invoke(app, ["plan", "--layout", "HDN"])
-    assert result.exit_code == 2
-    assert "Invalid value for '--layout'" in result.output
-    result = runner.invoke(app, ["plan", "--dtype", "fp9"])
-    assert result.exit_code == 2
-    assert "dtype: unknown dtype 'fp9'" in result.output
+    assert error_line("plan", "--layout", "HDN") == "error: --layout: 'HDN' is not one of 'NHD', 'HND'"
+    assert error_line("plan", "--dtype", "fp9").startswith("error: --dtype: unknown dtype 'fp9'; known: bf16")
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        # A range with nothing in it used to reach numpy ("zero-size array to reduction operation maximum").
+        (["--blocks", "5:2"], "--blocks: the range '5:2' is empty ('a:b' takes ids a to b-1, so a < b)"),
+        (["--remote-blocks", "9:3"], "--remote-blocks: the range '9:3' is empty ('a:b' takes ids a to b-1, so a < b)"),
+        (["--blocks", ""], "--blocks: '' names no block ids"),
+        (["--blocks", "1,x"], "--blocks: cannot parse 'x' (use 'a:b' ranges or ids separated by commas)"),
+        (["--blocks=-1"], "--blocks: block id -1 in '-1' is negative"),
+        (["--blocks", "0:99999999999"], "--blocks: '0:99999999999' names more than 16777216 block ids"),
+        (["--blocks", "0:3", "--remote-blocks", "5,5,6"], "--remote-blocks: block id 5 appears more than once"),
+        (["--num-blocks", "4", "--blocks", "0:8"],
+         "--blocks: block id 4 at position 4 is out of range [0, 4) (4 ids out of range)"),
+        # The core says tp_rank and total_kv_heads; the user typed --decode-rank and --kv-heads.
+        (["--decode-rank", "3"], "--decode-rank: 3 is not in [0, 1) (--decode-tp 1)"),
+        (["--kv-heads", "6", "--decode-tp", "4"],
+         "--kv-heads: 6 heads cannot be split evenly over tp_size 4 (decode side, --decode-tp 4)"),
+        (["--kv-heads", "6", "--prefill-tp", "4"],
+         "--kv-heads: 6 heads cannot be split evenly over tp_size 4 (prefill side, --prefill-tp 4)"),
+        (["--kv-heads", "2", "--decode-tp", "3"],
+         "--decode-tp: 3 ranks cannot replicate 2 heads evenly (decode side, --decode-tp 3)"),
+        (["--kind", "mamba", "--prefill-tp", "2"],
+         "--prefill-tp: a mamba page is opaque, so heterogeneous TP (local 1, remote 2) cannot be split per head; use "
+         "the same TP size on both sides"),
+        (["--remote-block-size", "24"],
+         "--remote-block-size: 24 and --block-size 16: neither is a multiple of the other"),
+        (["--kind", "quantized", "--dtype", "bf16"],
+         "--dtype: a quantized head-group cache holds fp8_e4m3, fp8_e5m2, int8, nvfp4, got bf16"),
+        (["--layers", "0"], "--layers: Input should be greater than or equal to 1 (got '0')"),
+        (["--layers", "abc"],
+         "--layers: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
+        (["--decode-tp", "0"], "--decode-tp: Input should be greater than or equal to 1 (got '0')"),
+        (["--kind", "foo"], "--kind: 'foo' is not one of 'attention', 'quantized', 'kv_planes', 'mla', 'mamba'"),
+        # Flags take no value: a value after one is named with the flag.
+        (["--json", "yes"], "yes: unexpected argument; --json takes no value"),
+        (["--cross-layer", "no"], "no: unexpected argument; --cross-layer takes no value"),
+        (["--bogus"], "--bogus: no such option (did you mean --blocks?)"),
+        (["--blocks"], "--blocks: Option '--blocks' requires an argument"),
+    ],
+)  # fmt: skip
+def test_plan_errors_name_the_flag_and_the_value(args: list[str], line: str) -> None:
+    assert error_line("plan", *args) == f"error: {line}"
 
 
 def test_plan_bad_input_exits_2_with_the_field() -> None:
-    result = runner.invoke(app, ["plan", "--blocks", "0:3", "--remote-blocks", "5,5,6"])
-    assert result.exit_code == 2
-    assert "remote_blocks: block id 5 appears more than once" in result.output
-    result = runner.invoke(app, ["plan", "--kv-heads", "6", "--decode-tp", "4"])
-    assert result.exit_code == 2
-    assert "6 heads cannot be split evenly over tp_size 4" in result.output
+    assert error_line("plan", "--blocks", "0:3", "--remote-blocks", "5,5,6") == (
+        "error: --remote-blocks: block id 5 appears more than once"
+    )
+    assert "6 heads cannot be split evenly over tp_size 4" in error_line("plan", "--kv-heads", "6", "--decode-tp", "4")
+
+
+def test_every_command_reports_errors_in_one_style() -> None:
+    # One line `error: <flag>: <message>`, exit 2 for what the command was given, from every command.
+    assert (
+        error_line("nosuch")
+        == "error: nosuch: no such command (the commands: bench, demo, drain, plan, serve, version)"
+    )
+    assert error_line("bench", "topology", "--layers", "0") == (
+        "error: --layers: Input should be greater than or equal to 1 (got '0')"
+    )
+    assert error_line("bench", "transport", "--backend", "foo").startswith("error: --backend: must be one of ")
+    assert error_line("demo", "--prefill-tp", "3") == (
+        "error: --kv-heads: 8 heads cannot be split evenly over tp_size 3 (--prefill-tp 3)"
+    )
+    assert error_line("drain", "--timeout-seconds", "nan") == (
+        "error: --timeout-seconds: must be a finite number >= 0 (0: the sidecar's --drain-seconds), got nan"
+    )
+    assert error_line("drain", "--target", "127.0.0.1:0").startswith("error: --target: port 0 in '127.0.0.1:0'")
+    assert (
+        error_line("serve", "--lease-seconds", "nan")
+        == "error: --lease-seconds: Input should be a finite number (got 'nan')"
+    )
+    assert error_line("serve", "--bogus", "1") == "error: --bogus: unknown flag (kvxfer serve --help lists the flags)"
+
+
+def test_a_failure_at_run_time_exits_1_naming_the_flag(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["drain", "--target", str(tmp_path / "none.sock"), "--timeout-seconds", "1"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"error: --target: no sidecar answers at {tmp_path / 'none.sock'}: ")
+
+
+def _help(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", *args, "--help"], capture_output=True, text=True,
+                         timeout=180, env={**os.environ, "COLUMNS": "80"})  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.parametrize("command", [["plan"], ["drain"], ["demo"], ["bench", "topology"], ["bench", "transport"]])
+def test_help_at_80_columns_names_every_flag_in_full(command: list[str]) -> None:
+    import typer.main
+
+    text = _help(*command)
+    assert "…" not in text
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+    group = typer.main.get_command(app)
+    cmd = group
+    for name in command:
+        cmd = cmd.get_command(None, name)  # type: ignore[attr-defined]
+    words = set(text.replace(",", " ").split())
+    for param in cmd.params:
+        for opt in param.opts:
+            assert opt in words, f"{opt} is not whole in `kvxfer {' '.join(command)} --help`:\n{text}"
+    # A flag takes no value, and its help line shows none.
+    flag_lines = [ln.split() for ln in text.splitlines() if ln.strip().startswith("--json")]
+    assert flag_lines in ([], [["--json", "Print", "one", "JSON", "object."]])
+
+
+def test_serve_help_shows_every_setting_its_default_and_env() -> None:
+    from kvxfer.config import Settings, env_name, flag_name
+
+    text = _help("serve")
+    assert "…" not in text
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+    flat = " ".join(text.split())
+    for name in Settings.model_fields:
+        assert flag_name(name) in text.split(), name
+        assert f"env {env_name(name)})" in flat, name
+    assert flat.count("(default: ") == len(Settings.model_fields)
+    shown = ("(default: 30; env KVXFER_LEASE_SECONDS)", "(default: 127.0.0.1:50051; env KVXFER_PEER_LISTEN)",
+             "(default: true; env KVXFER_CUDA_IPC_DIRECT)", "(default: UCX; env KVXFER_NIXL_BACKENDS)",
+             "(default: none; env KVXFER_TOKEN_FILE)", "(default: this host's name; env KVXFER_ENGINE_ID)")  # fmt: skip
+    for default in shown:
+        assert default in flat, default
+    assert "--role {prefill,decode,both}" in text
 
 
 def test_core_imports_nothing_heavy() -> None:

@@ -87,11 +87,17 @@ def test_demo_shows_progress_and_a_table_without_json() -> None:
         ({"kind": "ssm"}, "--kind: must be one of attention, quantized, kv_planes, mla, mamba, got 'ssm'"),
         ({"decode_tp": 0}, "--decode-tp: must be >= 1, got 0"),
         ({"min_tokens": 900, "max_tokens": 100}, "--min-tokens: 900 is more than --max-tokens 100"),
-        ({"prefill_tp": 3}, "total_kv_heads: 8 heads cannot be split evenly over tp_size 3"),
+        # The core names total_kv_heads; the user typed --kv-heads (and --prefill-tp).
+        ({"prefill_tp": 3}, "--kv-heads: 8 heads cannot be split evenly over tp_size 3 (--prefill-tp 3)"),
+        ({"kv_heads": 2, "decode_tp": 3}, "--decode-tp: 3 ranks cannot replicate 2 heads evenly (--decode-tp 3)"),
+        ({"dtype": "fp9"}, "--dtype: unknown dtype 'fp9'; known: bf16, bfloat16, float, float16, float32, "
+                           "float8_e4m3fn, float8_e5m2, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2, half, int8, nvfp4, uint8"),
     ],
-)
+)  # fmt: skip
 def test_demo_refuses_bad_options_before_starting_anything(
     option: dict[str, object], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert demo.demo_main(as_json=True, **option) == 2
-    assert json.loads(capsys.readouterr().out) == {"ok": False, "error": message}
+    out = capsys.readouterr()
+    assert json.loads(out.out) == {"ok": False, "error": message}
+    assert out.err == f"error: {message}\n"  # kvxfer's one error style, on stderr as well

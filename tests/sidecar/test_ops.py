@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
@@ -21,13 +22,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvxfer.client import AsyncClient
-from kvxfer.config import ConfigError, Settings, load_settings
+from kvxfer.client import AsyncClient, KvxferRpcError, PullItem
+from kvxfer.config import ConfigError, Settings, load_settings, parse_address
+from kvxfer.errors import InvalidArgumentError, Reason
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.ports import free_port
 from kvxfer.server.cli import drain_main
+from kvxfer.wire import peer_pb2, peer_pb2_grpc
 from tests.sidecar.conftest import JsonLogs, reset_kvxfer_logging
-from tests.sidecar.helpers import Harness, attention, transfer
+from tests.sidecar.helpers import Harness, attention, expect_error, transfer
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -245,20 +248,31 @@ async def test_socket_is_group_writable_and_kvxfer_drain_reads_the_sidecar_env(
 
 @pytest.mark.parametrize("cli", [[sys.executable, "-m", "kvxfer.server"], [*KVXFER, "serve"]], ids=["module", "kvxfer"])
 def test_invalid_setting_stops_startup_naming_it(cli: list[str], tmp_path: Path) -> None:
+    # kvxfer's one error style (before logging starts, so never JSON): `error: <setting>: <message>`, exit 2.
     out = subprocess.run([*cli, "--lease-seconds", "-5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    err = json.loads(out.stderr.strip().splitlines()[-1])
-    assert err["setting"] == "lease_seconds"
-    assert err["msg"] == "invalid setting: --lease-seconds: Input should be greater than 0 (got '-5')"
+    assert out.stderr == "error: --lease-seconds: Input should be greater than 0 (got '-5')\n"
     env = {**os.environ, "KVXFER_ROLE": "sideways"}
     out = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
-    assert "KVXFER_ROLE: Input should be 'prefill', 'decode' or 'both' (got 'sideways')" in out.stderr
+    assert out.stderr == "error: KVXFER_ROLE: Input should be 'prefill', 'decode' or 'both' (got 'sideways')\n"
     cfg = tmp_path / "kvxfer.yaml"
     cfg.write_text("drain_seconds: lots\n")
     out = subprocess.run([*cli, "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert f"drain_seconds (in {cfg}): Input should be a valid number" in out.stderr
+    assert out.stderr.startswith(f"error: drain_seconds (in {cfg}): Input should be a valid number")
+    for argv, line in (
+        (["--lease-seconds", "nan"], "--lease-seconds: Input should be a finite number (got 'nan')"),
+        (["--peer-listen", "127.0.0.1:99999"], "--peer-listen: port 99999 in '127.0.0.1:99999' is not in [0, 65535]"),
+        (["--advertise-host", "10.0.0.1:50051"],
+         "--advertise-host: '10.0.0.1:50051' has a port; give the host alone (peers use --peer-listen's port)"),
+        (["--advertise-host", "0.0.0.0"],
+         "--advertise-host: '0.0.0.0' is a wildcard address, which peers cannot dial; give the pod IP or a host name"),
+        (["--bogus", "1"], "--bogus: unknown flag (kvxfer serve --help lists the flags)"),
+        (["--role"], "--role: expected one argument"),
+    ):  # fmt: skip
+        out = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stderr) == (2, f"error: {line}\n"), argv
 
 
 def _start_fails(tmp_path: Path, *flags: str) -> dict[str, object]:
@@ -393,3 +407,137 @@ def test_json_logs_carry_context_and_never_a_token() -> None:
     assert got == ("r-9", "t-1", "prefill[tp 0/2]", 5)
     assert "s3cret" not in json.dumps(line)
     assert line["level"] == "info"
+
+
+# ------------------------------------------------------------------------------ Drain's budget
+@pytest.mark.parametrize(
+    ("budget", "shown"),
+    [(-5.0, "got -5.0"), (math.nan, "got nan"), (math.inf, "got inf"), (-math.inf, "got -inf"), (6.0, "got 6.0")],
+    ids=["negative", "nan", "inf", "-inf", "above-drain-seconds"],
+)
+async def test_drain_refuses_a_bad_budget_and_drains_nothing(harness: Harness, budget: float, shown: str) -> None:
+    s = await harness.sidecar(role="both")  # --drain-seconds 5
+    w = await harness.worker(s, {"kv": attention()})
+    await w.client.publish("held", {"kv": [1, 2]})
+    exc = await expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT, w.client.drain(budget),
+        "timeout_seconds: must be in [0, 5] (0: the sidecar's --drain-seconds, 5s; a Drain may shorten the budget, "
+        "not extend it), " + shown,
+    )  # fmt: skip
+    assert (exc.reason, exc.field) == (Reason.INVALID_FIELD, "timeout_seconds")
+    status = await w.client.status()
+    assert (status["draining"], status["leases"]) == (False, 1)  # nothing was released, nothing refused
+    assert await _health(s.peer_address, "") == SERVING
+    await w.client.publish("after", {"kv": [3]})
+    assert await w.client.drain(0.2) == {"completed": 0, "abandoned": 0, "released_leases": 2}
+
+
+async def test_a_drain_finishes_when_its_caller_stops_waiting(harness: Harness) -> None:
+    s = await harness.sidecar(role="both")
+    w = await harness.worker(s, {"kv": attention()})
+    await w.client.publish("held", {"kv": [1, 2]})
+    with pytest.raises(KvxferRpcError) as info:  # the caller gives up long before the 1 s budget is spent
+        await w.client.drain(1.0, deadline=0.2)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert s.core is not None
+    await asyncio.wait_for(s.core.drain_done.wait(), timeout=5)  # not left half drained
+    status = await w.client.status()
+    assert (status["draining"], status["leases"]) == (True, 0)
+    assert await w.client.drain() == {"completed": 0, "abandoned": 0, "released_leases": 1}  # the same drain's answer
+
+
+# ------------------------------------------------------------------------------ addresses
+BAD_ADDRESSES = [
+    ("127.0.0.1:0", "port 0 in '127.0.0.1:0' cannot be dialled (0 only means 'any free port' to a listener)"),
+    ("127.0.0.1:70000", "port 70000 in '127.0.0.1:70000' is not in [1, 65535]"),
+    (":50051", "':50051' has no host; give the host name or IP peers reach"),
+    ("0.0.0.0:50051", "'0.0.0.0:50051' names the wildcard host '0.0.0.0', which only a listener can use"),
+    ("foo", "'foo' is not host:port (use [addr]:port for IPv6)"),
+    ("host:abc", "'host:abc' has port 'abc', not a number (host:port, port in [1, 65535])"),
+    ("unix:///run/kvxfer/kvxfer.sock", "'unix:///run/kvxfer/kvxfer.sock' is a path or URL; this is a TCP address"),
+    ("256.0.0.1:50051", "'256.0.0.1' in '256.0.0.1:50051' is not an IPv4 address"),
+    ("[fe80::zz]:50051", "'fe80::zz' in '[fe80::zz]:50051' is not an IPv6 address"),
+]
+
+
+@pytest.mark.parametrize(("address", "message"), BAD_ADDRESSES, ids=[a for a, _ in BAD_ADDRESSES])
+async def test_an_unusable_peer_address_is_invalid_argument(harness: Harness, address: str, message: str) -> None:
+    ps, pw, _ds, dw = await harness.deployment({"kv": attention()}, {"kv": attention()})
+    await pw[0].prefill("r1", {"kv": [1, 2]}, salt=1)
+    # Pull, as the second address too: refused before anything is dialled, naming the field and the value.
+    for addresses, where in (
+        ([address], "remote_addresses[0]"),
+        ([ps[0].peer_address, address], "remote_addresses[1]"),
+    ):
+        exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client.pull("r1", addresses, {"kv": [3, 4]}),
+                                 f"{where}: {message}")  # fmt: skip
+        assert (exc.reason, exc.field) == (Reason.INVALID_FIELD, where)
+    (item,) = await dw[0].client.pull_batch([PullItem("r1", [address], {"kv": [3, 4]})])
+    assert isinstance(item, KvxferRpcError)
+    assert (item.code, item.field) == (grpc.StatusCode.INVALID_ARGUMENT, "remote_addresses[0]")
+    assert f"remote_addresses[0]: {message}" in item.details
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client.drop_remote("r1", [address]),
+                       f"remote_addresses[0]: {message}")  # fmt: skip
+    # The publish is untouched: the corrected pull reads it.
+    await transfer(pw, ps, dw, "r2", {"kv": [5]}, {"kv": [6]}, salt=2)
+    assert (await dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [3, 4]})).done
+
+
+async def test_a_handshake_with_an_unusable_address_is_invalid_argument(harness: Harness) -> None:
+    ps, _pw, ds, _dw = await harness.deployment({"kv": attention()}, {"kv": attention()})
+    assert ds[0].core is not None
+    info = ds[0].core.identity().to_proto()
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        for address, message in [("", "'' is not host:port"), *BAD_ADDRESSES]:
+            info.address = address
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, address
+            assert (err.value.details() or "").startswith(f"info.address: {message}"), err.value.details()
+
+
+def test_listen_and_advertise_settings_are_checked() -> None:
+    # Listening may leave the host empty (every interface) and take port 0 (any free port): the tests do.
+    assert parse_address(":0") == ("0.0.0.0", 0)
+    assert load_settings({"peer_listen": "127.0.0.1:0", "metrics_listen": "[::1]:0"}, env={}).peer_listen == (
+        "127.0.0.1:0"
+    )
+    assert load_settings({"advertise_host": "[fd00::1]"}, env={}).advertise_address(50051) == "[fd00::1]:50051"
+    for flags, message in (
+        ({"peer_listen": "127.0.0.1:65536"}, "--peer-listen: port 65536 in '127.0.0.1:65536' is not in [0, 65535]"),
+        ({"metrics_listen": "foo"}, "--metrics-listen: 'foo' is not host:port"),
+        ({"local_listen": "bad host:1"}, "--local-listen: 'bad host' in 'bad host:1' is not a host name"),
+        ({"advertise_host": "10.0.0.1:50051"}, "--advertise-host: '10.0.0.1:50051' has a port"),
+        ({"advertise_host": "::"}, "--advertise-host: '::' is a wildcard address, which peers cannot dial"),
+        ({"advertise_host": "http://pod"}, "--advertise-host: 'http://pod' is a URL or path"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_settings(flags, env={})
+        assert info.value.message.startswith(message), info.value.message
+        assert info.value.field == next(iter(flags))
+
+
+async def test_bad_seconds_from_the_client_are_refused_by_name(harness: Harness) -> None:
+    # Lease, pull timeout and drain budget are checked by the sidecar (NaN, infinite, negative); the
+    # client's own deadlines never become a gRPC timeout that ends the call at once as DEADLINE_EXCEEDED.
+    ps, pw, _ds, dw = await harness.deployment({"kv": attention()}, {"kv": attention()})
+    await pw[0].prefill("r1", {"kv": [1, 2]}, salt=1)
+    for bad in (math.nan, math.inf, -1.0):
+        await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pw[0].client.publish("r2", {"kv": [3]}, lease_seconds=bad),
+                           f"lease_seconds: must be in [0, 86400], got {bad}")  # fmt: skip
+        pull = dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [3, 4]}, deadline=bad)
+        await expect_error(
+            grpc.StatusCode.INVALID_ARGUMENT, pull,
+            f"timeout_seconds: must be a finite number >= 0 (0: the sidecar's --transfer-timeout-seconds), got {bad}",
+        )  # fmt: skip
+        (item,) = await dw[0].client.pull_batch([PullItem("r1", [ps[0].peer_address], {"kv": [3, 4]}, deadline=bad)])
+        assert isinstance(item, KvxferRpcError)
+        assert (item.code, item.field) == (grpc.StatusCode.INVALID_ARGUMENT, "timeout_seconds")
+        exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pw[0].client.release("r1", deadline=bad),
+                                 f"deadline: must be a finite number of seconds > 0, got {bad}")  # fmt: skip
+        assert exc.field == "deadline"
+        with pytest.raises(InvalidArgumentError, match=r"timeout: must be a finite number of seconds > 0"):
+            AsyncClient(ps[0].local_target, timeout=bad)
+    # Nothing was lost on the way: the publish is still there to pull.
+    assert (await dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [3, 4]})).done
