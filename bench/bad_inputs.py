@@ -418,6 +418,19 @@ def local_cases() -> list[Case]:
     add(pb, "empty block list", inv, "blocks[kv]", "empty", publish(blocks=[bl([])]), on="prefill")
     for shown, v in (("-1", -1.0), ("nan", math.nan), ("inf", math.inf), ("100000", 1e5)):
         add(pb, f"lease_seconds {shown}", inv, "lease_seconds", shown, publish(lease_seconds=v), on="prefill")
+    add(pb, "reader_engine_id with a space", inv, "reader_engine_id", "'a b'", publish(reader_engine_id="a b"),
+        on="prefill")  # fmt: skip
+
+    # ---- Expect (decode side: hold a queued request's publishes)
+    ex = "Expect"
+    add(ex, "empty request_id", inv, "request_id", None,
+        lambda e: local_pb2.ExpectRequest(remote_addresses=[e.prefill.peer_address]))  # fmt: skip
+    add(ex, "no remote_addresses", inv, "remote_addresses", None, lambda e: local_pb2.ExpectRequest(request_id="x"))
+    add(ex, "remote address port 0", inv, "remote_addresses[0]", "127.0.0.1:0",
+        lambda e: local_pb2.ExpectRequest(request_id="x", remote_addresses=["127.0.0.1:0"]))  # fmt: skip
+    add(ex, "on a prefill-only sidecar", "FAILED_PRECONDITION", "role", "prefill",
+        lambda e: local_pb2.ExpectRequest(request_id="x", remote_addresses=[e.decode.peer_address]),
+        on="prefill")  # fmt: skip
     add(pb, "already published", "ALREADY_EXISTS", "request_id", "pub-",
         lambda e: _republish(e), on="prefill")  # fmt: skip
     add(pb, "on a decode-only sidecar", "FAILED_PRECONDITION", "role", "decode", publish(), on="decode")
@@ -506,8 +519,8 @@ def local_cases() -> list[Case]:
         add("Drain", f"timeout_seconds {shown}", inv, "timeout_seconds", shown,
             lambda e, v=v: local_pb2.DrainRequest(timeout_seconds=v), on="fresh", then=_not_draining)  # fmt: skip
 
-    for method in ("RegisterCaches", "Publish", "Pull", "PullBatch", "Release", "Abort", "Drain", "GetStatus",
-                   "WatchCompletions"):  # fmt: skip
+    for method in ("RegisterCaches", "Publish", "Pull", "PullBatch", "Release", "Abort", "Expect", "Drain",
+                   "GetStatus", "WatchCompletions"):  # fmt: skip
         if method != "WatchCompletions":
             cases.append(malformed_case("local", "Local", method))
     return cases
@@ -640,7 +653,13 @@ def peer_cases() -> list[Case]:
     add(ab, "from a sidecar that never handshook", fp, "engine_id", "'stranger'",
         lambda e: peer_pb2.PeerAbortRequest(request_id="x", engine_id="stranger", instance_id="i"))  # fmt: skip
 
-    for method in ("Handshake", "GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch", "Abort"):
+    hd = "Hold"
+    add(hd, "from a sidecar that never handshook", fp, "engine_id", "'stranger'",
+        lambda e: peer_pb2.HoldRequest(request_ids=["x"], engine_id="stranger", instance_id="i"))  # fmt: skip
+    add(hd, "1025 ids in one call", inv, "request_ids", "1025",
+        lambda e: peer_pb2.HoldRequest(request_ids=[f"r{i}" for i in range(1025)], engine_id="stranger"))  # fmt: skip
+
+    for method in ("Handshake", "GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch", "Abort", "Hold"):
         cases.append(malformed_case("peer", "Peer", method))
     return cases
 
@@ -977,7 +996,8 @@ def chart_cases() -> list[Case]:
         ("log format xml", {"sidecar": {"logFormat": "xml"}}, s, "sidecar.logFormat", "xml"),
         ("variant tpu", {"variant": "tpu"}, s, "variant", "tpu"),
         ("tls enabled without a secret", {"tls": {"enabled": True}}, r, "tls.secretName", None),
-        ("auth enabled without a secret", {"auth": {"enabled": True}}, r, "auth.secretName", None),
+        ("auth off without mutual TLS", {"auth": {"enabled": False}}, r, "auth.enabled", None),
+        ("metrics token without auth", {"auth": {"enabled": False}, "insecure": True}, r, "metrics.auth", None),
         ("two monitors", {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}, r,
          "podMonitor", None),
         ("data port equal to rank 1's peer port", {"vllm": {"tensorParallelSize": 2}, "sidecar": {"ports": {

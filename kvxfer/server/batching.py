@@ -27,8 +27,11 @@ SendFn = Callable[[K, list[T]], Awaitable[list[Any]]]
 class Coalescer(Generic[K, T, R]):
     """Queues items per key; one sender per key sends whatever queued up while it was busy."""
 
-    def __init__(self, send: SendFn[K, T], spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
+    def __init__(
+        self, send: SendFn[K, T], spawn: Callable[[Coroutine[Any, Any, Any]], None], *, max_batch: int = 1024
+    ) -> None:
         self._send = send
+        self._max_batch = max_batch  # a peer refuses larger batches whole (MAX_BATCH)
         self._spawn = spawn
         self._queues: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
         self._busy: set[K] = set()
@@ -49,8 +52,12 @@ class Coalescer(Generic[K, T, R]):
     async def _run(self, key: K) -> None:
         try:
             while self._queues.get(key):
-                # Items whose caller gave up (cancelled future) are not sent at all.
-                batch = [(item, fut) for item, fut in self._queues.pop(key) if not fut.done()]
+                # Items whose caller gave up (cancelled future) are not sent at all; beyond
+                # max_batch the rest waits for the next round.
+                queued = [(item, fut) for item, fut in self._queues.pop(key) if not fut.done()]
+                batch, rest = queued[: self._max_batch], queued[self._max_batch :]
+                if rest:
+                    self._queues.setdefault(key, [])[:0] = rest
                 if not batch:
                     continue
                 try:

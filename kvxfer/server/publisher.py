@@ -81,6 +81,11 @@ class Publisher:
             )
         blocks = blocks_from_proto(req.blocks, reg.layouts, "blocks")
         reader = check_id(req.reader_engine_id, "reader_engine_id") if req.reader_engine_id else ""
+        if any(c.isspace() for c in reader):  # no sidecar could ever read it: refuse rather than hold it in vain
+            raise InvalidArgumentError(
+                f"reader_engine_id: {reader!r} cannot be an engine id (--engine-id has no spaces)",
+                field="reader_engine_id",
+            )
         now = time.monotonic()
         entry = PublishEntry(rid, blocks, lease, now + lease, reader_engine=reader, published_at=now)
         self.publishes[rid] = entry

@@ -98,3 +98,15 @@ async def test_a_send_that_answers_the_wrong_count_or_is_cancelled_from_below_fa
     # The queue keeps working: nothing cancelled the sender for good.
     assert await asyncio.wait_for(c.submit("a", 5), 5) == 50
     assert calls == [[1, 2], [3], [5]]
+
+
+async def test_a_batch_never_exceeds_max_batch_and_the_rest_goes_next() -> None:
+    peer = Peer()
+    c: Coalescer[str, int, int] = Coalescer(peer.send, peer.spawn, max_batch=3)
+    first = c.submit("a", 0)
+    await _settle()
+    queued = [c.submit("a", i) for i in range(2, 16, 2)]  # 7 items pile up behind the first call
+    peer.gate.set()
+    assert await first == 0
+    assert [await f for f in queued] == [i * 10 for i in range(2, 16, 2)]
+    assert peer.batches == [("a", [0]), ("a", [2, 4, 6]), ("a", [8, 10, 12]), ("a", [14])]
