@@ -64,7 +64,7 @@ SIDECAR_SETS = {
     "pre1": ("prefill", 1), "pre2": ("prefill", 2), "dec1": ("decode", 1), "dec2": ("decode", 2),
     "pre1kv": ("prefill", 1), "pre1fp4": ("prefill", 1), "pre1mla": ("prefill", 1),
     "pre1cfg": ("prefill", 1), "dec2cfg": ("decode", 2), "pre2cfg": ("prefill", 2), "dec1cfg": ("decode", 1),
-    "prst": ("prefill", 1),
+    "prst": ("prefill", 1), "pexit": ("prefill", 1),
 }  # fmt: skip
 
 
