@@ -153,11 +153,9 @@ class FdBox:
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 self.path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o777 & ~self._mode)
-        try:
-            sock.bind(os.fspath(self.path))
-        finally:
-            os.umask(old)
+        # Nobody can connect to a bound socket before listen(): chmod in between leaves no window,
+        # and unlike a umask it touches nothing another thread of this process creates meanwhile.
+        sock.bind(os.fspath(self.path))
         os.chmod(self.path, self._mode)
         sock.listen(64)
         sock.setblocking(False)

@@ -1,11 +1,13 @@
 """Who is calling on the peer API, from its credentials, never from what it says about itself.
 
-* **Mutual TLS** (``--tls-ca`` set, so gRPC requires a client certificate signed by that CA): a
-  peer may only act as an engine id its certificate names: one of its DNS subject alternative
-  names, or its subject common name when it has no DNS SAN. A certificate for ``decode-0`` cannot
-  handshake as ``decode-1``, fetch ``decode-1``'s publishes, or free them.
-* **Shared token only**: the token proves membership of the cluster, nothing more. Any holder may
-  claim any engine id; publishes are still bound to the first reader that touches them
+* **Mutual TLS, engine certificates**: a client certificate that carries URI subject alternative
+  names ``kvxfer://engine/<engine id>`` lets its holder act only as those engines. A certificate
+  for ``decode-0`` cannot handshake as ``decode-1``, fetch ``decode-1``'s publishes, or free them
+  (PERMISSION_DENIED, reason IDENTITY). cert-manager issues such names with ``uris:``; one
+  certificate per vLLM instance (its ranks share the engine id).
+* **Mutual TLS, a cluster certificate** (no ``kvxfer://engine/`` name, e.g. one Secret shared by
+  every pod), **or the shared token**: the credential proves membership of the cluster, nothing
+  more. Any holder may claim any engine id; publishes are still bound to one reader engine
   (:mod:`kvxfer.server.publisher`).
 * **Neither**: the sidecar listens on loopback only (``--insecure`` overrides), and every local
   process is trusted.
@@ -21,10 +23,11 @@ from typing import Any
 
 from kvxfer.errors import PermissionDeniedError, Reason
 
-__all__ = ["ANONYMOUS", "PeerCredentials"]
+__all__ = ["ANONYMOUS", "ENGINE_URI_PREFIX", "PeerCredentials"]
 
-_SAN = "x509_subject_alternative_name"
-_CN = "x509_common_name"
+#: URI SAN prefix naming an engine a certificate's holder may act as.
+ENGINE_URI_PREFIX = "kvxfer://engine/"
+_URIS = "peer_uri"  # gRPC's auth-context property: the certificate's URI SANs
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,9 @@ class PeerCredentials:
 
     @classmethod
     def from_auth_context(cls, auth: Mapping[str, Sequence[bytes]]) -> PeerCredentials:
-        """From a call's ``auth_context()``: DNS SANs of the client certificate, else its CN."""
-        sans = [v.decode(errors="replace") for v in auth.get(_SAN, ())]
-        names = sans or [v.decode(errors="replace") for v in auth.get(_CN, ())]
+        """From a call's ``auth_context()``: the engines its certificate names (none named: any)."""
+        uris = (v.decode(errors="replace") for v in auth.get(_URIS, ()))
+        names = [u.removeprefix(ENGINE_URI_PREFIX) for u in uris if u.startswith(ENGINE_URI_PREFIX)]
         return cls(frozenset(names)) if names else ANONYMOUS
 
     @classmethod
@@ -47,7 +50,7 @@ class PeerCredentials:
 
     @property
     def certified(self) -> bool:
-        """True when a client certificate names who the caller is."""
+        """True when the caller's certificate names the engines it may act as."""
         return self.names is not None
 
     def check(self, engine_id: str, field: str) -> None:
@@ -56,7 +59,8 @@ class PeerCredentials:
             return
         raise PermissionDeniedError(
             f"{field}: engine id {engine_id!r} is not named by the caller's client certificate (it names "
-            f"{', '.join(sorted(self.names)) or 'nothing'}); a peer acts only as an engine its certificate names",
+            f"{', '.join(ENGINE_URI_PREFIX + n for n in sorted(self.names))}); a peer acts only as an engine its "
+            "certificate names",
             field=field, reason=Reason.IDENTITY,
         )  # fmt: skip
 

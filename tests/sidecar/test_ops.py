@@ -338,8 +338,8 @@ def _certs(d: Path) -> tuple[str, str, str]:
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
         "-subj", "/CN=kvxfer-test-ca")  # fmt: skip
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=localhost")
-    # The engine ids the sidecars act as are DNS SANs: a peer may only be an engine its certificate names.
-    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:prefill,DNS:decode\n")
+    # A cluster certificate (it names no kvxfer://engine/): both sidecars share it.
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     run("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
         "-days", "1", "-extfile", "ext")  # fmt: skip
     return str(d / "s.pem"), str(d / "s.key"), str(d / "ca.pem")

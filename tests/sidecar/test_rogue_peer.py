@@ -63,7 +63,7 @@ ALL_STEPS: list[list[Any]] = [
 
 
 def _certs(d: Path, names: dict[str, list[str]]) -> dict[str, tuple[str, str]]:
-    """A throwaway CA and, per file stem, a certificate for 127.0.0.1 with the given DNS SANs (openssl CLI)."""
+    """A throwaway CA and, per file stem, a certificate for 127.0.0.1 naming the given engines (openssl CLI)."""
 
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
@@ -71,10 +71,11 @@ def _certs(d: Path, names: dict[str, list[str]]) -> dict[str, tuple[str, str]]:
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
         "-subj", "/CN=kvxfer-test-ca")  # fmt: skip
     out = {}
-    for stem, dns in names.items():
+    for stem, engines in names.items():
         run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{stem}.key", "-out", f"{stem}.csr", "-subj",
-            f"/CN={dns[0]}")  # fmt: skip
-        (d / f"{stem}.ext").write_text("subjectAltName=IP:127.0.0.1," + ",".join(f"DNS:{n}" for n in dns) + "\n")
+            f"/CN={stem}")  # fmt: skip
+        uris = "".join(f",URI:kvxfer://engine/{n}" for n in engines)
+        (d / f"{stem}.ext").write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost{uris}\n")
         run("x509", "-req", "-in", f"{stem}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
             f"{stem}.pem", "-days", "1", "-extfile", f"{stem}.ext")  # fmt: skip
         out[stem] = (str(d / f"{stem}.pem"), str(d / f"{stem}.key"))
@@ -99,11 +100,11 @@ async def test_without_credentials_a_rogue_gets_nothing(harness: Harness, tmp_pa
 
 async def test_a_certificate_names_the_only_engine_its_holder_may_be(harness: Harness, tmp_path: Path) -> None:
     certs = await asyncio.to_thread(
-        _certs, tmp_path, {"cluster": ["localhost", "prefill", "decode"], "rogue": ["localhost", "rogue"]}
+        _certs, tmp_path, {"engines": ["prefill", "decode"], "rogue": ["rogue"]}
     )
     ca = str(tmp_path / "ca.pem")
     lay = attention()
-    cert, key = certs["cluster"]
+    cert, key = certs["engines"]
     ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, tls_cert=cert, tls_key=key, tls_ca=ca)
     await pw[0].prefill("r1", {"kv": [1, 2]}, salt=4)
     rogue_cert, rogue_key = certs["rogue"]
