@@ -99,9 +99,7 @@ async def test_without_credentials_a_rogue_gets_nothing(harness: Harness, tmp_pa
 
 
 async def test_a_certificate_names_the_only_engine_its_holder_may_be(harness: Harness, tmp_path: Path) -> None:
-    certs = await asyncio.to_thread(
-        _certs, tmp_path, {"engines": ["prefill", "decode"], "rogue": ["rogue"]}
-    )
+    certs = await asyncio.to_thread(_certs, tmp_path, {"engines": ["prefill", "decode"], "rogue": ["rogue"]})
     ca = str(tmp_path / "ca.pem")
     lay = attention()
     cert, key = certs["engines"]
