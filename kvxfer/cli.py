@@ -1,4 +1,4 @@
-"""The `kvxfer` command line: plan, bench, demo, serve, drain.
+"""The `kvxfer` command line: plan, bench, demo, serve, drain, health.
 
 Heavy imports (gRPC, NIXL, Mooncake, torch) happen inside the commands that need them, so that
 `kvxfer plan` works with the pure core alone.
@@ -287,6 +287,40 @@ def drain(
 
 #: What `kvxfer drain` calls the fields of the sidecar's Drain errors.
 DRAIN_FLAGS: Mapping[str, str] = {"timeout_seconds": "--timeout-seconds", "authorization": "--token-file"}
+
+
+@app.command(cls=_Command)
+def health(
+    target: Annotated[
+        str, typer.Option(help="Local API: Unix socket path or host:port.", envvar="KVXFER_LOCAL_SOCKET")
+    ] = "/run/kvxfer/kvxfer.sock",
+    service: Annotated[
+        str, typer.Option(help="'liveness' (the process serves), or '' (ready: caches registered, not draining).")
+    ] = "",
+    timeout_seconds: Annotated[float, typer.Option(help="How long to wait for the answer.")] = 2.0,
+) -> None:
+    """Check a sidecar's health on its local API: exit 0 when SERVING (an exec probe for TLS peer ports)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvxfer.client import normalize_target
+
+    if not math.isfinite(timeout_seconds) or timeout_seconds <= 0:
+        _usage_error(f"--timeout-seconds: must be a finite number > 0, got {timeout_seconds}")
+    if service not in ("", "liveness"):
+        _usage_error(f"--service: must be 'liveness' or '' (readiness), got {service!r}")
+    # Health needs no token: Kubernetes probes carry none, and the sidecar exempts it.
+    with grpc.insecure_channel(normalize_target(target)) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_seconds
+            )
+        except grpc.RpcError as exc:
+            _failure(f"--target: no sidecar health answer at {target}: {exc.code().name}: {exc.details()}")
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(status)
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        raise typer.Exit(code=EXIT_FAILURE)
 
 
 def _drain_failed(exc: KvxferError, target: str) -> NoReturn:

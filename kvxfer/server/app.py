@@ -31,7 +31,7 @@ from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
-from kvxfer.server.peer_auth import PeerCredentials
+from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.rpc import TokenInterceptor, service_handler
 from kvxfer.transport import Transport, create_transport, transport_class
 from kvxfer.wire import local_pb2, peer_pb2
@@ -92,31 +92,37 @@ class _LocalApi:
 class _PeerApi:
     """Peer service methods: each passes on what the caller's credentials prove (see peer_auth)."""
 
-    def __init__(self, core: SidecarCore) -> None:
+    def __init__(self, core: SidecarCore, *, client_certs: bool) -> None:
         self.core = core
+        # Without client certificates (no --tls-ca) a call proves nothing beyond the token: skip
+        # building gRPC's auth context on every call.
+        self._client_certs = client_certs
+
+    def _creds(self, ctx: Context) -> PeerCredentials:
+        return PeerCredentials.of(ctx) if self._client_certs else ANONYMOUS
 
     async def handshake(self, req: peer_pb2.HandshakeRequest, ctx: Context) -> peer_pb2.HandshakeResponse:
-        return await self.core.peer_handshake(req, PeerCredentials.of(ctx))
+        return await self.core.peer_handshake(req, self._creds(ctx))
 
     async def get_published(self, req: peer_pb2.GetPublishedRequest, ctx: Context) -> peer_pb2.GetPublishedResponse:
-        return await self.core.peer_get_published(req, PeerCredentials.of(ctx))
+        return await self.core.peer_get_published(req, self._creds(ctx))
 
     async def get_published_batch(
         self, req: peer_pb2.GetPublishedBatchRequest, ctx: Context
     ) -> peer_pb2.GetPublishedBatchResponse:
-        return await self.core.peer_get_published_batch(req, PeerCredentials.of(ctx))
+        return await self.core.peer_get_published_batch(req, self._creds(ctx))
 
     async def notify(self, req: peer_pb2.NotifyRequest, ctx: Context) -> peer_pb2.NotifyResponse:
-        return await self.core.peer_notify(req, PeerCredentials.of(ctx))
+        return await self.core.peer_notify(req, self._creds(ctx))
 
     async def notify_batch(self, req: peer_pb2.NotifyBatchRequest, ctx: Context) -> peer_pb2.NotifyBatchResponse:
-        return await self.core.peer_notify_batch(req, PeerCredentials.of(ctx))
+        return await self.core.peer_notify_batch(req, self._creds(ctx))
 
     async def abort(self, req: peer_pb2.PeerAbortRequest, ctx: Context) -> peer_pb2.PeerAbortResponse:
-        return await self.core.peer_abort(req, PeerCredentials.of(ctx))
+        return await self.core.peer_abort(req, self._creds(ctx))
 
     async def hold(self, req: peer_pb2.HoldRequest, ctx: Context) -> peer_pb2.HoldResponse:
-        return await self.core.peer_hold(req, PeerCredentials.of(ctx))
+        return await self.core.peer_hold(req, self._creds(ctx))
 
 
 class Sidecar:
@@ -183,7 +189,7 @@ class Sidecar:
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
             fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
-        self._serve(peer, PEER_SERVICE, _PeerApi(self.core), {})
+        self._serve(peer, PEER_SERVICE, _PeerApi(self.core, client_certs=s.tls_ca is not None), {})
         local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
         # inside the core; a second timer per call would only cost time on the hot path.

@@ -238,12 +238,16 @@ def check_worker_pod(role: str, spec: dict[str, Any]) -> None:
             assert ports[contract.port_name("data", r)] == int(opts["--data-port"]), where
         pod_port_names += list(ports)
         pod_port_numbers += list(ports.values())
-        # Probes on grpc.health.v1 at this rank's peer port.
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert sidecar[probe]["grpc"]["port"] == base_peer + r, (where, probe)
-        # The startup probe gates the worker's start: it must not wait for the worker.
-        assert sidecar["startupProbe"]["grpc"]["service"] == "liveness"
-        assert sidecar["readinessProbe"]["grpc"]["service"] == ""
+        # Probes on grpc.health.v1 at this rank's peer port; with TLS there (which Kubernetes' gRPC
+        # probes cannot speak), `kvxfer health` on this rank's local socket. The startup probe gates
+        # the worker's start: it must not wait for the worker (liveness, not readiness).
+        for probe, service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"), ("readinessProbe", "")):
+            if "--tls-cert" in opts:
+                assert sidecar[probe]["exec"]["command"] == [
+                    "kvxfer", "health", f"--target={opts['--local-socket']}", f"--service={service}"
+                ], (where, probe)  # fmt: skip
+            else:
+                assert sidecar[probe]["grpc"] == {"port": base_peer + r, "service": service}, (where, probe)
         # Drain this rank's sidecar on the way out (with the token when there is one), with time for it.
         drain = parse_drain(sidecar["lifecycle"]["preStop"]["exec"]["command"])
         assert drain["target"] == opts["--local-socket"], where

@@ -201,3 +201,19 @@ def test_manifests_take_the_token_from_the_documented_secret() -> None:
         for mon in (d for d in docs if d["kind"] == "ServiceMonitor"):
             for endpoint in mon["spec"]["endpoints"]:
                 assert endpoint["authorization"]["credentials"] == {"name": "kvxfer-token", "key": "token"}
+
+
+def test_with_tls_the_probes_ask_the_local_socket(helm_render: Path, tmp_path: Path) -> None:
+    # Kubernetes' gRPC probes cannot speak TLS: on a TLS peer port they would never pass.
+    values = {"tls": {"enabled": True, "secretName": "kvxfer-tls", "caKey": "ca.crt"},
+              "prefill": {"vllm": {"tensorParallelSize": 2}}}  # fmt: skip
+    docs = _render_values(helm_render, tmp_path, values)
+    validate_manifests(docs, tmp_path)
+    for spec in pod_specs(docs).values():
+        for sidecar in sidecars(spec):
+            socket = _opts(sidecar)["--local-socket"]
+            for probe, service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"), ("readinessProbe", "")):
+                assert "grpc" not in sidecar[probe], (sidecar["name"], probe)
+                assert sidecar[probe]["exec"]["command"] == [
+                    "kvxfer", "health", f"--target={socket}", f"--service={service}"
+                ]  # fmt: skip

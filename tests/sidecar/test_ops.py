@@ -541,3 +541,27 @@ async def test_bad_seconds_from_the_client_are_refused_by_name(harness: Harness)
             AsyncClient(ps[0].local_target, timeout=bad)
     # Nothing was lost on the way: the publish is still there to pull.
     assert (await dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [3, 4]})).done
+
+
+async def test_kvxfer_health_is_an_exec_probe_on_the_local_socket(harness: Harness) -> None:
+    sc = await harness.sidecar("probed", role="prefill")
+
+    def health(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*KVXFER, "health", *argv], capture_output=True, text=True, timeout=60, check=False)
+
+    target = f"--target={sc.settings.local_socket}"
+    live, ready = await asyncio.gather(asyncio.to_thread(health, target, "--service=liveness"),
+                                       asyncio.to_thread(health, target))  # fmt: skip
+    assert (live.returncode, live.stdout.strip()) == (0, "SERVING")
+    assert (ready.returncode, ready.stdout.strip()) == (1, "NOT_SERVING")  # nothing registered yet
+    await harness.worker(sc, {"kv": attention()})
+    ready = await asyncio.to_thread(health, target)
+    assert (ready.returncode, ready.stdout.strip()) == (0, "SERVING")
+    gone = await asyncio.to_thread(health, f"--target={harness.sock_dir}/nobody.sock")
+    assert gone.returncode == 1
+    assert gone.stderr.startswith("error: --target: no sidecar health answer at "), gone.stderr
+    bad = await asyncio.to_thread(health, target, "--service=peer")
+    assert (bad.returncode, bad.stderr.strip()) == (
+        2,
+        "error: --service: must be 'liveness' or '' (readiness), got 'peer'",
+    )
