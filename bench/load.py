@@ -9,7 +9,11 @@ pulls alone), three ways, one after the other in one run:
 2. ``batched``: the same number of pulls again, the worker sending them ``--batch`` at a time in
    one ``PullBatch`` call (as a worker that starts a step's loads together would), so
    ``concurrency / batch`` calls are in flight;
-3. ``serial``: ``--serial`` more pulls, one at a time.
+3. ``serial``: ``--serial`` more pulls, one at a time;
+4. ``open_loop`` (with ``--open-loop-rate R``): pulls arriving as a Poisson process at ``R`` per
+   second for ``--open-loop-seconds``, each started when it arrives whatever is in flight. A closed
+   loop of N in flight measures mostly its own queue (Little's law); an open loop at a rate the
+   sidecars sustain measures what a pull costs at that load.
 
 Every pulled byte is compared with its source. What is measured, per pull (``wait=True``):
 
@@ -51,8 +55,9 @@ from kvxfer.topology import RankInfo
 
 
 async def run(
-    pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int
-) -> dict[str, Any]:
+    pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int,
+    open_rate: float = 0.0, open_seconds: float = 10.0,
+) -> dict[str, Any]:  # fmt: skip
     """Start the sidecars, publish, pull concurrently and serially; return the figures."""
     lay = KVCacheLayout.attention(
         num_layers=layers, num_blocks=max(4096, 2 * concurrency * blocks_per_pull), block_size=16, num_kv_heads=8,
@@ -85,6 +90,10 @@ async def run(
             many, many_s, many_cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "b",
                                                        bufs, procs, batch)  # fmt: skip
             one, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", bufs)
+            opened: dict[str, Any] = {}
+            if open_rate > 0:
+                opened = await _open_loop(pc, dc, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng,
+                                          procs)  # fmt: skip
         finally:
             await pc.close()
             await dc.close()
@@ -102,8 +111,9 @@ async def run(
         "serial": _stats(one),
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
-        "verified_pulls": 2 * pulls + serial,
-        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one)),
+        **({"open_loop": {k: v for k, v in opened.items() if k != "rows"}} if opened else {}),
+        "verified_pulls": 2 * pulls + serial + len(opened.get("rows", ())),
+        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one + opened.get("rows", []))),
     }
 
 
@@ -163,6 +173,63 @@ async def _pull_phase(
     return out, seconds, {k: _cpu(pid) - cpu0[k] for k, pid in (procs or {}).items()}
 
 
+async def _open_loop(
+    pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, rate: float, seconds: float,
+    bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int],
+) -> dict[str, Any]:  # fmt: skip
+    """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival."""
+    n = max(int(rate * seconds), 1)
+    sem = asyncio.Semaphore(64)
+
+    async def publish(i: int) -> None:
+        async with sem:
+            await pc.publish(f"o{i}", {"kv": src})
+
+    await asyncio.gather(*(publish(i) for i in range(n)))
+    pbuf, dbuf = bufs
+    layers = range(pbuf.layout.num_layers)
+    rows: list[dict[str, float]] = []
+    in_flight = peak = 0
+
+    async def pull(i: int) -> None:
+        nonlocal in_flight, peak
+        dst = alloc.allocate(len(src))
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            for k in layers:
+                dbuf.pages(k)[dst] ^= 0xFF
+            t = time.perf_counter()
+            res = await dc.pull(f"o{i}", [peer], {"kv": dst})
+            lat = time.perf_counter() - t
+            bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
+            rows.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
+                         "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
+        finally:
+            in_flight -= 1
+            alloc.release(dst)
+
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    tasks = []
+    cpu0 = {k: _cpu(pid) for k, pid in procs.items()}
+    t0 = time.perf_counter()
+    late = 0  # arrivals the driver started more than 1 ms after their time (it could not keep up)
+    for i, at in enumerate(arrivals):
+        delay = t0 + float(at) - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif delay < -1e-3:
+            late += 1
+        tasks.append(asyncio.ensure_future(pull(i)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    return {
+        "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
+        "late_arrivals": late, **_stats(rows),
+        "cpu_ms_per_pull": {k: (_cpu(pid) - cpu0[k]) * 1e3 / n for k, pid in procs.items()}, "rows": rows,
+    }  # fmt: skip
+
+
 def _cpu(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -201,11 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=20, help="pulls per PullBatch call in the batched phase")
+    ap.add_argument("--open-loop-rate", type=float, default=0.0,
+                    help="also pull with Poisson arrivals at this many pulls/s (0: no open-loop phase)")  # fmt: skip
+    ap.add_argument("--open-loop-seconds", type=float, default=10.0, help="length of the open-loop phase")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    for flag, value in (("--open-loop-rate", a.open_loop_rate), ("--open-loop-seconds", a.open_loop_seconds)):
+        if not np.isfinite(value) or value < 0:
+            ap.error(f"{flag}: must be a finite number >= 0, got {value}")
     import uvloop
 
-    r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch))
+    r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch, a.open_loop_rate,
+                       a.open_loop_seconds))  # fmt: skip
     if a.json:
         print(json.dumps(r))
     else:
@@ -217,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
              r["batched_cpu_ms_per_pull"]),
             (f"one at a time ({a.serial})", r["serial"], None, None),
         )  # fmt: skip
+        if "open_loop" in r:
+            ol = r["open_loop"]
+            phases += ((f"open loop, Poisson arrivals at {ol['rate_per_s']:.0f}/s for {ol['pulls']} pulls "
+                        f"(achieved {ol['achieved_per_s']:.0f}/s, at most {ol['max_in_flight']} in flight, "
+                        f"{ol['late_arrivals']} arrivals started late)", ol, None, ol["cpu_ms_per_pull"]),)  # fmt: skip
         for label, st, rate, cpu in phases:
             head = f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms"
             if rate is not None:
