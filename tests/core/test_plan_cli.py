@@ -159,7 +159,7 @@ def test_every_command_reports_errors_in_one_style() -> None:
     # One line `error: <flag>: <message>`, exit 2 for what the command was given, from every command.
     assert (
         error_line("nosuch")
-        == "error: nosuch: no such command (the commands: bench, demo, drain, plan, serve, version)"
+        == "error: nosuch: no such command (the commands: bench, demo, drain, health, plan, serve, version)"
     )
     assert error_line("bench", "topology", "--layers", "0") == (
         "error: --layers: Input should be greater than or equal to 1 (got '0')"
