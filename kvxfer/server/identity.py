@@ -10,9 +10,17 @@ from kvxfer import PROTOCOL_VERSION
 from kvxfer.errors import InvalidArgumentError, KvxferError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
 from kvxfer.server.validation import check_peer_address
-from kvxfer.topology import RankInfo, TransferTopology
+from kvxfer.topology import RankInfo, RegionTable, TransferTopology
 from kvxfer.wire import peer_pb2
-from kvxfer.wire.convert import check_id, layout_from_proto, layout_to_proto, rank_from_proto, rank_to_proto
+from kvxfer.wire.convert import (
+    check_id,
+    layout_from_proto,
+    layout_to_proto,
+    rank_from_proto,
+    rank_to_proto,
+    regions_from_proto,
+    regions_to_proto,
+)
 
 __all__ = ["Identity", "reader_differences", "remote_sources"]
 
@@ -32,6 +40,9 @@ class Identity:
     metadata: bytes
     address: str
     role: str
+    #: Per group: its registered regions and memory type (what a reader needs to READ before the
+    #: lookup answers); empty from a peer that does not send them.
+    regions: Mapping[str, tuple[RegionTable, str]] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def label(self) -> str:
@@ -43,7 +54,14 @@ class Identity:
         return peer_pb2.PeerInfo(
             protocol_version=self.protocol_version, engine_id=self.engine_id, instance_id=self.instance_id,
             epoch=self.epoch, rank=rank_to_proto(self.rank),
-            groups=[peer_pb2.GroupLayout(name=n, layout=layout_to_proto(lay)) for n, lay in self.groups.items()],
+            groups=[
+                peer_pb2.GroupLayout(
+                    name=n, layout=layout_to_proto(lay),
+                    regions=regions_to_proto(self.regions[n][0]) if n in self.regions else [],
+                    memory_type=self.regions[n][1] if n in self.regions else "",
+                )
+                for n, lay in self.groups.items()
+            ],
             data_plane=peer_pb2.DataPlane(backend=self.backend, agent_name=self.agent_name, metadata=self.metadata),
             address=self.address, role=self.role,
         )  # fmt: skip
@@ -54,17 +72,24 @@ class Identity:
         check_id(msg.engine_id, f"{field}.engine_id")
         check_id(msg.instance_id, f"{field}.instance_id")
         groups: dict[str, KVCacheLayout] = {}
+        regions: dict[str, tuple[RegionTable, str]] = {}
         for i, g in enumerate(msg.groups):
             check_id(g.name, f"{field}.groups[{i}].name")
             if g.name in groups:
                 raise InvalidArgumentError(f"{field}.groups[{i}].name: group {g.name!r} given twice", field=field)
             groups[g.name] = layout_from_proto(g.layout, f"{field}.groups[{g.name}].layout")
+            if g.regions:
+                try:
+                    table = regions_from_proto(g.regions, groups[g.name], f"{field}.groups[{g.name}].regions")
+                except InvalidArgumentError:
+                    continue  # not usable ahead of a lookup: a reader waits for GetPublished, which checks them
+                regions[g.name] = (table, "VRAM" if g.memory_type == "VRAM" else "DRAM")
         # The publisher dials this address to tell the reader of aborts: refuse one nobody can dial now.
         check_peer_address(msg.address, f"{field}.address")
         return cls(
             int(msg.protocol_version), msg.engine_id, msg.instance_id, int(msg.epoch),
             rank_from_proto(msg.rank, f"{field}.rank"), groups, msg.data_plane.backend, msg.data_plane.agent_name,
-            bytes(msg.data_plane.metadata), msg.address, msg.role,
+            bytes(msg.data_plane.metadata), msg.address, msg.role, regions,
         )  # fmt: skip
 
 

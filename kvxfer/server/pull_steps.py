@@ -4,7 +4,16 @@
 them (cached) and asks each for the published request, (3) checks what they answer and builds
 descriptors with :mod:`kvxfer.topology`, (4) READs from every rank at once over the data plane.
 Each step is a method of its own and raises a typed error with a reason; a retry policy or another
-step goes in between (:meth:`PullSteps.run`). What surrounds a pull (admission, its task, the
+step goes in between (:meth:`PullSteps.run`).
+
+**Reading ahead.** When the worker names the publisher's block ids of every group (the vLLM
+connector does, from ``kv_transfer_params``) and the publisher's handshake carried its region
+tables, (3) and (4) do not wait for (2): the READs start with those ids and tables while the
+lookups run, and the pull succeeds only once every lookup confirmed it. The lookup answering means
+the publish was held from its publication until then, and it holds the blocks for
+``--transfer-timeout-seconds`` more, so no block is reused under the READ; a publisher that
+restarted or registered again since its handshake, or ids it did not publish, fail the pull and
+its bytes are never reported as moved. What surrounds a pull (admission, its task, the
 outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
 """
 
@@ -73,6 +82,10 @@ class PullSteps:
     ) -> local_pb2.TransferStats:  # fmt: skip
         """Every step of one pull, in order; ``sessions`` collects the peers contacted (for cleanup on failure)."""
         ranks = self._plan_sources(entry, reg)
+        if all(name in remote_given for name in reg.groups):
+            ahead = await self._read_ahead(entry, reg, ranks, local_blocks, remote_given, sessions)
+            if ahead is not None:
+                return ahead
         t_fetch = time.monotonic()
         published = await self._fetch_all(entry, ranks, sessions)
         fetch_seconds = time.monotonic() - t_fetch
@@ -105,11 +118,81 @@ class PullSteps:
             entry.unread = [entry.addresses[q] for q in range(remote_tp) if q not in everyone]
         return sorted(needed)
 
+    # ------------------------------------------------------------------ reading ahead of the lookups
+    async def _read_ahead(
+        self, entry: PullEntry, reg: Registration, ranks: list[int], local_blocks: dict[str, I64],
+        remote_given: dict[str, I64], sessions: dict[int, PeerSession],
+    ) -> local_pb2.TransferStats | None:  # fmt: skip
+        """READ with the given ids and the handshakes' regions while the lookups run (None: cannot, wait for them)."""
+        entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
+        used: dict[int, PeerSession] = {}
+        for q in ranks:
+            remaining = max(entry.deadline - time.monotonic(), 0.001)
+            session = await self.peers.session(entry.addresses[q], budget=remaining)
+            try:
+                self._check_rank(entry, q, session)
+            except FailedPreconditionError:
+                return None  # the careful path asks again (the handshake may predate a re-registration)
+            if any(name not in session.identity.regions for name in reg.groups):
+                return None  # a peer that does not send its regions: wait for its lookup
+            used[q] = session
+        guess = {
+            q: _Fetched(dict(remote_given), {n: s.identity.regions[n][0] for n in reg.groups},
+                        s.identity.regions[next(iter(reg.groups))][1])
+            for q, s in used.items()
+        }  # fmt: skip
+        sessions.update(used)
+        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, sessions)
+        t_fetch = time.monotonic()
+        fetch_seconds = 0.0
+
+        async def confirm() -> dict[int, _Fetched]:
+            nonlocal fetch_seconds
+            try:
+                return await self._fetch_all(entry, ranks, sessions, stage=False)
+            finally:
+                fetch_seconds = time.monotonic() - t_fetch
+
+        try:
+            async with asyncio.TaskGroup() as tg:  # a failed lookup cancels the READs, and the other way round
+                lookups = tg.create_task(confirm())
+                reads = tg.create_task(self._read_all(entry, reg, per_rank, guess, sessions))
+        except BaseExceptionGroup as group:
+            raise _first_failure(group) from None
+        published = lookups.result()
+        total_bytes, total_desc, data_seconds = reads.result()
+        self._confirm(entry, reg, remote_given, used, published, sessions)
+        entry.stage = "done"
+        return local_pb2.TransferStats(
+            bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
+            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
+        )  # fmt: skip
+
+    def _confirm(
+        self, entry: PullEntry, reg: Registration, remote_given: dict[str, I64], used: dict[int, PeerSession],
+        published: dict[int, _Fetched], sessions: dict[int, PeerSession],
+    ) -> None:  # fmt: skip
+        """The lookups confirm what was read ahead: same publisher registration, every id published."""
+        for q, s in used.items():
+            if sessions[q] is not s:
+                raise PeerUnavailableError(
+                    f"peer {s.address} restarted or registered again while its blocks were read; the bytes read "
+                    "are not used",
+                    field="remote_addresses", reason=Reason.PEER_CHANGED,
+                )  # fmt: skip
+        try:
+            for name in reg.groups:
+                self._remote_lists(entry, name, remote_given.get(name), published)
+        except InvalidArgumentError:
+            entry.contacted.clear()  # the caller's mistake: the publishes stay as they were
+            raise
+
     # ------------------------------------------------------------------ 2. handshakes and lookups
     async def _fetch_all(
-        self, entry: PullEntry, ranks: list[int], sessions: dict[int, PeerSession]
+        self, entry: PullEntry, ranks: list[int], sessions: dict[int, PeerSession], *, stage: bool = True
     ) -> dict[int, _Fetched]:
-        entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
+        if stage:
+            entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
         if len(ranks) == 1:  # the common case: no task per rank
             fetched = [await self._fetch(entry, ranks[0], sessions)]
         else:
@@ -327,6 +410,9 @@ async def _gather_or_cancel(coros: list[Any]) -> None:
             for c in coros:
                 tg.create_task(c)
     except BaseExceptionGroup as group:
-        # Report the first real failure, not the group (the others were cancelled because of it).
-        first = next((e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)), group.exceptions[0])
-        raise first from None
+        raise _first_failure(group) from None
+
+
+def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first real failure of a task group, not the group (the others were cancelled because of it)."""
+    return next((e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)), group.exceptions[0])

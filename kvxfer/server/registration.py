@@ -65,6 +65,7 @@ class Registry:
             self._identity = Identity(
                 PROTOCOL_VERSION, self.settings.engine_id, self.instance_id, reg.epoch, reg.rank, reg.layouts,
                 self.dp.backend, self.dp.agent_name, self.dp.metadata(), self.peer_address, self.settings.role,
+                {n: (g.memory.table, g.memory.mem_type) for n, g in reg.groups.items()},
             )  # fmt: skip
         return self._identity
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvxfer.wire._proto.kvxfer.v1 import common_pb2 as kvxfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\">\n\x0bGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06layout\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Layout\"B\n\tDataPlane\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\"\xeb\x01\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1d\n\x04rank\x18\x05 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12&\n\x06groups\x18\x06 \x03(\x0b\x32\x16.kvxfer.v1.GroupLayout\x12(\n\ndata_plane\x18\x07 \x01(\x0b\x32\x14.kvxfer.v1.DataPlane\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x12\x0c\n\x04role\x18\t \x01(\t\"5\n\x10HandshakeRequest\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"6\n\x11HandshakeResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"\x7f\n\x13GetPublishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"j\n\x0ePublishedGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\"\n\x07regions\x18\x03 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0bmemory_type\x18\x04 \x01(\t\"\x92\x01\n\x14GetPublishedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.kvxfer.v1.PublishedGroup\x12\x17\n\x0f\x65xpires_unix_ms\x18\x05 \x01(\x03\"L\n\x18GetPublishedBatchRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.kvxfer.v1.GetPublishedRequest\"\x85\x01\n\x12GetPublishedResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x08response\x18\x03 \x01(\x0b\x32\x1f.kvxfer.v1.GetPublishedResponse\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"K\n\x19GetPublishedBatchResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvxfer.v1.GetPublishedResult\"\x83\x02\n\rNotifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\x31\n\x07outcome\x18\x05 \x01(\x0e\x32 .kvxfer.v1.NotifyRequest.Outcome\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\"D\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x12\n\n\x06UNREAD\x10\x03\"\"\n\x0eNotifyResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"?\n\x12NotifyBatchRequest\x12)\n\x07notices\x18\x01 \x03(\x0b\x32\x18.kvxfer.v1.NotifyRequest\"\'\n\x13NotifyBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"^\n\x10PeerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"J\n\x0bHoldRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"5\n\x0cHoldResponse\x12\x0c\n\x04held\x18\x01 \x03(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x03(\x03\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x89\x04\n\x04Peer\x12\x46\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse\x12O\n\x0cGetPublished\x12\x1e.kvxfer.v1.GetPublishedRequest\x1a\x1f.kvxfer.v1.GetPublishedResponse\x12^\n\x11GetPublishedBatch\x12#.kvxfer.v1.GetPublishedBatchRequest\x1a$.kvxfer.v1.GetPublishedBatchResponse\x12=\n\x06Notify\x12\x18.kvxfer.v1.NotifyRequest\x1a\x19.kvxfer.v1.NotifyResponse\x12L\n\x0bNotifyBatch\x12\x1d.kvxfer.v1.NotifyBatchRequest\x1a\x1e.kvxfer.v1.NotifyBatchResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.kvxfer.v1.PeerAbortRequest\x1a\x1c.kvxfer.v1.PeerAbortResponse\x12\x37\n\x04Hold\x12\x16.kvxfer.v1.HoldRequest\x1a\x17.kvxfer.v1.HoldResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"w\n\x0bGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06layout\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Layout\x12\"\n\x07regions\x18\x03 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0bmemory_type\x18\x04 \x01(\t\"B\n\tDataPlane\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\"\xeb\x01\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1d\n\x04rank\x18\x05 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12&\n\x06groups\x18\x06 \x03(\x0b\x32\x16.kvxfer.v1.GroupLayout\x12(\n\ndata_plane\x18\x07 \x01(\x0b\x32\x14.kvxfer.v1.DataPlane\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x12\x0c\n\x04role\x18\t \x01(\t\"5\n\x10HandshakeRequest\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"6\n\x11HandshakeResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"\x7f\n\x13GetPublishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"j\n\x0ePublishedGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\"\n\x07regions\x18\x03 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0bmemory_type\x18\x04 \x01(\t\"\x92\x01\n\x14GetPublishedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.kvxfer.v1.PublishedGroup\x12\x17\n\x0f\x65xpires_unix_ms\x18\x05 \x01(\x03\"L\n\x18GetPublishedBatchRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.kvxfer.v1.GetPublishedRequest\"\x85\x01\n\x12GetPublishedResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x08response\x18\x03 \x01(\x0b\x32\x1f.kvxfer.v1.GetPublishedResponse\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"K\n\x19GetPublishedBatchResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvxfer.v1.GetPublishedResult\"\x83\x02\n\rNotifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\x31\n\x07outcome\x18\x05 \x01(\x0e\x32 .kvxfer.v1.NotifyRequest.Outcome\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\"D\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x12\n\n\x06UNREAD\x10\x03\"\"\n\x0eNotifyResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"?\n\x12NotifyBatchRequest\x12)\n\x07notices\x18\x01 \x03(\x0b\x32\x18.kvxfer.v1.NotifyRequest\"\'\n\x13NotifyBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"^\n\x10PeerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"J\n\x0bHoldRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"5\n\x0cHoldResponse\x12\x0c\n\x04held\x18\x01 \x03(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x03(\x03\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x89\x04\n\x04Peer\x12\x46\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse\x12O\n\x0cGetPublished\x12\x1e.kvxfer.v1.GetPublishedRequest\x1a\x1f.kvxfer.v1.GetPublishedResponse\x12^\n\x11GetPublishedBatch\x12#.kvxfer.v1.GetPublishedBatchRequest\x1a$.kvxfer.v1.GetPublishedBatchResponse\x12=\n\x06Notify\x12\x18.kvxfer.v1.NotifyRequest\x1a\x19.kvxfer.v1.NotifyResponse\x12L\n\x0bNotifyBatch\x12\x1d.kvxfer.v1.NotifyBatchRequest\x1a\x1e.kvxfer.v1.NotifyBatchResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.kvxfer.v1.PeerAbortRequest\x1a\x1c.kvxfer.v1.PeerAbortResponse\x12\x37\n\x04Hold\x12\x16.kvxfer.v1.HoldRequest\x1a\x17.kvxfer.v1.HoldResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,45 +33,45 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxfer.v1.peer_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GROUPLAYOUT']._serialized_start=59
-  _globals['_GROUPLAYOUT']._serialized_end=121
-  _globals['_DATAPLANE']._serialized_start=123
-  _globals['_DATAPLANE']._serialized_end=189
-  _globals['_PEERINFO']._serialized_start=192
-  _globals['_PEERINFO']._serialized_end=427
-  _globals['_HANDSHAKEREQUEST']._serialized_start=429
-  _globals['_HANDSHAKEREQUEST']._serialized_end=482
-  _globals['_HANDSHAKERESPONSE']._serialized_start=484
-  _globals['_HANDSHAKERESPONSE']._serialized_end=538
-  _globals['_GETPUBLISHEDREQUEST']._serialized_start=540
-  _globals['_GETPUBLISHEDREQUEST']._serialized_end=667
-  _globals['_PUBLISHEDGROUP']._serialized_start=669
-  _globals['_PUBLISHEDGROUP']._serialized_end=775
-  _globals['_GETPUBLISHEDRESPONSE']._serialized_start=778
-  _globals['_GETPUBLISHEDRESPONSE']._serialized_end=924
-  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_start=926
-  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_end=1002
-  _globals['_GETPUBLISHEDRESULT']._serialized_start=1005
-  _globals['_GETPUBLISHEDRESULT']._serialized_end=1138
-  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_start=1140
-  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_end=1215
-  _globals['_NOTIFYREQUEST']._serialized_start=1218
-  _globals['_NOTIFYREQUEST']._serialized_end=1477
-  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_start=1409
-  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_end=1477
-  _globals['_NOTIFYRESPONSE']._serialized_start=1479
-  _globals['_NOTIFYRESPONSE']._serialized_end=1513
-  _globals['_NOTIFYBATCHREQUEST']._serialized_start=1515
-  _globals['_NOTIFYBATCHREQUEST']._serialized_end=1578
-  _globals['_NOTIFYBATCHRESPONSE']._serialized_start=1580
-  _globals['_NOTIFYBATCHRESPONSE']._serialized_end=1619
-  _globals['_PEERABORTREQUEST']._serialized_start=1621
-  _globals['_PEERABORTREQUEST']._serialized_end=1715
-  _globals['_HOLDREQUEST']._serialized_start=1717
-  _globals['_HOLDREQUEST']._serialized_end=1791
-  _globals['_HOLDRESPONSE']._serialized_start=1793
-  _globals['_HOLDRESPONSE']._serialized_end=1846
-  _globals['_PEERABORTRESPONSE']._serialized_start=1848
-  _globals['_PEERABORTRESPONSE']._serialized_end=1882
-  _globals['_PEER']._serialized_start=1885
-  _globals['_PEER']._serialized_end=2406
+  _globals['_GROUPLAYOUT']._serialized_end=178
+  _globals['_DATAPLANE']._serialized_start=180
+  _globals['_DATAPLANE']._serialized_end=246
+  _globals['_PEERINFO']._serialized_start=249
+  _globals['_PEERINFO']._serialized_end=484
+  _globals['_HANDSHAKEREQUEST']._serialized_start=486
+  _globals['_HANDSHAKEREQUEST']._serialized_end=539
+  _globals['_HANDSHAKERESPONSE']._serialized_start=541
+  _globals['_HANDSHAKERESPONSE']._serialized_end=595
+  _globals['_GETPUBLISHEDREQUEST']._serialized_start=597
+  _globals['_GETPUBLISHEDREQUEST']._serialized_end=724
+  _globals['_PUBLISHEDGROUP']._serialized_start=726
+  _globals['_PUBLISHEDGROUP']._serialized_end=832
+  _globals['_GETPUBLISHEDRESPONSE']._serialized_start=835
+  _globals['_GETPUBLISHEDRESPONSE']._serialized_end=981
+  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_start=983
+  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_end=1059
+  _globals['_GETPUBLISHEDRESULT']._serialized_start=1062
+  _globals['_GETPUBLISHEDRESULT']._serialized_end=1195
+  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_start=1197
+  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_end=1272
+  _globals['_NOTIFYREQUEST']._serialized_start=1275
+  _globals['_NOTIFYREQUEST']._serialized_end=1534
+  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_start=1466
+  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_end=1534
+  _globals['_NOTIFYRESPONSE']._serialized_start=1536
+  _globals['_NOTIFYRESPONSE']._serialized_end=1570
+  _globals['_NOTIFYBATCHREQUEST']._serialized_start=1572
+  _globals['_NOTIFYBATCHREQUEST']._serialized_end=1635
+  _globals['_NOTIFYBATCHRESPONSE']._serialized_start=1637
+  _globals['_NOTIFYBATCHRESPONSE']._serialized_end=1676
+  _globals['_PEERABORTREQUEST']._serialized_start=1678
+  _globals['_PEERABORTREQUEST']._serialized_end=1772
+  _globals['_HOLDREQUEST']._serialized_start=1774
+  _globals['_HOLDREQUEST']._serialized_end=1848
+  _globals['_HOLDRESPONSE']._serialized_start=1850
+  _globals['_HOLDRESPONSE']._serialized_end=1903
+  _globals['_PEERABORTRESPONSE']._serialized_start=1905
+  _globals['_PEERABORTRESPONSE']._serialized_end=1939
+  _globals['_PEER']._serialized_start=1942
+  _globals['_PEER']._serialized_end=2463
 # @@protoc_insertion_point(module_scope)

@@ -26,18 +26,30 @@ class GroupLayout(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    REGIONS_FIELD_NUMBER: _builtins.int
+    MEMORY_TYPE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    memory_type: _builtins.str
     @_builtins.property
     def layout(self) -> _common_pb2.Layout: ...
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Region]:
+        """The publisher's registered regions of this group and their memory (DRAM or VRAM), fixed for
+        one epoch: a reader that knows the block ids (from kv_transfer_params) can READ before its
+        GetPublished has answered, and confirms with it (empty from an older peer: it waits).
+        """
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         layout: _common_pb2.Layout | None = ...,
+        regions: _abc.Iterable[_common_pb2.Region] | None = ...,
+        memory_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "memory_type", b"memory_type", "name", b"name", "regions", b"regions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
