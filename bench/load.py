@@ -9,7 +9,9 @@ pulls alone), three ways, one after the other in one run:
 2. ``batched``: the same number of pulls again, the worker sending them ``--batch`` at a time in
    one ``PullBatch`` call (as a worker that starts a step's loads together would), so
    ``concurrency / batch`` calls are in flight;
-3. ``serial``: ``--serial`` more pulls, one at a time;
+3. ``serial``: ``--serial`` more pulls, one at a time, and as many again naming the publisher's
+   block ids (``serial_ahead``: as the vLLM connector pulls, so the decode sidecar READs while its
+   GetPublished runs, see kvxfer.server.pull_steps);
 4. ``open_loop`` (with ``--open-loop-rate R``): pulls arriving as a Poisson process at ``R`` per
    second for ``--open-loop-seconds``, each started when it arrives whatever is in flight. A closed
    loop of N in flight measures mostly its own queue (Little's law); an open loop at a rate the
@@ -90,6 +92,8 @@ async def run(
             many, many_s, many_cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "b",
                                                        bufs, procs, batch)  # fmt: skip
             one, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", bufs)
+            ahead, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "sa", bufs,
+                                            name_remote=True)  # fmt: skip
             opened: dict[str, Any] = {}
             if open_rate > 0:
                 opened = await _open_loop(pc, dc, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng,
@@ -109,17 +113,19 @@ async def run(
         "concurrent": _stats(conc),
         "batched": _stats(many),
         "serial": _stats(one),
+        "serial_ahead": _stats(ahead),
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
         **({"open_loop": {k: v for k, v in opened.items() if k != "rows"}} if opened else {}),
-        "verified_pulls": 2 * pulls + serial + len(opened.get("rows", ())),
-        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one + opened.get("rows", []))),
+        "verified_pulls": 2 * pulls + 2 * serial + len(opened.get("rows", ())),
+        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one + ahead + opened.get("rows", []))),
     }
 
 
 async def _pull_phase(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, n: int, concurrency: int,
     tag: str, bufs: tuple[SharedKVBuffer, SharedKVBuffer], procs: dict[str, int] | None = None, batch: int = 1,
+    name_remote: bool = False,
 ) -> tuple[list[dict[str, float]], float, dict[str, float]]:  # fmt: skip
     """Publish ``n`` requests, then pull them ``concurrency`` at a time: (rows, pull-phase seconds, CPU seconds)."""
     # Publish everything first (leases of 600 s): what is measured is the pulls alone.
@@ -149,7 +155,8 @@ async def _pull_phase(
                     items = [PullItem(f"{tag}{i}", [peer], {"kv": d}) for i, d in zip(ids, dsts, strict=True)]
                     results: list[Any] = await dc.pull_batch(items)
                 else:
-                    results = [await dc.pull(f"{tag}{first}", [peer], {"kv": dsts[0]})]
+                    remote = {"kv": src} if name_remote else None
+                    results = [await dc.pull(f"{tag}{first}", [peer], {"kv": dsts[0]}, remote_blocks=remote)]
                 lat = time.perf_counter() - t
                 for res, dst in zip(results, dsts, strict=True):
                     if isinstance(res, Exception):
@@ -290,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             (f"{conc} in flight, PullBatch of {r['batch']}", r["batched"], r["batched_requests_per_s"],
              r["batched_cpu_ms_per_pull"]),
             (f"one at a time ({a.serial})", r["serial"], None, None),
+            (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None),
         )  # fmt: skip
         if "open_loop" in r:
             ol = r["open_loop"]

@@ -153,15 +153,31 @@ class PullSteps:
             finally:
                 fetch_seconds = time.monotonic() - t_fetch
 
+        lookups = asyncio.ensure_future(confirm())
+        reads = asyncio.ensure_future(self._read_all(entry, reg, per_rank, guess, sessions))
         try:
-            async with asyncio.TaskGroup() as tg:  # a failed lookup cancels the READs, and the other way round
-                lookups = tg.create_task(confirm())
-                reads = tg.create_task(self._read_all(entry, reg, per_rank, guess, sessions))
-        except BaseExceptionGroup as group:
-            raise _first_failure(group) from None
-        published = lookups.result()
-        total_bytes, total_desc, data_seconds = reads.result()
-        self._confirm(entry, reg, remote_given, used, published, sessions)
+            await asyncio.wait((lookups, reads), return_when=asyncio.FIRST_EXCEPTION)
+            if lookups.done() and lookups.exception() is not None:
+                raise lookups.exception()  # type: ignore[misc]  # not published, refused...: stop reading
+            published = await lookups
+            try:
+                moved = await reads
+            except KvxferError:
+                if all(sessions[q] is s for q, s in used.items()):
+                    raise
+                moved = None  # read from a registration the publisher has replaced since: read again below
+        finally:
+            for task in (lookups, reads):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(lookups, reads, return_exceptions=True)
+        if not self._confirm(entry, reg, remote_given, used, published, sessions):
+            # The publisher restarted or registered again since the handshake whose regions were
+            # read: those bytes are not used; READ again with what its lookup answered.
+            per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
+            moved = await self._read_all(entry, reg, per_rank, published, sessions)
+        assert moved is not None
+        total_bytes, total_desc, data_seconds = moved
         entry.stage = "done"
         return local_pb2.TransferStats(
             bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
@@ -171,21 +187,16 @@ class PullSteps:
     def _confirm(
         self, entry: PullEntry, reg: Registration, remote_given: dict[str, I64], used: dict[int, PeerSession],
         published: dict[int, _Fetched], sessions: dict[int, PeerSession],
-    ) -> None:  # fmt: skip
-        """The lookups confirm what was read ahead: same publisher registration, every id published."""
-        for q, s in used.items():
-            if sessions[q] is not s:
-                raise PeerUnavailableError(
-                    f"peer {s.address} restarted or registered again while its blocks were read; the bytes read "
-                    "are not used",
-                    field="remote_addresses", reason=Reason.PEER_CHANGED,
-                )  # fmt: skip
+    ) -> bool:  # fmt: skip
+        """Whether the lookups confirm what was read ahead: every id published (else the pull fails), and
+        the same publisher registrations (False: the regions read are stale)."""
         try:
             for name in reg.groups:
                 self._remote_lists(entry, name, remote_given.get(name), published)
         except InvalidArgumentError:
             entry.contacted.clear()  # the caller's mistake: the publishes stay as they were
             raise
+        return all(sessions[q] is s for q, s in used.items())
 
     # ------------------------------------------------------------------ 2. handshakes and lookups
     async def _fetch_all(

@@ -62,6 +62,7 @@ async def test_pull_batch_answers_each_pull_on_its_own(harness: Harness, monkeyp
     for i, (rid, blocks) in enumerate(sources.items()):
         await pw.prefill(rid, {"kv": blocks}, salt=40 + i)
     lookups = CallCounter(monkeypatch, p, "peer_get_published_batch")
+    singles = CallCounter(monkeypatch, p, "peer_get_published")
     dw.poison({"kv": list(range(0, 12))})
     results = await dw.client.pull_batch(
         [
@@ -90,8 +91,10 @@ async def test_pull_batch_answers_each_pull_on_its_own(harness: Harness, monkeyp
     for layer in range(LAY.num_layers):
         assert np.array_equal(dst.pages(layer)[[0, 1, 2]], src.pages(layer)[[1, 2, 3]])
         assert np.array_equal(dst.pages(layer)[[6, 7]], src.pages(layer)[[10, 11]])
-    # The pulls that got as far as a lookup (a, nope, c, b) asked the publisher in one call.
-    assert lookups.sizes == [4]
+    # The pulls that got as far as a lookup (a, nope, c, b) asked the publisher together: "c", which
+    # names its remote ids, reads ahead of its lookup, which may then leave on its own.
+    assert sum(lookups.sizes) + len(singles.sizes) == 4
+    assert len(lookups.sizes) + len(singles.sizes) <= 2
     # Done pulls released what they asked for (notices are sent after the answer, so wait for them);
     # "e" was never asked for and "c" failed on its own input before any READ: both are still held.
     for _ in range(500):
