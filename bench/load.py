@@ -11,7 +11,9 @@ pulls alone), three ways, one after the other in one run:
    ``concurrency / batch`` calls are in flight;
 3. ``serial``: ``--serial`` more pulls, one at a time, and as many again naming the publisher's
    block ids (``serial_ahead``: as the vLLM connector pulls, so the decode sidecar READs while its
-   GetPublished runs, see kvxfer.server.pull_steps);
+   GetPublished runs, see kvxfer.server.pull_steps), and as many again expected first
+   (``serial_granted``: the decode sidecar holds them and holds the publishers' grants, so it
+   READs without any lookup, as for a vLLM request that waited in the decode queue);
 4. ``open_loop`` (with ``--open-loop-rate R``): pulls arriving as a Poisson process at ``R`` per
    second for ``--open-loop-seconds``, each started when it arrives whatever is in flight. A closed
    loop of N in flight measures mostly its own queue (Little's law); an open loop at a rate the
@@ -55,6 +57,9 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.topology import RankInfo
 
+#: The sidecars hold expected requests every min(--lease-seconds / 3, 5) s: wait one round and a bit.
+HOLD_WAIT_S = 5.5
+
 
 async def run(
     pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int,
@@ -94,6 +99,8 @@ async def run(
             one, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", bufs)
             ahead, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "sa", bufs,
                                             name_remote=True)  # fmt: skip
+            granted, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "sg", bufs,
+                                              name_remote=True, expect=True)  # fmt: skip
             opened: dict[str, Any] = {}
             if open_rate > 0:
                 opened = await _open_loop(pc, dc, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng,
@@ -114,18 +121,19 @@ async def run(
         "batched": _stats(many),
         "serial": _stats(one),
         "serial_ahead": _stats(ahead),
+        "serial_granted": _stats(granted),
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
         **({"open_loop": {k: v for k, v in opened.items() if k != "rows"}} if opened else {}),
-        "verified_pulls": 2 * pulls + 2 * serial + len(opened.get("rows", ())),
-        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one + ahead + opened.get("rows", []))),
+        "verified_pulls": 2 * pulls + 3 * serial + len(opened.get("rows", ())),
+        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one + ahead + granted + opened.get("rows", []))),
     }
 
 
 async def _pull_phase(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, n: int, concurrency: int,
     tag: str, bufs: tuple[SharedKVBuffer, SharedKVBuffer], procs: dict[str, int] | None = None, batch: int = 1,
-    name_remote: bool = False,
+    name_remote: bool = False, expect: bool = False,
 ) -> tuple[list[dict[str, float]], float, dict[str, float]]:  # fmt: skip
     """Publish ``n`` requests, then pull them ``concurrency`` at a time: (rows, pull-phase seconds, CPU seconds)."""
     # Publish everything first (leases of 600 s): what is measured is the pulls alone.
@@ -136,6 +144,10 @@ async def _pull_phase(
             await pc.publish(f"{tag}{i}", {"kv": src})
 
     await asyncio.gather(*(publish(i) for i in range(n)))
+    if expect:
+        for i in range(n):
+            await dc.expect(f"{tag}{i}", [peer])
+        await asyncio.sleep(HOLD_WAIT_S)  # until a round of holds has covered them all
     pbuf, dbuf = bufs
     layers = range(pbuf.layout.num_layers)
     out: list[dict[str, float]] = []
@@ -298,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
              r["batched_cpu_ms_per_pull"]),
             (f"one at a time ({a.serial})", r["serial"], None, None),
             (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None),
+            (f"one at a time, held while queued: read on grants ({a.serial})", r["serial_granted"], None, None),
         )  # fmt: skip
         if "open_loop" in r:
             ol = r["open_loop"]

@@ -39,8 +39,8 @@ from kvxfer.server.registration import Registry
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import NOTICE_OUTCOMES, check_addresses, check_drain_timeout, check_outcome
 from kvxfer.transport import Transport
-from kvxfer.wire import local_pb2, peer_pb2
-from kvxfer.wire.convert import check_id
+from kvxfer.wire import common_pb2, local_pb2, peer_pb2
+from kvxfer.wire.convert import check_id, rank_to_proto
 
 __all__ = ["SidecarCore"]
 
@@ -86,7 +86,7 @@ class SidecarCore:
         self.publisher = Publisher(settings, self.registry, self.hub, metrics, self.outbox, self.topologies)
         self.puller = Puller(settings, self.registry, data_plane, self.peers, self.outbox, self.hub, metrics,
                              self.topologies)  # fmt: skip
-        self.holds = Holds(settings, self.peers, me=lambda: (settings.engine_id, self.instance_id))
+        self.holds = Holds(settings, self.peers, me=self._hold_identity)
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publisher.publishes))
         metrics.in_flight.set_function(lambda: len(self.puller.pulls))
@@ -96,6 +96,10 @@ class SidecarCore:
     def identity(self) -> Identity:
         """This sidecar as its handshake describes it (needs a registration)."""
         return self.registry.identity()
+
+    def _hold_identity(self) -> tuple[str, str, common_pb2.Rank | None]:
+        reg = self.registry.registration
+        return self.settings.engine_id, self.instance_id, rank_to_proto(reg.rank) if reg is not None else None
 
     def _require_role(self, role: str, what: str) -> None:
         if self.settings.role not in (role, "both"):
@@ -133,16 +137,14 @@ class SidecarCore:
         """Pull: validate, start the transfer, and answer when posted (or done, with ``wait``)."""
         self._refuse_if_draining("Pull")
         self._require_role("decode", "Pull")
-        self.holds.discard(req.request_id)
-        return await self.puller.pull(req, client_timeout)
+        return await self.puller.pull(req, client_timeout, self.holds.take(req.request_id))
 
     async def pull_batch(
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None
     ) -> local_pb2.PullBatchResponse:
         """PullBatch: every pull runs as if it came alone; each gets its own result, in order."""
-        for p in req.pulls:
-            self.holds.discard(p.request_id)
-        return await self.puller.pull_batch(req, client_timeout)
+        grants = {p.request_id: self.holds.take(p.request_id) for p in req.pulls}
+        return await self.puller.pull_batch(req, client_timeout, grants)
 
     async def expect(self, req: local_pb2.ExpectRequest) -> local_pb2.ExpectResponse:
         """Expect: keep a queued request's publishes alive until its Pull starts (see kvxfer.server.holds)."""

@@ -17,12 +17,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvxfer.config import Settings
 from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger, log_context
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory
-from kvxfer.wire import peer_pb2
+from kvxfer.server.state import Grant
+from kvxfer.wire import common_pb2, peer_pb2
 
 __all__ = ["Holds", "hold_period"]
 
@@ -43,11 +46,15 @@ class _Expected:
 class Holds:
     """Requests this (decode) sidecar expects to pull, and the task that holds them (see the module docs)."""
 
-    def __init__(self, settings: Settings, peers: PeerDirectory, *, me: Callable[[], tuple[str, str]]) -> None:
+    def __init__(
+        self, settings: Settings, peers: PeerDirectory, *, me: Callable[[], tuple[str, str, common_pb2.Rank | None]]
+    ) -> None:
         self.settings = settings
         self.peers = peers
-        self._me = me  # (engine id, instance id)
+        self._me = me  # (engine id, instance id, rank once registered)
         self.expected: dict[str, _Expected] = {}
+        #: Per expected request, the publishers' latest grants by address (what a pull may READ without a lookup).
+        self.grants: dict[str, dict[str, Grant]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def expect(self, request_id: str, addresses: list[str]) -> bool:
@@ -59,16 +66,23 @@ class Holds:
         return new
 
     def discard(self, request_id: str) -> None:
-        """Stop holding ``request_id`` (its pull started, or it was aborted)."""
+        """Stop holding ``request_id`` (it was aborted)."""
         self.expected.pop(request_id, None)
+        self.grants.pop(request_id, None)
+
+    def take(self, request_id: str) -> dict[str, Grant]:
+        """Stop holding ``request_id`` (its pull starts) and hand over its grants, by publisher address."""
+        self.expected.pop(request_id, None)
+        return self.grants.pop(request_id, {})
 
     def clear(self) -> None:
         """Stop holding everything (the worker is gone)."""
         self.expected.clear()
+        self.grants.clear()
 
     async def close(self) -> None:
         """Stop the holding task."""
-        self.expected.clear()
+        self.clear()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -83,6 +97,7 @@ class Holds:
         now = time.monotonic()
         for rid in [r for r, e in self.expected.items() if e.until <= now]:
             del self.expected[rid]
+            self.grants.pop(rid, None)
             with log_context(request_id=rid):
                 log.warning("stopped holding a request that was never pulled",
                             extra={"max_hold_seconds": self.settings.max_hold_seconds})  # fmt: skip
@@ -93,10 +108,11 @@ class Holds:
         await asyncio.gather(*(self._hold(a, rids) for a, rids in by_address.items()))
 
     async def _hold(self, address: str, rids: list[str]) -> None:
-        engine_id, instance_id = self._me()
-        req = peer_pb2.HoldRequest(request_ids=rids[:1024], engine_id=engine_id, instance_id=instance_id)
+        engine_id, instance_id, rank = self._me()
+        req = peer_pb2.HoldRequest(request_ids=rids[:1024], engine_id=engine_id, instance_id=instance_id, rank=rank)
         try:
             await self.peers.session(address, budget=PEER_CALL_SECONDS)  # a publisher holds only for a known reader
+            sent = time.monotonic()  # the publisher's promise runs from its answer, which comes later
             resp = await self.peers.call(
                 address, "Hold", lambda s: s.Hold(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
             )
@@ -105,9 +121,16 @@ class Holds:
                         "requests": len(req.request_ids)})  # fmt: skip
             return
         held = set(resp.held)
+        for g in resp.grants:
+            if g.request_id in self.expected:
+                blocks = {pg.name: np.asarray(pg.block_ids, dtype=np.int64) for pg in g.groups}
+                self.grants.setdefault(g.request_id, {})[address] = Grant(
+                    sent + g.held_seconds, resp.instance_id, int(resp.epoch), blocks
+                )
         for rid in req.request_ids:
             if rid not in held and rid in self.expected:
                 # Released, expired, aborted, or another reader's: holding it further cannot help.
                 del self.expected[rid]
+                self.grants.pop(rid, None)
                 with log_context(request_id=rid, peer=address):
                     log.info("publisher no longer holds an expected request; stopped holding it")

@@ -206,10 +206,7 @@ class Publisher:
                 field="epoch", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
         self._bind(entry, req.engine_id, "fetch")
-        if entry.expected_readers is None or entry.reader_tp_size != rank.tp_size:
-            entry.expected_readers = self._expected_readers(reader, rank.tp_size, reg)
-            entry.reader_tp_size = rank.tp_size
-        entry.readers[key] = reader.address
+        self._admit_reader(entry, reader, rank, reg)
         # Hold the blocks at least as long as this reader may take to read them.
         hold = time.monotonic() + self.settings.transfer_timeout_seconds
         if entry.expires_at < hold:
@@ -226,6 +223,13 @@ class Publisher:
                 )
             )  # fmt: skip
         return resp
+
+    def _admit_reader(self, entry: PublishEntry, reader: Identity, rank: RankInfo, reg: Registration) -> None:
+        """``reader`` learned the request's block ids: it may free it, and who must confirm is known."""
+        if entry.expected_readers is None or entry.reader_tp_size != rank.tp_size:
+            entry.expected_readers = self._expected_readers(reader, rank.tp_size, reg)
+            entry.reader_tp_size = rank.tp_size
+        entry.readers[(reader.engine_id, reader.instance_id, rank.tp_rank, rank.pp_rank)] = reader.address
 
     def get_published_batch(
         self, req: peer_pb2.GetPublishedBatchRequest, creds: PeerCredentials = ANONYMOUS
@@ -340,13 +344,16 @@ class Publisher:
         if len(req.request_ids) > MAX_BATCH:
             raise InvalidArgumentError(f"request_ids: {len(req.request_ids)} ids in one Hold; at most {MAX_BATCH}",
                                        field="request_ids")  # fmt: skip
-        if not self.knows(req.engine_id, req.instance_id):
+        rank = rank_from_proto(req.rank, "rank") if req.HasField("rank") else None
+        reader = self.readers.get((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)) if rank else None
+        if not self.knows(req.engine_id, req.instance_id) or (rank is not None and reader is None):
             raise FailedPreconditionError(
                 f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "
                 "hold refused",
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
-        out = peer_pb2.HoldResponse()
+        reg = self.registry.require()
+        out = peer_pb2.HoldResponse(instance_id=self.registry.instance_id, epoch=reg.epoch)
         now = time.monotonic()
         for rid in req.request_ids:
             entry = self.publishes.get(rid)
@@ -358,6 +365,13 @@ class Publisher:
                 entry.expires_at = until  # the lease timer re-arms itself when it fires early
             out.held.append(rid)
             out.expires_unix_ms.append(entry.expires_unix_ms)
+            if reader is not None and rank is not None:
+                # A grant: the ids and how long they stay held, so the reader may READ without a lookup.
+                self._admit_reader(entry, reader, rank, reg)
+                out.grants.add(
+                    request_id=rid, held_seconds=max(entry.expires_at - now, 0.0),
+                    groups=[peer_pb2.PublishedGroup(name=n, block_ids=ids.tolist()) for n, ids in entry.blocks.items()],
+                )  # fmt: skip
         return out
 
     @classmethod

@@ -13,7 +13,14 @@ lookups run, and the pull succeeds only once every lookup confirmed it. The look
 the publish was held from its publication until then, and it holds the blocks for
 ``--transfer-timeout-seconds`` more, so no block is reused under the READ; a publisher that
 restarted or registered again since its handshake, or ids it did not publish, fail the pull and
-its bytes are never reported as moved. What surrounds a pull (admission, its task, the
+its bytes are never reported as moved.
+
+**Reading on a grant.** A request the decode side held while it waited (``Expect``, peer ``Hold``:
+:mod:`kvxfer.server.holds`) comes with each publisher's grant: its block ids, and a time until
+which it holds them, counted on this side's clock from when the Hold was sent. When every source
+rank granted the request for longer than the pull may take, with the regions of the same
+registration, and the worker's ids are among the granted ones, the pull READs at once and asks
+nothing: no control round trip is on its critical path. What surrounds a pull (admission, its task, the
 outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
 """
 
@@ -51,6 +58,8 @@ from kvxfer.wire.convert import check_block_ids, rank_to_proto, regions_from_pro
 __all__ = ["PullSteps"]
 
 U64 = npt.NDArray[np.uint64]
+#: A grant with less than this left is not read on (a lookup confirms instead): a READ needs time.
+GRANT_MARGIN_S = 1.0
 I64 = npt.NDArray[np.int64]
 
 
@@ -82,6 +91,10 @@ class PullSteps:
     ) -> local_pb2.TransferStats:  # fmt: skip
         """Every step of one pull, in order; ``sessions`` collects the peers contacted (for cleanup on failure)."""
         ranks = self._plan_sources(entry, reg)
+        if entry.grants and all(name in remote_given for name in reg.groups):
+            granted = await self._read_granted(entry, reg, ranks, local_blocks, remote_given, sessions)
+            if granted is not None:
+                return granted
         if all(name in remote_given for name in reg.groups):
             ahead = await self._read_ahead(entry, reg, ranks, local_blocks, remote_given, sessions)
             if ahead is not None:
@@ -117,6 +130,51 @@ class PullSteps:
             everyone = self.topologies.read_by_all(reg, remote_tp)
             entry.unread = [entry.addresses[q] for q in range(remote_tp) if q not in everyone]
         return sorted(needed)
+
+    # ------------------------------------------------------------------ reading on a grant
+    async def _read_granted(
+        self, entry: PullEntry, reg: Registration, ranks: list[int], local_blocks: dict[str, I64],
+        remote_given: dict[str, I64], sessions: dict[int, PeerSession],
+    ) -> local_pb2.TransferStats | None:  # fmt: skip
+        """READ on the publishers' grants, without a lookup (None: some rank's grant does not cover the pull)."""
+        used: dict[int, PeerSession] = {}
+        for q in ranks:
+            address = entry.addresses[q]
+            grant = entry.grants.get(address)
+            if grant is None or grant.valid_until < time.monotonic() + GRANT_MARGIN_S:
+                return None  # no promise, or too little of it left: confirm with a lookup
+            remaining = max(entry.deadline - time.monotonic(), 0.001)
+            session = await self.peers.session(address, budget=remaining)
+            them = session.identity
+            if (them.instance_id, them.epoch) != (grant.instance_id, grant.epoch) or any(
+                name not in them.regions or name not in grant.blocks or not_published(remote_given[name],
+                                                                                      grant.blocks[name])
+                for name in reg.groups
+            ):  # fmt: skip
+                return None
+            try:
+                self._check_rank(entry, q, session)
+            except FailedPreconditionError:
+                return None
+            used[q] = session
+        guess = {
+            q: _Fetched(dict(remote_given), {n: s.identity.regions[n][0] for n in reg.groups},
+                        s.identity.regions[next(iter(reg.groups))][1])
+            for q, s in used.items()
+        }  # fmt: skip
+        sessions.update(used)
+        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, sessions)
+        for q in ranks:
+            entry.asked.append(entry.addresses[q])
+            entry.contacted.append(entry.addresses[q])  # they are told DONE or FAILED, as after a lookup
+        # The READs must end while every promise holds: past it the pull fails (its bytes unused).
+        entry.deadline = min(entry.deadline, *(entry.grants[entry.addresses[q]].valid_until for q in ranks))
+        total_bytes, total_desc, data_seconds = await self._read_all(entry, reg, per_rank, guess, sessions)
+        entry.stage = "done"
+        return local_pb2.TransferStats(
+            bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
+            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=0.0,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ reading ahead of the lookups
     async def _read_ahead(

@@ -37,7 +37,7 @@ from kvxfer.server.peers import PeerDirectory, PeerSession
 from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.pull_steps import PullSteps
 from kvxfer.server.registration import Registry
-from kvxfer.server.state import PullEntry, Registration
+from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_addresses, check_timeout, remote_blocks, token_spans
 from kvxfer.transport import Transport
@@ -70,9 +70,14 @@ class Puller:
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ local API
-    async def pull(self, req: local_pb2.PullRequest, client_timeout: float | None) -> local_pb2.PullResponse:
-        """Validate, start the transfer, and answer when posted (or done, with ``wait``)."""
-        entry = self._start(req, client_timeout)
+    async def pull(
+        self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant] | None = None
+    ) -> local_pb2.PullResponse:
+        """Validate, start the transfer, and answer when posted (or done, with ``wait``).
+
+        ``grants``: the publishers' promises from holding the request (kvxfer.server.holds), by address.
+        """
+        entry = self._start(req, client_timeout, grants or {})
         wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
         try:
             await asyncio.shield(wait_for)
@@ -91,7 +96,7 @@ class Puller:
             resp.stats.CopyFrom(entry.done.result())
         return resp
 
-    def _start(self, req: local_pb2.PullRequest, client_timeout: float | None) -> PullEntry:
+    def _start(self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant]) -> PullEntry:
         reg = self.registry.require()
         rid = check_id(req.request_id, "request_id")
         if req.remote_engine_id:
@@ -113,15 +118,16 @@ class Puller:
         now = time.monotonic()
         entry = PullEntry(
             f"{self.registry.instance_id[:8]}-{next(self._ids)}", rid, req.remote_engine_id, addresses,
-            now + timeout, now, spans=token_spans(req.local_blocks, req.remote_blocks),
+            now + timeout, now, spans=token_spans(req.local_blocks, req.remote_blocks), grants=grants,
         )  # fmt: skip
         self.pulls[rid] = entry
         entry.task = asyncio.get_running_loop().create_task(self._run(entry, reg, local_blocks, remote_given, timeout))
         return entry
 
     async def pull_batch(
-        self, req: local_pb2.PullBatchRequest, client_timeout: float | None
-    ) -> local_pb2.PullBatchResponse:
+        self, req: local_pb2.PullBatchRequest, client_timeout: float | None,
+        grants: dict[str, dict[str, Grant]] | None = None,
+    ) -> local_pb2.PullBatchResponse:  # fmt: skip
         """Every pull runs as if it came alone; each gets its own result, in order."""
         n = len(req.pulls)
         if not 1 <= n <= MAX_BATCH:
@@ -130,7 +136,8 @@ class Puller:
         async def one(p: local_pb2.PullRequest) -> local_pb2.PullResult:
             with log_context(request_id=p.request_id or None, peer=p.remote_engine_id or None):
                 try:
-                    return local_pb2.PullResult(response=await self.pull(p, client_timeout))
+                    return local_pb2.PullResult(response=await self.pull(p, client_timeout,
+                                                                         (grants or {}).get(p.request_id)))  # fmt: skip
                 except KvxferError as exc:
                     return local_pb2.PullResult(code=code_of(exc).value[0], message=exc.message,
                                                 reason=exc.reason.value, field=exc.field or "")  # fmt: skip

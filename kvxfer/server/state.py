@@ -14,7 +14,7 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import AttachedMemory
 from kvxfer.topology import RankInfo
 
-__all__ = ["Group", "PublishEntry", "PullEntry", "ReaderKey", "Registration"]
+__all__ = ["Grant", "Group", "PublishEntry", "PullEntry", "ReaderKey", "Registration"]
 
 I64 = npt.NDArray[np.int64]
 ReaderKey = tuple[str, str, int, int]  # engine id, instance id, tp rank, pp rank
@@ -76,6 +76,21 @@ class PublishEntry:
         return int((time.time() + self.expires_at - time.monotonic()) * 1000)
 
 
+@dataclass(frozen=True)
+class Grant:
+    """A publisher's promise (answer to a peer Hold): it holds these blocks until ``valid_until``.
+
+    ``valid_until`` is on this side's monotonic clock, counted from when the Hold was *sent* (the
+    publisher answered later), so no clock needs to agree across hosts. Good only with the regions
+    of the handshake of that publisher instance and registration epoch.
+    """
+
+    valid_until: float
+    instance_id: str
+    epoch: int
+    blocks: dict[str, I64]
+
+
 @dataclass
 class PullEntry:
     """A pull in flight."""
@@ -97,3 +112,4 @@ class PullEntry:
     contacted: list[str] = field(default_factory=list)  # addresses that handed out the request
     asked: list[str] = field(default_factory=list)  # addresses asked for it (answered or not): aborts go there
     unread: list[str] = field(default_factory=list)  # remote ranks no local rank reads (replicas)
+    grants: dict[str, Grant] = field(default_factory=dict)  # by publisher address (see kvxfer.server.holds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 
@@ -44,3 +45,45 @@ async def test_expect_is_checked_like_a_pull(harness: Harness) -> None:
     await expect_error(grpc.StatusCode.INVALID_ARGUMENT, c.expect("", [ps[0].peer_address]), "request_id")
     await expect_error(grpc.StatusCode.FAILED_PRECONDITION, pw[0].client.expect("r", [ps[0].peer_address]),
                        "--role prefill")  # fmt: skip
+
+
+async def test_a_held_request_is_read_on_its_grant_without_a_lookup(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    await pw[0].prefill("granted", {"kv": [1, 2, 3]}, salt=7)
+    await pw[0].prefill("wrong-ids", {"kv": [4]}, salt=8)
+    assert ps[0].core is not None
+    assert ds[0].core is not None
+    lookups: list[str] = []
+    answer, answer_batch = ps[0].core.peer_get_published, ps[0].core.peer_get_published_batch
+
+    async def counted(req: Any, *args: Any) -> Any:  # counts lookups; answers as before
+        lookups.append(req.request_id)
+        return await answer(req, *args)
+
+    async def counted_batch(req: Any, *args: Any) -> Any:
+        lookups.extend(r.request_id for r in req.requests)
+        return await answer_batch(req, *args)
+
+    ps[0].core.peer_get_published = counted  # type: ignore[method-assign]
+    ps[0].core.peer_get_published_batch = counted_batch  # type: ignore[method-assign]
+    for rid in ("granted", "wrong-ids"):
+        await dw[0].client.expect(rid, [ps[0].peer_address])
+    for _ in range(500):  # the first hold goes out at once
+        if {"granted", "wrong-ids"} <= ds[0].core.holds.grants.keys():
+            break
+        await asyncio.sleep(0.01)
+    res = await dw[0].pull("granted", ps, {"kv": [7, 8, 9]}, remote_blocks={"kv": [1, 2, 3]})
+    assert dw[0].verify({"kv": [7, 8, 9]}, 7) == (res.bytes, 0)
+    assert res.fetch_seconds == 0.0
+    assert lookups == []  # no control round trip before the READ
+    # The grant made the reader one that may free it: its DONE notice releases the publish.
+    for _ in range(500):
+        if (await pw[0].client.status())["leases"] == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert (await pw[0].client.status())["leases"] == 1
+    # Ids the grant does not cover: no READ on the grant; the lookup refuses them.
+    wrong = dw[0].pull("wrong-ids", ps, {"kv": [10]}, remote_blocks={"kv": [5]})
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, wrong, "remote_blocks[kv]")
+    assert lookups == ["wrong-ids"]

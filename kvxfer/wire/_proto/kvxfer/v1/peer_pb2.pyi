@@ -503,24 +503,60 @@ class HoldRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     instance_id: _builtins.str
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def rank(self) -> _common_pb2.Rank:
+        """the reader's rank: a held request counts as fetched by it (it may free it)"""
+
     def __init__(
         self,
         *,
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
         engine_id: _builtins.str = ...,
         instance_id: _builtins.str = ...,
+        rank: _common_pb2.Rank | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "instance_id", b"instance_id", "request_ids", b"request_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "instance_id", b"instance_id", "rank", b"rank", "request_ids", b"request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HoldRequest: _TypeAlias = HoldRequest  # noqa: Y015
+
+@_typing.final
+class HeldPublish(_message.Message):
+    """A grant: the publisher holds this request's blocks for at least held_seconds from its answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HELD_SECONDS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    held_seconds: _builtins.float
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishedGroup]:
+        """block ids only (the regions are the handshake's)"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        held_seconds: _builtins.float = ...,
+        groups: _abc.Iterable[Global___PublishedGroup] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "held_seconds", b"held_seconds", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldPublish: _TypeAlias = HeldPublish  # noqa: Y015
 
 @_typing.final
 class HoldResponse(_message.Message):
@@ -528,6 +564,13 @@ class HoldResponse(_message.Message):
 
     HELD_FIELD_NUMBER: _builtins.int
     EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    GRANTS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    """the publisher's, and its registration epoch: a grant is good"""
+    epoch: _builtins.int
+    """only with the regions of that handshake"""
     @_builtins.property
     def held(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """ids now held (published, and bound to this reader)"""
@@ -536,15 +579,22 @@ class HoldResponse(_message.Message):
     def expires_unix_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """their new expiry, in the order of held"""
 
+    @_builtins.property
+    def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldPublish]:
+        """in the order of held"""
+
     def __init__(
         self,
         *,
         held: _abc.Iterable[_builtins.str] | None = ...,
         expires_unix_ms: _abc.Iterable[_builtins.int] | None = ...,
+        grants: _abc.Iterable[Global___HeldPublish] | None = ...,
+        instance_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_unix_ms", b"expires_unix_ms", "held", b"held"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "expires_unix_ms", b"expires_unix_ms", "grants", b"grants", "held", b"held", "instance_id", b"instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
