@@ -201,34 +201,8 @@ class PullSteps:
         }  # fmt: skip
         sessions.update(used)
         per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, sessions)
-        t_fetch = time.monotonic()
-        fetch_seconds = 0.0
-
-        async def confirm() -> dict[int, _Fetched]:
-            nonlocal fetch_seconds
-            try:
-                return await self._fetch_all(entry, ranks, sessions, stage=False)
-            finally:
-                fetch_seconds = time.monotonic() - t_fetch
-
-        lookups = asyncio.ensure_future(confirm())
-        reads = asyncio.ensure_future(self._read_all(entry, reg, per_rank, guess, sessions))
-        try:
-            await asyncio.wait((lookups, reads), return_when=asyncio.FIRST_EXCEPTION)
-            if lookups.done() and lookups.exception() is not None:
-                raise lookups.exception()  # type: ignore[misc]  # not published, refused...: stop reading
-            published = await lookups
-            try:
-                moved = await reads
-            except KvxferError:
-                if all(sessions[q] is s for q, s in used.items()):
-                    raise
-                moved = None  # read from a registration the publisher has replaced since: read again below
-        finally:
-            for task in (lookups, reads):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(lookups, reads, return_exceptions=True)
+        published, moved, fetch_seconds = await self._read_while_looking_up(entry, reg, ranks, per_rank, guess,
+                                                                            used, sessions)  # fmt: skip
         if not self._confirm(entry, reg, remote_given, used, published, sessions):
             # The publisher restarted or registered again since the handshake whose regions were
             # read: those bytes are not used; READ again with what its lookup answered.
@@ -241,6 +215,42 @@ class PullSteps:
             bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
             data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
         )  # fmt: skip
+
+    async def _read_while_looking_up(
+        self, entry: PullEntry, reg: Registration, ranks: list[int], per_rank: dict[int, list[tuple[U64, U64]]],
+        guess: dict[int, _Fetched], used: dict[int, PeerSession], sessions: dict[int, PeerSession],
+    ) -> tuple[dict[int, _Fetched], tuple[int, int, float] | None, float]:  # fmt: skip
+        """(lookup answers, what the READs moved or None when they must be redone, lookup seconds)."""
+        t_fetch = time.monotonic()
+        fetch_seconds = 0.0
+
+        async def confirm() -> dict[int, _Fetched]:
+            nonlocal fetch_seconds
+            try:
+                return await self._fetch_all(entry, ranks, sessions, stage=False)
+            finally:
+                fetch_seconds = time.monotonic() - t_fetch
+
+        lookups = asyncio.ensure_future(confirm())
+        reads = asyncio.ensure_future(self._read_all(entry, reg, per_rank, guess, sessions))
+        moved: tuple[int, int, float] | None
+        try:
+            await asyncio.wait((lookups, reads), return_when=asyncio.FIRST_EXCEPTION)
+            if lookups.done() and lookups.exception() is not None:
+                raise lookups.exception()  # type: ignore[misc]  # not published, refused...: stop reading
+            published = await lookups
+            try:
+                moved = await reads
+            except KvxferError:
+                if all(sessions[q] is s for q, s in used.items()):
+                    raise
+                moved = None  # read from a registration the publisher has replaced since: read again
+        finally:
+            for task in (lookups, reads):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(lookups, reads, return_exceptions=True)
+        return published, moved, fetch_seconds
 
     def _confirm(
         self, entry: PullEntry, reg: Registration, remote_given: dict[str, I64], used: dict[int, PeerSession],
