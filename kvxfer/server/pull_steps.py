@@ -157,11 +157,7 @@ class PullSteps:
             except FailedPreconditionError:
                 return None
             used[q] = session
-        guess = {
-            q: _Fetched(dict(remote_given), {n: s.identity.regions[n][0] for n in reg.groups},
-                        s.identity.regions[next(iter(reg.groups))][1])
-            for q, s in used.items()
-        }  # fmt: skip
+        guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, sessions)
         for q in ranks:
@@ -194,11 +190,7 @@ class PullSteps:
             if any(name not in session.identity.regions for name in reg.groups):
                 return None  # a peer that does not send its regions: wait for its lookup
             used[q] = session
-        guess = {
-            q: _Fetched(dict(remote_given), {n: s.identity.regions[n][0] for n in reg.groups},
-                        s.identity.regions[next(iter(reg.groups))][1])
-            for q, s in used.items()
-        }  # fmt: skip
+        guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, sessions)
         published, moved, fetch_seconds = await self._read_while_looking_up(entry, reg, ranks, per_rank, guess,
@@ -461,6 +453,17 @@ class PullSteps:
                 f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                 field="remote_addresses", reason=Reason.DATA_PLANE,
             ) from None  # fmt: skip
+
+
+def _from_handshakes(
+    used: dict[int, PeerSession], remote_given: dict[str, I64], reg: Registration
+) -> dict[int, _Fetched]:
+    """What a lookup would answer, from the worker's ids and each publisher's handshake (its regions)."""
+    first = next(iter(reg.groups))
+    return {
+        q: _Fetched(dict(remote_given), {n: s.identity.regions[n][0] for n in reg.groups}, s.identity.regions[first][1])
+        for q, s in used.items()
+    }
 
 
 def _mem(value: str) -> MemType:
