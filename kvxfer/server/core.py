@@ -37,7 +37,7 @@ from kvxfer.server.publisher import Publisher
 from kvxfer.server.puller import Puller
 from kvxfer.server.registration import Registry
 from kvxfer.server.topologies import TopologyCache
-from kvxfer.server.validation import NOTICE_OUTCOMES, check_addresses, check_drain_timeout, check_outcome
+from kvxfer.server.validation import check_addresses, check_drain_timeout
 from kvxfer.transport import Transport
 from kvxfer.wire import common_pb2, local_pb2, peer_pb2
 from kvxfer.wire.convert import check_id, rank_to_proto
@@ -222,20 +222,12 @@ class SidecarCore:
         self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.NotifyResponse:
         """Notify: a reader is done; free the blocks once every expected reader is."""
-        check_id(req.request_id, "request_id")
-        check_outcome(req.outcome)
         return self.publisher.notify(req, creds)
 
     async def peer_notify_batch(
         self, req: peer_pb2.NotifyBatchRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.NotifyBatchResponse:
-        """NotifyBatch: several notices at once (one with an unknown outcome is dropped, the others count)."""
-        bad = [n for n in req.notices if n.outcome not in NOTICE_OUTCOMES]
-        for n in bad:
-            why = f"outcome: {n.outcome} is not DONE, FAILED or UNREAD"
-            log.warning("completion notice refused", extra={"peer": n.engine_id, "error": why})
-        if bad:
-            req = peer_pb2.NotifyBatchRequest(notices=[n for n in req.notices if n.outcome in NOTICE_OUTCOMES])
+        """NotifyBatch: several notices at once (a bad one, e.g. an unknown outcome, is dropped; the others count)."""
         return self.publisher.notify_batch(req, creds)
 
     async def peer_hold(self, req: peer_pb2.HoldRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.HoldResponse:

@@ -38,7 +38,7 @@ from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import PublishEntry, ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
-from kvxfer.server.validation import check_lease
+from kvxfer.server.validation import check_lease, check_outcome
 from kvxfer.topology import RankInfo
 from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto
@@ -269,6 +269,7 @@ class Publisher:
     def notify(self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.NotifyResponse:
         """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is."""
         rid = check_id(req.request_id, "request_id")
+        check_outcome(req.outcome)  # before anything else: a missing outcome must not read as DONE
         creds.check(req.engine_id, "engine_id")
         entry = self.publishes.get(rid)
         if entry is None:
