@@ -258,11 +258,15 @@ def serve(ctx: typer.Context) -> None:
     raise typer.Exit(code=serve_cli(list(ctx.args)))
 
 
+#: The `--target` of the commands that call a running sidecar's local API.
+LocalTarget = Annotated[
+    str, typer.Option(help="Local API: Unix socket path or host:port.", envvar="KVXFER_LOCAL_SOCKET")
+]
+
+
 @app.command(cls=_Command)
 def drain(
-    target: Annotated[
-        str, typer.Option(help="Local API: Unix socket path or host:port.", envvar="KVXFER_LOCAL_SOCKET")
-    ] = "/run/kvxfer/kvxfer.sock",
+    target: LocalTarget = "/run/kvxfer/kvxfer.sock",
     token_file: Annotated[
         str | None, typer.Option(help="File holding the shared token.", envvar="KVXFER_TOKEN_FILE")
     ] = None,
@@ -291,9 +295,7 @@ DRAIN_FLAGS: Mapping[str, str] = {"timeout_seconds": "--timeout-seconds", "autho
 
 @app.command(cls=_Command)
 def health(
-    target: Annotated[
-        str, typer.Option(help="Local API: Unix socket path or host:port.", envvar="KVXFER_LOCAL_SOCKET")
-    ] = "/run/kvxfer/kvxfer.sock",
+    target: LocalTarget = "/run/kvxfer/kvxfer.sock",
     service: Annotated[
         str, typer.Option(help="'liveness' (the process serves), or '' (ready: caches registered, not draining).")
     ] = "",
