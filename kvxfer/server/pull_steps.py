@@ -47,7 +47,7 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peers import PeerDirectory, PeerSession
 from kvxfer.server.registration import Registry
-from kvxfer.server.state import PullEntry, Registration
+from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.topology import RegionTable
@@ -103,12 +103,8 @@ class PullSteps:
         published = await self._fetch_all(entry, ranks, sessions)
         fetch_seconds = time.monotonic() - t_fetch
         per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
-        total_bytes, total_desc, data_seconds = await self._read_all(entry, reg, per_rank, published, sessions)
-        entry.stage = "done"
-        return local_pb2.TransferStats(
-            bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
-            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
-        )  # fmt: skip
+        moved = await self._read_all(entry, reg, per_rank, published, sessions)
+        return _done(entry, ranks, moved, warnings, fetch_seconds)
 
     # ------------------------------------------------------------------ 1. sources
     def _plan_sources(self, entry: PullEntry, reg: Registration) -> list[int]:
@@ -143,18 +139,8 @@ class PullSteps:
             grant = entry.grants.get(address)
             if grant is None or grant.valid_until < time.monotonic() + GRANT_MARGIN_S:
                 return None  # no promise, or too little of it left: confirm with a lookup
-            remaining = max(entry.deadline - time.monotonic(), 0.001)
-            session = await self.peers.session(address, budget=remaining)
-            them = session.identity
-            if (them.instance_id, them.epoch) != (grant.instance_id, grant.epoch) or any(
-                name not in them.regions or name not in grant.blocks or not_published(remote_given[name],
-                                                                                      grant.blocks[name])
-                for name in reg.groups
-            ):  # fmt: skip
-                return None
-            try:
-                self._check_rank(entry, q, session)
-            except FailedPreconditionError:
+            session = await self._readable_session(entry, reg, q)
+            if session is None or not _covers(grant, session, remote_given):
                 return None
             used[q] = session
         guess = _from_handshakes(used, remote_given, reg)
@@ -165,12 +151,8 @@ class PullSteps:
             entry.contacted.append(entry.addresses[q])  # they are told DONE or FAILED, as after a lookup
         # The READs must end while every promise holds: past it the pull fails (its bytes unused).
         entry.deadline = min(entry.deadline, *(entry.grants[entry.addresses[q]].valid_until for q in ranks))
-        total_bytes, total_desc, data_seconds = await self._read_all(entry, reg, per_rank, guess, sessions)
-        entry.stage = "done"
-        return local_pb2.TransferStats(
-            bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
-            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=0.0,
-        )  # fmt: skip
+        moved = await self._read_all(entry, reg, per_rank, guess, sessions)
+        return _done(entry, ranks, moved, warnings, 0.0)
 
     # ------------------------------------------------------------------ reading ahead of the lookups
     async def _read_ahead(
@@ -181,14 +163,9 @@ class PullSteps:
         entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
         used: dict[int, PeerSession] = {}
         for q in ranks:
-            remaining = max(entry.deadline - time.monotonic(), 0.001)
-            session = await self.peers.session(entry.addresses[q], budget=remaining)
-            try:
-                self._check_rank(entry, q, session)
-            except FailedPreconditionError:
-                return None  # the careful path asks again (the handshake may predate a re-registration)
-            if any(name not in session.identity.regions for name in reg.groups):
-                return None  # a peer that does not send its regions: wait for its lookup
+            session = await self._readable_session(entry, reg, q)
+            if session is None:
+                return None
             used[q] = session
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
@@ -201,12 +178,19 @@ class PullSteps:
             per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
             moved = await self._read_all(entry, reg, per_rank, published, sessions)
         assert moved is not None
-        total_bytes, total_desc, data_seconds = moved
-        entry.stage = "done"
-        return local_pb2.TransferStats(
-            bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
-            data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
-        )  # fmt: skip
+        return _done(entry, ranks, moved, warnings, fetch_seconds)
+
+    async def _readable_session(self, entry: PullEntry, reg: Registration, q: int) -> PeerSession | None:
+        """Rank ``q``'s handshake (cached), when it can be read from without a lookup's answer (else None)."""
+        remaining = max(entry.deadline - time.monotonic(), 0.001)
+        session = await self.peers.session(entry.addresses[q], budget=remaining)
+        try:
+            self._check_rank(entry, q, session)
+        except FailedPreconditionError:
+            return None  # the careful path asks again (the handshake may predate a re-registration)
+        if any(name not in session.identity.regions for name in reg.groups):
+            return None  # a peer that does not send its regions: wait for its lookup
+        return session
 
     async def _read_while_looking_up(
         self, entry: PullEntry, reg: Registration, ranks: list[int], per_rank: dict[int, list[tuple[U64, U64]]],
@@ -453,6 +437,26 @@ class PullSteps:
                 f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                 field="remote_addresses", reason=Reason.DATA_PLANE,
             ) from None  # fmt: skip
+
+
+def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) -> bool:
+    """The grant is from the handshake's publisher registration and names every id the worker gave."""
+    them = session.identity
+    return (them.instance_id, them.epoch) == (grant.instance_id, grant.epoch) and all(
+        name in grant.blocks and not not_published(ids, grant.blocks[name]) for name, ids in remote_given.items()
+    )
+
+
+def _done(
+    entry: PullEntry, ranks: list[int], moved: tuple[int, int, float], warnings: list[str], fetch_seconds: float
+) -> local_pb2.TransferStats:
+    """The stats of a finished pull: ``moved`` is (bytes, descriptors, seconds of data movement)."""
+    entry.stage = "done"
+    total_bytes, total_desc, data_seconds = moved
+    return local_pb2.TransferStats(
+        bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
+        data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
+    )  # fmt: skip
 
 
 def _from_handshakes(
