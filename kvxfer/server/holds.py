@@ -3,10 +3,12 @@
 vLLM queues a decode request before it allocates the blocks its KV goes into, and a busy or
 just-started decode instance may keep it queued longer than the prefill side's lease. The worker
 says so with ``Expect(request_id, remote_addresses)`` when the request arrives; this sidecar then
-sends each publisher one peer ``Hold`` for every request it expects from it, at once and every
-:func:`hold_period` seconds, until the request's Pull starts, it is aborted, a publisher answers
-that it no longer holds it, or ``--max-hold-seconds`` have passed. The publisher extends each
-lease by its own ``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
+sends each publisher one peer ``Hold`` for every request it expects from it, at once (a request
+expected between two rounds gets a Hold of its own right away: its pull may start within
+milliseconds and should read on a grant) and every :func:`hold_period` seconds, until the
+request's Pull starts, it is aborted, a publisher answers that it no longer holds it, or
+``--max-hold-seconds`` have passed. The publisher extends each lease by its own
+``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger, log_context
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory
+from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.state import Grant
 from kvxfer.wire import common_pb2, peer_pb2
 
 __all__ = ["Holds", "hold_period"]
 
 log = get_logger("kvxfer.server")
+
+HOLD_BATCH = MAX_BATCH  # request ids in one peer Hold (the publisher refuses more)
 
 
 def hold_period(settings: Settings) -> float:
@@ -56,14 +61,24 @@ class Holds:
         #: Per expected request, the publishers' latest grants by address (what a pull may READ without a lookup).
         self.grants: dict[str, dict[str, Grant]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._first_holds: set[asyncio.Task[None]] = set()  # a new request's first hold, sent at once
 
     def expect(self, request_id: str, addresses: list[str]) -> bool:
         """Hold ``request_id`` at ``addresses`` from now on; False when it was already expected."""
         new = request_id not in self.expected
         self.expected[request_id] = _Expected(tuple(addresses), time.monotonic() + self.settings.max_hold_seconds)
+        loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = loop.create_task(self._run())
+        elif new:
+            # The pull may start milliseconds from now: its grant must not wait for the next round.
+            task = loop.create_task(self._hold_at_once(request_id, tuple(addresses)))
+            self._first_holds.add(task)
+            task.add_done_callback(self._first_holds.discard)
         return new
+
+    async def _hold_at_once(self, request_id: str, addresses: tuple[str, ...]) -> None:
+        await asyncio.gather(*(self._hold(a, [request_id]) for a in addresses))
 
     def discard(self, request_id: str) -> None:
         """Stop holding ``request_id`` (it was aborted)."""
@@ -83,10 +98,10 @@ class Holds:
     async def close(self) -> None:
         """Stop the holding task."""
         self.clear()
-        if self._task is not None:
-            self._task.cancel()
+        for task in [*self._first_holds, *([self._task] if self._task is not None else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
 
     async def _run(self) -> None:
         while self.expected:
@@ -105,11 +120,14 @@ class Holds:
         for rid, e in self.expected.items():
             for address in e.addresses:
                 by_address.setdefault(address, []).append(rid)
-        await asyncio.gather(*(self._hold(a, rids) for a, rids in by_address.items()))
+        # A Hold carries at most HOLD_BATCH ids (the publisher refuses more): larger sets go in several.
+        chunks = [(a, rids[i : i + HOLD_BATCH]) for a, rids in by_address.items()
+                  for i in range(0, len(rids), HOLD_BATCH)]  # fmt: skip
+        await asyncio.gather(*(self._hold(a, rids) for a, rids in chunks))
 
     async def _hold(self, address: str, rids: list[str]) -> None:
         engine_id, instance_id, rank = self._me()
-        req = peer_pb2.HoldRequest(request_ids=rids[:1024], engine_id=engine_id, instance_id=instance_id, rank=rank)
+        req = peer_pb2.HoldRequest(request_ids=rids, engine_id=engine_id, instance_id=instance_id, rank=rank)
         try:
             await self.peers.session(address, budget=PEER_CALL_SECONDS)  # a publisher holds only for a known reader
             sent = time.monotonic()  # the publisher's promise runs from its answer, which comes later

@@ -87,3 +87,21 @@ async def test_a_held_request_is_read_on_its_grant_without_a_lookup(harness: Har
     wrong = dw[0].pull("wrong-ids", ps, {"kv": [10]}, remote_blocks={"kv": [5]})
     await expect_error(grpc.StatusCode.INVALID_ARGUMENT, wrong, "remote_blocks[kv]")
     assert lookups == ["wrong-ids"]
+
+
+async def test_a_request_expected_between_rounds_is_held_at_once(harness: Harness) -> None:
+    # lease 30 s: rounds every 5 s. A request expected while the holding task sleeps gets its
+    # grant now, not at the next round: the pull that follows within milliseconds reads on it.
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    assert ds[0].core is not None
+    grants = ds[0].core.holds.grants
+    for rid, block in (("first", 1), ("second", 2)):
+        await pw[0].prefill(rid, {"kv": [block]}, salt=block)
+        await dw[0].client.expect(rid, [ps[0].peer_address])
+        for _ in range(100):
+            if rid in grants:
+                break
+            await asyncio.sleep(0.01)
+        assert rid in grants, f"no grant for {rid!r} within 1 s"
+        assert grants[rid][ps[0].peer_address].blocks["kv"].tolist() == [block]
