@@ -177,6 +177,10 @@ class Settings(BaseModel):
     cuda_ipc_direct: bool = Field(
         True, description="same-host GPU READs by CUDA device copies instead of the backend (true/false)"
     )
+    cuda_gather: Literal["kernel", "copy-engine"] = Field(
+        "kernel",
+        description="how same-host GPU READs move a pull's spans: kernel (one gather launch) or copy-engine",
+    )
     lease_seconds: float = Field(
         30.0, gt=0, le=86400, allow_inf_nan=False, description="how long published blocks are held"
     )
@@ -357,7 +361,7 @@ class Settings(BaseModel):
         return TransportConfig(
             nixl_backends=self.nixl_backends, listen_host=host, data_port=self.data_port,
             mooncake_protocol=self.mooncake_protocol, mooncake_device=self.mooncake_device,
-            cuda_ipc_direct=self.cuda_ipc_direct,
+            cuda_ipc_direct=self.cuda_ipc_direct, cuda_gather=self.cuda_gather,
         )  # fmt: skip
 
     def token(self) -> str | None:

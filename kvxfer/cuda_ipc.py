@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.cuda_gather import GatherKernels, NvrtcError
 from kvxfer.errors import KvxferError, Reason
 
 __all__ = [
@@ -93,6 +94,7 @@ class CopyBatch:
     ordinal: int
     event: int
     calls: int  # driver calls it took: 1 with cuMemcpyBatchAsync, else one per copy
+    how: str = "copy-engine"  # "kernel": one gather launch (kvxfer.cuda_gather); else the copy engines
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ class CudaDriver:
         if self._batch is not None:
             self._batch.restype = ctypes.c_int
         self.batch_error = ""  # why batched copies were given up, if they were
+        self.kernels = GatherKernels(lib, self._check)  # one launch per pull (kvxfer.cuda_gather)
         self._streams: dict[int, ctypes.c_void_p] = {}
         uuid_fn = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
         uuid_fn.argtypes = [ctypes.POINTER(_Uuid), ctypes.c_int]
@@ -265,11 +268,13 @@ class CudaDriver:
 
     # ------------------------------------------------------------------ copies (same-node data path)
     def copy_async(self, ordinal: int, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64],
-                   sizes: npt.NDArray[np.uint64]) -> CopyBatch:  # fmt: skip
+                   sizes: npt.NDArray[np.uint64], *, kernel: bool = False) -> CopyBatch:  # fmt: skip
         """Queue ``dst[i] <- src[i]`` (``sizes[i]`` bytes) on device ``ordinal``'s stream; returns at once.
 
-        One ``cuMemcpyBatchAsync`` call where the driver has it (CUDA >= 12.8), else one
-        ``cuMemcpyDtoDAsync`` per copy (about 2 us of CPU each).
+        With ``kernel``, one launch of the gather kernel (:mod:`kvxfer.cuda_gather`) moves every
+        span; if it cannot be built or loaded, the copy engines do (``kernels.error`` says why).
+        Copy engines: one ``cuMemcpyBatchAsync`` call where the driver has it (CUDA >= 12.8), else
+        one ``cuMemcpyDtoDAsync`` per copy (about 2 us of CPU each).
         """
         dst = np.ascontiguousarray(dst, dtype=np.uint64)
         src = np.ascontiguousarray(src, dtype=np.uint64)
@@ -281,8 +286,10 @@ class CudaDriver:
                 stream = ctypes.c_void_p()
                 self._check(self._lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
                 self._streams[ordinal] = stream
-            calls = 1
-            if not (self._batch is not None and n > 1 and self._copy_batched(dst, src, sizes, stream)):
+            calls, how = 1, "copy-engine"
+            if kernel and self.kernels.available and self._gather(ordinal, stream, dst, src, sizes):
+                how = "kernel"
+            elif not (self._batch is not None and n > 1 and self._copy_batched(dst, src, sizes, stream)):
                 calls = n
                 cpy = self._lib.cuMemcpyDtoDAsync_v2
                 for d, sr, sz in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
@@ -292,7 +299,17 @@ class CudaDriver:
             ev = ctypes.c_void_p()
             self._check(self._lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
             self._check(self._lib.cuEventRecord(ev, stream), "cuEventRecord")
-        return CopyBatch(ordinal, int(ev.value or 0), calls)
+        return CopyBatch(ordinal, int(ev.value or 0), calls, how)
+
+    def _gather(self, ordinal: int, stream: ctypes.c_void_p, dst: Any, src: Any, sizes: Any) -> bool:
+        """Launch the gather kernel; False (and the kernel given up) if it cannot be built or queued."""
+        try:
+            self.kernels.launch(ordinal, self._device(ordinal), stream, dst, src, sizes)
+        except (NvrtcError, CudaIpcError, AttributeError, OSError) as exc:
+            # Nothing of this pull was queued (a failed table upload is overwritten before any launch).
+            self.kernels.forget(f"gather kernel: {exc}")
+            return False
+        return True
 
     def _copy_batched(self, dst: Any, src: Any, sizes: Any, stream: ctypes.c_void_p) -> bool:
         u64p, szp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)

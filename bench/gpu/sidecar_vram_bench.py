@@ -124,7 +124,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     block_lists = [(args.max_run, f"fragmented (runs 1..{args.max_run})"), (layout.num_blocks, "contiguous")]
-    plans = [("cuda-ipc" if not smoke else "default", {}, block_lists, args.sizes, args.reps)]
+    plans = [
+        (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}"), {"KVXFER_CUDA_GATHER": gather},
+         block_lists, args.sizes, args.reps)
+        for gather in args.gathers
+    ]  # fmt: skip
     if not smoke and args.nixl_reps:
         # The same sidecars with the same-host shortcut off: what NIXL/UCX does with IPC-opened memory.
         plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "false"}, block_lists, args.sizes[:1], args.nixl_reps))
@@ -160,7 +164,7 @@ def run_cluster(
         print(f"[{path}] cluster up in {time.perf_counter() - t0:.1f} s", flush=True)
         n = 0
 
-        def one(max_run: int, blocks: int, tag: str) -> dict[str, Any]:
+        def one(max_run: int, blocks: int, tag: str, mode: str) -> dict[str, Any]:
             nonlocal n
             n += 1
             p_alloc = BlockAllocator(layout.num_blocks, rng, max_run)
@@ -169,45 +173,50 @@ def run_cluster(
             rid = f"{tag}-{n}"
             try:
                 fill = pw.call("prefill", rid, {"kv": p_ids}, 1000 + n, 0.0, timeout=600)
-                res = dw.call("pull", rid, [pre.peer_address], {"kv": d_ids}, 1000 + n, "prefill", timeout=600)
+                if mode == "lookup":  # no publisher block ids: the sidecar asks the publisher (GetPublished)
+                    res = dw.call("pull", rid, [pre.peer_address], {"kv": d_ids}, 1000 + n, "prefill", timeout=600)
+                else:  # granted: expected on arrival (its Hold returns a grant), ids from kv_transfer_params
+                    dw.call("expect", rid, [pre.peer_address], timeout=60)
+                    time.sleep(args.expect_lead_ms / 1e3)  # the scheduler's queueing before blocks exist
+                    res = dw.call("pull", rid, [pre.peer_address], {"kv": d_ids}, 1000 + n, "prefill",
+                                  {"kv": p_ids}, timeout=600)  # fmt: skip
             except ClusterError as exc:
                 raise ClusterError(f"{exc}\n{cluster.logs(40)}") from None
             res["fill_s"] = fill["fill_s"]
             return res
 
-        stop = False
-        for max_run, label in lists:
-            for tokens in sizes:
-                blocks = -(-tokens // layout.block_size)
-                one(max_run, blocks, "warm")  # first pull: handshake, UCX endpoints, IPC mappings
-                got = [one(max_run, blocks, "bench") for _ in range(reps)]
-                nbytes = got[0]["bytes"]
-                data = statistics.median(r["data_s"] for r in got)
-                lat = statistics.median(r["latency_s"] for r in got)
-                row = {
-                    "path": path, "blocks": label, "tokens": tokens, "MiB": nbytes / 2**20,
-                    "descriptors": statistics.median(r["descriptors"] for r in got),
-                    "data_GBps": nbytes / data / 1e9, "e2e_GBps": nbytes / lat / 1e9,
-                    "best_data_GBps": nbytes / min(r["data_s"] for r in got) / 1e9,
-                    "data_ms": data * 1e3, "latency_ms": lat * 1e3,
-                    "verified_bytes": sum(r["checked"] - r["mismatched"] for r in got),
-                    "mismatched_bytes": sum(r["mismatched"] for r in got), "reps": len(got),
-                }  # fmt: skip
-                row["data_vs_copy"] = row["data_GBps"] / copy
-                row["e2e_vs_copy"] = row["e2e_GBps"] / copy
-                rows.append(row)
-                print(
-                    f"[{path}] {label:26} {tokens:6} tok {row['MiB']:6.0f} MiB {row['descriptors']:5.0f} desc  "
-                    f"data {row['data_GBps']:7.1f} GB/s ({row['data_vs_copy']:.3f} of copy, "
-                    f"{row['data_ms']:.2f} ms)  e2e {row['e2e_GBps']:6.1f} GB/s ({row['latency_ms']:.1f} ms)  "
-                    f"verified {row['verified_bytes']:,} B, bad {row['mismatched_bytes']}",
-                    flush=True,
-                )
-                if time.perf_counter() - t_start > args.budget_s:
-                    print("budget reached; stopping", flush=True)
-                    stop = True
-                    break
-            if stop:
+        cases = [(m, lab, t, mode) for m, lab in lists for t in sizes for mode in args.modes]
+        for max_run, label, tokens, mode in cases:
+            blocks = -(-tokens // layout.block_size)
+            one(max_run, blocks, "warm", mode)  # first pull: handshake, UCX endpoints, IPC mappings
+            got = [one(max_run, blocks, "bench", mode) for _ in range(reps)]
+            nbytes = got[0]["bytes"]
+            data = statistics.median(r["data_s"] for r in got)
+            lat = statistics.median(r["latency_s"] for r in got)
+            row = {
+                "path": f"{path}+{mode}", "blocks": label, "tokens": tokens, "MiB": nbytes / 2**20,
+                "fetch_ms": statistics.median(r["fetch_s"] for r in got) * 1e3,
+                "sidecar_ms": statistics.median(r["duration_s"] for r in got) * 1e3,
+                "descriptors": statistics.median(r["descriptors"] for r in got),
+                "data_GBps": nbytes / data / 1e9, "e2e_GBps": nbytes / lat / 1e9,
+                "best_data_GBps": nbytes / min(r["data_s"] for r in got) / 1e9,
+                "data_ms": data * 1e3, "latency_ms": lat * 1e3,
+                "verified_bytes": sum(r["checked"] - r["mismatched"] for r in got),
+                "mismatched_bytes": sum(r["mismatched"] for r in got), "reps": len(got),
+            }  # fmt: skip
+            row["data_vs_copy"] = row["data_GBps"] / copy
+            row["e2e_vs_copy"] = row["e2e_GBps"] / copy
+            rows.append(row)
+            print(
+                f"[{row['path']}] {label:26} {tokens:6} tok {row['MiB']:6.0f} MiB {row['descriptors']:5.0f} desc  "
+                f"data {row['data_GBps']:7.1f} GB/s ({row['data_vs_copy']:.3f} of copy, "
+                f"{row['data_ms']:.2f} ms)  e2e {row['e2e_GBps']:6.1f} GB/s ({row['latency_ms']:.2f} ms; sidecar "
+                f"{row['sidecar_ms']:.2f}, lookup {row['fetch_ms']:.2f})  "
+                f"verified {row['verified_bytes']:,} B, bad {row['mismatched_bytes']}",
+                flush=True,
+            )
+            if time.perf_counter() - t_start > args.budget_s:
+                print("budget reached; stopping", flush=True)
                 break
         facts[f"sidecar_exit_codes_{path}"] = cluster.stop()
         log = workdir / "decode-0.log"  # the reader's side: UCX's protocol choice, fallback warnings
@@ -216,7 +225,7 @@ def run_cluster(
         facts[f"ucx_read_protocol_{path}"] = proto_lines(workdir / "decode-0.log")
         facts[f"fallback_warnings_{path}"] = [
             ln[:300] for ln in (workdir / "decode-0.log").read_text(errors="replace").splitlines()
-            if "CUDA IPC READ unavailable" in ln
+            if "CUDA IPC READ unavailable" in ln or "gather kernel is unavailable" in ln
         ][:3]  # fmt: skip
     shutil.rmtree(workdir, ignore_errors=True)
     return rows
@@ -236,11 +245,18 @@ def main() -> int:
     ap.add_argument("--no-proto-info", dest="proto_info", action="store_false")
     ap.add_argument("--keep-logs", action="store_true", help="copy the decode sidecars' logs to --out")
     ap.add_argument("--nixl-reps", type=int, default=2, help="pulls per case with the shortcut off (0: skip)")
+    ap.add_argument("--gathers", default="kernel", help="--cuda-gather values to run, each a pair of sidecars "
+                    "(kernel,copy-engine)")  # fmt: skip
+    ap.add_argument("--modes", default="lookup,granted", help="lookup: pull with no publisher ids (GetPublished "
+                    "first); granted: expect, then pull with the ids (READ on the grant)")  # fmt: skip
+    ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     args.blocks = args.blocks or (256 if smoke else 2048)
     args.sizes = [int(x) for x in (args.sizes or ("128,1024" if smoke else "1024,8192")).split(",")]
     args.reps = args.reps or (2 if smoke else 4)
+    args.gathers = args.gathers.split(",")
+    args.modes = args.modes.split(",")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     try:
         result = run(args)

@@ -292,12 +292,18 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         t1 = time.perf_counter()
         client.publish(rid, blocks, lease_seconds=lease)
         return {"bytes": nbytes, "fill_s": t1 - t0, "publish_s": time.perf_counter() - t1}
+    if op == "expect":  # what the decode scheduler says when a request arrives, before its blocks exist
+        _, rid, addresses = cmd
+        return {"held": client.expect(rid, addresses)}
     if op == "pull":
-        _, rid, addresses, blocks, salt, engine = cmd
+        # remote_blocks (optional): the publisher's block ids, as vLLM's kv_transfer_params carry them:
+        # the sidecar may then READ on a grant or ahead of its lookup.
+        _, rid, addresses, blocks, salt, engine, *more = cmd
+        remote = more[0] if more else None
         for g, ids in blocks.items():
             poison_blocks(buffers[g], ids)
         t0 = time.perf_counter()
-        res = client.pull(rid, addresses, blocks, remote_engine_id=engine, wait=True)
+        res = client.pull(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine, wait=True)
         latency = time.perf_counter() - t0
         checked = bad = 0
         for g, ids in blocks.items():
@@ -306,7 +312,7 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         return {
             "latency_s": latency, "data_s": res.data_seconds, "bytes": res.bytes, "descriptors": res.descriptors,
             "checked": checked, "mismatched": bad, "verify_s": time.perf_counter() - t0 - latency,
-            "warnings": list(res.warnings),
+            "warnings": list(res.warnings), "fetch_s": res.fetch_seconds, "duration_s": res.duration_seconds,
         }  # fmt: skip
     if op == "status":
         return dict(client.status())

@@ -26,6 +26,7 @@ __all__ = ["MemType", "Notification", "Op", "Registration", "TransferResult", "T
 U64 = npt.NDArray[np.uint64]
 Op = Literal["READ", "WRITE"]
 MemType = Literal["DRAM", "VRAM"]
+CudaGather = Literal["kernel", "copy-engine"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class TransportConfig:
     mooncake_protocol: str = "tcp"  # Mooncake: tcp or rdma
     mooncake_device: str = ""  # Mooncake: RDMA devices (empty: auto)
     cuda_ipc_direct: bool = False  # same-host GPU READs by device copies (kvxfer.transport.cuda_ipc_direct)
+    cuda_gather: CudaGather = "kernel"  # those copies: one gather launch ("kernel") or the copy engines
     poll_min_s: float = 20e-6  # first completion poll; doubles up to poll_max_s
     poll_max_s: float = 2e-3
     # Mooncake: how long its own synchronous wait lasts (plus 1 s per GiB) before it gives up on a

@@ -88,6 +88,9 @@ class CudaIpcDirect(Transport):
         self._exports: dict[int, tuple[_Export, ...]] = {}
         self._peers: dict[str, _Peer] = {}
         self.direct_reads = 0  # READs that took the shortcut (tests, benchmarks)
+        self.kernel_reads = 0  # of those, READs moved by one gather launch (kvxfer.cuda_gather)
+        self._kernel = inner.config.cuda_gather == "kernel"
+        self._warned_kernel = False
         self._waiter: ThreadPoolExecutor | None = None  # waits for device copies (one stream: in order)
 
     name = "cuda-ipc-direct"
@@ -234,10 +237,16 @@ class CudaIpcDirect(Transport):
     async def _copy(self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float) -> None:
         drv = cuda_ipc.driver()
         try:
-            batch = drv.copy_async(ordinal, dst, src, sizes)
+            batch = drv.copy_async(ordinal, dst, src, sizes, kernel=self._kernel)
         except cuda_ipc.CudaIpcError as exc:
             raise TransferFailedError(f"device copies did not start: {exc.message}", backend="cuda-ipc",
                                       peer=peer) from None  # fmt: skip
+        if batch.how == "kernel":
+            self.kernel_reads += 1
+        elif self._kernel and not self._warned_kernel and drv.kernels.error:
+            self._warned_kernel = True
+            log.warning("same-host GPU READs use the copy engines: the gather kernel is unavailable",
+                        extra={"error": drv.kernels.error})  # fmt: skip
         # Waiting in a thread: asyncio (uvloop) timers tick in milliseconds, a 128 MiB copy takes 0.1 ms.
         # One thread of our own: asyncio.to_thread costs twice the wake-up (about 110 against 50 us).
         if self._waiter is None:

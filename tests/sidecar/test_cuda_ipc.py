@@ -19,7 +19,8 @@ from kvxfer import cuda_ipc
 from kvxfer.cuda_ipc import CudaIpcError, CudaUnavailableError, Exported, IpcMappings
 from kvxfer.errors import KvxferError
 from kvxfer.memory import CudaIpcRef, MemoryRegistrationError, attach
-from kvxfer.transport import MemType, Notification, Op, Registration, TransferResult, Transport
+from kvxfer.transport import MemType, Notification, Op, Registration, TransferResult, Transport, TransportConfig
+from kvxfer.transport.base import CudaGather
 from kvxfer.transport.cuda_ipc_direct import CudaIpcDirect
 from kvxfer.transport.nixl_backend import UCX_DEFAULTS, ucx_engine_config
 from kvxfer.wire.convert import memory_from_proto, memory_to_proto
@@ -66,9 +67,12 @@ class FakeDriver:
 
     copies: list[tuple[int, list[int], list[int], list[int]]] = field(default_factory=list)
 
-    def copy_async(self, ordinal: int, dst: Any, src: Any, sizes: Any) -> cuda_ipc.CopyBatch:
+    kernel_flags: list[bool] = field(default_factory=list)
+
+    def copy_async(self, ordinal: int, dst: Any, src: Any, sizes: Any, *, kernel: bool = False) -> cuda_ipc.CopyBatch:
         self.copies.append((ordinal, [int(x) for x in dst], [int(x) for x in src], [int(x) for x in sizes]))
-        return cuda_ipc.CopyBatch(ordinal, len(self.copies), 1)
+        self.kernel_flags.append(kernel)
+        return cuda_ipc.CopyBatch(ordinal, len(self.copies), 1, "kernel" if kernel else "copy-engine")
 
     def done(self, batch: cuda_ipc.CopyBatch) -> bool:
         return True
@@ -427,8 +431,8 @@ class InnerPlane(Transport):
 
     name = "fake"
 
-    def __init__(self, name: str) -> None:
-        super().__init__("inner")
+    def __init__(self, name: str, gather: CudaGather = "kernel") -> None:
+        super().__init__("inner", TransportConfig(cuda_gather=gather))
         self.who = name
         self.reads: list[str] = []
 
@@ -459,9 +463,9 @@ class InnerPlane(Transport):
         pass
 
 
-def _planes(fake: FakeDriver) -> tuple[Any, Any, Any]:
+def _planes(fake: FakeDriver, gather: CudaGather = "kernel") -> tuple[Any, Any, Any]:
     """A publisher (worker allocation handle(1) at offset 0x1000 in it) and a reader on this host."""
-    pub, rd = CudaIpcDirect(InnerPlane("pub")), CudaIpcDirect(InnerPlane("rd"))
+    pub, rd = CudaIpcDirect(InnerPlane("pub")), CudaIpcDirect(InnerPlane("rd", gather))
     rd._pid = -1  # the two "processes" are this one
     a = attach(ref(offsets=tuple(0x1000 + i * LAY.region_bytes for i in range(4))), LAY)
     reg = pub.register(a.table, "VRAM")
@@ -487,6 +491,7 @@ async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: F
     assert fake.opened == [(1, handle(1))]
     region1 = 0x1000_0000 + 0x1000 + LAY.region_bytes
     assert fake.copies == [(1, [0x5000_0000, 0x5000_2000], [region1 + 64, region1 + 8192], [4096, 128])]
+    assert (fake.kernel_flags, rd.kernel_reads) == ([True], 1)  # --cuda-gather kernel, the default
     # DRAM, or a descriptor outside the peer's regions, never take the shortcut.
     await rd.read("pub", local, remote, mem_type="DRAM", remote_mem_type="DRAM", timeout=5.0)
     assert rd._inner.reads == ["pub:DRAM"]
@@ -497,6 +502,18 @@ async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: F
     assert (1, 0x1000_0000) in fake.closed  # the reader's mapping is gone with the peer
     pub.deregister(reg)
     assert pub.metadata() == b"backend-metadata-of-pub"
+    a.close()
+
+
+async def test_copy_engine_gather_is_chosen_by_config(fake: FakeDriver) -> None:
+    import numpy as np
+
+    pub, rd, (a, _reg) = _planes(fake, "copy-engine")
+    rd.add_peer(pub.metadata())
+    base = int(a.table.base[0])
+    desc = np.array([[base, 64, 1]], dtype=np.uint64)
+    await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
+    assert (fake.kernel_flags, rd.direct_reads, rd.kernel_reads) == ([False], 1, 0)
     a.close()
 
 
