@@ -341,6 +341,7 @@ def bench_agents(
     facts["fill_s"] = time.perf_counter() - t0
     # Same engine settings as the sidecar; UCX_PROTO_INFO tables go to a log, not stdout.
     log = Path(log_dir or tempfile.mkdtemp(prefix="kvx-nixlab-")) / "nixl_agents_ucx.log"
+    log.write_text("")  # this run's lines only
     saved_proto = os.environ.get("UCX_PROTO_INFO")
     if proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
@@ -363,7 +364,7 @@ def bench_agents(
                 ctx = captured_output(log) if first else contextlib.nullcontext()
                 with ctx:  # the first pulls choose UCX's protocols: their tables go to the log
                     t0 = time.perf_counter()
-                    got = run_case(agents, topo, src, dst, pairs)
+                    got = run_case(agents, topo, src, dst, pairs, t_start + budget_s)
                     if first:
                         facts["first_case_s"] = time.perf_counter() - t0
                 first = False
@@ -398,13 +399,20 @@ def bench_agents(
     return {"ok": ok, "facts": facts, "rows": rows, "wall_s": time.perf_counter() - t_start, "stopped_early": stopped}
 
 
-def run_case(agents: Agents, topo: Any, src: Cache, dst: Cache, pairs: list[tuple[np.ndarray, np.ndarray]]) -> Any:
-    """The warm-up pull then the timed pulls, the schemes on each pair in turn, every pull verified."""
+def run_case(
+    agents: Agents, topo: Any, src: Cache, dst: Cache, pairs: list[tuple[np.ndarray, np.ndarray]], deadline: float
+) -> Any:
+    """The warm-up pull then the timed pulls, the schemes on each pair in turn, every pull verified.
+
+    Past ``deadline`` (``time.perf_counter()``) no further pair starts once one timed pull is in.
+    """
     layout = src.layout
     got: dict[str, dict[str, list[Any]]] = {
         m: {k: [] for k in ("data", "post", "build", "descriptors", "posted", "verified", "bad")} for m in METHODS
     }
     for i, (p_ids, d_ids) in enumerate(pairs):
+        if i >= 2 and time.perf_counter() > deadline:
+            break
         for method in METHODS[i % 3 :] + METHODS[: i % 3]:  # the schemes take turns, in rotating order
             t0 = time.perf_counter()
             if method == COALESCED:
@@ -494,6 +502,11 @@ def markdown(result: dict[str, Any]) -> str:
     if ratios:
         lines += ["", "kvxfer coalesced vs per block+layer with / without NIXL's merge (data GB/s):", "",
                   *(f"- {x}" for x in ratios)]  # fmt: skip
+    proto = facts.get("ucx_read_protocol") or ["(none captured)"]
+    lines += ["", "UCX READ protocol (agents):", "", *(f"    {ln}" for ln in proto)]
+    for key in ("slow_read_warning", "error"):
+        if facts.get(key):
+            lines += ["", f"{key}: {facts[key]}"]
     return "\n".join(lines)
 
 
@@ -504,7 +517,12 @@ def comparison(rows: list[dict[str, Any]]) -> str:
     agents = [p for p in paths if p.startswith("nixl-agents ")]
     cell = {(r["blocks"], r["tokens"], r["path"]): r for r in rows}
     cases = list(dict.fromkeys((r["blocks"], r["tokens"]) for r in rows))
-    head = ["blocks", "tokens", *(f"sidecar {p}" for p in sidecar), *(p.removeprefix("nixl-agents ") for p in agents)]
+    head = [
+        "blocks",
+        "tokens",
+        *(f"sidecar {p}" for p in sidecar),
+        *(p.replace("nixl-agents ", "agents: ") for p in agents),
+    ]
     if sidecar and agents:
         head.append(f"sidecar {sidecar[0]} >= every agents row")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -553,8 +571,6 @@ def main() -> int:
         result = {"ok": False, "error": traceback.format_exc(), "rows": []}
         print(result["error"], flush=True)
     (out / "nixl_agents_bench.json").write_text(json.dumps(result, indent=1, default=str))
-    for line in result.get("facts", {}).get("ucx_read_protocol", []):
-        print(f"ucx_read_protocol: {line}")
     table = markdown(result)
     (out / "nixl_agents_bench.md").write_text(table + "\n")
     print(table)
