@@ -50,11 +50,11 @@ def device_copy_rate(torch: Any, nbytes: int) -> float:
 
 
 def correctness(torch: Any, drv: Any, rng: np.random.Generator) -> dict[str, Any]:
-    arena = 256 * MiB
+    arena = 1024 * MiB
     src = torch.randint(0, 256, (arena,), dtype=torch.uint8, device="cuda:0")
     dst = torch.zeros(arena, dtype=torch.uint8, device="cuda:0")
     sizes = [0, 1, 15, 16, 17, 4095, 65535, 65536, 65537, 3 * 65536 + 5, 8 * MiB + 3, 16]
-    sizes += rng.integers(1, 2 * MiB, 500).tolist()
+    sizes += rng.integers(1, 2 * MiB, 300).tolist()
     sizes += (rng.integers(1, 4096, 200) * 16).tolist()  # aligned, the KV page case
     order = rng.permutation(len(sizes))
     s_off, d_off, at = [0] * len(sizes), [0] * len(sizes), 0

@@ -139,6 +139,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows += run_cluster(args, layout, (memory_p, memory_d), path, env, lists, sizes, reps, rng, copy, facts,
                             t_start)  # fmt: skip
     ok = bool(rows) and all(r["mismatched_bytes"] == 0 and r["verified_bytes"] > 0 for r in rows)
+    if args.with_nixl_agents:  # the baseline: two NIXL agents owning their caches, the same block lists
+        from nixl_agents_bench import bench_agents, comparison, markdown
+
+        agents = bench_agents(layout, memory="dram" if smoke else "vram", devices=(0, args.decode_device),
+                              sizes=args.sizes, reps=args.reps, max_run=args.max_run, seed=args.seed, copy_gbps=copy,
+                              budget_s=max(1.0, args.budget_s - (time.perf_counter() - t_start)),
+                              proto_info=args.proto_info, log_dir=Path(args.out))  # fmt: skip
+        rows += agents["rows"]
+        facts["nixl_agents"] = {**agents["facts"], "stopped_early": agents["stopped_early"], "ok": agents["ok"]}
+        ok = ok and agents["ok"]
+        print(markdown(agents) + "\n\n" + comparison(rows), flush=True)
     return {"ok": ok, "facts": facts, "rows": rows, "wall_s": time.perf_counter() - t_start}
 
 
@@ -250,6 +261,7 @@ def main() -> int:
     ap.add_argument("--modes", default="lookup,granted", help="lookup: pull with no publisher ids (GetPublished "
                     "first); granted: expect, then pull with the ids (READ on the grant)")  # fmt: skip
     ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
+    ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     args.blocks = args.blocks or (256 if smoke else 2048)

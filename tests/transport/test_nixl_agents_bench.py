@@ -1,0 +1,87 @@
+"""bench/gpu/nixl_agents_bench.py on DRAM: two in-process NIXL agents, every byte verified, descriptor counts.
+
+The GPU run differs only in where the caches are allocated (``--memory vram``); this pins the rest
+here: the coalesced descriptors are exactly kvxfer's topology's, the per-block schemes post one per
+block per layer (or what NIXL's merge of a prepared transfer leaves), and the block lists are the
+sidecar bench's for the same seed (its rows and these report the same descriptor counts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvxfer.topology import RankInfo, TransferTopology
+
+GPU_BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu"
+
+
+def _bench_module() -> Any:
+    sys.path.insert(0, str(GPU_BENCH))
+    try:
+        return importlib.import_module("nixl_agents_bench")
+    finally:
+        sys.path.remove(str(GPU_BENCH))
+
+
+def _run(script: str, out: Path, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(GPU_BENCH / script), "--out", str(out), *args],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_dram_rows_verified_and_descriptors_are_the_topologys(tmp_path: Path) -> None:
+    stdout = _run("nixl_agents_bench.py", tmp_path, "--cpu-smoke", "--blocks", "64", "--sizes", "16,128", "--reps", "2")
+    result = json.loads((tmp_path / "nixl_agents_bench.json").read_text())
+    assert result["ok"] is True
+    assert not result["stopped_early"]
+    assert "| kvxfer coalesced |" in (tmp_path / "nixl_agents_bench.md").read_text()
+    assert "per block+layer, no merge" in stdout
+    mod = _bench_module()
+    layout = mod.smoke_layout(64)
+    lists = mod.block_lists(layout, [16, 128], 2, 64, 0)
+    topo = TransferTopology(layout, layout, RankInfo(0, 1), 1)
+    rows = {(r["blocks"], r["tokens"], r["path"].removeprefix("nixl-agents ")): r for r in result["rows"]}
+    assert len(rows) == 2 * 2 * 3
+    for (label, tokens), pairs in lists.items():
+        blocks = -(-tokens // layout.block_size)
+        nbytes = blocks * layout.num_layers * layout.page_bytes
+        timed = pairs[1:]  # the first pair is the warm-up pull's
+        plans = [topo.plan(d, p) for p, d in timed]
+        coalesced = rows[(label, tokens, mod.COALESCED)]
+        assert coalesced["descriptors_each"] == [plan.num_descriptors for plan in plans]
+        for method in (mod.PREPPED, mod.UNMERGED):
+            assert rows[(label, tokens, method)]["descriptors_each"] == [blocks * layout.num_layers] * 2
+            assert [plan.per_block_descriptors for plan in plans] == [blocks * layout.num_layers] * 2
+        # NIXL's merge of a prepared transfer leaves what kvxfer coalesces (same TP, one region per layer)
+        assert rows[(label, tokens, mod.PREPPED)]["posted_descriptors"] == coalesced["descriptors"]
+        for method in mod.METHODS:
+            row = rows[(label, tokens, method)]
+            assert row["verified_bytes"] == 3 * nbytes  # warm-up + 2 timed pulls
+            assert (row["mismatched_bytes"], row["stray_bytes"], row["reps"]) == (0, 0, 2)
+            assert row["data_GBps"] > 0
+            assert row["data_ms"] >= row["post_ms"] > 0
+    contiguous = [r for r in result["rows"] if r["blocks"] == "contiguous" and r["path"].endswith(mod.COALESCED)]
+    assert all(r["descriptors"] <= 2 * layout.num_layers for r in contiguous)  # at most one wrap of the cache
+    assert any("cma" in ln or "zero-copy" in ln for ln in result["facts"]["ucx_read_protocol"])
+
+
+def test_sidecar_bench_with_agents_rows_use_the_same_lists(tmp_path: Path) -> None:
+    _run("sidecar_vram_bench.py", tmp_path, "--cpu-smoke", "--with-nixl-agents", "--blocks", "64", "--sizes", "16,128",
+         "--modes", "lookup")  # fmt: skip
+    result = json.loads((tmp_path / "sidecar_bench.json").read_text())
+    assert result["ok"] is True
+    assert result["facts"]["nixl_agents"]["ok"] is True
+    by_path: dict[str, dict[tuple[str, int], float]] = {}
+    for r in result["rows"]:
+        by_path.setdefault(r["path"], {})[(r["blocks"], r["tokens"])] = r["descriptors"]
+    assert set(by_path) == {"default+lookup", "nixl-agents kvxfer coalesced", "nixl-agents per block+layer, NIXL merge",
+                            "nixl-agents per block+layer, no merge"}  # fmt: skip
+    assert by_path["nixl-agents kvxfer coalesced"] == by_path["default+lookup"]  # the sidecar's lists and descriptors
