@@ -99,6 +99,17 @@ def proto_lines(log: Path) -> list[str]:
     return out[:12]
 
 
+def read_phases(log: Path) -> dict[str, float]:
+    """Median submit / GPU / wake-up microseconds of the decode sidecar's same-host READs (debug log)."""
+    phases: dict[str, list[float]] = {"submit_us": [], "gpu_us": [], "wake_us": []}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"same-host READ phases"' in line:
+            rec = json.loads(line)
+            for k, v in phases.items():
+                v.append(float(rec[k]))
+    return {k: round(statistics.median(v), 1) for k, v in phases.items() if v} | {"reads": len(phases["gpu_us"])}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     smoke = args.cpu_smoke
     layout = (smoke_layout if smoke else llama3_8b)(args.blocks)
@@ -125,7 +136,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     block_lists = [(args.max_run, f"fragmented (runs 1..{args.max_run})"), (layout.num_blocks, "contiguous")]
     plans = [
-        (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}"), {"KVXFER_CUDA_GATHER": gather},
+        (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}"),
+         {"KVXFER_CUDA_GATHER": gather, **({"KVXFER_LOG_LEVEL": "debug"} if args.phases else {})},
          block_lists, args.sizes, args.reps)
         for gather in args.gathers
     ]  # fmt: skip
@@ -234,6 +246,9 @@ def run_cluster(
         if args.keep_logs and log.exists():
             shutil.copy(log, Path(args.out) / f"decode-0-{path}.log")
         facts[f"ucx_read_protocol_{path}"] = proto_lines(workdir / "decode-0.log")
+        if args.phases:
+            facts[f"read_phases_{path}"] = read_phases(workdir / "decode-0.log")
+            print(f"[{path}] same-host READ phases, median us: {facts[f'read_phases_{path}']}", flush=True)
         facts[f"fallback_warnings_{path}"] = [
             ln[:300] for ln in (workdir / "decode-0.log").read_text(errors="replace").splitlines()
             if "CUDA IPC READ unavailable" in ln or "gather kernel is unavailable" in ln
@@ -261,6 +276,7 @@ def main() -> int:
     ap.add_argument("--modes", default="lookup,granted", help="lookup: pull with no publisher ids (GetPublished "
                     "first); granted: expect, then pull with the ids (READ on the grant)")  # fmt: skip
     ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
+    ap.add_argument("--phases", action="store_true", help="debug logs on the sidecars: where a READ's time goes")
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     args = ap.parse_args()
     smoke = args.cpu_smoke

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -236,6 +237,7 @@ class CudaIpcDirect(Transport):
 
     async def _copy(self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float) -> None:
         drv = cuda_ipc.driver()
+        t_submit = time.perf_counter()
         try:
             batch = drv.copy_async(ordinal, dst, src, sizes, kernel=self._kernel)
         except cuda_ipc.CudaIpcError as exc:
@@ -251,9 +253,15 @@ class CudaIpcDirect(Transport):
         # One thread of our own: asyncio.to_thread costs twice the wake-up (about 110 against 50 us).
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-cuda-wait")
-        waiter = asyncio.get_running_loop().run_in_executor(self._waiter, drv.wait, batch)
+        t_queued = time.perf_counter()
+
+        def wait() -> float:
+            drv.wait(batch)
+            return time.perf_counter()
+
+        waiter = asyncio.get_running_loop().run_in_executor(self._waiter, wait)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), timeout=budget)
+            t_done = await asyncio.wait_for(asyncio.shield(waiter), timeout=budget)
         except TimeoutError:
             # Queued device copies cannot be recalled; they finish on their own (the thread too).
             raise TransferTimeoutError(
@@ -261,6 +269,11 @@ class CudaIpcDirect(Transport):
             ) from None
         except cuda_ipc.CudaIpcError as exc:
             raise TransferFailedError(f"device copies failed: {exc.message}", backend="cuda-ipc", peer=peer) from None
+        if log.isEnabledFor(logging.DEBUG):  # where a READ's fixed cost goes (bench/gpu/sidecar_vram_bench.py)
+            log.debug("same-host READ phases", extra={
+                "peer": peer, "spans": int(sizes.size), "how": batch.how, "submit_us": (t_queued - t_submit) * 1e6,
+                "gpu_us": (t_done - t_queued) * 1e6, "wake_us": (time.perf_counter() - t_done) * 1e6,
+            })  # fmt: skip
 
     def close(self) -> None:
         for name in list(self._peers):

@@ -505,15 +505,21 @@ async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: F
     a.close()
 
 
-async def test_copy_engine_gather_is_chosen_by_config(fake: FakeDriver) -> None:
+async def test_copy_engine_gather_is_chosen_by_config(fake: FakeDriver, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
     import numpy as np
 
     pub, rd, (a, _reg) = _planes(fake, "copy-engine")
     rd.add_peer(pub.metadata())
     base = int(a.table.base[0])
     desc = np.array([[base, 64, 1]], dtype=np.uint64)
-    await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
+    with caplog.at_level(logging.DEBUG, logger="kvxfer.transport.cuda_ipc_direct"):
+        await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
     assert (fake.kernel_flags, rd.direct_reads, rd.kernel_reads) == ([False], 1, 0)
+    (phases,) = [r for r in caplog.records if r.getMessage() == "same-host READ phases"]
+    assert (phases.spans, phases.how) == (1, "copy-engine")  # type: ignore[attr-defined]
+    assert min(phases.submit_us, phases.gpu_us, phases.wake_us) >= 0  # type: ignore[attr-defined]
     a.close()
 
 
