@@ -328,15 +328,23 @@ class CudaDriver:
             return False
         return True
 
-    def wait(self, batch: CopyBatch) -> None:
+    def wait(self, batch: CopyBatch, *, spin: bool = False) -> None:
         """Block until the copies of ``batch`` finished (raises if they failed) and free its event.
 
         Meant for a worker thread: the call releases the GIL, and the event loop learns of the end
         within microseconds, where polling from the loop would wait for its (millisecond) timers.
+        ``spin`` polls the event instead of ``cuEventSynchronize`` (which may yield or block,
+        depending on the context's scheduling flags).
         """
+        ev = ctypes.c_void_p(batch.event)
         with self._current(batch.ordinal):
-            rc = self._lib.cuEventSynchronize(ctypes.c_void_p(batch.event))
-            self._lib.cuEventDestroy_v2(ctypes.c_void_p(batch.event))
+            if spin:
+                rc = self._lib.cuEventQuery(ev)
+                while rc == _ERR_NOT_READY:
+                    rc = self._lib.cuEventQuery(ev)
+            else:
+                rc = self._lib.cuEventSynchronize(ev)
+            self._lib.cuEventDestroy_v2(ev)
         self._check(rc, "device copies")
 
     def done(self, batch: CopyBatch) -> bool:

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     block_lists = [(args.max_run, f"fragmented (runs 1..{args.max_run})"), (layout.num_blocks, "contiguous")]
     plans = [
         (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}"),
-         {"KVXFER_CUDA_GATHER": gather, **({"KVXFER_LOG_LEVEL": "debug"} if args.phases else {})},
+         {"KVXFER_CUDA_GATHER": gather, **({"KVXFER_CUDA_WAIT_SPIN": "1"} if args.spin else {})},
          block_lists, args.sizes, args.reps)
         for gather in args.gathers
     ]  # fmt: skip
@@ -177,7 +177,7 @@ def run_cluster(
     workdir = Path(tempfile.mkdtemp(prefix="kvx-gpu-"))
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with LocalCluster(backend="nixl", workdir=str(workdir)) as cluster:
+    with LocalCluster(backend="nixl", workdir=str(workdir), log_level="debug" if args.phases else "warning") as cluster:
         pre = cluster.start_sidecar("prefill-0", "prefill", "prefill", env=env)
         dec = cluster.start_sidecar("decode-0", "decode", "decode", env=env)
         pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory[0])
@@ -277,6 +277,7 @@ def main() -> int:
                     "first); granted: expect, then pull with the ids (READ on the grant)")  # fmt: skip
     ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
     ap.add_argument("--phases", action="store_true", help="debug logs on the sidecars: where a READ's time goes")
+    ap.add_argument("--spin", action="store_true", help="experiment: the sidecars' READ waits spin on the event")
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     args = ap.parse_args()
     smoke = args.cpu_smoke

@@ -77,7 +77,7 @@ class FakeDriver:
     def done(self, batch: cuda_ipc.CopyBatch) -> bool:
         return True
 
-    def wait(self, batch: cuda_ipc.CopyBatch) -> None:
+    def wait(self, batch: cuda_ipc.CopyBatch, *, spin: bool = False) -> None:
         pass
 
 
