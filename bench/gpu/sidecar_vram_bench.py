@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     block_lists = [(args.max_run, f"fragmented (runs 1..{args.max_run})"), (layout.num_blocks, "contiguous")]
     plans = [
         (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}"),
-         {"KVXFER_CUDA_GATHER": gather, **({"KVXFER_CUDA_WAIT_SPIN": "1"} if args.spin else {})},
+         {"KVXFER_CUDA_GATHER": gather},
          block_lists, args.sizes, args.reps)
         for gather in args.gathers
     ]  # fmt: skip
@@ -277,7 +277,6 @@ def main() -> int:
                     "first); granted: expect, then pull with the ids (READ on the grant)")  # fmt: skip
     ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
     ap.add_argument("--phases", action="store_true", help="debug logs on the sidecars: where a READ's time goes")
-    ap.add_argument("--spin", action="store_true", help="experiment: the sidecars' READ waits spin on the event")
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     args = ap.parse_args()
     smoke = args.cpu_smoke

@@ -38,8 +38,9 @@ log = get_logger("kvxfer.transport.cuda_ipc_direct")
 
 U64 = npt.NDArray[np.uint64]
 
-# Experiment (bench/gpu/sidecar_vram_bench.py --spin): wait for a READ by polling its event.
-_SPIN = os.environ.get("KVXFER_CUDA_WAIT_SPIN") == "1"
+#: A READ's waiter thread polls its event this long before it sleeps in the driver: most same-host
+#: READs finish within it, and a sleeping wait added about 0.1 ms per pull on the lent H200.
+SPIN_S = 0.002
 
 
 _ENVELOPE = b"KVXFER-CUDA-IPC/1\n"  # metadata = envelope, 4-byte header length, JSON header, backend metadata
@@ -259,7 +260,7 @@ class CudaIpcDirect(Transport):
         t_queued = time.perf_counter()
 
         def wait() -> float:
-            drv.wait(batch, spin=_SPIN)
+            drv.wait(batch, spin_s=SPIN_S)
             return time.perf_counter()
 
         waiter = asyncio.get_running_loop().run_in_executor(self._waiter, wait)

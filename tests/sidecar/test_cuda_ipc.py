@@ -77,7 +77,7 @@ class FakeDriver:
     def done(self, batch: cuda_ipc.CopyBatch) -> bool:
         return True
 
-    def wait(self, batch: cuda_ipc.CopyBatch, *, spin: bool = False) -> None:
+    def wait(self, batch: cuda_ipc.CopyBatch, *, spin_s: float = 0.0) -> None:
         pass
 
 
@@ -380,6 +380,8 @@ class FakeLibCuda:
             return 0
 
         def query(ev: Any) -> int:
+            if ev != 0xE1:
+                return 400  # CUDA_ERROR_INVALID_HANDLE
             self.queries += 1
             return 600 if self.queries == 1 else 0  # not ready, then done
 
@@ -596,3 +598,16 @@ def test_ucx_memtype_cache_is_off_unless_the_user_says_otherwise() -> None:
     mine = {"UCX_MEMTYPE_CACHE": "y"}
     _prepare_ucx_env(mine)
     assert mine == {"UCX_MEMTYPE_CACHE": "y"}
+
+
+def test_driver_wait_polls_the_event_before_sleeping_in_the_driver() -> None:
+    import numpy as np
+
+    lib = FakeLibCuda()
+    drv = cuda_ipc.CudaDriver(lib)  # type: ignore[arg-type]
+    one = np.array([0x1000], dtype=np.uint64)
+    drv.wait(drv.copy_async(0, one, one, one), spin_s=1.0)
+    assert lib.queries == 2  # not ready, then ready: done by polling, no cuEventSynchronize
+    with pytest.raises(CudaIpcError, match="device copies"):
+        drv.wait(cuda_ipc.CopyBatch(0, 0xBAD, 1), spin_s=1.0)  # a failed event is reported, not spun on
+    assert lib.ctx_depth == 0
