@@ -24,6 +24,7 @@ import ctypes.util
 import glob
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -208,6 +209,7 @@ class GatherKernels:
         self._loaded: dict[int, _Loaded] = {}
         self._bound = False
         self.error = ""  # why the kernel is not used, once it failed to build or load
+        self.last_us = (0.0, 0.0, 0.0)  # the last launch's table / upload / launch microseconds (debug logs)
 
     def _bind(self) -> None:
         vp, u64 = ctypes.c_void_p, ctypes.c_uint64
@@ -252,10 +254,12 @@ class GatherKernels:
 
         Raises whatever building, loading or queuing raised; nothing was queued then.
         """
+        t0 = time.perf_counter()
         if not self._bound:
             self._bind()
         k = self._loaded.get(ordinal) or self._load(ordinal, device)
         table, chunks = span_table(dst, src, sizes)
+        t1 = time.perf_counter()
         if chunks == 0:
             return
         nbytes = table.nbytes
@@ -272,11 +276,13 @@ class GatherKernels:
         # bytes, so ``table`` may go away at once; launches on the stream after it see the new table.
         self._check(self._lib.cuMemcpyHtoDAsync_v2(k.scratch, table.ctypes.data, nbytes, stream),
                     "cuMemcpyHtoDAsync(gather table)")  # fmt: skip
+        t2 = time.perf_counter()
         args = (ctypes.c_uint64(k.scratch), ctypes.c_uint32(int(sizes.size)), ctypes.c_uint64(CHUNK_BYTES))
         params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
         grid = max(1, min(chunks, k.sms * BLOCKS_PER_SM))
         self._check(self._lib.cuLaunchKernel(k.function, grid, 1, 1, THREADS, 1, 1, 0, stream, params, None),
                     "cuLaunchKernel(gather)")  # fmt: skip
+        self.last_us = ((t1 - t0) * 1e6, (t2 - t1) * 1e6, (time.perf_counter() - t2) * 1e6)
 
     def forget(self, reason: str) -> None:
         """Stop using the kernel (the caller falls back to the copy engines)."""

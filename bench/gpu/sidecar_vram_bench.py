@@ -101,12 +101,17 @@ def proto_lines(log: Path) -> list[str]:
 
 def read_phases(log: Path) -> dict[str, float]:
     """Median submit / GPU / wake-up microseconds of the decode sidecar's same-host READs (debug log)."""
-    phases: dict[str, list[float]] = {"submit_us": [], "gpu_us": [], "wake_us": []}
+    phases: dict[str, list[float]] = {"submit_us": [], "gpu_us": [], "wake_us": [], "table_us": [], "upload_us": [],
+                                      "launch_us": []}  # fmt: skip
     for line in log.read_text(errors="replace").splitlines():
         if '"same-host READ phases"' in line:
             rec = json.loads(line)
-            for k, v in phases.items():
-                v.append(float(rec[k]))
+            for k in ("submit_us", "gpu_us", "wake_us"):
+                phases[k].append(float(rec[k]))
+            split = rec.get("kernel_table_upload_launch_us")
+            if split:
+                for k, v in zip(("table_us", "upload_us", "launch_us"), split, strict=True):
+                    phases[k].append(float(v))
     return {k: round(statistics.median(v), 1) for k, v in phases.items() if v} | {"reads": len(phases["gpu_us"])}
 
 

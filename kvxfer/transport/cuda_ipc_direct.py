@@ -277,6 +277,7 @@ class CudaIpcDirect(Transport):
             log.debug("same-host READ phases", extra={
                 "peer": peer, "spans": int(sizes.size), "how": batch.how, "submit_us": (t_queued - t_submit) * 1e6,
                 "gpu_us": (t_done - t_queued) * 1e6, "wake_us": (time.perf_counter() - t_done) * 1e6,
+                "kernel_table_upload_launch_us": list(drv.kernels.last_us) if batch.how == "kernel" else None,
             })  # fmt: skip
 
     def close(self) -> None:
