@@ -27,7 +27,7 @@ import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvxfer.errors import (
     InvalidArgumentError,
@@ -159,8 +159,8 @@ class _Connection(asyncio.Protocol):
         self.calls: dict[int, asyncio.Task[None]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
         self.api._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
