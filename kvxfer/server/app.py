@@ -211,7 +211,13 @@ class Sidecar:
         if self.fd_box is not None:
             await self.fd_box.start()
         if self.fast_api is not None:
-            await self.fast_api.start()
+            try:
+                await self.fast_api.start()
+            except OSError as exc:
+                # E.g. a socket path one byte too long for ".fast": workers use gRPC for every call.
+                log.warning("fast socket not served; workers use gRPC", extra={"socket": str(self.fast_api.path),
+                                                                                "error": str(exc)})  # fmt: skip
+                self.fast_api = None
         self._serve_metrics(self.metrics)
         self._warn_if_open()
         log.info(
