@@ -337,7 +337,7 @@ class AsyncClient:
                 return None
             try:
                 self._fast = await FastChannel.open(
-                    self.fast_socket, token=self._token, timeout=min(self.timeout, 5.0),
+                    self.fast_socket, token=self._token, timeout=min(self.timeout, 2.0),
                     max_message_bytes=self._max_message_bytes,
                 )  # fmt: skip
             except (OSError, TimeoutError) as exc:

@@ -13,12 +13,14 @@ import os
 import stat
 import struct
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import uvloop
 
-from kvxfer.client import AsyncClient, KvxferRpcError, PullItem, PullResult
+from kvxfer.client import AsyncClient, Client, KvxferRpcError, PullItem, PullResult
 from kvxfer.errors import Reason
 from kvxfer.server.app import Sidecar
 from kvxfer.wire import local_pb2
@@ -239,3 +241,31 @@ def test_frame_headers_are_fixed() -> None:
     assert REQUEST.size == 17
     assert ANSWER.size == 9
     assert struct.calcsize("<IIBd") == REQUEST.size
+
+
+def test_the_fast_socket_under_uvloop(tmp_path: Path) -> None:
+    """``kvxfer serve`` and the blocking client both run on uvloop, whose transports differ from asyncio's."""
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        try:
+            d = await h.sidecar(role="decode", engine_id="decode")
+            client = AsyncClient(d.local_target)
+            try:
+                err = await _failure(client.pull("r", ["127.0.0.1:1"], {"kv": [1]}))
+                assert err.reason is Reason.NOT_REGISTERED
+                assert client.fast_active
+            finally:
+                await client.close()
+            # The blocking facade, from this thread, through its own uvloop thread.
+            with Client(d.local_target) as blocking:
+                with pytest.raises(KvxferRpcError) as info:
+                    await asyncio.to_thread(blocking.pull, "r", ["127.0.0.1:1"], {"kv": [1]})
+                assert info.value.reason is Reason.NOT_REGISTERED
+                assert blocking.aio.fast_active
+            assert d.fast_api is not None
+            assert d.fast_api.calls_started == 2
+        finally:
+            await h.close()
+
+    uvloop.run(main())
