@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.client import AsyncClient, PullItem
+from kvxfer.client import AsyncClient, KvxferRpcError, PullItem
 from kvxfer.harness.cluster import BlockAllocator, LocalCluster
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
@@ -232,6 +232,7 @@ async def _open_loop(
     pbuf, dbuf = bufs
     layers = range(pbuf.layout.num_layers)
     rows: list[dict[str, float]] = []
+    failed: dict[str, int] = {}  # status code -> pulls that failed with it (an overloaded hop), not in the figures
     in_flight = peak = 0
 
     async def pull(i: int) -> None:
@@ -243,7 +244,11 @@ async def _open_loop(
             for k in layers:
                 dbuf.pages(k)[dst] ^= 0xFF
             t = time.perf_counter()
-            res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
+            try:
+                res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
+            except KvxferRpcError as exc:
+                failed[exc.code.name] = failed.get(exc.code.name, 0) + 1
+                return
             lat = time.perf_counter() - t
             bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
             rows.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
@@ -268,7 +273,7 @@ async def _open_loop(
     elapsed = time.perf_counter() - t0
     return {
         "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
-        "late_arrivals": late, **_stats(rows),
+        "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": failed, **_stats(rows),
         "cpu_ms_per_pull": {k: (_cpu(pid) - cpu0[k]) * 1e3 / n for k, pid in procs.items()}, "rows": rows,
     }  # fmt: skip
 
@@ -351,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             ol = r["open_loop"]
             phases += ((f"open loop, Poisson arrivals at {ol['rate_per_s']:.0f}/s for {ol['pulls']} pulls "
                         f"(achieved {ol['achieved_per_s']:.0f}/s, at most {ol['max_in_flight']} in flight, "
-                        f"{ol['late_arrivals']} arrivals started late)", ol, None, ol["cpu_ms_per_pull"]),)  # fmt: skip
+                        f"{ol['late_arrivals']} arrivals started late, {ol['failed']} failed "
+                        f"{ol['failed_by_code'] or ''})", ol, None, ol["cpu_ms_per_pull"]),)  # fmt: skip
         for label, st, rate, cpu in phases:
             head = f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms"
             if rate is not None:
@@ -370,9 +376,13 @@ def main(argv: list[str] | None = None) -> int:
                 for hop, h in r["by_hop"].items():
                     if kind in h:
                         st = h[kind]
+                        extra = ""
+                        if kind == "open_loop":
+                            extra = (f"  achieved {st['achieved_per_s']:.0f}/s, at most {st['max_in_flight']} in "
+                                     f"flight, {st['failed']} failed {st['failed_by_code'] or ''}")  # fmt: skip
                         print(f"  {kind:16s} {hop:5s} {st['latency_p50_ms']:11.3f} {st['latency_p99_ms']:7.3f} "
                               f"{st['overhead_p50_ms']:12.3f} {st['overhead_p99_ms']:7.3f} "
-                              f"{st['local_hop_p50_ms']:13.3f}")  # fmt: skip
+                              f"{st['local_hop_p50_ms']:13.3f}{extra}")  # fmt: skip
         print(f"verified pulls: {r['verified_pulls']}, mismatched bytes: {r['mismatched_bytes']}")
     return 0 if r["mismatched_bytes"] == 0 else 1
 
