@@ -41,7 +41,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 import uvloop
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from kvxfer.errors import InvalidArgumentError, KvxferError, Reason
 from kvxfer.fastsock import FastCallError, FastChannel, FastHelloRefusedError
@@ -361,9 +361,14 @@ class AsyncClient:
             raise KvxferRpcError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method.name, reason=Reason.DEADLINE
             ) from None
-        if code == 0:
-            return method.response.FromString(payload)
-        status, message, reason, field = error_from_status_message(payload)
+        try:
+            if code == 0:
+                return method.response.FromString(payload)
+            status, message, reason, field = error_from_status_message(payload)
+        except DecodeError as exc:  # not what a sidecar sends: say so rather than guess
+            raise KvxferRpcError(
+                grpc.StatusCode.INTERNAL, f"unreadable answer on the fast socket (status {code}): {exc}", method.name
+            ) from None
         raise KvxferRpcError(status, message, method.name, reason=reason, field=field)
 
     async def register_caches(
@@ -536,7 +541,7 @@ class Client:
 
     Usable from any thread (and from inside another event loop, which it never blocks on its own
     loop's behalf). :attr:`aio` is the async client; :meth:`submit` and :meth:`call` run any of its
-    coroutines. Close it (or use ``with``) to stop the thread.
+    coroutines. Close it (or use ``with``) to stop the thread. ``fast`` as for :class:`AsyncClient`.
     """
 
     def __init__(
