@@ -19,6 +19,11 @@ pulls alone), three ways, one after the other in one run:
    loop of N in flight measures mostly its own queue (Little's law); an open loop at a rate the
    sidecars sustain measures what a pull costs at that load.
 
+``--hop`` picks how the decode worker reaches its sidecar: ``fast`` (the default, as
+``kvxfer.client`` does: the fast socket ``<socket>.fast``, else gRPC), ``grpc`` (gRPC only: the hop
+before the fast socket), or ``both``: the serial and open-loop phases run once per hop, one hop
+after the other within each phase kind, and a side-by-side table follows (``by_hop`` in the JSON).
+
 Every pulled byte is compared with its source. What is measured, per pull (``wait=True``):
 
 * ``latency``: the decode worker's wall time for its Pull (or PullBatch) call;
@@ -35,7 +40,7 @@ spends about concurrency / throughput in the system; that queueing is part of ``
 concurrent phase. The serial phase has no queueing: its overhead is the control plane's cost of a
 pull. CPU time per pull of each process (concurrent phase) is the cost that bounds throughput.
 
-    python bench/load.py [--pulls 4000] [--concurrency 200] [--batch 20] [--serial 300] [--json]
+    python bench/load.py [--pulls 4000] [--concurrency 200] [--batch 20] [--serial 300] [--hop fast|grpc|both] [--json]
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.client import AsyncClient, PullItem
+from kvxfer.client import AsyncClient, KvxferRpcError, PullItem
 from kvxfer.harness.cluster import BlockAllocator, LocalCluster
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
@@ -63,9 +68,14 @@ HOLD_WAIT_S = 5.5
 
 async def run(
     pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int,
-    open_rate: float = 0.0, open_seconds: float = 10.0,
+    open_rate: float = 0.0, open_seconds: float = 10.0, hops: tuple[str, ...] = ("fast",),
 ) -> dict[str, Any]:  # fmt: skip
-    """Start the sidecars, publish, pull concurrently and serially; return the figures."""
+    """Start the sidecars, publish, pull concurrently and serially; return the figures.
+
+    ``hops``: how the decode worker reaches its sidecar (``fast``: the fast socket, ``grpc``: gRPC
+    only). The serial and open-loop phases run once per hop, alternating; the concurrent and
+    batched phases, and the top-level figures, use the last one.
+    """
     lay = KVCacheLayout.attention(
         num_layers=layers, num_blocks=max(4096, 2 * concurrency * blocks_per_pull), block_size=16, num_kv_heads=8,
         head_size=128,
@@ -77,7 +87,9 @@ async def run(
         p = cluster.start_sidecar("prefill", "prefill", "prefill")
         d = cluster.start_sidecar("decode", "decode", "decode")
         pbuf, dbuf = SharedKVBuffer.create(lay), SharedKVBuffer.create(lay)
-        pc, dc = AsyncClient(p.local_socket), AsyncClient(d.local_socket)
+        pc = AsyncClient(p.local_socket, fast="fast" in hops)
+        dcs = {hop: AsyncClient(d.local_socket, fast=hop == "fast") for hop in hops}
+        dc = dcs[hops[-1]]
         try:
             await pc.wait_ready(90)
             await dc.wait_ready(90)
@@ -89,27 +101,37 @@ async def run(
             assert verify_blocks(pbuf, rank, src, salt=7)[1] == 0
             d_alloc = BlockAllocator(lay.num_blocks, rng, max_run=blocks_per_pull)
             bufs = (pbuf, dbuf)
-            await _pull_phase(pc, dc, p.peer_address, src, d_alloc, 20, 4, "warm", bufs)  # handshake, UCX warm-up
+            for hop, c in dcs.items():  # handshake, UCX warm-up, the fast socket's connection
+                await _pull_phase(pc, c, p.peer_address, src, d_alloc, 20, 4, f"warm-{hop}", bufs)
             procs = {"prefill": p.proc.pid, "decode": d.proc.pid, "driver": os.getpid()}
             conc, conc_s, cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "c", bufs,
                                                   procs)  # fmt: skip
             # The same load again, the worker sending its pulls ``batch`` at a time (PullBatch).
             many, many_s, many_cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "b",
                                                        bufs, procs, batch)  # fmt: skip
-            one, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "s", bufs)
-            ahead, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "sa", bufs,
-                                            name_remote=True)  # fmt: skip
-            granted, _, _ = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, serial, 1, "sg", bufs,
-                                              name_remote=True, expect=True)  # fmt: skip
-            opened: dict[str, Any] = {}
+            # One phase kind at a time, every hop in turn, so that both see the same machine.
+            by_hop: dict[str, dict[str, Any]] = {hop: {} for hop in hops}
+            for kind, tag, named, expect in (("serial", "s", False, False), ("serial_ahead", "sa", True, False),
+                                             ("serial_granted", "sg", True, True)):  # fmt: skip
+                for hop, c in dcs.items():
+                    by_hop[hop][kind], _, _ = await _pull_phase(pc, c, p.peer_address, src, d_alloc, serial, 1,
+                                                                f"{tag}-{hop}", bufs, name_remote=named,
+                                                                expect=expect)  # fmt: skip
             if open_rate > 0:
-                opened = await _open_loop(pc, dc, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng,
-                                          procs)  # fmt: skip
+                for hop, c in dcs.items():
+                    by_hop[hop]["open_loop"] = await _open_loop(pc, c, p.peer_address, src, d_alloc, open_rate,
+                                                                open_seconds, bufs, rng, procs, f"o-{hop}")  # fmt: skip
         finally:
             await pc.close()
-            await dc.close()
+            for c in dcs.values():
+                await c.close()
             pbuf.close()
             dbuf.close()
+    last = by_hop[hops[-1]]
+    one, ahead, granted = last["serial"], last["serial_ahead"], last["serial_granted"]
+    opened: dict[str, Any] = last.get("open_loop", {})
+    every = [r for h in by_hop.values() for k in ("serial", "serial_ahead", "serial_granted") for r in h[k]]
+    every += [r for h in by_hop.values() for r in h.get("open_loop", {}).get("rows", [])]
     return {
         "pulls": pulls,
         "concurrency": concurrency,
@@ -125,8 +147,10 @@ async def run(
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
         **({"open_loop": {k: v for k, v in opened.items() if k != "rows"}} if opened else {}),
-        "verified_pulls": 2 * pulls + 3 * serial + len(opened.get("rows", ())),
-        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + one + ahead + granted + opened.get("rows", []))),
+        "hop": hops[-1],
+        "by_hop": {hop: {k: _summary(v) for k, v in h.items()} for hop, h in by_hop.items()},
+        "verified_pulls": 2 * pulls + len(every),
+        "mismatched_bytes": int(sum(r["bad"] for r in conc + many + every)),
     }
 
 
@@ -194,7 +218,7 @@ async def _pull_phase(
 
 async def _open_loop(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, rate: float, seconds: float,
-    bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int],
+    bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int], tag: str = "o",
 ) -> dict[str, Any]:  # fmt: skip
     """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival."""
     n = max(int(rate * seconds), 1)
@@ -202,12 +226,13 @@ async def _open_loop(
 
     async def publish(i: int) -> None:
         async with sem:
-            await pc.publish(f"o{i}", {"kv": src})
+            await pc.publish(f"{tag}{i}", {"kv": src})
 
     await asyncio.gather(*(publish(i) for i in range(n)))
     pbuf, dbuf = bufs
     layers = range(pbuf.layout.num_layers)
     rows: list[dict[str, float]] = []
+    failed: dict[str, int] = {}  # status code -> pulls that failed with it (an overloaded hop), not in the figures
     in_flight = peak = 0
 
     async def pull(i: int) -> None:
@@ -219,7 +244,11 @@ async def _open_loop(
             for k in layers:
                 dbuf.pages(k)[dst] ^= 0xFF
             t = time.perf_counter()
-            res = await dc.pull(f"o{i}", [peer], {"kv": dst})
+            try:
+                res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
+            except KvxferRpcError as exc:
+                failed[exc.code.name] = failed.get(exc.code.name, 0) + 1
+                return
             lat = time.perf_counter() - t
             bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
             rows.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
@@ -244,9 +273,16 @@ async def _open_loop(
     elapsed = time.perf_counter() - t0
     return {
         "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
-        "late_arrivals": late, **_stats(rows),
+        "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": failed, **_stats(rows),
         "cpu_ms_per_pull": {k: (_cpu(pid) - cpu0[k]) * 1e3 / n for k, pid in procs.items()}, "rows": rows,
     }  # fmt: skip
+
+
+def _summary(phase: list[dict[str, float]] | dict[str, Any]) -> dict[str, Any]:
+    """A serial phase's rows as statistics; an open-loop phase's figures without its rows."""
+    if isinstance(phase, list):
+        return _stats(phase)
+    return {k: v for k, v in phase.items() if k != "rows"}
 
 
 def _cpu(pid: int) -> float:
@@ -290,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open-loop-rate", type=float, default=0.0,
                     help="also pull with Poisson arrivals at this many pulls/s (0: no open-loop phase)")  # fmt: skip
     ap.add_argument("--open-loop-seconds", type=float, default=10.0, help="length of the open-loop phase")
+    ap.add_argument("--hop", choices=("fast", "grpc", "both"), default="fast",
+                    help="worker -> sidecar: the fast socket (falls back to gRPC), gRPC only, or both side by side "
+                         "(serial and open-loop phases; the others use the fast socket)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     for flag, value in (("--open-loop-rate", a.open_loop_rate), ("--open-loop-seconds", a.open_loop_seconds)):
@@ -297,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag}: must be a finite number >= 0, got {value}")
     import uvloop
 
+    hops = ("grpc", "fast") if a.hop == "both" else (a.hop,)
     r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch, a.open_loop_rate,
-                       a.open_loop_seconds))  # fmt: skip
+                       a.open_loop_seconds, hops))  # fmt: skip
     if a.json:
         print(json.dumps(r))
     else:
@@ -316,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             ol = r["open_loop"]
             phases += ((f"open loop, Poisson arrivals at {ol['rate_per_s']:.0f}/s for {ol['pulls']} pulls "
                         f"(achieved {ol['achieved_per_s']:.0f}/s, at most {ol['max_in_flight']} in flight, "
-                        f"{ol['late_arrivals']} arrivals started late)", ol, None, ol["cpu_ms_per_pull"]),)  # fmt: skip
+                        f"{ol['late_arrivals']} arrivals started late, {ol['failed']} failed "
+                        f"{ol['failed_by_code'] or ''})", ol, None, ol["cpu_ms_per_pull"]),)  # fmt: skip
         for label, st, rate, cpu in phases:
             head = f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms"
             if rate is not None:
@@ -327,6 +368,21 @@ def main(argv: list[str] | None = None) -> int:
             if cpu is not None:
                 print("    CPU per pull: " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items())
                       + f"; sidecars together {cpu['prefill'] + cpu['decode']:.2f} ms")  # fmt: skip
+        if len(r["by_hop"]) > 1:
+            print("side by side, by worker -> sidecar hop (ms):")
+            print(f"  {'phase':16s} {'hop':5s} {'latency p50':>11s} {'p99':>7s} {'overhead p50':>12s} {'p99':>7s} "
+                  f"{'local_hop p50':>13s}")  # fmt: skip
+            for kind in ("serial", "serial_ahead", "serial_granted", "open_loop"):
+                for hop, h in r["by_hop"].items():
+                    if kind in h:
+                        st = h[kind]
+                        extra = ""
+                        if kind == "open_loop":
+                            extra = (f"  achieved {st['achieved_per_s']:.0f}/s, at most {st['max_in_flight']} in "
+                                     f"flight, {st['failed']} failed {st['failed_by_code'] or ''}")  # fmt: skip
+                        print(f"  {kind:16s} {hop:5s} {st['latency_p50_ms']:11.3f} {st['latency_p99_ms']:7.3f} "
+                              f"{st['overhead_p50_ms']:12.3f} {st['overhead_p99_ms']:7.3f} "
+                              f"{st['local_hop_p50_ms']:13.3f}{extra}")  # fmt: skip
         print(f"verified pulls: {r['verified_pulls']}, mismatched bytes: {r['mismatched_bytes']}")
     return 0 if r["mismatched_bytes"] == 0 else 1
 

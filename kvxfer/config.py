@@ -165,6 +165,9 @@ class Settings(BaseModel):
     advertise_host: str | None = Field(None, description="address peers use to reach this sidecar")
     local_socket: str = Field("/run/kvxfer/kvxfer.sock", description="Unix socket for the local API ('' disables)")
     local_listen: str | None = Field(None, description="optional TCP address for the local API")
+    fast_socket: bool = Field(
+        True, description="also serve Pull, PullBatch and Publish as frames on <local-socket>.fast (true/false)"
+    )
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
     metrics_auth: Literal["token", "none"] | None = Field(
         None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"

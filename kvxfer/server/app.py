@@ -31,10 +31,12 @@ from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
+from kvxfer.server.fast_api import FastApi
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.rpc import TokenInterceptor, service_handler
 from kvxfer.transport import Transport, create_transport, transport_class
 from kvxfer.wire import local_pb2, peer_pb2
+from kvxfer.wire.frames import fast_socket_path
 
 __all__ = ["HEALTH_SERVICES", "Sidecar", "serve_main"]
 
@@ -142,6 +144,7 @@ class Sidecar:
         self._stopped = asyncio.Event()
         self._socket_path: Path | None = None
         self.fd_box: FdBox | None = None
+        self.fast_api: FastApi | None = None
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -194,13 +197,27 @@ class Sidecar:
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
         # inside the core; a second timer per call would only cost time on the hot path.
         local_limits = {"Pull": None, "PullBatch": None, "Drain": s.drain_seconds + 30.0, "RegisterCaches": 120.0}
-        self._serve(local, LOCAL_SERVICE, _LocalApi(self.core), local_limits)
+        local_api = _LocalApi(self.core)
+        self._serve(local, LOCAL_SERVICE, local_api, local_limits)
         self._bind_local(local)
+        if self._socket_path is not None and s.fast_socket:
+            # The hot calls as frames beside the local socket: same servicer, limits, mode and token.
+            self.fast_api = FastApi(fast_socket_path(self._socket_path), local_api,
+                                    limits=local_limits, token=token, mode=SOCKET_MODE,
+                                    max_message_bytes=s.max_message_bytes)  # fmt: skip
 
         await peer.start()
         await local.start()
         if self.fd_box is not None:
             await self.fd_box.start()
+        if self.fast_api is not None:
+            try:
+                await self.fast_api.start()
+            except OSError as exc:
+                # E.g. a socket path one byte too long for ".fast": workers use gRPC for every call.
+                log.warning("fast socket not served; workers use gRPC", extra={"socket": str(self.fast_api.path),
+                                                                                "error": str(exc)})  # fmt: skip
+                self.fast_api = None
         self._serve_metrics(self.metrics)
         self._warn_if_open()
         log.info(
@@ -340,7 +357,8 @@ class Sidecar:
         if self.core is not None:
             self.core.hub.close()
         servers = [srv for srv in (self._local_server, self._peer_server) if srv is not None]
-        await asyncio.gather(*(srv.stop(grace) for srv in servers))
+        fast = [self.fast_api.close(grace)] if self.fast_api is not None else []
+        await asyncio.gather(*(srv.stop(grace) for srv in servers), *fast)
         if self.core is not None:
             await self.core.close()
         if self.fd_box is not None:

@@ -24,7 +24,7 @@ from kvxfer.errors import DeadlineError, InvalidArgumentError, KvxferError, Unau
 from kvxfer.logs import get_logger, log_context
 from kvxfer.wire.status import abort
 
-__all__ = ["TokenInterceptor", "service_handler"]
+__all__ = ["TokenInterceptor", "parse_request", "run_unary", "service_handler", "snake_case"]
 
 log = get_logger("kvxfer.server.rpc")
 
@@ -33,7 +33,8 @@ Unary = Callable[[Any, Context], Awaitable[Any]]
 Stream = Callable[[Any, Context], AsyncIterator[Any]]
 
 
-def _snake(name: str) -> str:
+def snake_case(name: str) -> str:
+    """The Python method name of an RPC (``GetStatus`` -> ``get_status``)."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
@@ -48,7 +49,7 @@ def service_handler(
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         req_cls = GetMessageClass(method.input_type)
-        fn = getattr(impl, _snake(method.name))
+        fn = getattr(impl, snake_case(method.name))
         full = f"/{service.full_name}/{method.name}"
         limit = limits.get(method.name, default_limit)
         if method.server_streaming:
@@ -66,42 +67,63 @@ def _serialize(msg: Any) -> bytes:
     return bytes(msg.SerializeToString())
 
 
-async def _parse(raw: bytes, req_cls: Any, context: Context) -> Any:
+def parse_request(raw: bytes, req_cls: Any) -> Any:
+    """``raw`` as a ``req_cls`` message; INVALID_ARGUMENT naming the message type when it is not one."""
     try:
         return req_cls.FromString(raw)
     except DecodeError as exc:
-        await abort(context, InvalidArgumentError(
+        raise InvalidArgumentError(
             f"request: malformed {req_cls.DESCRIPTOR.full_name} message: {exc}", field="request"
-        ))  # fmt: skip
+        ) from None
+
+
+async def _parse(raw: bytes, req_cls: Any, context: Context) -> Any:
+    try:
+        return parse_request(raw, req_cls)
+    except InvalidArgumentError as exc:
+        await abort(context, exc)
 
 
 def _unary(fn: Unary, req_cls: Any, full: str, limit: float | None) -> Callable[..., Awaitable[Any]]:
     async def handle(raw: bytes, context: Context) -> Any:
         req = await _parse(raw, req_cls, context)
-        rid = getattr(req, "request_id", "") or None
-        peer = getattr(req, "engine_id", "") or getattr(req, "remote_engine_id", "") or None  # the calling peer
-        remaining = context.time_remaining() if limit is not None else None
-        budget = None if limit is None else (limit if remaining is None else min(remaining, limit))
-        t0 = time.monotonic()
-        with log_context(request_id=rid, peer=peer):
-            try:
-                if budget is None:  # the method runs under its own deadline (see service_handler)
-                    return await fn(req, context)
-                async with asyncio.timeout(budget):
-                    return await fn(req, context)
-            except KvxferError as exc:
-                await abort(context, exc)
-            except TimeoutError:
-                await abort(context, DeadlineError(
-                    f"{full}: did not finish within its deadline of {budget:.3g}s (after {time.monotonic() - t0:.3g}s)"
-                ))  # fmt: skip
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                log.exception("unexpected error", extra={"method": full})
-                await abort(context, KvxferError(f"{full}: internal error: {type(exc).__name__}: {exc}"))
+        try:
+            return await run_unary(fn, req, context, full, limit)
+        except KvxferError as exc:
+            await abort(context, exc)
 
     return handle
+
+
+async def run_unary(fn: Unary, req: Any, context: Any, full: str, limit: float | None) -> Any:
+    """One unary call of ``fn``: under its deadline, with its request id in the logs; any failure a KvxferError.
+
+    ``context`` needs only ``time_remaining()`` (seconds, or None without a deadline); the gRPC
+    handlers and the local fast socket (:mod:`kvxfer.server.fast_api`) both run their calls here,
+    so a call fails the same way whichever way it came. ``limit`` as in :func:`service_handler`.
+    """
+    rid = getattr(req, "request_id", "") or None
+    peer = getattr(req, "engine_id", "") or getattr(req, "remote_engine_id", "") or None  # the calling peer
+    remaining = context.time_remaining() if limit is not None else None
+    budget = None if limit is None else (limit if remaining is None else min(remaining, limit))
+    t0 = time.monotonic()
+    with log_context(request_id=rid, peer=peer):
+        try:
+            if budget is None:  # the method runs under its own deadline (see service_handler)
+                return await fn(req, context)
+            async with asyncio.timeout(budget):
+                return await fn(req, context)
+        except KvxferError:
+            raise
+        except TimeoutError:
+            raise DeadlineError(
+                f"{full}: did not finish within its deadline of {budget:.3g}s (after {time.monotonic() - t0:.3g}s)"
+            ) from None
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            log.exception("unexpected error", extra={"method": full})
+            raise KvxferError(f"{full}: internal error: {type(exc).__name__}: {exc}") from None
 
 
 def _stream(fn: Stream, req_cls: Any, full: str) -> Callable[..., AsyncIterator[Any]]:

@@ -36,10 +36,12 @@ __all__ = [
     "abort",
     "code_of",
     "error_from_status",
+    "error_from_status_message",
     "error_of",
     "parse_reason",
     "reason_of",
     "status_code",
+    "status_message",
     "status_of",
 ]
 
@@ -76,16 +78,23 @@ def reason_of(exc: BaseException) -> Reason:
     return exc.reason if isinstance(exc, KvxferError) else Reason.INTERNAL
 
 
-def status_of(exc: KvxferError, message: str | None = None) -> grpc.Status:
-    """The full status of an error: code, message, and the ErrorInfo with reason and field."""
+def status_message(exc: KvxferError, message: str | None = None) -> status_pb2.Status:
+    """The ``google.rpc.Status`` of an error: code, message, and the ErrorInfo with reason and field.
+
+    What gRPC carries in ``grpc-status-details-bin``, and what an error frame of the local fast
+    socket (:mod:`kvxfer.wire.frames`) carries as its payload.
+    """
     info = error_details_pb2.ErrorInfo(reason=exc.reason.value, domain=DOMAIN)
     if exc.field:
         info.metadata["field"] = exc.field
     detail = any_pb2.Any()
     detail.Pack(info)
-    code = code_of(exc)
-    status = status_pb2.Status(code=code.value[0], message=message or exc.message, details=[detail])
-    out: grpc.Status = rpc_status.to_status(status)
+    return status_pb2.Status(code=code_of(exc).value[0], message=message or exc.message, details=[detail])
+
+
+def status_of(exc: KvxferError, message: str | None = None) -> grpc.Status:
+    """The full status of an error: code, message, and the ErrorInfo with reason and field."""
+    out: grpc.Status = rpc_status.to_status(status_message(exc, message))
     return out
 
 
@@ -108,6 +117,18 @@ def error_from_status(
             if detail.Unpack(info) and info.domain == DOMAIN:
                 return parse_reason(info.reason, code), info.metadata.get("field") or None
     return _REASON_OF_CODE.get(code, Reason.INTERNAL), None
+
+
+def error_from_status_message(raw: bytes) -> tuple[grpc.StatusCode, str, Reason, str | None]:
+    """(code, message, reason, field) of a serialized ``google.rpc.Status`` (see :func:`status_message`).
+
+    Read exactly as a failed gRPC call's status details are (:func:`error_from_status`), so a
+    failure reads the same whichever way it travelled.
+    """
+    status = status_pb2.Status.FromString(raw)
+    code = status_code(status.code)
+    reason, field = error_from_status(code, status.message, ((_DETAILS_KEY, raw),))
+    return code, status.message, reason, field
 
 
 def parse_reason(value: str, code: grpc.StatusCode) -> Reason:

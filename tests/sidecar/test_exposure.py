@@ -162,14 +162,16 @@ async def test_the_socket_has_its_final_mode_before_anyone_can_connect(
     assert mode == 0o660 or (parent_mode == 0o700 and bound.parent != sock.parent), (bound, oct(mode), oct(parent_mode))
     assert bound.parent.parent == sock.parent  # staged beside it: the rename stays on one filesystem
     assert starts == [0o660, 0o660]  # the peer server starts first, then the local one
-    assert sorted(os.listdir(harness.sock_dir)) == ["hooked.sock", "hooked.sock.fds"]
+    assert sorted(os.listdir(harness.sock_dir)) == ["hooked.sock", "hooked.sock.fast", "hooked.sock.fds"]
 
 
 async def test_the_socket_has_its_final_mode_from_the_moment_it_exists(harness: Harness) -> None:
     """Watch the socket's path from another thread while the sidecar starts: whenever it exists,
     its mode is already 0660, and the private staging directory is never open to others."""
     sock = harness.sock_dir / "watched.sock"
+    fast = harness.sock_dir / "watched.sock.fast"
     seen: set[int] = set()
+    seen_fast: set[int] = set()
     staging: set[int] = set()
     stop = threading.Event()
 
@@ -177,6 +179,8 @@ async def test_the_socket_has_its_final_mode_from_the_moment_it_exists(harness: 
         while not stop.is_set():
             with contextlib.suppress(FileNotFoundError):
                 seen.add(stat.S_IMODE(os.stat(sock).st_mode))
+            with contextlib.suppress(FileNotFoundError):
+                seen_fast.add(stat.S_IMODE(os.stat(fast).st_mode))
             for entry in os.scandir(harness.sock_dir):
                 if entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
                     with contextlib.suppress(FileNotFoundError):
@@ -196,10 +200,14 @@ async def test_the_socket_has_its_final_mode_from_the_moment_it_exists(harness: 
         sys.setswitchinterval(interval)
     assert seen == {SOCKET_MODE} == {0o660}
     assert staging <= {0o700}
-    # Nothing is left of the staging: the socket and its descriptor socket, both 0660.
-    assert sorted(os.listdir(harness.sock_dir)) == ["watched.sock", "watched.sock.fds"]
+    # The fast socket is bound, given its mode, then listens: nobody can connect while it is
+    # anything but 0660 (a watcher may glimpse the umask's mode between bind and chmod).
+    assert 0o660 in seen_fast
+    # Nothing is left of the staging: the socket, its descriptor socket and its fast socket, all 0660.
+    assert sorted(os.listdir(harness.sock_dir)) == ["watched.sock", "watched.sock.fast", "watched.sock.fds"]
     assert stat.S_ISSOCK(os.stat(sock).st_mode)
     assert stat.S_IMODE(os.stat(f"{sock}.fds").st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(fast).st_mode) == 0o660
     # The socket that was renamed into place is the one the server listens on.
     status = await _local_status(sc)
     assert status["registered"] is False
@@ -223,7 +231,7 @@ async def test_the_socket_directory_is_created_and_a_stale_socket_replaced(harne
     os.chmod(nested, 0o777)
     sc = await harness.sidecar("nested", local_socket=str(nested))
     assert stat.S_IMODE(os.stat(nested).st_mode) == 0o660
-    assert sorted(os.listdir(nested.parent)) == ["k.sock", "k.sock.fds"]
+    assert sorted(os.listdir(nested.parent)) == ["k.sock", "k.sock.fast", "k.sock.fds"]
     assert (await _local_status(sc))["registered"] is False
 
 

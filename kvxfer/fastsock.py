@@ -1,0 +1,132 @@
+"""The local fast socket, worker side: one connection carrying a worker's hot calls as frames.
+
+:class:`kvxfer.client.AsyncClient` sends ``Pull``, ``PullBatch`` and ``Publish`` here when its
+sidecar serves the fast socket (format and rationale: :mod:`kvxfer.wire.frames`), and every other
+call, or every call when the socket cannot be reached, over gRPC. This module only moves frames:
+turning an answer into a response or a :class:`kvxfer.client.KvxferRpcError` is the client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import cast
+
+from kvxfer.wire.frames import ANSWER, CANCEL, HELLO, HELLO_CALL, REQUEST
+
+__all__ = ["FastCallError", "FastChannel", "FastHelloRefusedError"]
+
+
+class FastCallError(ConnectionError):
+    """The connection failed a call; ``sent`` says whether the request had gone out.
+
+    A call that was not sent may go over gRPC instead; one that was sent may have started in the
+    sidecar (a pull), so it fails as an unreachable sidecar would fail it over gRPC.
+    """
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+class FastHelloRefusedError(Exception):
+    """The sidecar refused the connection's hello: ``code`` and ``status`` (a serialized google.rpc.Status)."""
+
+    def __init__(self, code: int, status: bytes) -> None:
+        super().__init__(f"the sidecar refused the fast socket's hello (status {code})")
+        self.code = code
+        self.status = status
+
+
+class FastChannel(asyncio.Protocol):
+    """One connection to a sidecar's fast socket; calls in flight are matched to answers by id.
+
+    Bound to the event loop that opened it, like a grpc.aio channel.
+    """
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._buf = bytearray()
+        self._waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._last = HELLO_CALL
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+
+    @classmethod
+    async def open(
+        cls, path: str | os.PathLike[str] | Path, *, token: str | None, timeout: float, max_message_bytes: int
+    ) -> FastChannel:
+        """Connect and say hello; OSError when nobody listens there, FastHelloRefusedError when refused."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            _, ch = await loop.create_unix_connection(lambda: cls(max_message_bytes), os.fspath(path))
+            try:
+                code, status = await ch._exchange(HELLO_CALL, 0, HELLO + (token or "").encode(), timeout)
+            except BaseException:
+                ch.close()
+                raise
+        if code != 0:
+            ch.close()
+            raise FastHelloRefusedError(code, status)
+        return ch
+
+    async def call(self, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:
+        """One call: (status code, response message or serialized google.rpc.Status).
+
+        TimeoutError past ``timeout`` seconds; the sidecar is told to abandon the call then, and
+        when the caller cancels it (as gRPC does for a call's deadline or cancellation).
+        """
+        if self.closed or self._transport is None or self._transport.is_closing():
+            raise FastCallError("the fast socket's connection is closed", sent=False)
+        if len(payload) > self.max_message_bytes:
+            # Over gRPC's limit too: let the gRPC path refuse it, with gRPC's own status.
+            raise FastCallError("the request is over max_message_bytes", sent=False)
+        self._last = self._last % 0xFFFFFFFE + 1  # ids 1..2^32-2, never HELLO_CALL
+        return await self._exchange(self._last, method, payload, timeout)
+
+    async def _exchange(self, call: int, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:
+        assert self._transport is not None
+        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._waiting[call] = fut
+        self._transport.write(REQUEST.pack(len(payload), call, method, timeout) + payload)
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except (TimeoutError, asyncio.CancelledError):
+            self._waiting.pop(call, None)
+            if not self.closed and self._transport is not None and not self._transport.is_closing():
+                self._transport.write(REQUEST.pack(0, call, CANCEL, 0.0))
+            raise
+
+    def close(self) -> None:
+        """Close the connection; calls in flight fail with FastCallError (sent)."""
+        if self._transport is not None:
+            self._transport.close()
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(FastCallError(f"the sidecar closed the fast socket's connection ({exc})", sent=True))
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        buf = self._buf
+        while len(buf) >= ANSWER.size:
+            n, call, code = ANSWER.unpack_from(buf, 0)
+            if n > self.max_message_bytes:  # not a sidecar speaking this format: give up the connection
+                self.close()
+                return
+            if len(buf) < ANSWER.size + n:
+                return
+            fut = self._waiting.pop(call, None)
+            if fut is not None and not fut.done():
+                fut.set_result((code, bytes(buf[ANSWER.size : ANSWER.size + n])))
+            del buf[: ANSWER.size + n]

@@ -1,0 +1,271 @@
+"""The local fast socket (``<socket>.fast``): the hot calls as frames, with gRPC's behaviour and gRPC as fallback.
+
+What a worker sees must not depend on the channel: the same bytes, the same errors (code, message,
+reason, field), the same deadlines and the same credentials; a sidecar without the socket is
+served over gRPC; a frame the sidecar cannot use fails only its own call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import uvloop
+
+from kvxfer.client import AsyncClient, Client, KvxferRpcError, PullItem, PullResult
+from kvxfer.errors import Reason
+from kvxfer.server.app import Sidecar
+from kvxfer.wire import local_pb2
+from kvxfer.wire.convert import blocks_to_proto
+from kvxfer.wire.frames import ANSWER, HELLO, REQUEST, fast_socket_path
+from kvxfer.wire.status import error_from_status_message
+from tests.sidecar.helpers import DelayedDataPlane, Harness, attention, transfer
+
+LAY = attention()
+PULL = 1
+
+
+async def _failure(coro: Awaitable[Any]) -> KvxferRpcError:
+    with pytest.raises(KvxferRpcError) as info:
+        await coro
+    return info.value
+
+
+def _same(a: KvxferRpcError, b: KvxferRpcError) -> None:
+    assert (a.code, a.details, a.reason, a.field, a.method) == (b.code, b.details, b.reason, b.field, b.method)
+
+
+async def test_a_pull_over_the_fast_socket_moves_exact_bytes(harness: Harness) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    assert not dw[0].client.fast_active  # connected on the first hot call, not before
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": [5, 6, 7, 30]}, {"kv": [9, 3, 4, 50]}, salt=11)
+    assert res.done
+    assert res.bytes == 4 * LAY.page_bytes * LAY.num_layers
+    assert dw[0].client.fast_active
+    assert pw[0].client.fast_active
+    # PullBatch too, each item byte-exact.
+    await pw[0].prefill("b1", {"kv": [1, 2]}, salt=12)
+    await pw[0].prefill("b2", {"kv": [3]}, salt=13)
+    dw[0].poison({"kv": [10, 11, 12]})
+    out = await dw[0].client.pull_batch([
+        PullItem("b1", [ps[0].peer_address], {"kv": [10, 11]}), PullItem("b2", [ps[0].peer_address], {"kv": [12]}),
+    ])  # fmt: skip
+    assert all(isinstance(r, PullResult) and r.done for r in out)
+    assert ds[0].fast_api is not None
+    assert ds[0].fast_api.calls_started == 2  # the Pull and the PullBatch came as frames
+    assert dw[0].verify({"kv": [10, 11]}, salt=12)[1] == 0
+    assert dw[0].verify({"kv": [12]}, salt=13)[1] == 0
+
+
+async def test_errors_are_the_same_as_over_grpc(harness: Harness) -> None:
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    pw = await harness.worker(p, {"kv": LAY})
+    dw = await harness.worker(d, {"kv": LAY})
+    slow_p, slow_d = AsyncClient(p.local_target, fast=False), AsyncClient(d.local_target, fast=False)
+    try:
+        cases = [
+            (lambda c: c.pull("missing", [p.peer_address], {"kv": [1]}), dw.client, slow_d),  # NOT_PUBLISHED
+            (lambda c: c.publish("r1", {"kv": [1]}), dw.client, slow_d),  # WRONG_ROLE
+            (lambda c: c.publish("r2", {"kv": [LAY.num_blocks]}), pw.client, slow_p),  # INVALID_FIELD, blocks[kv]
+            (lambda c: c.pull("", [p.peer_address], {"kv": [1]}), dw.client, slow_d),  # request_id
+            (lambda c: c.pull("r3", [p.peer_address], {"kv": [1]}, deadline=math.nan), dw.client, slow_d),
+            (lambda c: c.pull_batch([]), dw.client, slow_d),  # an empty batch
+        ]
+        for call, fast, slow in cases:
+            got, want = await _failure(call(fast)), await _failure(call(slow))
+            _same(got, want)
+            assert got.reason is not Reason.INTERNAL
+        assert dw.client.fast_active
+        assert pw.client.fast_active
+    finally:
+        await slow_p.close()
+        await slow_d.close()
+
+
+async def test_a_pull_past_its_deadline_fails_as_over_grpc(harness: Harness) -> None:
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=DelayedDataPlane("decode-slow", 3.0))
+    pw = await harness.worker(p, {"kv": LAY})
+    dw = await harness.worker(d, {"kv": LAY})
+    slow = AsyncClient(d.local_target, fast=False)
+    try:
+        errors = []
+        for i, client in enumerate((dw.client, slow)):
+            await pw.prefill(f"d{i}", {"kv": [1]}, salt=1)
+            errors.append(await _failure(client.pull(f"d{i}", [p.peer_address], {"kv": [2]}, deadline=0.3)))
+        got, want = errors
+        assert got.code == want.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert got.reason == want.reason == Reason.DEADLINE
+        assert dw.client.fast_active
+        # The sidecar dropped the pull: nothing is left in flight.
+        for _ in range(100):
+            if (await dw.client.status())["transfers_in_flight"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await dw.client.status())["transfers_in_flight"] == 0
+    finally:
+        await slow.close()
+
+
+async def test_without_the_fast_socket_the_client_uses_grpc(harness: Harness) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, fast_socket=False)
+    assert not fast_socket_path(ds[0].settings.local_socket).exists()
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=21)
+    assert res.done
+    assert not dw[0].client.fast_active
+    assert not pw[0].client.fast_active
+    err = await _failure(dw[0].client.pull("missing", [ps[0].peer_address], {"kv": [1]}))
+    assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, Reason.NOT_PUBLISHED)
+
+
+async def test_the_fast_socket_has_the_local_sockets_mode_and_token(
+    harness: Harness, token_file: Callable[[str], str]
+) -> None:
+    tf = token_file("s3cret")
+    d = await harness.sidecar(role="decode", engine_id="decode", token_file=tf)
+    path = fast_socket_path(d.settings.local_socket)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    good = await harness.worker(d, {"kv": LAY}, token="s3cret")
+    err = await _failure(good.client.pull("missing", ["127.0.0.1:1"], {"kv": [1]}))
+    assert err.reason is not Reason.UNAUTHENTICATED
+    assert good.client.fast_active
+    # A wrong token: the hello is refused, and the call fails over gRPC with gRPC's refusal.
+    bad, slow = AsyncClient(d.local_target, token="nope"), AsyncClient(d.local_target, token="nope", fast=False)
+    try:
+        got = await _failure(bad.pull("r", ["127.0.0.1:1"], {"kv": [1]}))
+        _same(got, await _failure(slow.pull("r", ["127.0.0.1:1"], {"kv": [1]})))
+        assert (got.code, got.reason) == (grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED)
+        assert not bad.fast_active
+    finally:
+        await bad.close()
+        await slow.close()
+    reader, writer = await _raw(d, token="nope")
+    code, status = await _read_answer(reader)
+    assert code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    assert error_from_status_message(status)[2:] == (Reason.UNAUTHENTICATED, "authorization")
+    assert await reader.read() == b""  # and the connection is closed
+    writer.close()
+
+
+async def test_a_malformed_frame_is_refused_without_harming_other_calls(harness: Harness) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await pw[0].prefill("ok", {"kv": [1, 2]}, salt=31)
+    reader, writer = await _raw(ds[0])
+    assert await _read_answer(reader) == (0, b"")  # hello answered
+    # Not a PullRequest: INVALID_ARGUMENT naming the message, as gRPC answers it.
+    writer.write(REQUEST.pack(3, 7, PULL, 5.0) + b"\xff\xff\xff")
+    # A method the socket does not carry; a NaN deadline.
+    writer.write(REQUEST.pack(0, 8, 99, 5.0))
+    req = local_pb2.PullRequest(
+        request_id="ok", remote_addresses=[ps[0].peer_address], local_blocks=blocks_to_proto({"kv": [5, 6]}), wait=True
+    )
+    good = req.SerializeToString()
+    writer.write(REQUEST.pack(len(good), 9, PULL, math.nan) + good)
+    answers = {}
+    for _ in range(3):
+        n, call, code = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+        answers[call] = (code, error_from_status_message(await reader.readexactly(n)))
+    assert answers[7][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert answers[7][1][2:] == (Reason.INVALID_FIELD, "request")
+    assert "malformed kvxfer.v1.PullRequest" in answers[7][1][1]
+    assert answers[8][0] == grpc.StatusCode.UNIMPLEMENTED.value[0]
+    assert answers[9][1][2:] == (Reason.INVALID_FIELD, "deadline")
+    # The same connection still serves a good call, and other clients never noticed.
+    writer.write(REQUEST.pack(len(good), 10, PULL, 5.0) + good)
+    n, call, code = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+    assert (call, code) == (10, 0)
+    assert local_pb2.PullResponse.FromString(await reader.readexactly(n)).done
+    assert dw[0].verify({"kv": [5, 6]}, salt=31)[1] == 0
+    # A frame over --max-message-bytes: refused and that connection closed; no other is touched.
+    writer.write(REQUEST.pack(2**31, 11, PULL, 5.0))
+    n, call, code = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+    assert (call, code) == (11, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    await reader.readexactly(n)
+    assert await reader.read() == b""
+    writer.close()
+    # Garbage before any hello: refused and closed.
+    r2, w2 = await asyncio.open_unix_connection(str(fast_socket_path(ds[0].settings.local_socket)))
+    w2.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await r2.read())[ANSWER.size :]  # an error status, then EOF
+    w2.close()
+    (res,) = await transfer(pw, ps, dw, "after", {"kv": [3]}, {"kv": [7]}, salt=32)
+    assert res.done
+    assert dw[0].client.fast_active
+
+
+async def test_a_sidecar_restart_reconnects_or_falls_back(harness: Harness) -> None:
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    client = AsyncClient(d.local_target)
+    try:
+        err = await _failure(client.pull("r", ["127.0.0.1:1"], {"kv": [1]}))  # not registered yet
+        assert err.reason is Reason.NOT_REGISTERED
+        assert client.fast_active
+        assert d.fast_api is not None
+        await d.fast_api.close()  # the socket goes away and the connection drops
+        for _ in range(50):
+            if not client.fast_active:
+                break
+            await asyncio.sleep(0.02)
+        # The next hot call goes over gRPC (the fast socket is gone), with the same answer.
+        err2 = await _failure(client.pull("r", ["127.0.0.1:1"], {"kv": [1]}))
+        _same(err, err2)
+        assert not client.fast_active
+    finally:
+        await client.close()
+
+
+async def _raw(sc: Sidecar, token: str = "") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the fast socket that has sent its hello."""
+    reader, writer = await asyncio.open_unix_connection(str(fast_socket_path(sc.settings.local_socket)))
+    hello = HELLO + token.encode()
+    writer.write(REQUEST.pack(len(hello), 0, 0, 0.0) + hello)
+    return reader, writer
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    n, _call, code = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+    return code, await reader.readexactly(n)
+
+
+def test_frame_headers_are_fixed() -> None:
+    # Both sides of a deployment may be different builds: the layout is part of the contract.
+    assert REQUEST.size == 17
+    assert ANSWER.size == 9
+    assert struct.calcsize("<IIBd") == REQUEST.size
+
+
+def test_the_fast_socket_under_uvloop(tmp_path: Path) -> None:
+    """``kvxfer serve`` and the blocking client both run on uvloop, whose transports differ from asyncio's."""
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        try:
+            d = await h.sidecar(role="decode", engine_id="decode")
+            client = AsyncClient(d.local_target)
+            try:
+                err = await _failure(client.pull("r", ["127.0.0.1:1"], {"kv": [1]}))
+                assert err.reason is Reason.NOT_REGISTERED
+                assert client.fast_active
+            finally:
+                await client.close()
+            # The blocking facade, from this thread, through its own uvloop thread.
+            with Client(d.local_target) as blocking:
+                with pytest.raises(KvxferRpcError) as info:
+                    await asyncio.to_thread(blocking.pull, "r", ["127.0.0.1:1"], {"kv": [1]})
+                assert info.value.reason is Reason.NOT_REGISTERED
+                assert blocking.aio.fast_active
+            assert d.fast_api is not None
+            assert d.fast_api.calls_started == 2
+        finally:
+            await h.close()
+
+    uvloop.run(main())
