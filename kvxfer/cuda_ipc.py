@@ -344,6 +344,7 @@ class CudaDriver:
             if rc == _ERR_NOT_READY and spin_s > 0:
                 until = time.perf_counter() + spin_s
                 while rc == _ERR_NOT_READY and time.perf_counter() < until:
+                    time.sleep(0)  # yields the GIL each round: the event loop's thread must not wait on a spin
                     rc = self._lib.cuEventQuery(ev)
             if rc == _ERR_NOT_READY:
                 rc = self._lib.cuEventSynchronize(ev)
