@@ -26,27 +26,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for kvxfer
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sidecar_vram_bench's device copy rate
 
 import numpy as np
+from sidecar_vram_bench import copy_rate
 
 MiB = 1 << 20
-
-
-def device_copy_rate(torch: Any, nbytes: int) -> float:
-    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    return nbytes / statistics.median(times) / 1e9
 
 
 def correctness(torch: Any, drv: Any, rng: np.random.Generator) -> dict[str, Any]:
@@ -163,7 +148,7 @@ def main() -> int:
         rng = np.random.default_rng(args.seed)
         result["correctness"] = correctness(torch, drv, rng)
         print(f"{'PASS' if result['correctness']['ok'] else 'FAIL'} correctness: {result['correctness']}", flush=True)
-        copy = device_copy_rate(torch, 1 << 30)
+        copy = copy_rate(1 << 30, 0, 0)
         result["copy_GBps"] = copy
         print(f"device copy 1 GiB: {copy:.0f} GB/s (bytes moved once)", flush=True)
         result["rates"] = rates(torch, drv, rng, copy, args.reps)
