@@ -61,7 +61,8 @@ class Holds:
         #: Per expected request, the publishers' latest grants by address (what a pull may READ without a lookup).
         self.grants: dict[str, dict[str, Grant]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._first_holds: set[asyncio.Task[None]] = set()  # a new request's first hold, sent at once
+        self._fresh: dict[str, list[str]] = {}  # newly expected requests by address, not held yet
+        self._fresh_task: asyncio.Task[None] | None = None  # sends them (see _hold_fresh)
 
     def expect(self, request_id: str, addresses: list[str]) -> bool:
         """Hold ``request_id`` at ``addresses`` from now on; False when it was already expected."""
@@ -72,13 +73,18 @@ class Holds:
             self._task = loop.create_task(self._run())
         elif new:
             # The pull may start milliseconds from now: its grant must not wait for the next round.
-            task = loop.create_task(self._hold_at_once(request_id, tuple(addresses)))
-            self._first_holds.add(task)
-            task.add_done_callback(self._first_holds.discard)
+            for address in addresses:
+                self._fresh.setdefault(address, []).append(request_id)
+            if self._fresh_task is None or self._fresh_task.done():
+                self._fresh_task = loop.create_task(self._hold_fresh())
         return new
 
-    async def _hold_at_once(self, request_id: str, addresses: tuple[str, ...]) -> None:
-        await asyncio.gather(*(self._hold(a, [request_id]) for a in addresses))
+    async def _hold_fresh(self) -> None:
+        """Hold the newly expected requests now; those expected meanwhile go in the next Holds (batched)."""
+        while self._fresh:
+            fresh, self._fresh = self._fresh, {}
+            still = {a: [r for r in rids if r in self.expected] for a, rids in fresh.items()}
+            await self._hold_all({a: rids for a, rids in still.items() if rids})
 
     def discard(self, request_id: str) -> None:
         """Stop holding ``request_id`` (it was aborted)."""
@@ -94,11 +100,12 @@ class Holds:
         """Stop holding everything (the worker is gone)."""
         self.expected.clear()
         self.grants.clear()
+        self._fresh.clear()
 
     async def close(self) -> None:
         """Stop the holding task."""
         self.clear()
-        for task in [*self._first_holds, *([self._task] if self._task is not None else [])]:
+        for task in [t for t in (self._fresh_task, self._task) if t is not None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -120,6 +127,9 @@ class Holds:
         for rid, e in self.expected.items():
             for address in e.addresses:
                 by_address.setdefault(address, []).append(rid)
+        await self._hold_all(by_address)
+
+    async def _hold_all(self, by_address: dict[str, list[str]]) -> None:
         # A Hold carries at most HOLD_BATCH ids (the publisher refuses more): larger sets go in several.
         chunks = [(a, rids[i : i + HOLD_BATCH]) for a, rids in by_address.items()
                   for i in range(0, len(rids), HOLD_BATCH)]  # fmt: skip

@@ -105,3 +105,35 @@ async def test_a_request_expected_between_rounds_is_held_at_once(harness: Harnes
             await asyncio.sleep(0.01)
         assert rid in grants, f"no grant for {rid!r} within 1 s"
         assert grants[rid][ps[0].peer_address].blocks["kv"].tolist() == [block]
+
+
+async def test_requests_expected_together_share_their_first_holds(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    assert ps[0].core is not None
+    assert ds[0].core is not None
+    holds: list[int] = []
+    answer = ps[0].core.peer_hold
+
+    async def counted(req: Any, *args: Any) -> Any:
+        holds.append(len(req.request_ids))
+        return await answer(req, *args)
+
+    ps[0].core.peer_hold = counted  # type: ignore[method-assign]
+    rids = [f"r{i}" for i in range(12)]
+    for i, rid in enumerate(rids):
+        await pw[0].prefill(rid, {"kv": [i]}, salt=i)
+    await dw[0].client.expect("first", [ps[0].peer_address])  # starts the rounds: the first round holds it
+    for _ in range(200):
+        if holds:
+            break
+        await asyncio.sleep(0.01)
+    for rid in rids:  # twelve requests arrive at once (between two rounds)
+        ds[0].core.holds.expect(rid, [ps[0].peer_address])
+    grants = ds[0].core.holds.grants
+    for _ in range(200):
+        if set(rids) <= grants.keys():
+            break
+        await asyncio.sleep(0.01)
+    assert set(rids) <= grants.keys()
+    assert holds == [1, 12]  # one Hold for the twelve, not one each
