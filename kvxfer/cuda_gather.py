@@ -196,9 +196,9 @@ class _Loaded:
 class GatherKernels:
     """The gather kernel per device, loaded into the primary context on first use.
 
-    ``lib`` is the driver library (``libcuda.so.1``) of :class:`kvxfer.cuda_ipc.CudaDriver`, and
-    ``current`` makes a device's primary context current (the driver binding's own helper), so the
-    kernel runs in the context where the IPC mappings live.
+    ``lib`` is the driver library (``libcuda.so.1``) of :class:`kvxfer.cuda_ipc.CudaDriver` and
+    ``check`` its error check; the caller makes the device's primary context (where the IPC
+    mappings live) current around :meth:`launch`. ``nvrtc`` gives the compiler (tests pass their own).
     """
 
     def __init__(self, lib: ctypes.CDLL, check: Callable[[int, str], None],
@@ -264,8 +264,8 @@ class GatherKernels:
             return
         nbytes = table.nbytes
         if nbytes > k.scratch_bytes:
-            # Freeing is stream-ordered behind earlier launches that read the old table: cuMemFree
-            # synchronizes the context, which is acceptable for a buffer that only ever grows.
+            # cuMemFree waits until the device is idle, so no queued launch still reads the old
+            # table; acceptable for a buffer that only ever grows.
             if k.scratch:
                 self._lib.cuMemFree_v2(k.scratch)
                 k.scratch, k.scratch_bytes = 0, 0
