@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,24 +256,12 @@ class Caller:
         return resp
 
     def grpc_aio_inloop(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
-        async def batch() -> list[float]:
-            out = []
-            for r in reqs:
-                t = time.perf_counter()
-                await self.aio_stub.Pull(r, timeout=31.0, metadata=self.md)
-                out.append(time.perf_counter() - t)
-            return out
-
-        result: list[float] = self.run(batch())
+        result: list[float] = self.run(_timed_async(lambda r: self.aio_stub.Pull(r, timeout=31.0, metadata=self.md),
+                                                    reqs))  # fmt: skip
         return result
 
     def grpc_sync(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
-        out = []
-        for r in reqs:
-            t = time.perf_counter()
-            self.sync_stub.Pull(r, timeout=31.0, metadata=self.md)
-            out.append(time.perf_counter() - t)
-        return out
+        return _timed(lambda r: self.sync_stub.Pull(r, timeout=31.0, metadata=self.md), reqs)
 
     def frame_blocking(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
         out = []
@@ -290,23 +278,10 @@ class Caller:
         return out
 
     def frame_facade(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
-        out = []
-        for r in reqs:
-            t = time.perf_counter()
-            self.run(self.frames.pull(r))
-            out.append(time.perf_counter() - t)
-        return out
+        return _timed(lambda r: self.run(self.frames.pull(r)), reqs)
 
     def frame_inloop(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
-        async def batch() -> list[float]:
-            out = []
-            for r in reqs:
-                t = time.perf_counter()
-                await self.frames.pull(r)
-                out.append(time.perf_counter() - t)
-            return out
-
-        result: list[float] = self.run(batch())
+        result: list[float] = self.run(_timed_async(self.frames.pull, reqs))
         return result
 
     def shm_eventfd(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
@@ -360,6 +335,28 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def _timed(call: Callable[[local_pb2.PullRequest], object], reqs: list[local_pb2.PullRequest]) -> list[float]:
+    """Seconds of each ``call(request)``, one after the other."""
+    out = []
+    for r in reqs:
+        t = time.perf_counter()
+        call(r)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def _timed_async(
+    call: Callable[[local_pb2.PullRequest], Awaitable[object]], reqs: list[local_pb2.PullRequest]
+) -> list[float]:
+    """Seconds of each ``await call(request)``, one after the other."""
+    out = []
+    for r in reqs:
+        t = time.perf_counter()
+        await call(r)
+        out.append(time.perf_counter() - t)
+    return out
 
 
 class FrameClient(asyncio.Protocol):
