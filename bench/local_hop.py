@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,12 +159,8 @@ def serve(sock_dir: str, ring_path: str, efd_req: int, efd_resp: int) -> None:
 
             def data_received(self, data: bytes) -> None:
                 self.buf += data
-                while len(self.buf) >= HEADER.size:
-                    n, call = HEADER.unpack_from(self.buf, 0)
-                    if len(self.buf) < HEADER.size + n:
-                        return
-                    parse(bytes(self.buf[HEADER.size : HEADER.size + n]))
-                    del self.buf[: HEADER.size + n]
+                for call, payload in _complete_frames(self.buf):
+                    parse(payload)
                     self.t.write(HEADER.pack(len(canned), call) + canned)
 
         await loop.create_unix_server(Frames, f"{sock_dir}/frames.sock")
@@ -326,6 +322,17 @@ class Caller:
         self.thread.join(5)
 
 
+def _complete_frames(buf: bytearray) -> Iterator[tuple[int, bytes]]:
+    """(call id, payload) of each whole frame at the front of ``buf``, removed from it as it is read."""
+    while len(buf) >= HEADER.size:
+        n, call = HEADER.unpack_from(buf, 0)
+        if len(buf) < HEADER.size + n:
+            return
+        payload = bytes(buf[HEADER.size : HEADER.size + n])
+        del buf[: HEADER.size + n]
+        yield call, payload
+
+
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     chunks, got = [], 0
     while got < n:
@@ -378,14 +385,10 @@ class FrameClient(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        while len(self.buf) >= HEADER.size:
-            n, call = HEADER.unpack_from(self.buf, 0)
-            if len(self.buf) < HEADER.size + n:
-                return
+        for call, payload in _complete_frames(self.buf):
             fut = self.waiting.pop(call, None)
             if fut is not None and not fut.done():
-                fut.set_result(bytes(self.buf[HEADER.size : HEADER.size + n]))
-            del self.buf[: HEADER.size + n]
+                fut.set_result(payload)
 
     async def pull(self, req: local_pb2.PullRequest) -> local_pb2.PullResponse:
         self.calls += 1
