@@ -4,11 +4,11 @@ vLLM queues a decode request before it allocates the blocks its KV goes into, an
 just-started decode instance may keep it queued longer than the prefill side's lease. The worker
 says so with ``Expect(request_id, remote_addresses)`` when the request arrives; this sidecar then
 sends each publisher one peer ``Hold`` for every request it expects from it, at once (a request
-expected between two rounds gets a Hold of its own right away: its pull may start within
-milliseconds and should read on a grant) and every :func:`hold_period` seconds, until the
-request's Pull starts, it is aborted, a publisher answers that it no longer holds it, or
-``--max-hold-seconds`` have passed. The publisher extends each lease by its own
-``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
+expected between two rounds is held right away, with any others expected while that Hold is out
+going together in the next: its pull may start within milliseconds and should read on a grant) and
+every :func:`hold_period` seconds, until the request's Pull starts, it is aborted, a publisher
+answers that it no longer holds it, or ``--max-hold-seconds`` have passed. The publisher extends
+each lease by its own ``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
 """
 
 from __future__ import annotations
