@@ -49,8 +49,15 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.logs import get_logger
 from kvxfer.memory import MemoryRef
 from kvxfer.topology import RankInfo
+from kvxfer.transport.base import WorkerAgentInfo
 from kvxfer.wire import local_pb2, local_pb2_grpc
-from kvxfer.wire.convert import blocks_to_proto, layout_to_proto, memory_to_proto, rank_to_proto
+from kvxfer.wire.convert import (
+    blocks_to_proto,
+    layout_to_proto,
+    memory_to_proto,
+    rank_to_proto,
+    worker_agent_to_proto,
+)
 from kvxfer.wire.frames import METHOD_OF_REQUEST, FastMethod, fast_socket_path
 from kvxfer.wire.status import error_from_status, error_from_status_message, parse_reason, status_code
 
@@ -373,18 +380,21 @@ class AsyncClient:
 
     async def register_caches(
         self, groups: GroupsArg, *, rank: RankInfo | None = None, worker_id: str = "", deadline: float | None = None,
-        worker_lease: str = "",
+        worker_lease: str = "", worker_agent: WorkerAgentInfo | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Register cache groups; returns engine_id, instance_id, epoch, registered_bytes, backend, peer_address.
 
         ``worker_lease`` names a lease this process holds on the descriptor socket
         (:func:`kvxfer.fdpass.send_fds` with no descriptors): when it closes, the sidecar drops the
-        registration.
+        registration. ``worker_agent`` is this process's own data-plane agent, for a sidecar that runs
+        ``--backend worker`` (:class:`kvxfer.worker_agent.WorkerAgent`).
         """
         req = local_pb2.RegisterCachesRequest(
             worker_id=worker_id, rank=rank_to_proto(rank or RankInfo(0, 1)), groups=_groups_proto(groups),
             worker_lease=worker_lease,
         )  # fmt: skip
+        if worker_agent is not None:
+            req.worker_agent.CopyFrom(worker_agent_to_proto(worker_agent))
         return _status_dict(await self._call(self._stub.RegisterCaches, req, deadline))
 
     async def publish(
@@ -495,6 +505,18 @@ class AsyncClient:
     async def status(self, *, deadline: float | None = None) -> dict[str, Any]:
         """What the sidecar holds right now."""
         return _status_dict(await self._call(self._stub.GetStatus, local_pb2.GetStatusRequest(), deadline))
+
+    async def agent_jobs(
+        self, *, wait_seconds: float = 0.0, max_jobs: int = 0, epoch: int = 0
+    ) -> list[local_pb2.AgentJob]:
+        """The next jobs of this worker's data-plane agent (``--backend worker``; :mod:`kvxfer.worker_agent`)."""
+        req = local_pb2.AgentJobsRequest(epoch=epoch, max_jobs=max_jobs, wait_seconds=wait_seconds)
+        resp: local_pb2.AgentJobsResponse = await self._call(self._stub.AgentJobs, req, wait_seconds + self.timeout)
+        return list(resp.jobs)
+
+    async def agent_report(self, outcomes: Sequence[local_pb2.AgentOutcome]) -> None:
+        """Outcomes of jobs this worker's agent ran."""
+        await self._call(self._stub.AgentReport, local_pb2.AgentReportRequest(outcomes=outcomes), None)
 
     async def wait_ready(self, within: float = 30.0) -> None:
         """Until the sidecar answers GetStatus (it started)."""

@@ -172,7 +172,11 @@ class Settings(BaseModel):
     metrics_auth: Literal["token", "none"] | None = Field(
         None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"
     )
-    backend: str = Field("nixl", description="data plane: nixl or mooncake (any registered kvxfer.transport backend)")
+    backend: str = Field(
+        "nixl",
+        description="data plane: nixl or mooncake (any registered kvxfer.transport backend), or worker: the worker's "
+        "own agent moves the bytes, driven by this sidecar (kvxfer.worker_agent)",
+    )
     nixl_backends: tuple[str, ...] = Field(("UCX",), description="comma-separated NIXL backend plugins")
     mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transport: tcp or rdma")
     mooncake_device: str = Field("", description="Mooncake RDMA device list (empty: auto)")

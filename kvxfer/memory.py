@@ -413,16 +413,25 @@ class AttachedMemory:
 
 
 def attach(
-    ref: MemoryRef, layout: KVCacheLayout, *, field: str = "memory", fds: FdLookup | None = None
-) -> AttachedMemory:
+    ref: MemoryRef, layout: KVCacheLayout, *, field: str = "memory", fds: FdLookup | None = None,
+    agent_pid: int | None = None,
+) -> AttachedMemory:  # fmt: skip
     """Map the memory a worker described for ``layout``; raises naming ``field`` on any mismatch.
 
     ``fds`` resolves the handle of an :class:`FdMemoryRef` (the sidecar's :class:`kvxfer.fdpass.FdBox`).
+    ``agent_pid`` is the process whose data-plane agent moves the memory when it is not this one
+    (``--backend worker``): then only :class:`LibraryRef` addresses of that process are taken, as they are.
     """
+    if agent_pid is not None and not isinstance(ref, LibraryRef):
+        raise MemoryRegistrationError(
+            f"{field}: the worker's own agent moves this memory (--backend worker), so the sidecar maps nothing: "
+            f"describe it as library memory (the worker's addresses, pid {agent_pid}), not {type(ref).__name__}",
+            field=field,
+        )
     if isinstance(ref, CudaIpcRef):
         return _attach_cuda_ipc(ref, layout, field)
     if isinstance(ref, LibraryRef):
-        return _attach_library(ref, layout, field)
+        return _attach_library(ref, layout, field, agent_pid if agent_pid is not None else os.getpid())
     if isinstance(ref, FdMemoryRef):
         return _attach_fds(ref, layout, field, fds)
     return _attach_shm(ref, layout, field)
@@ -437,12 +446,13 @@ def _count(n: int, layout: KVCacheLayout, where: str) -> None:
         )
 
 
-def _attach_library(ref: LibraryRef, layout: KVCacheLayout, field: str) -> AttachedMemory:
+def _attach_library(ref: LibraryRef, layout: KVCacheLayout, field: str, agent_pid: int) -> AttachedMemory:
     where = f"{field}.library"
-    if ref.pid != os.getpid():
+    if ref.pid != agent_pid:
+        mover = "this sidecar is" if agent_pid == os.getpid() else "the worker's agent runs in"
         raise MemoryRegistrationError(
-            f"{where}.pid: library-mode addresses belong to process {ref.pid}, but this sidecar is process "
-            f"{os.getpid()}; a worker in another process must use shared memory",
+            f"{where}.pid: library-mode addresses belong to process {ref.pid}, but {mover} process {agent_pid}; a "
+            "worker in another process must use shared memory, or run the data plane itself (--backend worker)",
             field=f"{where}.pid",
         )
     _count(len(ref.addresses), layout, f"{where}.addresses")

@@ -90,6 +90,12 @@ class _LocalApi:
     async def expect(self, req: local_pb2.ExpectRequest, _ctx: Context) -> local_pb2.ExpectResponse:
         return await self.core.expect(req)
 
+    async def agent_jobs(self, req: local_pb2.AgentJobsRequest, _ctx: Context) -> local_pb2.AgentJobsResponse:
+        return await self.core.agent_jobs(req)
+
+    async def agent_report(self, req: local_pb2.AgentReportRequest, _ctx: Context) -> local_pb2.AgentReportResponse:
+        return await self.core.agent_report(req)
+
 
 class _PeerApi:
     """Peer service methods: each passes on what the caller's credentials prove (see peer_auth)."""

@@ -39,12 +39,16 @@ from kvxfer.server.registration import Registry
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_addresses, check_drain_timeout
 from kvxfer.transport import Transport
+from kvxfer.transport.worker_agent import WorkerAgentTransport
 from kvxfer.wire import common_pb2, local_pb2, peer_pb2
 from kvxfer.wire.convert import check_id, rank_to_proto
 
 __all__ = ["SidecarCore"]
 
 log = get_logger("kvxfer.server")
+
+#: The longest AgentJobs long poll (under the local API's default call limit of 30 s).
+MAX_AGENT_WAIT_S = 10.0
 
 
 class SidecarCore:
@@ -192,6 +196,35 @@ class SidecarCore:
             peer_address=self.peer_address, registered_bytes=reg.nbytes if reg else 0,
             protocol_version=PROTOCOL_VERSION, groups=list(reg.groups) if reg else [],
         )  # fmt: skip
+
+    async def agent_jobs(self, req: local_pb2.AgentJobsRequest) -> local_pb2.AgentJobsResponse:
+        """AgentJobs: the next jobs of the worker's own data-plane agent (``--backend worker``)."""
+        agent = self._worker_agent_dp("AgentJobs")
+        reg = self.registry.require()
+        if req.epoch and req.epoch != reg.epoch:
+            raise FailedPreconditionError(
+                f"epoch: the agent serves registration {req.epoch}, the sidecar holds {reg.epoch} (register again)",
+                field="epoch", reason=Reason.NOT_REGISTERED,
+            )  # fmt: skip
+        wait = float(req.wait_seconds)
+        if not 0 <= wait <= MAX_AGENT_WAIT_S:
+            raise InvalidArgumentError(f"wait_seconds: {req.wait_seconds} is not in [0, {MAX_AGENT_WAIT_S:g}]",
+                                       field="wait_seconds")  # fmt: skip
+        return local_pb2.AgentJobsResponse(jobs=await agent.next_jobs(int(req.max_jobs), wait))
+
+    async def agent_report(self, req: local_pb2.AgentReportRequest) -> local_pb2.AgentReportResponse:
+        """AgentReport: outcomes of jobs the worker's agent ran."""
+        self._worker_agent_dp("AgentReport").report(list(req.outcomes))
+        return local_pb2.AgentReportResponse()
+
+    def _worker_agent_dp(self, what: str) -> WorkerAgentTransport:
+        if not isinstance(self.dp, WorkerAgentTransport):
+            raise FailedPreconditionError(
+                f"{what}: this sidecar's data plane ({self.dp.backend}) runs in the sidecar; only --backend worker "
+                "hands jobs to the worker's agent",
+                field="backend",
+            )  # fmt: skip
+        return self.dp
 
     async def watch(self, req: local_pb2.WatchCompletionsRequest) -> AsyncIterator[local_pb2.Completion]:
         """WatchCompletions."""

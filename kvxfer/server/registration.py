@@ -21,9 +21,16 @@ from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.identity import Identity
 from kvxfer.server.state import Group, Registration
 from kvxfer.server.validation import check_rank_heads
-from kvxfer.transport import Transport
+from kvxfer.transport import Transport, WorkerAgentInfo
 from kvxfer.wire import common_pb2, local_pb2
-from kvxfer.wire.convert import check_id, layout_from_proto, memory_from_proto, rank_from_proto, regions_to_proto
+from kvxfer.wire.convert import (
+    check_id,
+    layout_from_proto,
+    memory_from_proto,
+    rank_from_proto,
+    regions_to_proto,
+    worker_agent_from_proto,
+)
 
 __all__ = ["Registry"]
 
@@ -88,7 +95,9 @@ class Registry:
         if not req.groups:
             raise InvalidArgumentError("groups: at least one cache group is needed", field="groups")
         leases = self._worker_leases(req)
-        groups = self._attach_groups(req, rank)
+        agent = self._worker_agent(req)
+        self.dp.bind_worker(agent)
+        groups = self._attach_groups(req, rank, agent.pid if agent is not None else None)
         old = self.registration
         self._epoch += 1
         self.registration = Registration(req.worker_id, rank, groups, self._epoch, leases)
@@ -106,6 +115,17 @@ class Registry:
             engine_id=self.settings.engine_id, instance_id=self.instance_id, epoch=self._epoch,
             registered_bytes=self.registration.nbytes, backend=self.dp.backend, peer_address=self.peer_address,
         )  # fmt: skip
+
+    def _worker_agent(self, req: local_pb2.RegisterCachesRequest) -> WorkerAgentInfo | None:
+        """The worker's own data-plane agent, which ``--backend worker`` needs and other backends refuse."""
+        agent = worker_agent_from_proto(req.worker_agent) if req.HasField("worker_agent") else None
+        if agent is None and self.dp.in_worker:
+            raise FailedPreconditionError(
+                "worker_agent: this sidecar runs --backend worker, so the worker runs the data plane and must register "
+                "its agent (vLLM connector: data_plane 'worker'; kvxfer.worker_agent.WorkerAgent)",
+                field="worker_agent",
+            )
+        return agent
 
     def _worker_leases(self, req: local_pb2.RegisterCachesRequest) -> frozenset[str]:
         """Handles whose connection is the worker's life: its ``worker_lease`` and its descriptor handles."""
@@ -160,7 +180,9 @@ class Registry:
             field="rank", reason=Reason.RANK_TAKEN,
         )  # fmt: skip
 
-    def _attach_groups(self, req: local_pb2.RegisterCachesRequest, rank: Any) -> dict[str, Group]:
+    def _attach_groups(
+        self, req: local_pb2.RegisterCachesRequest, rank: Any, agent_pid: int | None
+    ) -> dict[str, Group]:
         groups: dict[str, Group] = {}
         try:
             for i, g in enumerate(req.groups):
@@ -170,7 +192,7 @@ class Registry:
                 layout = layout_from_proto(g.layout, f"groups[{i}].layout")
                 check_rank_heads(layout, rank, f"groups[{i}].layout")
                 memory = attach(memory_from_proto(g.memory, f"groups[{i}].memory"), layout,
-                                field=f"groups[{i}].memory", fds=self._fd_lookup)  # fmt: skip
+                                field=f"groups[{i}].memory", fds=self._fd_lookup, agent_pid=agent_pid)  # fmt: skip
                 try:
                     handle = self.dp.register(memory.table, "VRAM" if memory.mem_type == "VRAM" else "DRAM")
                 except BaseException:

@@ -1,4 +1,4 @@
-"""Data planes behind one interface: NIXL (default) and the Mooncake transfer engine."""
+"""Data planes behind one interface: NIXL (default), the Mooncake transfer engine, and a worker's own agent."""
 
 from kvxfer.transport.base import (
     MemType,
@@ -8,6 +8,7 @@ from kvxfer.transport.base import (
     TransferResult,
     Transport,
     TransportConfig,
+    WorkerAgentInfo,
 )
 from kvxfer.transport.errors import (
     BackendUnavailableError,
@@ -33,6 +34,7 @@ __all__ = [
     "Transport",
     "TransportConfig",
     "TransportError",
+    "WorkerAgentInfo",
     "available_transports",
     "create_transport",
     "register_transport",

@@ -18,10 +18,14 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.errors import FailedPreconditionError
 from kvxfer.topology import RegionTable
 from kvxfer.transport.errors import describe_transfer
 
-__all__ = ["MemType", "Notification", "Op", "Registration", "TransferResult", "Transport", "TransportConfig"]
+__all__ = [
+    "MemType", "Notification", "Op", "Registration", "TransferResult", "Transport", "TransportConfig",
+    "WorkerAgentInfo",
+]  # fmt: skip
 
 U64 = npt.NDArray[np.uint64]
 Op = Literal["READ", "WRITE"]
@@ -66,6 +70,16 @@ class Registration:
 
 
 @dataclass(frozen=True)
+class WorkerAgentInfo:
+    """A data-plane agent in the worker's process (``--backend worker``), as its registration describes it."""
+
+    backend: str  # the library it runs: a backend name such as "nixl"
+    agent_name: str
+    metadata: bytes  # what a peer's agent loads to reach it
+    pid: int  # the worker's process: its memory's addresses are in it
+
+
+@dataclass(frozen=True)
 class TransferResult:
     """A completed transfer."""
 
@@ -86,6 +100,11 @@ class Transport(abc.ABC):
     """One agent of a data-plane library (see the module docstring)."""
 
     name: ClassVar[str]
+    #: Whether same-host GPU READs may bypass this backend by device copies of the publisher's
+    #: memory (:mod:`kvxfer.transport.cuda_ipc_direct`); needs the memory mapped in the sidecar.
+    same_host_shortcut: ClassVar[bool] = True
+    #: Whether the data plane runs in the worker's process (:meth:`bind_worker`; ``--backend worker``).
+    in_worker: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         self.agent_name = agent_name
@@ -112,6 +131,16 @@ class Transport(abc.ABC):
 
     def _untrack(self, table: RegionTable) -> None:
         self._registered = [t for t in self._registered if t is not table]
+
+    def bind_worker(self, info: WorkerAgentInfo | None) -> None:
+        """The worker's own agent registered (or went away: None); only :attr:`in_worker` backends take one."""
+        if info is not None:
+            raise FailedPreconditionError(
+                f"worker_agent: the worker registered an agent of its own ({info.backend} {info.agent_name!r}), but "
+                f"this sidecar's data plane ({self.name}) runs in the sidecar: start it with --backend worker, or let "
+                "the worker register without one",
+                field="worker_agent",
+            )
 
     @abc.abstractmethod
     def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:

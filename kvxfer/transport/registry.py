@@ -18,6 +18,7 @@ __all__ = ["available_transports", "create_transport", "register_transport", "tr
 _BUILTIN = {
     "nixl": "kvxfer.transport.nixl_backend",
     "mooncake": "kvxfer.transport.mooncake_backend",
+    "worker": "kvxfer.transport.worker_agent",
 }
 _REGISTRY: dict[str, type[Transport]] = {}
 
@@ -57,6 +58,6 @@ def create_transport(name: str, agent_name: str, config: TransportConfig | None 
     """A new agent of backend ``name``; wrapped in the same-host CUDA IPC shortcut when
     ``config.cuda_ipc_direct`` is set (:mod:`kvxfer.transport.cuda_ipc_direct`)."""
     transport = transport_class(name)(agent_name, config)
-    if transport.config.cuda_ipc_direct:
+    if transport.config.cuda_ipc_direct and transport.same_host_shortcut:
         return CudaIpcDirect(transport)
     return transport

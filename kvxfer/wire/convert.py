@@ -11,6 +11,7 @@ from kvxfer.errors import InvalidArgumentError, KvxferError, LayoutError
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import CudaIpcRef, FdMemoryRef, FdRegionRef, LibraryRef, MemoryRef, SharedMemoryRef, ShmRegionRef
 from kvxfer.topology import RankInfo, RegionTable
+from kvxfer.transport.base import WorkerAgentInfo
 from kvxfer.wire import common_pb2, local_pb2
 
 __all__ = [
@@ -213,3 +214,27 @@ def regions_from_proto(regions: Sequence[common_pb2.Region], layout: KVCacheLayo
     except LayoutError as exc:
         raise InvalidArgumentError(f"{field}: {exc.message}", field=field) from None
     return table
+
+
+def worker_agent_from_proto(msg: local_pb2.WorkerAgent, field: str = "worker_agent") -> WorkerAgentInfo:
+    """Parse and check a ``WorkerAgent`` message (errors name the field at fault)."""
+    for name, value in (("backend", msg.backend), ("agent_name", msg.agent_name)):
+        if not value:
+            raise InvalidArgumentError(f"{field}.{name}: empty", field=f"{field}.{name}")
+    if msg.backend == "worker":
+        raise InvalidArgumentError(
+            f"{field}.backend: 'worker' is the sidecar's side; the worker runs a library backend such as 'nixl'",
+            field=f"{field}.backend",
+        )
+    if not msg.metadata:
+        raise InvalidArgumentError(f"{field}.metadata: empty (register memory with the agent first)",
+                                   field=f"{field}.metadata")  # fmt: skip
+    if msg.pid <= 0:
+        raise InvalidArgumentError(f"{field}.pid: {msg.pid} is not a process id", field=f"{field}.pid")
+    return WorkerAgentInfo(msg.backend, msg.agent_name, bytes(msg.metadata), int(msg.pid))
+
+
+def worker_agent_to_proto(info: WorkerAgentInfo) -> local_pb2.WorkerAgent:
+    """The wire form of a worker's agent."""
+    return local_pb2.WorkerAgent(backend=info.backend, agent_name=info.agent_name, metadata=info.metadata,
+                                 pid=info.pid)  # fmt: skip

@@ -1,6 +1,7 @@
 """The local fast socket's format: length-prefixed protobuf frames for a worker's hot calls.
 
-A worker's ``Pull``, ``PullBatch`` and ``Publish`` may go to its sidecar as frames on a Unix
+A worker's ``Pull``, ``PullBatch`` and ``Publish`` (and, with ``--backend worker``, its agent's
+``AgentJobs`` and ``AgentReport``) may go to its sidecar as frames on a Unix
 stream socket beside the local API's (:func:`fast_socket_path`) instead of as gRPC calls: the same
 request and response messages (``kvxfer.v1``), a fixed header instead of HTTP/2. Measured on two
 cores (``bench/local_hop.py``), a Pull round trip costs ~60 µs this way from the blocking client's
@@ -74,6 +75,8 @@ METHODS: dict[int, FastMethod] = {
         FastMethod(1, "Pull", local_pb2.PullRequest, local_pb2.PullResponse),
         FastMethod(2, "PullBatch", local_pb2.PullBatchRequest, local_pb2.PullBatchResponse),
         FastMethod(3, "Publish", local_pb2.PublishRequest, local_pb2.PublishResponse),
+        FastMethod(4, "AgentJobs", local_pb2.AgentJobsRequest, local_pb2.AgentJobsResponse),
+        FastMethod(5, "AgentReport", local_pb2.AgentReportRequest, local_pb2.AgentReportResponse),
     )
 }
 #: The method a request message type is sent as.

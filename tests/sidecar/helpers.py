@@ -31,6 +31,7 @@ from kvxfer.transport import (
     TransportConfig,
     create_transport,
 )
+from kvxfer.worker_agent import WorkerAgent
 
 Blocks = Mapping[str, Sequence[int] | npt.NDArray[np.integer]]
 
@@ -40,18 +41,29 @@ class Worker:
 
     def __init__(
         self, sidecar: Sidecar | str, layouts: Mapping[str, KVCacheLayout], rank: RankInfo, *,
-        token: str | None = None, library: bool = False,
+        token: str | None = None, library: bool = False, agent: bool = False,
     ) -> None:  # fmt: skip
         self.sidecar = sidecar
         self.layouts = dict(layouts)
         self.rank = rank
         self.library = library
+        #: With ``agent``: this worker's own NIXL agent, driven by a ``--backend worker`` sidecar.
+        self.agent = WorkerAgent() if agent else None
+        self._serving: asyncio.Future[None] | None = None
+        self._agent_refs: dict[str, LibraryRef] = {}
         self.buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
         target = sidecar if isinstance(sidecar, str) else sidecar.local_target
         self.client = AsyncClient(target, token=token, timeout=30.0)
 
     async def register(self) -> dict[str, Any]:
         """Register every group (shared memory, or raw addresses in library mode)."""
+        if self.agent is not None:
+            if self._serving is None:
+                self._agent_refs = {g: self.agent.register(self.layouts[g], b.regions) for g, b in self.buffers.items()}
+                self._serving = asyncio.ensure_future(self.agent.serve(self.client))
+            groups = {g: (self.layouts[g], self._agent_refs[g]) for g in self.buffers}
+            return await self.client.register_caches(groups, rank=self.rank, worker_id=f"w{self.rank.tp_rank}",
+                                                     worker_agent=self.agent.info())  # fmt: skip
         if self.library:
             groups = {g: (self.layouts[g], LibraryRef.from_arrays(b.regions)) for g, b in self.buffers.items()}
         else:
@@ -88,6 +100,11 @@ class Worker:
         return checked, bad
 
     async def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            if self._serving is not None:
+                self._serving.cancel()
+                await asyncio.gather(self._serving, return_exceptions=True)
         await self.client.close()
         for b in self.buffers.values():
             b.close()
@@ -135,7 +152,7 @@ class Harness:
     async def deployment(
         self, prefill: Mapping[str, KVCacheLayout] | Sequence[Mapping[str, KVCacheLayout]],
         decode: Mapping[str, KVCacheLayout] | Sequence[Mapping[str, KVCacheLayout]],
-        *, prefill_tp: int = 1, decode_tp: int = 1, **sidecar_settings: Any,
+        *, prefill_tp: int = 1, decode_tp: int = 1, agent: bool = False, **sidecar_settings: Any,
     ) -> tuple[list[Sidecar], list[Worker], list[Sidecar], list[Worker]]:  # fmt: skip
         """One sidecar + worker per rank on each side (``prefill`` engine and ``decode`` engine)."""
 
@@ -148,11 +165,11 @@ class Harness:
         for q, lay in enumerate(per_rank(prefill, prefill_tp)):
             sc = await self.sidecar(f"p{q}-{self._n}", role="prefill", engine_id="prefill", **sidecar_settings)
             ps.append(sc)
-            pw.append(await self.worker(sc, lay, (q, prefill_tp), token=token))
+            pw.append(await self.worker(sc, lay, (q, prefill_tp), token=token, agent=agent))
         for r, lay in enumerate(per_rank(decode, decode_tp)):
             sc = await self.sidecar(f"d{r}-{self._n}", role="decode", engine_id="decode", **sidecar_settings)
             ds.append(sc)
-            dw.append(await self.worker(sc, lay, (r, decode_tp), token=token))
+            dw.append(await self.worker(sc, lay, (r, decode_tp), token=token, agent=agent))
         return ps, pw, ds, dw
 
     async def close(self) -> None:

@@ -70,7 +70,7 @@ def test_a_third_party_backend_registers_by_name(monkeypatch: pytest.MonkeyPatch
         def close(self) -> None:
             pass
 
-    assert available_transports() == ["loopback-test", "mooncake", "nixl"]
+    assert available_transports() == ["loopback-test", "mooncake", "nixl", "worker"]
     t = create_transport("loopback-test", "agent-7")
     assert (type(t), t.backend, t.agent_name, t.metadata()) == (Loopback, "loopback-test", "agent-7", b"agent-7")
     assert transport_class("loopback-test") is Loopback
@@ -79,7 +79,7 @@ def test_a_third_party_backend_registers_by_name(monkeypatch: pytest.MonkeyPatch
 def test_unknown_backend_names_the_known_ones() -> None:
     with pytest.raises(BackendUnavailableError) as err:
         transport_class("rdma-magic")
-    assert str(err.value) == "rdma-magic: unknown backend 'rdma-magic'; available: mooncake, nixl"
+    assert str(err.value) == "rdma-magic: unknown backend 'rdma-magic'; available: mooncake, nixl, worker"
     assert err.value.status == "FAILED_PRECONDITION"
 
 

@@ -93,8 +93,8 @@ def descriptors(local_cache: Cache, peer: Peer) -> tuple[np.ndarray, np.ndarray,
 
 
 def test_registry_names_both_backends_and_refuses_unknown() -> None:
-    assert available_transports() == ["mooncake", "nixl"]
-    with pytest.raises(TransportError, match="unknown backend 'rdma-magic'; available: mooncake, nixl"):
+    assert available_transports() == ["mooncake", "nixl", "worker"]
+    with pytest.raises(TransportError, match="unknown backend 'rdma-magic'; available: mooncake, nixl, worker"):
         create_transport("rdma-magic", "x")
 
 

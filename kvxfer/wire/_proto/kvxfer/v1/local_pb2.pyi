@@ -121,7 +121,10 @@ Global___CudaIpc: _TypeAlias = CudaIpc  # noqa: Y015
 
 @_typing.final
 class LibraryMemory(_message.Message):
-    """Library mode: the sidecar runs inside the worker's process and uses these addresses as they are."""
+    """Addresses in the process whose agent moves them, used as they are: the sidecar's own (library
+    mode: the sidecar runs inside the worker's process), or the worker's when the worker runs the
+    data plane itself (kvxfer serve --backend worker, RegisterCachesRequest.worker_agent).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -133,7 +136,7 @@ class LibraryMemory(_message.Message):
     memory_type: _builtins.str
     """DRAM (default) or VRAM"""
     pid: _builtins.int
-    """the process that owns the addresses; must be the sidecar's"""
+    """the process that owns the addresses: the sidecar's, or worker_agent.pid"""
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """one base address per region"""
@@ -279,6 +282,7 @@ class RegisterCachesRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     WORKER_LEASE_FIELD_NUMBER: _builtins.int
+    WORKER_AGENT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     worker_lease: _builtins.str
     """A handle from the descriptor socket (kvxfer.fdpass) whose connection the worker holds for as
@@ -290,6 +294,13 @@ class RegisterCachesRequest(_message.Message):
     def rank(self) -> _common_pb2.Rank: ...
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheGroup]: ...
+    @_builtins.property
+    def worker_agent(self) -> Global___WorkerAgent:
+        """Set when the worker runs the data plane itself (kvxfer serve --backend worker): its agent has
+        registered the groups' memory (library memory, the worker's own addresses), and the sidecar
+        drives it with AgentJobs. Required by --backend worker, refused by every other backend.
+        """
+
     def __init__(
         self,
         *,
@@ -297,14 +308,48 @@ class RegisterCachesRequest(_message.Message):
         rank: _common_pb2.Rank | None = ...,
         groups: _abc.Iterable[Global___CacheGroup] | None = ...,
         worker_lease: _builtins.str = ...,
+        worker_agent: Global___WorkerAgent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "worker_agent", b"worker_agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "rank", b"rank", "worker_id", b"worker_id", "worker_lease", b"worker_lease"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "rank", b"rank", "worker_agent", b"worker_agent", "worker_id", b"worker_id", "worker_lease", b"worker_lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterCachesRequest: _TypeAlias = RegisterCachesRequest  # noqa: Y015
+
+@_typing.final
+class WorkerAgent(_message.Message):
+    """A data-plane agent in the worker's process (kvxfer.worker_agent)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BACKEND_FIELD_NUMBER: _builtins.int
+    AGENT_NAME_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    backend: _builtins.str
+    """the transfer library it runs (a kvxfer backend name: "nixl")"""
+    agent_name: _builtins.str
+    metadata: _builtins.bytes
+    """what a peer's agent loads to reach it"""
+    pid: _builtins.int
+    """the worker's process (its library memory's pid)"""
+    def __init__(
+        self,
+        *,
+        backend: _builtins.str = ...,
+        agent_name: _builtins.str = ...,
+        metadata: _builtins.bytes = ...,
+        pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "backend", b"backend", "metadata", b"metadata", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerAgent: _TypeAlias = WorkerAgent  # noqa: Y015
 
 @_typing.final
 class RegisterCachesResponse(_message.Message):
@@ -962,3 +1007,216 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class AgentJobsRequest(_message.Message):
+    """---------------------------------------------------------------- worker-hosted data plane"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    MAX_JOBS_FIELD_NUMBER: _builtins.int
+    WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """the registration the agent serves (0: the current one)"""
+    max_jobs: _builtins.int
+    """0: no limit"""
+    wait_seconds: _builtins.float
+    """how long to wait for a first job (0: answer at once)"""
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        max_jobs: _builtins.int = ...,
+        wait_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "max_jobs", b"max_jobs", "wait_seconds", b"wait_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentJobsRequest: _TypeAlias = AgentJobsRequest  # noqa: Y015
+
+@_typing.final
+class AgentJob(_message.Message):
+    """One thing for the worker's agent to do."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    LOAD_PEER_FIELD_NUMBER: _builtins.int
+    FORGET_PEER_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    load_peer: _builtins.bytes
+    """a peer agent's metadata (the inner metadata of its WorkerAgent)"""
+    forget_peer: _builtins.str
+    """a peer agent's name"""
+    cancel: _builtins.int
+    """the id of a transfer job to give up (no outcome is reported for it)"""
+    @_builtins.property
+    def transfer(self) -> Global___AgentTransfer: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        load_peer: _builtins.bytes = ...,
+        forget_peer: _builtins.str = ...,
+        transfer: Global___AgentTransfer | None = ...,
+        cancel: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "forget_peer", b"forget_peer", "kind", b"kind", "load_peer", b"load_peer", "transfer", b"transfer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "forget_peer", b"forget_peer", "id", b"id", "kind", b"kind", "load_peer", b"load_peer", "transfer", b"transfer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["load_peer", "forget_peer", "transfer", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___AgentJob: _TypeAlias = AgentJob  # noqa: Y015
+
+@_typing.final
+class AgentTransfer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OP_FIELD_NUMBER: _builtins.int
+    LOCAL_FIELD_NUMBER: _builtins.int
+    REMOTE_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    NOTIFY_FIELD_NUMBER: _builtins.int
+    MEMORY_TYPE_FIELD_NUMBER: _builtins.int
+    REMOTE_MEMORY_TYPE_FIELD_NUMBER: _builtins.int
+    op: _builtins.str
+    """READ or WRITE"""
+    local: _builtins.bytes
+    """(N, 3) uint64 little-endian descriptors: address, length, device"""
+    remote: _builtins.bytes
+    """the same shape, on the peer"""
+    peer: _builtins.str
+    """the peer agent's name"""
+    timeout_seconds: _builtins.float
+    notify: _builtins.bytes
+    """empty: none"""
+    memory_type: _builtins.str
+    """DRAM or VRAM"""
+    remote_memory_type: _builtins.str
+    def __init__(
+        self,
+        *,
+        op: _builtins.str = ...,
+        local: _builtins.bytes = ...,
+        remote: _builtins.bytes = ...,
+        peer: _builtins.str = ...,
+        timeout_seconds: _builtins.float = ...,
+        notify: _builtins.bytes = ...,
+        memory_type: _builtins.str = ...,
+        remote_memory_type: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local", b"local", "memory_type", b"memory_type", "notify", b"notify", "op", b"op", "peer", b"peer", "remote", b"remote", "remote_memory_type", b"remote_memory_type", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentTransfer: _TypeAlias = AgentTransfer  # noqa: Y015
+
+@_typing.final
+class AgentJobsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentJob]: ...
+    def __init__(
+        self,
+        *,
+        jobs: _abc.Iterable[Global___AgentJob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentJobsResponse: _TypeAlias = AgentJobsResponse  # noqa: Y015
+
+@_typing.final
+class AgentOutcome(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    DESCRIPTORS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    code: _builtins.int
+    """grpc status code (0: OK)"""
+    reason: _builtins.str
+    """kvxfer.errors.Reason when code is not 0"""
+    message: _builtins.str
+    bytes: _builtins.int
+    descriptors: _builtins.int
+    seconds: _builtins.float
+    peer: _builtins.str
+    """load_peer: the name the library gave the peer"""
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        code: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        descriptors: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+        peer: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "code", b"code", "descriptors", b"descriptors", "id", b"id", "message", b"message", "peer", b"peer", "reason", b"reason", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentOutcome: _TypeAlias = AgentOutcome  # noqa: Y015
+
+@_typing.final
+class AgentReportRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentOutcome]: ...
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___AgentOutcome] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentReportRequest: _TypeAlias = AgentReportRequest  # noqa: Y015
+
+@_typing.final
+class AgentReportResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentReportResponse: _TypeAlias = AgentReportResponse  # noqa: Y015

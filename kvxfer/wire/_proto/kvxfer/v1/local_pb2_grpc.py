@@ -84,6 +84,16 @@ class LocalStub:
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_local__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.AgentJobs = channel.unary_unary(
+                '/kvxfer.v1.Local/AgentJobs',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.AgentJobsRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.AgentJobsResponse.FromString,
+                _registered_method=True)
+        self.AgentReport = channel.unary_unary(
+                '/kvxfer.v1.Local/AgentReport',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.AgentReportRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.AgentReportResponse.FromString,
+                _registered_method=True)
 
 
 class LocalServicer:
@@ -163,6 +173,21 @@ class LocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AgentJobs(self, request, context):
+        """--backend worker: the worker's own data-plane agent asks for its next jobs (loading and
+        forgetting peers, transfers). Answers at once when jobs wait, else after wait_seconds with none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AgentReport(self, request, context):
+        """--backend worker: the outcomes of jobs the worker's agent ran.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +240,16 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kvxfer_dot_v1_dot_local__pb2.GetStatusRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_local__pb2.StatusResponse.SerializeToString,
+            ),
+            'AgentJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.AgentJobs,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.AgentJobsRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.AgentJobsResponse.SerializeToString,
+            ),
+            'AgentReport': grpc.unary_unary_rpc_method_handler(
+                    servicer.AgentReport,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.AgentReportRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.AgentReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +522,60 @@ class Local:
             '/kvxfer.v1.Local/GetStatus',
             kvxfer_dot_v1_dot_local__pb2.GetStatusRequest.SerializeToString,
             kvxfer_dot_v1_dot_local__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AgentJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/AgentJobs',
+            kvxfer_dot_v1_dot_local__pb2.AgentJobsRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.AgentJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AgentReport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/AgentReport',
+            kvxfer_dot_v1_dot_local__pb2.AgentReportRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.AgentReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

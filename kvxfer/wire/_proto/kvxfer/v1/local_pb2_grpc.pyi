@@ -61,6 +61,12 @@ class LocalStub:
     """Start the graceful drain (what SIGTERM does) and wait for it."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_local_pb2.GetStatusRequest, _local_pb2.StatusResponse]
     """What the sidecar holds right now."""
+    AgentJobs: _grpc.UnaryUnaryMultiCallable[_local_pb2.AgentJobsRequest, _local_pb2.AgentJobsResponse]
+    """--backend worker: the worker's own data-plane agent asks for its next jobs (loading and
+    forgetting peers, transfers). Answers at once when jobs wait, else after wait_seconds with none.
+    """
+    AgentReport: _grpc.UnaryUnaryMultiCallable[_local_pb2.AgentReportRequest, _local_pb2.AgentReportResponse]
+    """--backend worker: the outcomes of jobs the worker's agent ran."""
 
 @_typing.type_check_only
 class LocalAsyncStub(LocalStub):
@@ -92,6 +98,12 @@ class LocalAsyncStub(LocalStub):
     """Start the graceful drain (what SIGTERM does) and wait for it."""
     GetStatus: _aio.UnaryUnaryMultiCallable[_local_pb2.GetStatusRequest, _local_pb2.StatusResponse]  # type: ignore[assignment]
     """What the sidecar holds right now."""
+    AgentJobs: _aio.UnaryUnaryMultiCallable[_local_pb2.AgentJobsRequest, _local_pb2.AgentJobsResponse]  # type: ignore[assignment]
+    """--backend worker: the worker's own data-plane agent asks for its next jobs (loading and
+    forgetting peers, transfers). Answers at once when jobs wait, else after wait_seconds with none.
+    """
+    AgentReport: _aio.UnaryUnaryMultiCallable[_local_pb2.AgentReportRequest, _local_pb2.AgentReportResponse]  # type: ignore[assignment]
+    """--backend worker: the outcomes of jobs the worker's agent ran."""
 
 class LocalServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -180,5 +192,23 @@ class LocalServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_local_pb2.StatusResponse, _abc.Awaitable[_local_pb2.StatusResponse]]:
         """What the sidecar holds right now."""
+
+    @_abc_1.abstractmethod
+    def AgentJobs(
+        self,
+        request: _local_pb2.AgentJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_local_pb2.AgentJobsResponse, _abc.Awaitable[_local_pb2.AgentJobsResponse]]:
+        """--backend worker: the worker's own data-plane agent asks for its next jobs (loading and
+        forgetting peers, transfers). Answers at once when jobs wait, else after wait_seconds with none.
+        """
+
+    @_abc_1.abstractmethod
+    def AgentReport(
+        self,
+        request: _local_pb2.AgentReportRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_local_pb2.AgentReportResponse, _abc.Awaitable[_local_pb2.AgentReportResponse]]:
+        """--backend worker: the outcomes of jobs the worker's agent ran."""
 
 def add_LocalServicer_to_server(servicer: LocalServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

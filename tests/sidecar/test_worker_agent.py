@@ -1,0 +1,145 @@
+"""``--backend worker``: the worker's own NIXL agent moves the bytes, driven by its sidecar.
+
+Real parts throughout: in-process sidecars on loopback, one real NIXL (UCX) agent per worker that
+registered the worker's own buffers. The sidecars map no memory; the decode worker's agent READs
+from the prefill worker's agent with the descriptors its sidecar planned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxfer.client import AsyncClient
+from kvxfer.errors import FailedPreconditionError, Reason
+from kvxfer.memory import LibraryRef
+from kvxfer.transport import TransferFailedError, TransferTimeoutError, WorkerAgentInfo, create_transport
+from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
+from kvxfer.wire import local_pb2
+from tests.sidecar.helpers import Harness, attention, expect_error, transfer
+
+LAY = attention()
+HND = attention(heads=8, tp=2, layers=3, blocks=32, order="HND")
+
+
+async def test_the_workers_agents_move_exact_bytes_and_the_sidecars_map_nothing(harness: Harness) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, agent=True, backend="worker")
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": [5, 6, 7, 30]}, {"kv": [9, 3, 4, 50]}, salt=11)
+    assert res.done
+    assert res.bytes == 4 * LAY.page_bytes * LAY.num_layers
+    # Blocks 3,4 are one run on the decode side but 6,7 on the prefill side: 3 runs of
+    # (9<-5), (3,4<-6,7), (50<-30) per layer, one descriptor each.
+    assert res.descriptors == 3 * LAY.num_layers
+    assert dw[0].agent is not None
+    assert dw[0].agent.jobs_run == 1
+    assert pw[0].agent is not None
+    assert pw[0].agent.jobs_run == 0
+    for sc in (*ps, *ds):
+        assert isinstance(sc.core.dp, WorkerAgentTransport)  # no CUDA IPC shortcut, no library of its own
+    # A second request on the same peer reuses the loaded agent.
+    (res2,) = await transfer(pw, ps, dw, "r2", {"kv": [1]}, {"kv": [2]}, salt=12)
+    assert res2.bytes == LAY.page_bytes * LAY.num_layers
+    assert dw[0].agent.jobs_run == 2
+
+
+async def test_heterogeneous_tp_through_the_workers_agents(harness: Harness) -> None:
+    # Prefill TP 2 (4 heads each), decode TP 1 (8 heads): each decode READ takes head slices of
+    # both prefill ranks' agents.
+    ps, pw, _ds, dw = await harness.deployment(
+        {"kv": HND}, {"kv": attention(heads=8, tp=1, layers=3, blocks=32, order="HND")},
+        prefill_tp=2, agent=True, backend="worker",
+    )  # fmt: skip
+    (res,) = await transfer(pw, ps, dw, "h1", {"kv": [1, 2, 3]}, {"kv": [7, 8, 9]}, salt=5)
+    assert res.done
+    assert sorted(res.remote_ranks) == [0, 1]
+
+
+async def test_registration_mismatches_are_refused_naming_worker_agent(harness: Harness) -> None:
+    plain = await harness.sidecar(role="prefill", engine_id="plain")
+    hosted = await harness.sidecar(role="prefill", engine_id="hosted", backend="worker")
+    # An agent offered to a sidecar whose data plane runs in the sidecar.
+    w = await harness.worker(plain, {"kv": LAY}, agent=True, register=False)
+    exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, w.register(), "--backend worker", "nixl")
+    assert exc.field == "worker_agent"
+    # No agent, to a sidecar that needs one.
+    w2 = await harness.worker(hosted, {"kv": LAY}, register=False)
+    exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, w2.register(), "must register its agent")
+    assert exc.field == "worker_agent"
+    # An agent, but memory the sidecar would have to map (shared memory).
+    w3 = await harness.worker(hosted, {"kv": LAY}, agent=True, register=False)
+    assert w3.agent is not None
+    w3.agent.register(LAY, w3.buffers["kv"].regions)
+    groups = {"kv": (LAY, w3.buffers["kv"].ref())}
+    exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT,
+                             w3.client.register_caches(groups, worker_agent=w3.agent.info()),
+                             "groups[0].memory", "SharedMemoryRef")  # fmt: skip
+    # Addresses of another process than the agent's.
+    info = w3.agent.info()
+    other = WorkerAgentInfo(info.backend, info.agent_name, info.metadata, info.pid + 1)
+    lib = {"kv": (LAY, LibraryRef.from_arrays(w3.buffers["kv"].regions))}
+    exc = await expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        w3.client.register_caches(lib, worker_agent=other),
+        f"belong to process {info.pid}",
+        f"the worker's agent runs in process {info.pid + 1}",
+    )
+    assert exc.field == "groups[0].memory.library.pid"
+    # A malformed agent: the field and value are named.
+    bad = WorkerAgentInfo("worker", info.agent_name, info.metadata, info.pid)
+    exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, w3.client.register_caches(lib, worker_agent=bad),
+                             "worker_agent.backend", "'worker'")  # fmt: skip
+    assert exc.field == "worker_agent.backend"
+    # AgentJobs on a sidecar without a worker-hosted data plane.
+    exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, AsyncClient(plain.local_target).agent_jobs(),
+                             "AgentJobs", "(nixl) runs in the sidecar")  # fmt: skip
+    assert exc.field == "backend"
+
+
+async def test_an_agent_that_stops_serving_fails_only_its_pull_and_comes_back(harness: Harness) -> None:
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, agent=True, backend="worker")
+    d = dw[0]
+    assert d.agent is not None
+    assert d._serving is not None
+    d._serving.cancel()  # the decode worker's agent takes no more jobs
+    await asyncio.gather(d._serving, return_exceptions=True)
+    await pw[0].prefill("lost", {"kv": [1, 2]}, salt=3)
+    exc = await expect_error(grpc.StatusCode.DEADLINE_EXCEEDED, d.pull("lost", ps, {"kv": [1, 2]}, deadline=1.0))
+    assert exc.reason == Reason.DEADLINE
+    # Serving again: the next request moves (the publish that failed is untouched on its side).
+    d._serving = asyncio.ensure_future(d.agent.serve(d.client))
+    (res,) = await transfer(pw, ps, dw, "back", {"kv": [3]}, {"kv": [4]}, salt=4)
+    assert res.done
+
+
+async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
+    # The sidecar's side alone: an outcome's code, not its text, decides the error.
+    t = create_transport("worker", "side")
+    assert isinstance(t, WorkerAgentTransport)
+    t.bind_worker(WorkerAgentInfo("nixl", "w", b"md", 1))
+    desc = np.array([[4096, 64, 0]], dtype=np.uint64)
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    assert job.WhichOneof("kind") == "transfer"
+    assert descriptors_from_bytes(job.transfer.local, "local").tolist() == [[4096, 64, 0]]
+    t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="slow")])
+    with pytest.raises(TransferTimeoutError, match="slow"):
+        await task
+    # A cancelled waiter tells the agent to give up the job it already took.
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    (cancel,) = await t.next_jobs(0, 1.0)
+    assert cancel.cancel == job.id
+    # The worker going away fails what waits, with nothing left queued for the next one.
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    await asyncio.sleep(0)
+    t.bind_worker(None)
+    with pytest.raises(TransferFailedError, match="'w' went away"):
+        await task
+    with pytest.raises(FailedPreconditionError, match="no worker agent"):
+        await t.next_jobs(0, 0.0)
+    assert descriptors_to_bytes(desc) == desc.astype("<u8").tobytes()
