@@ -29,6 +29,7 @@ import argparse
 import atexit
 import concurrent.futures as cf
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -189,12 +190,14 @@ def omp_bind_env(role: str) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": _ARGS.omp_bind.split("|")[0 if role.endswith("prefill") else 1]}
 
 
-def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
+def kvxfer_setup(role: str, run_dir: Path, log_dir: Path, *, data_plane: str = "sidecar") -> InstanceSpec:
     """kvxfer's connector (``kvxfer.integrations.vllm``), with a kvxfer sidecar next to the instance.
 
     One sidecar per worker rank (TP 1 here); the connector finds it through ``{rank}`` in the
     socket template, exactly as in the Helm chart. A failed load fails the request
     (``kv_load_failure_policy: fail``), so a silently recomputed prompt cannot pass for a transfer.
+    ``data_plane="worker"``: each vLLM worker's own NIXL agent moves the bytes, driven by its
+    sidecar (``kvxfer serve --backend worker``), as a GPU worker reaches an RDMA NIC.
     """
     engine_id = f"{role}-{os.getpid()}"
     template = str(run_dir / f"kvxfer-{role}-{{rank}}.sock")
@@ -207,6 +210,7 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
         "--local-socket", template.format(rank=0),
         "--metrics-listen", metrics,
         "--log-format", "text",
+        *(("--backend", "worker") if data_plane == "worker" else ()),
     ]  # fmt: skip
     spawn(f"sidecar-{role}", cmd, dict(os.environ), log_dir)
     cfg = {
@@ -215,7 +219,7 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path) -> InstanceSpec:
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "engine_id": engine_id,
         "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"sidecar_socket": template},
+        "kv_connector_extra_config": {"sidecar_socket": template, "data_plane": data_plane},
     }
     return InstanceSpec(cfg, {}, metrics_url=f"http://{metrics}/metrics")
 
@@ -233,7 +237,11 @@ def sidecar_metrics(url: str) -> dict[str, float]:
     return out
 
 
-CONNECTORS: dict[str, ConnectorSetup] = {"nixl": nixl_setup, "kvxfer": kvxfer_setup}
+CONNECTORS: dict[str, ConnectorSetup] = {
+    "nixl": nixl_setup,
+    "kvxfer": kvxfer_setup,
+    "kvxfer-worker": functools.partial(kvxfer_setup, data_plane="worker"),
+}
 
 
 def start_vllm(

@@ -55,6 +55,9 @@ def decode_request(rid: str, prompt_len: int, params: dict[str, Any]) -> Request
     return Request(rid, list(range(100, 100 + prompt_len)), sp, None)
 
 
+#: Flags of a sidecar set whose workers run the data plane themselves.
+WORKER_HOSTED = ("--backend", "worker")
+
 #: The sidecar sets of the session: name -> (role, ranks). ``pre<tp>``/``dec<tp>`` serve instances of that TP
 #: size by default. The others are for tests that need sidecars no other test has used: one where several decode
 #: ranks read one prefill rank (a prefill sidecar keeps the identity of a decode sidecar from its last handshake: see
@@ -65,6 +68,8 @@ SIDECAR_SETS = {
     "pre1kv": ("prefill", 1), "pre1fp4": ("prefill", 1), "pre1mla": ("prefill", 1),
     "pre1cfg": ("prefill", 1), "dec2cfg": ("decode", 2), "pre2cfg": ("prefill", 2), "dec1cfg": ("decode", 1),
     "prst": ("prefill", 1), "pexit": ("prefill", 1),
+    # --backend worker: each worker's own NIXL agent moves the bytes (connector data_plane "worker").
+    "prew2": ("prefill", 2, WORKER_HOSTED), "decw1": ("decode", 1, WORKER_HOSTED),
 }  # fmt: skip
 
 
@@ -82,10 +87,13 @@ class Sidecars:
     sets: dict[str, list[SidecarProc]]
 
     @classmethod
-    def start(cls, cluster: LocalCluster, sets: dict[str, tuple[str, int]], flags: Sequence[str] = ()) -> Sidecars:
+    def start(cls, cluster: LocalCluster, sets: dict[str, tuple[Any, ...]], flags: Sequence[str] = ()) -> Sidecars:
         procs = {
-            name: [cluster.start_sidecar(f"{name}-{r}", name, role, flags=flags) for r in range(tp)]
-            for name, (role, tp) in sets.items()
+            name: [
+                cluster.start_sidecar(f"{name}-{r}", name, role, flags=(*flags, *(f for m in more for f in m)))
+                for r in range(tp)
+            ]
+            for name, (role, tp, *more) in sets.items()
         }
         return cls(cluster, procs)
 

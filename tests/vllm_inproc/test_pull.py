@@ -197,6 +197,25 @@ def test_standard_kv_heterogeneous_tp_and_block_sizes(pd: PD, p_tp: int, p_bs: i
                            rows(pre.engines, n, p_table, range(prompt - 1)))  # fmt: skip
 
 
+def test_the_workers_own_agents_move_heterogeneous_tp(pd: PD) -> None:
+    """data_plane "worker": each rank's own NIXL agent registered vLLM's tensors; the sidecars map nothing."""
+    pre = pd.instance("prefill", engines(tp=2, seed=3, spec_for=kv_spec(16)), sidecars="prew2", data_plane="worker")
+    dec = pd.instance("decode", engines(tp=1, seed=13, spec_for=kv_spec(32)), sidecars="decw1", data_plane="worker")
+    assert all(w.agent is not None for w in (*pre.workers, *dec.workers))
+    assert all(w.registration["backend"] == "worker" for w in (*pre.workers, *dec.workers))
+    prompt = 75
+    p_table, d_table = blocks_for(prompt, 16, P_POOL), blocks_for(prompt, 32, D_POOL)
+    params = pd.publish(pre, "wk", prompt, [p_table])
+    assert pd.load(dec, "wk-d", prompt, params, [d_table]) == set()
+    pre.finished(sending="wk")
+    agent = dec.workers[0].agent
+    assert agent is not None
+    assert agent.jobs_run == 2  # one READ per prefill rank, run by the decode worker's own agent
+    for n in LAYERS:
+        assert torch.equal(rows(dec.engines, n, d_table, range(prompt - 1)),
+                           rows(pre.engines, n, p_table, range(prompt - 1)))  # fmt: skip
+
+
 def test_kernel_blocks_on_one_side(pd: PD) -> None:
     """A prefill block of 64 tokens that vLLM splits into kernel blocks of 32, into unsplit decode blocks of 32."""
     pre = pd.instance("prefill", engines(seed=2, spec_for=kv_spec(64), kernel_block_sizes=[32]))

@@ -24,9 +24,9 @@ from typing import Any
 
 from kvxfer.fdpass import FdLease, fd_socket_path, send_fds
 from kvxfer.integrations.vllm.spec import CacheGroup, KVCacheDescriptionError
-from kvxfer.memory import CudaIpcRef, FdMemoryRef, FdRegionRef, MemoryRef
+from kvxfer.memory import CudaIpcRef, FdMemoryRef, FdRegionRef, LibraryRef, MemoryRef
 
-__all__ = ["SharedCaches", "share_caches"]
+__all__ = ["SharedCaches", "own_caches", "share_caches"]
 
 
 @dataclass
@@ -53,8 +53,15 @@ class SharedCaches:
 
     @property
     def is_cuda(self) -> bool:
-        """True when the caches live on a GPU."""
+        """True when the caches live on a GPU (or stay this process's own: no descriptors to pass)."""
         return not self.fds
+
+    @property
+    def how(self) -> str:
+        """How the sidecar reaches the memory, in words (for the logs)."""
+        if any(isinstance(m, LibraryRef) for m in self.memory.values()):
+            return "the worker's own agent"
+        return "CUDA IPC" if self.is_cuda else "shared memory"
 
     def refs(self, sidecar_socket: str, *, token: str | None) -> dict[str, MemoryRef]:
         """Memory references for a (new) registration: on a CPU, hands the descriptors over (again).
@@ -102,6 +109,18 @@ def share_caches(groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]) -> 
         if size < s.nbytes:  # pragma: no cover - torch shares the whole storage
             raise KVCacheDescriptionError(f"kv_caches: shared {size} of {s.nbytes} bytes", field="kv_caches")
     return SharedCaches(tuple(groups), {}, regions, tuple(os.dup(s.fd) for s in storages))
+
+
+def own_caches(groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]) -> SharedCaches:
+    """The groups' regions at this process's own addresses, for an agent in this process to register.
+
+    Nothing is shared: the worker's agent moves the bytes (``data_plane: worker``). The sidecar
+    still gets a lease on its descriptor socket, so it drops the registration when this process exits.
+    """
+    first = kv_caches[groups[0].layer_names[0]]
+    device, mem = (int(first.device.index or 0), "VRAM") if first.is_cuda else (0, "DRAM")
+    memory: dict[str, MemoryRef] = {g.name: LibraryRef(tuple(g.region_addresses), device, mem) for g in groups}
+    return SharedCaches(tuple(groups), memory)
 
 
 def _storages(groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]) -> list[_Storage]:

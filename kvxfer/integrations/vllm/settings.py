@@ -50,6 +50,12 @@ class ConnectorSettings:
     #: moves one span per block and head slice), ``cross_layer`` (BLHNC: one region, one
     #: descriptor per block run for all layers) or ``auto`` (vLLM's choice).
     kv_cache_layout: str = "HND"
+    #: Where the bytes move: ``sidecar`` (the sidecar's own agent, on memory the worker shares with
+    #: it) or ``worker`` (an agent in this worker's process registers the KV tensors and the
+    #: sidecar drives it: the route to an RDMA NIC for GPU memory; the sidecar runs ``--backend worker``).
+    data_plane: str = "sidecar"
+    #: The library of the worker's agent with ``data_plane: worker`` (a kvxfer backend name).
+    worker_backend: str = "nixl"
 
     def __post_init__(self) -> None:
         if not self.sidecar_socket.strip():
@@ -73,6 +79,14 @@ class ConnectorSettings:
             raise ConnectorSettingsError(
                 f"kv_cache_layout: {self.kv_cache_layout!r} is not one of HND, cross_layer, auto",
                 field="kv_cache_layout",
+            )
+        if self.data_plane not in ("sidecar", "worker"):
+            raise ConnectorSettingsError(
+                f"data_plane: {self.data_plane!r} is not one of sidecar, worker", field="data_plane"
+            )
+        if not self.worker_backend or self.worker_backend == "worker":
+            raise ConnectorSettingsError(
+                f"worker_backend: {self.worker_backend!r} is not a library backend (e.g. nixl)", field="worker_backend"
             )
 
     @classmethod

@@ -19,13 +19,15 @@ import grpc
 
 from kvxfer.client import Client, KvxferRpcError, PullResult, TokenSpan
 from kvxfer.errors import KvxferError, Reason
-from kvxfer.integrations.vllm.kvcache import SharedCaches, share_caches
+from kvxfer.integrations.vllm.kvcache import SharedCaches, own_caches, share_caches
 from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.plan import PullSpec, StepPlan
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import CacheGroup
 from kvxfer.logs import get_logger, log_context
+from kvxfer.memory import LibraryRef
 from kvxfer.topology import RankInfo
+from kvxfer.worker_agent import WorkerAgent
 
 __all__ = ["SidecarUnavailableError", "WorkerSide"]
 
@@ -77,13 +79,25 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._watcher: cf.Future[None] | None = None
+        #: data_plane "worker": this process's own agent, and its job loop on the client's thread.
+        self.agent: WorkerAgent | None = None
+        self._agent_serving: cf.Future[None] | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ registration
     def register(self, groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]) -> dict[str, Any]:
         """Share the described groups' memory with the sidecar and register them; returns its answer."""
         self._wait_for_sidecar()
-        self.shared = share_caches(groups, kv_caches)
+        if self.settings.data_plane == "worker":
+            self.shared = own_caches(groups, kv_caches)
+            if self.agent is None:
+                self.agent = WorkerAgent(self.settings.worker_backend)
+                for g in groups:
+                    ref = self.shared.memory[g.name]
+                    assert isinstance(ref, LibraryRef)
+                    self.agent.register_addresses(g.layout, ref)
+        else:
+            self.shared = share_caches(groups, kv_caches)
         self._names = {}
         for g in groups:
             self._names.setdefault(g.transfer_index, []).append(g.name)
@@ -94,9 +108,11 @@ class WorkerSide:
                 f"KV cache group {g.name} registered with the sidecar {self.target}: {lay.kind} {lay.dtype} "
                 f"{lay.stride_order} (packing {lay.packing}), {lay.num_layers} layers x {lay.num_blocks} blocks of "
                 f"{lay.block_size} tokens "
-                f"({lay.page_bytes} bytes per page), {'CUDA IPC' if self.shared.is_cuda else 'shared memory'}"
+                f"({lay.page_bytes} bytes per page), moved by {self.shared.how}"
             )
         self._watcher = self.sidecar.submit(self._watch())
+        if self.agent is not None and self._agent_serving is None:
+            self._agent_serving = self.sidecar.submit(self.agent.serve(self.sidecar.aio))
         return self.registration
 
     async def _register(self) -> dict[str, Any]:
@@ -106,8 +122,10 @@ class WorkerSide:
         refs = await asyncio.to_thread(shared.refs, self.target, token=self.settings.token())
         groups = {g.name: (g.layout, refs[g.name]) for g in shared.groups}
         lease = shared.lease.handle if shared.lease is not None else ""
-        return await self.sidecar.aio.register_caches(groups, rank=self.rank, worker_id=self.worker_id,
-                                                      worker_lease=lease)  # fmt: skip
+        return await self.sidecar.aio.register_caches(
+            groups, rank=self.rank, worker_id=self.worker_id, worker_lease=lease,
+            worker_agent=self.agent.info() if self.agent is not None else None,
+        )  # fmt: skip
 
     def _wait_for_sidecar(self) -> None:
         within = self.settings.startup_timeout_seconds
@@ -277,6 +295,10 @@ class WorkerSide:
         self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._agent_serving is not None:
+            self._agent_serving.cancel()
         self.sidecar.close()
+        if self.agent is not None:
+            self.agent.close()
         if self.shared is not None:
             self.shared.close()
