@@ -143,18 +143,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plans = [
         (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}"),
          {"KVXFER_CUDA_GATHER": gather},
-         block_lists, args.sizes, args.reps)
+         block_lists, args.sizes, args.reps, "")
         for gather in args.gathers
     ]  # fmt: skip
     if not smoke and args.nixl_reps:
         # The same sidecars with the same-host shortcut off: what NIXL/UCX does with IPC-opened memory.
-        plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "false"}, block_lists, args.sizes[:1], args.nixl_reps))
-    for path, env, lists, sizes, reps in plans:
+        plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "false"}, block_lists, args.sizes[:1], args.nixl_reps, ""))
+    if args.worker_agents:
+        # --backend worker: each worker's own NIXL agent registered its tensors (the route to a NIC).
+        plans.append(("worker-agent", {}, block_lists, args.sizes, args.reps, "nixl"))
+    for path, env, lists, sizes, reps, agent in plans:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"budget reached; {path} path not run", flush=True)
             break
         rows += run_cluster(args, layout, (memory_p, memory_d), path, env, lists, sizes, reps, rng, copy, facts,
-                            t_start)  # fmt: skip
+                            t_start, agent=agent)  # fmt: skip
     ok = bool(rows) and all(r["mismatched_bytes"] == 0 and r["verified_bytes"] > 0 for r in rows)
     if args.with_nixl_agents:  # the baseline: two NIXL agents owning their caches, the same block lists
         from nixl_agents_bench import bench_agents, comparison, markdown
@@ -173,20 +176,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def run_cluster(
     args: argparse.Namespace, layout: Any, memory: tuple[str, str], path: str, env: dict[str, str],
     lists: list[tuple[int, str]], sizes: list[int], reps: int, rng: np.random.Generator, copy: float,
-    facts: dict[str, Any], t_start: float,
+    facts: dict[str, Any], t_start: float, *, agent: str = "",
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """One prefill/decode pair of sidecars and workers; every (block list, size) pulled ``reps`` times."""
+    """One prefill/decode pair of sidecars and workers; every (block list, size) pulled ``reps`` times.
+
+    ``agent``: the workers run that data plane themselves and the sidecars ``--backend worker``.
+    """
     from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
 
     # Unix socket paths must stay under 108 bytes: the cluster lives under /tmp, not under --out.
     workdir = Path(tempfile.mkdtemp(prefix="kvx-gpu-"))
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with LocalCluster(backend="nixl", workdir=str(workdir), log_level="debug" if args.phases else "warning") as cluster:
+    backend = "worker" if agent else "nixl"
+    level = "debug" if args.phases else "warning"
+    with LocalCluster(backend=backend, workdir=str(workdir), log_level=level) as cluster:
         pre = cluster.start_sidecar("prefill-0", "prefill", "prefill", env=env)
         dec = cluster.start_sidecar("decode-0", "decode", "decode", env=env)
-        pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory[0])
-        dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory[1])
+        pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory[0], agent=agent)
+        dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory[1], agent=agent)
         cluster.wait_workers(timeout=300)
         facts[f"setup_s_{path}"] = time.perf_counter() - t0
         print(f"[{path}] cluster up in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -283,6 +291,11 @@ def main() -> int:
     ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
     ap.add_argument("--phases", action="store_true", help="debug logs on the sidecars: where a READ's time goes")
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
+    ap.add_argument(
+        "--worker-agents",
+        action="store_true",
+        help="also sidecars with --backend worker: each worker's own NIXL agent moves the bytes",
+    )
     args = ap.parse_args()
     smoke = args.cpu_smoke
     args.blocks = args.blocks or (256 if smoke else 2048)

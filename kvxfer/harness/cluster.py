@@ -189,14 +189,16 @@ class LocalCluster:
 
     def start_worker(
         self, name: str, sidecar: SidecarProc, layouts: dict[str, KVCacheLayout], rank: tuple[int, int], *,
-        watch: bool = False, memory: str = "shm",
+        watch: bool = False, memory: str = "shm", agent: str = "",
     ) -> WorkerProc:  # fmt: skip
         """Start a synthetic worker process bound to ``sidecar``; its first answer comes when it registered.
 
         ``memory``: ``shm``, or ``cuda:<device>`` for KV tensors on that GPU shared by CUDA IPC.
+        ``agent``: a backend name (``nixl``): the worker runs that data plane itself, for a cluster of
+        ``backend="worker"`` sidecars (:mod:`kvxfer.worker_agent`).
         """
         cfg = WorkerConfig(name, sidecar.local_socket, {g: lay.to_dict() for g, lay in layouts.items()}, rank,
-                           self.token, watch, memory)  # fmt: skip
+                           self.token, watch, memory, agent)  # fmt: skip
         log_path = self.dir / f"{name}.log"
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import threading
 import time
@@ -207,6 +208,7 @@ class WorkerConfig:
     token: str | None = None
     watch: bool = False  # follow the completion stream (prefill: count releases)
     memory: str = "shm"  # "shm" (shared memory) or "cuda:<device>" (GPU tensors shared by CUDA IPC)
+    agent: str = ""  # a backend name: this process runs the data plane itself (a --backend worker sidecar)
 
     def to_json(self) -> str:
         """The command-line form."""
@@ -225,6 +227,7 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
     from kvxfer.client import Client
     from kvxfer.fdpass import FdLease, fd_socket_path, send_fds
     from kvxfer.memory import SharedKVBuffer
+    from kvxfer.worker_agent import WorkerAgent
 
     def reply(obj: dict[str, Any]) -> None:
         out.write(json.dumps(obj) + "\n")
@@ -239,6 +242,7 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
     else:
         buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
     events: dict[str, int] = {}
+    agent: WorkerAgent | None = None
     client = Client(cfg.target, token=cfg.token, timeout=60.0)
     lease: FdLease | None = None
     try:
@@ -246,8 +250,15 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         if cfg.target.startswith(("unix:", "/", ".")):  # a Unix socket: its descriptor socket is beside it
             # Held while this process lives: when it exits, however, the sidecar drops the registration.
             lease = send_fds(fd_socket_path(cfg.target), [], token=cfg.token)
-        client.register_caches({g: (layouts[g], b.ref()) for g, b in buffers.items()}, rank=rank, worker_id=cfg.name,
-                               worker_lease=lease.handle if lease else "")  # fmt: skip
+        if cfg.agent:  # the worker's own agent registers its memory; the sidecar maps nothing
+            agent = WorkerAgent(cfg.agent)
+            refs = {g: agent.register(layouts[g], b.regions) for g, b in buffers.items()}
+            client.register_caches({g: (layouts[g], refs[g]) for g in buffers}, rank=rank, worker_id=cfg.name,
+                                   worker_lease=lease.handle if lease else "", worker_agent=agent.info())  # fmt: skip
+            client.submit(agent.serve(client.aio))
+        else:
+            client.register_caches({g: (layouts[g], b.ref()) for g, b in buffers.items()}, rank=rank,
+                                   worker_id=cfg.name, worker_lease=lease.handle if lease else "")  # fmt: skip
         for b in buffers.values():
             if isinstance(b, SharedKVBuffer):
                 b.unlink()  # the sidecar has mapped it: no name left behind in /dev/shm, however we exit
@@ -269,6 +280,8 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         return 1
     finally:
         client.close()
+        if agent is not None:
+            agent.close()
         if lease is not None:
             lease.close()
         for b in buffers.values():
@@ -325,7 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kvxfer.harness.worker_sim '<WorkerConfig JSON>'", file=sys.stderr)
         return 2
-    return worker_main(WorkerConfig.from_json(args[0]), sys.stdin, sys.stdout)
+    # Answers go to a private copy of stdout; the descriptor itself now points at stderr, so what a
+    # library prints there (NIXL's agent, in a worker that runs the data plane) cannot break a line.
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return worker_main(WorkerConfig.from_json(args[0]), sys.stdin, answers)
 
 
 if __name__ == "__main__":
