@@ -59,7 +59,9 @@ def loaded_tokens(row: dict[str, Any]) -> int:
     return int(row["tokens"]) - 1
 
 
-def check_run(run: dict[str, Any], *, expected_bytes: int, max_tokens: int, tokens_equal: bool = True) -> None:
+def check_run(
+    run: dict[str, Any], *, expected_bytes: int, max_tokens: int, tokens_equal: bool = True, backend: str = "nixl"
+) -> None:
     """Every request loaded (not recomputed), with exactly the expected bytes, and freed on the prefill side."""
     rows = run["rows"]
     assert all(len(r["pd_tokens"]) == max_tokens for r in rows)
@@ -68,7 +70,7 @@ def check_run(run: dict[str, Any], *, expected_bytes: int, max_tokens: int, toke
         assert all(r["match"] for r in rows)
     m = run["sidecar_metrics"]
     assert m["decode"][READS_OK] == len(rows) + 1  # and the warm-up
-    assert m["decode"][READ_BYTES] == expected_bytes
+    assert m["decode"][READ_BYTES.replace('"nixl"', f'"{backend}"')] == expected_bytes
     # The prefill side freed every publish because the decode side confirmed it, not by expiry.
     assert m["prefill"]["kvxfer_leases_active"] == 0
     assert m["prefill"]["kvxfer_lease_expirations_total"] == 0
@@ -109,6 +111,16 @@ def test_llama_fp8_kv_cache(tmp_path: Path) -> None:
     per_block = 2 * 32 * 2 * 64 * 1  # kv heads x tokens x (K+V) x head size x one byte
     blocks = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
     check_run(run, expected_bytes=blocks * per_block * LAYERS, max_tokens=rep["max_tokens"])
+
+
+def test_the_workers_own_agents_move_the_kv(tmp_path: Path) -> None:
+    # data_plane "worker": each vLLM worker's own NIXL agent registered its KV cache; the sidecars
+    # (--backend worker) map nothing and drive the decode worker's agent.
+    rep = run_bench(tmp_path, "--connector", "kvxfer-worker", "--lengths", "5,33,257,700", "--concurrent", "2")
+    run = rep["runs"]["kvxfer-worker"]
+    per_block = 2 * 32 * 2 * 64 * 2  # kv heads x tokens x (K+V) x head size x fp16
+    blocks = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
+    check_run(run, expected_bytes=blocks * per_block * LAYERS, max_tokens=rep["max_tokens"], backend="worker")
 
 
 def test_sliding_window_and_full_attention_groups(tmp_path: Path) -> None:
