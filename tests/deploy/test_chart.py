@@ -637,3 +637,16 @@ def test_schema_bounds_start_the_sidecar(bound: str, helm_render: Path, tmp_path
         (settings,) = sidecar_settings(spec, tmp_path)
         for key, field in SCHEMA_BOUNDS.items():
             assert getattr(settings, field) == sidecar[key], key
+
+
+def test_worker_backend_tells_the_connector(helm_render: Path, tmp_path: Path) -> None:
+    """sidecar.backend worker: every sidecar runs --backend=worker and vLLM's connector gets data_plane worker."""
+    docs = _render_values(helm_render, tmp_path, {"sidecar": {"backend": "worker"}})
+    validate_manifests(docs, tmp_path)
+    for spec in pod_specs(docs).values():
+        assert all(_opts(s)["--backend"] == "worker" for s in sidecars(spec))
+        (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
+        assert {"name": "KVXFER_VLLM_DATA_PLANE", "value": "worker"} in vllm["env"]
+    for spec in pod_specs(_render(helm_render, CHART / "values.yaml")).values():
+        (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
+        assert all(e["name"] != "KVXFER_VLLM_DATA_PLANE" for e in vllm["env"])
