@@ -342,7 +342,9 @@ def _drain_failed(exc: KvxferError, target: str) -> NoReturn:
 
 @app.command(cls=_Command)
 def demo(
-    backend: Annotated[str, typer.Option(help="Data plane: nixl or mooncake.")] = "nixl",
+    backend: Annotated[
+        str, typer.Option(help="Data plane: nixl or mooncake (in the sidecars), or worker (each worker's own agent).")
+    ] = "nixl",
     prefill_tp: Annotated[int, typer.Option(help="Prefill TP size (one worker + sidecar per rank).")] = 1,
     decode_tp: Annotated[int, typer.Option(help="Decode TP size (one worker + sidecar per rank).")] = 1,
     layout: Annotated[str, typer.Option(help="Physical order: HND or NHD.")] = "HND",

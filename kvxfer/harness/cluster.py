@@ -30,6 +30,7 @@ from kvxfer.errors import KvxferError
 from kvxfer.harness.worker_sim import WorkerConfig
 from kvxfer.layout import KVCacheLayout
 from kvxfer.ports import free_port
+from kvxfer.transport import transport_class
 
 __all__ = ["BlockAllocator", "ClusterError", "LocalCluster", "SidecarProc", "WorkerProc"]
 
@@ -195,8 +196,10 @@ class LocalCluster:
 
         ``memory``: ``shm``, or ``cuda:<device>`` for KV tensors on that GPU shared by CUDA IPC.
         ``agent``: a backend name (``nixl``): the worker runs that data plane itself, for a cluster of
-        ``backend="worker"`` sidecars (:mod:`kvxfer.worker_agent`).
+        ``backend="worker"`` sidecars (:mod:`kvxfer.worker_agent`; ``nixl`` by default in such a cluster).
         """
+        if not agent and transport_class(self.backend).in_worker:
+            agent = "nixl"  # sidecars that drive their worker's agent: each worker runs one
         cfg = WorkerConfig(name, sidecar.local_socket, {g: lay.to_dict() for g, lay in layouts.items()}, rank,
                            self.token, watch, memory, agent)  # fmt: skip
         log_path = self.dir / f"{name}.log"

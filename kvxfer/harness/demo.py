@@ -74,7 +74,7 @@ FLAGS: dict[str, str] = {
 def _check_options(opts: dict[str, Any]) -> None:
     """Refuse a bad option before any process starts; messages name the command-line flag."""
     choices = {
-        "backend": ("--backend", ("nixl", "mooncake")),
+        "backend": ("--backend", ("nixl", "mooncake", "worker")),
         "order": ("--layout", tuple(o.value for o in Order)),
         "kind": ("--kind", tuple(k.value for k in CacheKind)),
     }

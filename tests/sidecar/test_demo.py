@@ -41,6 +41,16 @@ def test_demo_heterogeneous_tp_nhd() -> None:
     assert any("NHD" in w for w in r["warnings"])
 
 
+def test_demo_with_the_workers_own_agents() -> None:
+    # --backend worker: worker processes with their own NIXL agents, heterogeneous TP.
+    r = run_demo(progress=False, requests=4, layers=4, prefill_tp=1, decode_tp=2, backend="worker")
+    assert r["ok"], r
+    assert r["backend"] == "worker"
+    assert r["mismatched_bytes"] == 0
+    assert r["verified_bytes"] == r["moved_bytes"] > 0
+    assert r["released"] == 4
+
+
 def test_demo_exits_non_zero_when_a_byte_differs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

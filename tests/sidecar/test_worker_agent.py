@@ -98,6 +98,19 @@ async def test_registration_mismatches_are_refused_naming_worker_agent(harness: 
     assert exc.field == "backend"
 
 
+async def test_agent_jobs_checks_its_fields(harness: Harness) -> None:
+    _ps, _pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, agent=True, backend="worker")
+    client = dw[0].client
+    exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, client.agent_jobs(wait_seconds=99.0),
+                             "wait_seconds: 99.0 is not in [0, 10]")  # fmt: skip
+    assert exc.field == "wait_seconds"
+    epoch = ds[0].core.registry.require().epoch
+    exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, client.agent_jobs(epoch=epoch + 1),
+                             f"the agent serves registration {epoch + 1}, the sidecar holds {epoch}")  # fmt: skip
+    assert (exc.field, exc.reason) == ("epoch", Reason.NOT_REGISTERED)
+    assert await client.agent_jobs(epoch=epoch) == []  # nothing waits: answered at once
+
+
 async def test_an_agent_that_stops_serving_fails_only_its_pull_and_comes_back(harness: Harness) -> None:
     ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, agent=True, backend="worker")
     d = dw[0]
