@@ -34,7 +34,9 @@ def run_push(case: Case) -> None:
         send_bufs.append(buf)
     recv_bufs = [rng.integers(0, 256, size=s.buffer_bytes(), dtype=np.uint8) for s in receivers]
     sb, rb = np.array(case.remote_blocks), np.array(case.local_blocks)
-    expected = [expected_after_pull(s, b, values, rb, sb, case.remote.tokens) for s, b in zip(receivers, recv_bufs)]
+    expected = [
+        expected_after_pull(s, b, values, rb, sb, case.remote.tokens) for s, b in zip(receivers, recv_bufs, strict=True)
+    ]
     recv_layouts = tuple(_layout(case, s) for s in receivers)
     recv_tables = [RegionTable.for_layout(lay, s.bases()) for lay, s in zip(recv_layouts, receivers, strict=True)]
     written = [np.zeros(b.size, dtype=np.int32) for b in recv_bufs]
