@@ -45,6 +45,8 @@ def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
         ({"call_timeout_seconds": 0}, "call_timeout_seconds: must be a number > 0, got 0.0"),
         ({"kv_cache_layout": "NHD"}, "kv_cache_layout: 'NHD' is not one of HND, cross_layer, auto"),
         ({"sidecar_socket": 5}, "sidecar_socket: must be a string, got 5"),
+        ({"data_plane": "gpu"}, "data_plane: 'gpu' is not one of sidecar, worker"),
+        ({"worker_backend": "worker"}, "worker_backend: 'worker' is not a library backend (e.g. nixl)"),
     ],
 )
 def test_bad_settings_name_the_key(extra: dict[str, Any], fragment: str) -> None:
