@@ -92,7 +92,7 @@ def test_demo_shows_progress_and_a_table_without_json() -> None:
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ({"backend": "rdma"}, "--backend: must be one of nixl, mooncake, got 'rdma'"),
+        ({"backend": "rdma"}, "--backend: must be one of nixl, mooncake, worker, got 'rdma'"),
         ({"order": "XYZ"}, "--layout: must be one of NHD, HND, got 'XYZ'"),
         ({"kind": "ssm"}, "--kind: must be one of attention, quantized, kv_planes, mla, mamba, got 'ssm'"),
         ({"decode_tp": 0}, "--decode-tp: must be >= 1, got 0"),
