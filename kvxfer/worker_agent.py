@@ -121,6 +121,7 @@ class WorkerAgent:
                 self._report(_failed(job.id, exc))
             else:
                 log.debug("peer agent loaded", extra={"peer": name})
+                self._report(local_pb2.AgentOutcome(id=job.id, peer=name))  # the sidecar stops tracking the load
         elif kind == "forget_peer":
             self.transport.remove_peer(job.forget_peer)
 

@@ -43,6 +43,10 @@ async def test_the_workers_agents_move_exact_bytes_and_the_sidecars_map_nothing(
     (res2,) = await transfer(pw, ps, dw, "r2", {"kv": [1]}, {"kv": [2]}, salt=12)
     assert res2.bytes == LAY.page_bytes * LAY.num_layers
     assert dw[0].agent.jobs_run == 2
+    dp = ds[0].core.dp
+    assert isinstance(dp, WorkerAgentTransport)
+    assert dp._peer_loads == {}  # every load was answered: nothing tracked forever
+    assert dp._pending == {}
 
 
 async def test_heterogeneous_tp_through_the_workers_agents(harness: Harness) -> None:
