@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 
 import grpc
 import numpy as np
@@ -95,7 +94,6 @@ class WorkerAgentTransport(Transport):
         self._wakeup: asyncio.Event | None = None
         self._pending: dict[int, _Pending] = {}
         self._peer_loads: dict[int, str] = {}  # job id -> peer name, for messages
-        self.last_poll = 0.0  # monotonic time of the worker's last AgentJobs
 
     # ------------------------------------------------------------------ the worker's side
     def bind_worker(self, info: WorkerAgentInfo | None) -> None:
@@ -114,7 +112,6 @@ class WorkerAgentTransport(Transport):
 
     async def next_jobs(self, max_jobs: int, wait_s: float) -> list[local_pb2.AgentJob]:
         """Jobs for the worker's agent, waiting up to ``wait_s`` for a first one (``AgentJobs``)."""
-        self.last_poll = time.monotonic()
         if self.worker is None:
             raise FailedPreconditionError(
                 "AgentJobs: no worker agent is registered (RegisterCaches with worker_agent first)",

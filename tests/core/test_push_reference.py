@@ -18,20 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from kvxfer.errors import TopologyError
 from kvxfer.topology import PushTopology, RankInfo, RegionTable, TransferTopology
 
-from .reference import apply_descriptors, expected_after_pull, fill_remote, logical_values
-from .test_topology_reference import Case, _layout, _side, cases
+from .reference import apply_descriptors, expected_after_pull
+from .test_topology_reference import Case, _layout, _side, cases, filled_remotes
 
 
 def run_push(case: Case) -> None:
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    senders = [_side(case, case.remote, case.remote_tp, q) for q in range(case.remote_tp)]
+    senders, values, send_bufs = filled_remotes(case, rng)
     receivers = [_side(case, case.local, case.local_tp, d) for d in range(case.local_tp)]
-    values = logical_values(rng, senders[0], case.remote_tp)
-    send_bufs = []
-    for side in senders:
-        buf = rng.integers(0, 256, size=side.buffer_bytes(), dtype=np.uint8)
-        fill_remote(side, values, buf)
-        send_bufs.append(buf)
     recv_bufs = [rng.integers(0, 256, size=s.buffer_bytes(), dtype=np.uint8) for s in receivers]
     sb, rb = np.array(case.remote_blocks), np.array(case.local_blocks)
     expected = [

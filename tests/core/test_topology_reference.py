@@ -230,11 +230,9 @@ def _ascending(ids: tuple[int, ...]) -> bool:
     return all(a < b for a, b in itertools.pairwise(ids))
 
 
-def run_case(case: Case) -> TransferPlan:
-    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    local_side = _side(case, case.local, case.local_tp, case.local_rank)
+def filled_remotes(case: Case, rng: np.random.Generator) -> tuple[list[Side], np.ndarray, list[np.ndarray]]:
+    """Every remote rank's side and buffer, holding the case's logical values (and the values)."""
     remote_sides = [_side(case, case.remote, case.remote_tp, q) for q in range(case.remote_tp)]
-    check_side(local_side)
     check_side(remote_sides[0])
     values = logical_values(rng, remote_sides[0], case.remote_tp)
     remote_bufs = []
@@ -242,6 +240,14 @@ def run_case(case: Case) -> TransferPlan:
         buf = rng.integers(0, 256, size=side.buffer_bytes(), dtype=np.uint8)
         fill_remote(side, values, buf)
         remote_bufs.append(buf)
+    return remote_sides, values, remote_bufs
+
+
+def run_case(case: Case) -> TransferPlan:
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    local_side = _side(case, case.local, case.local_tp, case.local_rank)
+    check_side(local_side)
+    remote_sides, values, remote_bufs = filled_remotes(case, rng)
     local_buf = rng.integers(0, 256, size=local_side.buffer_bytes(), dtype=np.uint8)
     lb, rb = np.array(case.local_blocks), np.array(case.remote_blocks)
     expected = expected_after_pull(local_side, local_buf, values, lb, rb, case.remote.tokens)
