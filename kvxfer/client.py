@@ -156,6 +156,8 @@ class PullItem:
     wait: bool = True
     deadline: float | None = None
     spans: Mapping[str, TokenSpan] | None = None
+    #: Push mode: the source ranks WRITE into ``local_blocks`` once the request is published there.
+    push: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,14 +226,17 @@ def _event(ev: local_pb2.Completion) -> CompletionEvent:
 
 
 def _pull_request(item: PullItem) -> local_pb2.PullRequest:
-    if item.spans and not item.remote_blocks:
+    if item.spans and not item.remote_blocks and not item.push:
         raise ValueError("spans: name remote_blocks too when moving part of a group's tokens")
+    remote = item.remote_blocks
+    if remote is None and item.push and item.spans:
+        remote = {g: [] for g in item.spans}  # push: the writer's ids are its publish; only the skip is named
     return local_pb2.PullRequest(
         request_id=item.request_id, remote_engine_id=item.remote_engine_id,
         remote_addresses=list(item.remote_addresses),
-        remote_blocks=blocks_to_proto(item.remote_blocks or {}, _spans(item.spans, local=False)),
+        remote_blocks=blocks_to_proto(remote or {}, _spans(item.spans, local=False)),
         local_blocks=blocks_to_proto(item.local_blocks, _spans(item.spans, local=True)), wait=item.wait,
-        timeout_seconds=item.deadline or 0.0,
+        timeout_seconds=item.deadline or 0.0, push=item.push,
     )  # fmt: skip
 
 
@@ -416,14 +421,16 @@ class AsyncClient:
     async def pull(
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
         remote_blocks: BlockMap | None = None, remote_engine_id: str = "", wait: bool = True,
-        deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None,
+        deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None, push: bool = False,
     ) -> PullResult:  # fmt: skip
         """Pull a published request into ``local_blocks``; with ``wait`` returns once the bytes are in place.
 
-        ``spans`` moves part of a group's tokens (:class:`TokenSpan`); it needs ``remote_blocks``.
+        ``spans`` moves part of a group's tokens (:class:`TokenSpan`); it needs ``remote_blocks`` (but
+        with ``push``). ``push``: the sources WRITE into ``local_blocks`` once the request is published
+        there (push mode: the pull may start before the prefill does).
         """
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
-                        spans)  # fmt: skip
+                        spans, push)  # fmt: skip
         return _pull_result(await self._call(self._stub.Pull, _pull_request(item), self._pull_timeout(deadline)))
 
     async def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:

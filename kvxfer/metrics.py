@@ -32,7 +32,7 @@ from kvxfer import PROTOCOL_VERSION, __version__
 
 __all__ = ["Direction", "Outcome", "SidecarMetrics", "bearer_auth"]
 
-Direction = Literal["read", "write"]
+Direction = Literal["read", "write", "push"]
 Outcome = Literal["ok", "failed", "aborted", "timeout"]
 
 # Transfer durations on loopback are sub-millisecond for small pulls and seconds for long
@@ -74,7 +74,7 @@ class SidecarMetrics:
         self.peers = Gauge("kvxfer_peers", "Peers with a live handshake", registry=r)
         self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
         # Pre-create the label sets a dashboard plots, so they read 0 instead of being absent.
-        for d in ("read", "write"):
+        for d in ("read", "write", "push"):
             self.transfer_bytes.labels(direction=d, backend=backend)
             for o in ("ok", "failed", "aborted", "timeout"):
                 self.transfers.labels(direction=d, outcome=o)

@@ -132,6 +132,15 @@ class _PeerApi:
     async def hold(self, req: peer_pb2.HoldRequest, ctx: Context) -> peer_pb2.HoldResponse:
         return await self.core.peer_hold(req, self._creds(ctx))
 
+    async def offer(self, req: peer_pb2.OfferRequest, ctx: Context) -> peer_pb2.OfferResponse:
+        return await self.core.peer_offer(req, self._creds(ctx))
+
+    async def landed(self, req: peer_pb2.LandedRequest, ctx: Context) -> peer_pb2.LandedResponse:
+        return await self.core.peer_landed(req, self._creds(ctx))
+
+    async def revoke(self, req: peer_pb2.RevokeRequest, ctx: Context) -> peer_pb2.RevokeResponse:
+        return await self.core.peer_revoke(req, self._creds(ctx))
+
 
 class Sidecar:
     """One sidecar: start it, use its addresses, drain and stop it."""

@@ -35,6 +35,7 @@ from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
 from kvxfer.server.puller import Puller
+from kvxfer.server.pusher import Pusher
 from kvxfer.server.registration import Registry
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_addresses, check_drain_timeout
@@ -90,6 +91,9 @@ class SidecarCore:
         self.publisher = Publisher(settings, self.registry, self.hub, metrics, self.outbox, self.topologies)
         self.puller = Puller(settings, self.registry, data_plane, self.peers, self.outbox, self.hub, metrics,
                              self.topologies)  # fmt: skip
+        self.pusher = Pusher(settings, self.registry, data_plane, self.publisher, self.peers, self.outbox, metrics,
+                             self.topologies)  # fmt: skip
+        self.publisher.on_dropped = self.pusher.publish_dropped
         self.holds = Holds(settings, self.peers, me=self._hold_identity)
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publisher.publishes))
@@ -135,7 +139,9 @@ class SidecarCore:
         """Publish: hold a request's blocks under a lease."""
         self._refuse_if_draining("Publish")
         self._require_role("prefill", "Publish")
-        return self.publisher.publish(req)
+        resp = self.publisher.publish(req)
+        self.pusher.published(resp.request_id)
+        return resp
 
     async def pull(self, req: local_pb2.PullRequest, client_timeout: float | None) -> local_pb2.PullResponse:
         """Pull: validate, start the transfer, and answer when posted (or done, with ``wait``)."""
@@ -267,6 +273,26 @@ class SidecarCore:
         """Hold: a reader still wants these requests; extend their leases."""
         return self.publisher.hold(req, creds)
 
+    async def peer_offer(
+        self, req: peer_pb2.OfferRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.OfferResponse:
+        """Offer (push mode): a reader's blocks for a request, written once it is published here."""
+        self._require_role("prefill", "Offer")
+        self._refuse_if_draining("Offer")
+        return self.pusher.offer(req, creds)
+
+    async def peer_landed(
+        self, req: peer_pb2.LandedRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.LandedResponse:
+        """Landed (push mode): a writer's WRITEs into this rank ended."""
+        return self.puller.landed(req, creds)
+
+    async def peer_revoke(
+        self, req: peer_pb2.RevokeRequest, creds: PeerCredentials = ANONYMOUS
+    ) -> peer_pb2.RevokeResponse:
+        """Revoke (push mode): a reader takes its offer back; answered once nothing more can land."""
+        return await self.pusher.revoke(req, creds)
+
     async def peer_abort(
         self, req: peer_pb2.PeerAbortRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.PeerAbortResponse:
@@ -355,7 +381,8 @@ class SidecarCore:
 
     async def close(self) -> None:
         """Cancel everything and release memory (after the servers stopped)."""
-        tasks = [p.task for p in self.puller.pulls.values() if p.task is not None]
+        tasks: list[asyncio.Task[None]] = [p.task for p in self.puller.pulls.values() if p.task is not None]
+        tasks += self.pusher.cancel_all()
         for p in self.puller.pulls.values():
             if p.task is not None:
                 p.abort_reason = "the sidecar is stopping"

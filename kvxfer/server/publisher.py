@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -65,6 +66,8 @@ class Publisher:
         self.topologies = topologies
         self.publishes: dict[str, PublishEntry] = {}
         self.readers: dict[ReaderKey, Identity] = {}  # sidecars that handshook us
+        #: Called with (request id, why) when a publish is dropped before its readers finished (push mode).
+        self.on_dropped: Callable[[str, str], None] = lambda _rid, _why: None
 
     # ------------------------------------------------------------------ local API
     def publish(self, req: local_pb2.PublishRequest) -> local_pb2.PublishResponse:
@@ -94,22 +97,24 @@ class Publisher:
 
     def release(self, rid: str) -> bool:
         """Drop a publish (the worker frees the blocks itself); False when none was held."""
-        return self.drop(rid) is not None
+        return self.drop(rid, "released by the worker") is not None
 
     def abort(self, rid: str, reason: str) -> bool:
         """Drop a publish and stop its readers; False when none was held."""
-        entry = self.drop(rid)
+        entry = self.drop(rid, reason)
         if entry is None:
             return False
         self.hub.emit(Kind.ABORTED, rid, code=grpc.StatusCode.ABORTED.value[0], message=reason)
         self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=None))
         return True
 
-    def drop(self, rid: str) -> PublishEntry | None:
-        """Forget a publish and its lease timer."""
+    def drop(self, rid: str, why: str = "released") -> PublishEntry | None:
+        """Forget a publish and its lease timer (``why`` goes to the writes still waiting on it)."""
         entry = self.publishes.pop(rid, None)
-        if entry is not None and entry.timer is not None:
-            entry.timer.cancel()
+        if entry is not None:
+            if entry.timer is not None:
+                entry.timer.cancel()
+            self.on_dropped(rid, why)
         return entry
 
     def _arm_lease(self, entry: PublishEntry) -> None:
@@ -124,9 +129,9 @@ class Publisher:
         if entry.expires_at > time.monotonic() + 1e-3:  # extended meanwhile
             self._arm_lease(entry)
             return
-        del self.publishes[entry.request_id]
-        self.metrics.lease_expirations.inc()
         msg = f"lease of {entry.lease_seconds:g}s expired before the decode side confirmed; blocks released"
+        self.drop(entry.request_id, msg)
+        self.metrics.lease_expirations.inc()
         with log_context(request_id=entry.request_id):
             log.info("lease expired", extra={"lease_seconds": entry.lease_seconds})
         self.hub.emit(Kind.EXPIRED, entry.request_id, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message=msg)
@@ -135,7 +140,7 @@ class Publisher:
         """Release every publish (a drain ran out); returns how many."""
         released = 0
         for rid in list(self.publishes):
-            if self.drop(rid) is not None:
+            if self.drop(rid, message) is not None:
                 released += 1
                 with log_context(request_id=rid):
                     log.info("lease released by the drain")
@@ -286,20 +291,54 @@ class Publisher:
             msg = f"no rank of {req.engine_id} reads this rank's copy (replicated elsewhere); released"
             self.hub.emit(Kind.RELEASED, rid, message=msg, peer=req.engine_id)
             return peer_pb2.NotifyResponse(released=True)
+        failure = req.message if req.outcome == peer_pb2.NotifyRequest.FAILED else None
+        return peer_pb2.NotifyResponse(released=self._reader_done(entry, req.engine_id, rank, failure))
+
+    def _reader_done(self, entry: PublishEntry, engine_id: str, rank: RankInfo, failure: str | None) -> bool:
+        """A reader rank has its bytes (or gave up): free the blocks once every expected one did; True when freed."""
         entry.done_readers.add(rank.tp_rank)
-        if req.outcome == peer_pb2.NotifyRequest.FAILED:
-            entry.failures.append(f"{req.engine_id}[tp {rank.tp_rank}]: {req.message}")
+        if failure is not None:
+            entry.failures.append(f"{engine_id}[tp {rank.tp_rank}]: {failure}")
         expected = entry.expected_readers or {rank.tp_rank}
         if not expected <= entry.done_readers:
-            return peer_pb2.NotifyResponse(released=False)
-        self.drop(rid)
+            return False
+        self.drop(entry.request_id)
         if entry.failures:
             code = grpc.StatusCode.UNAVAILABLE.value[0]
             msg = "decode side gave up: " + "; ".join(entry.failures) + "; blocks released"
         else:
-            code, msg = 0, f"decode side ({req.engine_id}) has the blocks; released"
-        self.hub.emit(Kind.RELEASED, rid, code=code, message=msg, peer=req.engine_id)
-        return peer_pb2.NotifyResponse(released=True)
+            code, msg = 0, f"decode side ({engine_id}) has the blocks; released"
+        self.hub.emit(Kind.RELEASED, entry.request_id, code=code, message=msg, peer=engine_id)
+        return True
+
+    # ------------------------------------------------------------------ push mode (kvxfer.server.pusher)
+    def check_writable(self, rid: str, engine_id: str) -> None:
+        """Refuse an offer for a publish bound to another reader engine (PERMISSION_DENIED)."""
+        entry = self.publishes.get(rid)
+        if entry is not None:
+            self._check_bound(entry, engine_id, "offer blocks for")
+
+    def admit_writer(self, rid: str, reader: Identity, rank: RankInfo) -> PublishEntry:
+        """A reader's offer of ``rid`` is about to be written: bind the publish to it and hold it for the WRITE."""
+        entry = self.publishes.get(rid)
+        if entry is None:
+            raise NotFoundError(
+                f"request_id: {rid!r} is not published on {self.settings.engine_id} (released, expired or aborted)",
+                field="request_id",
+            )
+        self._bind(entry, reader.engine_id, "be written")
+        self._admit_reader(entry, reader, rank, self.registry.require())
+        hold = time.monotonic() + self.settings.transfer_timeout_seconds
+        if entry.expires_at < hold:
+            entry.expires_at = hold
+        return entry
+
+    def reader_finished(self, rid: str, engine_id: str, rank: RankInfo, failure: str | None) -> bool:
+        """A push into a reader rank ended (``failure`` None: it landed); True when that freed the blocks."""
+        entry = self.publishes.get(rid)
+        if entry is None or (entry.reader_engine and entry.reader_engine != engine_id):
+            return False
+        return self._reader_done(entry, engine_id, rank, failure)
 
     def _check_notifier(self, req: peer_pb2.NotifyRequest, rank: RankInfo, entry: PublishEntry, unread: bool) -> None:
         # Only a reader that handshook (UNREAD) or fetched this request (DONE/FAILED) may free its blocks.
@@ -333,7 +372,7 @@ class Publisher:
         if entry is None:
             return False
         self._bind(entry, req.engine_id, "abort")
-        self.drop(req.request_id)
+        self.drop(req.request_id, reason)
         self.hub.emit(Kind.ABORTED, req.request_id, code=grpc.StatusCode.ABORTED.value[0], message=reason,
                       peer=req.engine_id)  # fmt: skip
         self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=(req.engine_id, req.instance_id)))

@@ -46,6 +46,7 @@ from kvxfer.errors import (
 from kvxfer.layout import KVCacheLayout
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.push_steps import PushSteps
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
@@ -84,6 +85,7 @@ class PullSteps:
         self.peers = peers
         self.outbox = outbox
         self.topologies = topologies
+        self.push = PushSteps(registry, peers)
 
     async def run(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
@@ -91,6 +93,8 @@ class PullSteps:
     ) -> local_pb2.TransferStats:  # fmt: skip
         """Every step of one pull, in order; ``sessions`` collects the peers contacted (for cleanup on failure)."""
         ranks = self._plan_sources(entry, reg)
+        if entry.push:
+            return await self.push.run(entry, ranks, sessions, self._check_rank)
         if entry.grants and all(name in remote_given for name in reg.groups):
             granted = await self._read_granted(entry, reg, ranks, local_blocks, remote_given, sessions)
             if granted is not None:

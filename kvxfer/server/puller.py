@@ -33,15 +33,17 @@ from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
 from kvxfer.server.outbox import Outbox
+from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory, PeerSession
 from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.pull_steps import PullSteps
+from kvxfer.server.push_steps import landed_matches
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_addresses, check_timeout, remote_blocks, token_spans
 from kvxfer.transport import Transport
-from kvxfer.wire import local_pb2
+from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id
 from kvxfer.wire.status import code_of
 
@@ -108,7 +110,7 @@ class Puller:
             )
         addresses = check_addresses(req.remote_addresses)
         local_blocks = blocks_from_proto(req.local_blocks, reg.layouts, "local_blocks")
-        remote_given = remote_blocks(req.remote_blocks, reg.layouts)
+        remote_given = remote_blocks(req.remote_blocks, reg.layouts, push=req.push)
         limit = self.settings.transfer_timeout_seconds
         timeout = min(check_timeout(float(req.timeout_seconds)) or limit, limit)
         if client_timeout is not None:
@@ -118,8 +120,10 @@ class Puller:
         now = time.monotonic()
         entry = PullEntry(
             f"{self.registry.instance_id[:8]}-{next(self._ids)}", rid, req.remote_engine_id, addresses,
-            now + timeout, now, spans=token_spans(req.local_blocks, req.remote_blocks), grants=grants,
+            now + timeout, now, spans=token_spans(req.local_blocks, req.remote_blocks), grants=grants, push=req.push,
         )  # fmt: skip
+        if req.push:
+            entry.offer = (list(req.local_blocks), list(req.remote_blocks))
         self.pulls[rid] = entry
         entry.task = asyncio.get_running_loop().create_task(self._run(entry, reg, local_blocks, remote_given, timeout))
         return entry
@@ -162,6 +166,20 @@ class Puller:
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(asyncio.shield(pull.done), timeout=5.0)
         return True
+
+    def landed(self, req: peer_pb2.LandedRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.LandedResponse:
+        """A writer's WRITEs of a push ended: hand its notice to the pull that offered to it."""
+        rid = check_id(req.request_id, "request_id")
+        creds.check(req.engine_id, "engine_id")
+        entry = self.pulls.get(rid)
+        reg = self.registry.registration
+        if entry is None or not entry.push or reg is None or req.epoch != reg.epoch:
+            return peer_pb2.LandedResponse(found=False)  # given up on, or written into an older registration
+        for address, fut in entry.landed.items():
+            if not fut.done() and landed_matches(entry.writers.get(address), req):
+                fut.set_result(req)
+                return peer_pb2.LandedResponse(found=True)
+        return peer_pb2.LandedResponse(found=False)
 
     def peer_abort(self, rid: str, publishers: set[str], reason: str) -> bool:
         """A publisher aborted ``rid``: cancel our pull of it if it reads from that publisher."""
@@ -231,7 +249,7 @@ class Puller:
     def _failed(self, entry: PullEntry, err: KvxferError, outcome: str) -> None:
         """Report a failed pull: metrics, event, the publishers, and the waiting Pull call."""
         elapsed = time.monotonic() - entry.started
-        self.metrics.transfer_done("read", outcome, nbytes=0, descriptors=0, seconds=elapsed,  # type: ignore[arg-type]
+        self.metrics.transfer_done("push" if entry.push else "read", outcome, nbytes=0, descriptors=0, seconds=elapsed,  # type: ignore[arg-type]
                                    reason=_metric_reason(err, outcome))  # fmt: skip
         kind = Kind.ABORTED if outcome == "aborted" else Kind.PULL_FAILED
         self.hub.emit(kind, entry.request_id, transfer_id=entry.transfer_id, code=code_of(err).value[0],
@@ -256,7 +274,9 @@ class Puller:
                 fut.exception()  # retrieved: a non-waiting Pull never awaits it
 
     def _pulled(self, entry: PullEntry, stats: local_pb2.TransferStats, elapsed: float) -> None:
-        self.metrics.transfer_done("read", "ok", nbytes=stats.bytes, descriptors=stats.descriptors, seconds=elapsed)
+        self.metrics.transfer_done(
+            "push" if entry.push else "read", "ok", nbytes=stats.bytes, descriptors=stats.descriptors, seconds=elapsed
+        )
         self.hub.emit(
             Kind.PULLED, entry.request_id, transfer_id=entry.transfer_id, peer=entry.remote_engine_id, stats=stats
         )

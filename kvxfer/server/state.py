@@ -113,3 +113,9 @@ class PullEntry:
     asked: list[str] = field(default_factory=list)  # addresses asked for it (answered or not): aborts go there
     unread: list[str] = field(default_factory=list)  # remote ranks no local rank reads (replicas)
     grants: dict[str, Grant] = field(default_factory=dict)  # by publisher address (see kvxfer.server.holds)
+    #: Push mode (kvxfer.server.push_steps): the sources WRITE; each one's Landed notice, by address.
+    push: bool = False
+    #: Push mode: the worker's (local_blocks, remote_blocks) lists, as the offers carry them.
+    offer: tuple[list[Any], list[Any]] = field(default_factory=lambda: ([], []))
+    landed: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
+    writers: dict[str, Any] = field(default_factory=dict)  # address -> the Identity of its handshake

@@ -128,17 +128,25 @@ def check_outcome(value: int, field: str = "outcome") -> int:
     return value
 
 
-def remote_blocks(lists: Sequence[common_pb2.BlockList], layouts: Mapping[str, KVCacheLayout]) -> dict[str, I64]:
-    """The published ids a pull names per group (checked against the publish once it is fetched)."""
+def remote_blocks(
+    lists: Sequence[common_pb2.BlockList], layouts: Mapping[str, KVCacheLayout], *, push: bool = False,
+    field: str = "remote_blocks",
+) -> dict[str, I64]:  # fmt: skip
+    """The published ids a pull names per group (checked against the publish once it is fetched).
+
+    With ``push`` a list without ids names only a skip (the writer's published ids are not known yet).
+    """
     out: dict[str, I64] = {}
     for i, bl in enumerate(lists):
         if bl.group not in layouts:
             raise InvalidArgumentError(
-                f"remote_blocks[{i}].group: unknown cache group {bl.group!r}; registered: {', '.join(layouts)}",
-                field=f"remote_blocks[{i}].group",
+                f"{field}[{i}].group: unknown cache group {bl.group!r}; registered: {', '.join(layouts)}",
+                field=f"{field}[{i}].group",
             )
+        if push and not bl.block_ids:
+            continue
         ids = np.asarray(bl.block_ids, dtype=np.int64)
-        out[bl.group] = check_block_ids(ids, 2**62, f"remote_blocks[{bl.group}]")
+        out[bl.group] = check_block_ids(ids, 2**62, f"{field}[{bl.group}]")
     return out
 
 

@@ -263,3 +263,25 @@ class DelayedDataPlane(Transport):
 
     def close(self) -> None:
         self.inner.close()
+
+
+async def push_transfer(
+    pw: Sequence[Worker], ps: Sequence[Sidecar], dw: Sequence[Worker], rid: str, p_blocks: Blocks, d_blocks: Blocks,
+    salt: int, *, offer_first: bool = True, **pull_kw: Any,
+) -> list[PullResult]:  # fmt: skip
+    """Push mode: offer on every decode rank (before or after the prefill publishes), verify every byte."""
+    for w in dw:
+        w.poison(d_blocks)
+    for w in pw:
+        w.fill(p_blocks, salt)
+    addresses = [s.peer_address for s in ps]
+    pulls = [asyncio.ensure_future(w.client.pull(rid, addresses, d_blocks, push=True, **pull_kw)) for w in dw]
+    if offer_first:
+        await asyncio.sleep(0.2)  # the offers reach the prefill side before the publish
+    for w in pw:
+        await w.client.publish(rid, p_blocks)
+    results = await asyncio.gather(*pulls)
+    for w in dw:
+        checked, bad = w.verify(d_blocks, salt)
+        assert bad == 0, f"{bad} of {checked} bytes differ on decode rank {w.rank.tp_rank}"
+    return list(results)

@@ -457,6 +457,7 @@ class PullRequest(_message.Message):
     LOCAL_BLOCKS_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     remote_engine_id: _builtins.str
     """checked against the peers' handshakes when set"""
@@ -464,6 +465,10 @@ class PullRequest(_message.Message):
     """answer after the data moved (else once it started)"""
     timeout_seconds: _builtins.float
     """0: the sidecar's --transfer-timeout-seconds"""
+    push: _builtins.bool
+    """Push mode: offer local_blocks to the source ranks, which WRITE into them once the request is
+    published there; the pull is done once every source rank reported its WRITEs landed.
+    """
     @_builtins.property
     def remote_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """peer API address of each remote TP rank, in rank order"""
@@ -484,10 +489,11 @@ class PullRequest(_message.Message):
         local_blocks: _abc.Iterable[_common_pb2.BlockList] | None = ...,
         wait: _builtins.bool = ...,
         timeout_seconds: _builtins.float = ...,
+        push: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_blocks", b"local_blocks", "remote_addresses", b"remote_addresses", "remote_blocks", b"remote_blocks", "remote_engine_id", b"remote_engine_id", "request_id", b"request_id", "timeout_seconds", b"timeout_seconds", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_blocks", b"local_blocks", "push", b"push", "remote_addresses", b"remote_addresses", "remote_blocks", b"remote_blocks", "remote_engine_id", b"remote_engine_id", "request_id", b"request_id", "timeout_seconds", b"timeout_seconds", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

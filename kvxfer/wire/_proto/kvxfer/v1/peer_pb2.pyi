@@ -618,3 +618,215 @@ class PeerAbortResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PeerAbortResponse: _TypeAlias = PeerAbortResponse  # noqa: Y015
+
+@_typing.final
+class OfferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    WRITER_BLOCKS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    WRITER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    engine_id: _builtins.str
+    """the reader (checked against its credentials)"""
+    instance_id: _builtins.str
+    """the reader's instance (must have handshaken)"""
+    epoch: _builtins.int
+    """the reader's registration epoch: must be its handshake's"""
+    timeout_seconds: _builtins.float
+    """no WRITE starts (and none runs) later than this after receipt"""
+    writer_engine_id: _builtins.str
+    """the engine the reader expects to write (refused elsewhere)"""
+    @_builtins.property
+    def rank(self) -> _common_pb2.Rank:
+        """the reader's rank"""
+
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockList]:
+        """the reader's blocks per group (skip_tokens, num_tokens as a pull's)"""
+
+    @_builtins.property
+    def writer_blocks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockList]:
+        """optional, as a pull's remote_blocks (default: all published ids)"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        engine_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        rank: _common_pb2.Rank | None = ...,
+        epoch: _builtins.int = ...,
+        blocks: _abc.Iterable[_common_pb2.BlockList] | None = ...,
+        writer_blocks: _abc.Iterable[_common_pb2.BlockList] | None = ...,
+        timeout_seconds: _builtins.float = ...,
+        writer_engine_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "engine_id", b"engine_id", "epoch", b"epoch", "instance_id", b"instance_id", "rank", b"rank", "request_id", b"request_id", "timeout_seconds", b"timeout_seconds", "writer_blocks", b"writer_blocks", "writer_engine_id", b"writer_engine_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferRequest: _TypeAlias = OfferRequest  # noqa: Y015
+
+@_typing.final
+class OfferResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUBLISHED_FIELD_NUMBER: _builtins.int
+    published: _builtins.bool
+    """the request is already published here: the WRITEs have started"""
+    def __init__(
+        self,
+        *,
+        published: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["published", b"published"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferResponse: _TypeAlias = OfferResponse  # noqa: Y015
+
+@_typing.final
+class LandedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    DESCRIPTORS_FIELD_NUMBER: _builtins.int
+    DATA_SECONDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    engine_id: _builtins.str
+    """the writer"""
+    instance_id: _builtins.str
+    epoch: _builtins.int
+    """the reader registration written into (as offered)"""
+    code: _builtins.int
+    """grpc status code of the push (0: OK)"""
+    message: _builtins.str
+    """why, when code is not 0"""
+    reason: _builtins.str
+    """kvxfer.errors.Reason, when code is not 0"""
+    bytes: _builtins.int
+    """bytes written into the reader"""
+    descriptors: _builtins.int
+    data_seconds: _builtins.float
+    @_builtins.property
+    def rank(self) -> _common_pb2.Rank:
+        """the writer's rank"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        engine_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        rank: _common_pb2.Rank | None = ...,
+        epoch: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        descriptors: _builtins.int = ...,
+        data_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "code", b"code", "data_seconds", b"data_seconds", "descriptors", b"descriptors", "engine_id", b"engine_id", "epoch", b"epoch", "instance_id", b"instance_id", "message", b"message", "rank", b"rank", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LandedRequest: _TypeAlias = LandedRequest  # noqa: Y015
+
+@_typing.final
+class LandedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """the reader still waited for it"""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LandedResponse: _TypeAlias = LandedResponse  # noqa: Y015
+
+@_typing.final
+class RevokeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    engine_id: _builtins.str
+    """the reader"""
+    instance_id: _builtins.str
+    reason: _builtins.str
+    @_builtins.property
+    def rank(self) -> _common_pb2.Rank: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        engine_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        rank: _common_pb2.Rank | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "instance_id", b"instance_id", "rank", b"rank", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeRequest: _TypeAlias = RevokeRequest  # noqa: Y015
+
+@_typing.final
+class RevokeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    WROTE_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """an offer of the caller was held"""
+    wrote: _builtins.bool
+    """a WRITE of it had started (it has ended)"""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        wrote: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "wrote", b"wrote"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeResponse: _TypeAlias = RevokeResponse  # noqa: Y015

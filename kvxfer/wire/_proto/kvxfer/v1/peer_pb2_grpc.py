@@ -69,6 +69,21 @@ class PeerStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.HoldRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.HoldResponse.FromString,
                 _registered_method=True)
+        self.Offer = channel.unary_unary(
+                '/kvxfer.v1.Peer/Offer',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.OfferRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.OfferResponse.FromString,
+                _registered_method=True)
+        self.Landed = channel.unary_unary(
+                '/kvxfer.v1.Peer/Landed',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.LandedRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.LandedResponse.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/kvxfer.v1.Peer/Revoke',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.RevokeResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -127,6 +142,30 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Offer(self, request, context):
+        """Push mode: a reader rank offers the blocks it allocated for a request to one writer rank, which
+        WRITEs into them once the request is published there, then calls the reader's Landed. Only the
+        caller (authenticated, handshaken, at the epoch it names) is written into, and only these blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Landed(self, request, context):
+        """Push mode: the writer is done with an offer (code 0: every byte it owes the caller landed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Push mode: the reader takes its offer back (it gave up on the request). Answered once no WRITE of
+        the offer is in flight and none will start: after the answer the blocks may be reused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +203,21 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Hold,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.HoldRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.HoldResponse.SerializeToString,
+            ),
+            'Offer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offer,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.OfferRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.OfferResponse.SerializeToString,
+            ),
+            'Landed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Landed,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.LandedRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.LandedResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.RevokeRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.RevokeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +409,87 @@ class Peer:
             '/kvxfer.v1.Peer/Hold',
             kvxfer_dot_v1_dot_peer__pb2.HoldRequest.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.HoldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Peer/Offer',
+            kvxfer_dot_v1_dot_peer__pb2.OfferRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.OfferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Landed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Peer/Landed',
+            kvxfer_dot_v1_dot_peer__pb2.LandedRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.LandedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Peer/Revoke',
+            kvxfer_dot_v1_dot_peer__pb2.RevokeRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.RevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,

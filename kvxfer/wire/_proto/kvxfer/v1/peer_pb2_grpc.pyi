@@ -52,6 +52,17 @@ class PeerStub:
     the publisher's --lease-seconds, never past --max-hold-seconds after the publish. Binds an
     unbound publish to the caller; publishes bound to another reader are left alone.
     """
+    Offer: _grpc.UnaryUnaryMultiCallable[_peer_pb2.OfferRequest, _peer_pb2.OfferResponse]
+    """Push mode: a reader rank offers the blocks it allocated for a request to one writer rank, which
+    WRITEs into them once the request is published there, then calls the reader's Landed. Only the
+    caller (authenticated, handshaken, at the epoch it names) is written into, and only these blocks.
+    """
+    Landed: _grpc.UnaryUnaryMultiCallable[_peer_pb2.LandedRequest, _peer_pb2.LandedResponse]
+    """Push mode: the writer is done with an offer (code 0: every byte it owes the caller landed)."""
+    Revoke: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RevokeRequest, _peer_pb2.RevokeResponse]
+    """Push mode: the reader takes its offer back (it gave up on the request). Answered once no WRITE of
+    the offer is in flight and none will start: after the answer the blocks may be reused.
+    """
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -76,6 +87,17 @@ class PeerAsyncStub(PeerStub):
     """A reader still wants these requests (its engine has them queued): extend their leases by up to
     the publisher's --lease-seconds, never past --max-hold-seconds after the publish. Binds an
     unbound publish to the caller; publishes bound to another reader are left alone.
+    """
+    Offer: _aio.UnaryUnaryMultiCallable[_peer_pb2.OfferRequest, _peer_pb2.OfferResponse]  # type: ignore[assignment]
+    """Push mode: a reader rank offers the blocks it allocated for a request to one writer rank, which
+    WRITEs into them once the request is published there, then calls the reader's Landed. Only the
+    caller (authenticated, handshaken, at the epoch it names) is written into, and only these blocks.
+    """
+    Landed: _aio.UnaryUnaryMultiCallable[_peer_pb2.LandedRequest, _peer_pb2.LandedResponse]  # type: ignore[assignment]
+    """Push mode: the writer is done with an offer (code 0: every byte it owes the caller landed)."""
+    Revoke: _aio.UnaryUnaryMultiCallable[_peer_pb2.RevokeRequest, _peer_pb2.RevokeResponse]  # type: ignore[assignment]
+    """Push mode: the reader takes its offer back (it gave up on the request). Answered once no WRITE of
+    the offer is in flight and none will start: after the answer the blocks may be reused.
     """
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
@@ -140,6 +162,35 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         """A reader still wants these requests (its engine has them queued): extend their leases by up to
         the publisher's --lease-seconds, never past --max-hold-seconds after the publish. Binds an
         unbound publish to the caller; publishes bound to another reader are left alone.
+        """
+
+    @_abc_1.abstractmethod
+    def Offer(
+        self,
+        request: _peer_pb2.OfferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.OfferResponse, _abc.Awaitable[_peer_pb2.OfferResponse]]:
+        """Push mode: a reader rank offers the blocks it allocated for a request to one writer rank, which
+        WRITEs into them once the request is published there, then calls the reader's Landed. Only the
+        caller (authenticated, handshaken, at the epoch it names) is written into, and only these blocks.
+        """
+
+    @_abc_1.abstractmethod
+    def Landed(
+        self,
+        request: _peer_pb2.LandedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.LandedResponse, _abc.Awaitable[_peer_pb2.LandedResponse]]:
+        """Push mode: the writer is done with an offer (code 0: every byte it owes the caller landed)."""
+
+    @_abc_1.abstractmethod
+    def Revoke(
+        self,
+        request: _peer_pb2.RevokeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.RevokeResponse, _abc.Awaitable[_peer_pb2.RevokeResponse]]:
+        """Push mode: the reader takes its offer back (it gave up on the request). Answered once no WRITE of
+        the offer is in flight and none will start: after the answer the blocks may be reused.
         """
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

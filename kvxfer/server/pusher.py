@@ -1,0 +1,352 @@
+"""The writer's side of push mode: the offers readers made, and the WRITEs into them.
+
+A decode rank *offers* the blocks it allocated for a request (peer ``Offer``). The offer is bound to
+the reader that made it: its engine id comes from its credentials, it must have handshaken at the
+registration epoch it names, and its blocks are checked against the layout of that handshake
+before anything is kept. Once the request is published here (before or after the offer came), the
+sidecar plans the reader's pull restricted to this rank (what :class:`~kvxfer.topology.PushTopology`
+does for every receiver), WRITEs it and calls the reader's ``Landed``. Every offer ends in exactly
+one Landed, done or failed, unless the reader revoked it.
+
+A reader that gave up takes its offer back (``Revoke``). The answer comes once no WRITE of the
+offer is in flight and none will start, so the reader may reuse its blocks after it. An offer also
+lapses at its deadline: no WRITE starts, or keeps running, past it. A publish dropped here
+(aborted, released, expired, the worker gone) fails the offers waiting on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.config import Settings
+from kvxfer.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    DeadlineError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KvxferError,
+    PeerUnavailableError,
+    Reason,
+)
+from kvxfer.logs import get_logger, log_context
+from kvxfer.metrics import SidecarMetrics
+from kvxfer.server.identity import Identity
+from kvxfer.server.outbox import PEER_CALL_SECONDS, Outbox
+from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
+from kvxfer.server.peers import PeerDirectory
+from kvxfer.server.publisher import Publisher
+from kvxfer.server.registration import Registry
+from kvxfer.server.state import ReaderKey, Registration
+from kvxfer.server.topologies import TopologyCache
+from kvxfer.server.validation import TokenSpans, check_timeout, not_published, remote_blocks, token_spans
+from kvxfer.topology import RankInfo
+from kvxfer.transport import MemType, Transport
+from kvxfer.wire import peer_pb2
+from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto, rank_to_proto
+from kvxfer.wire.status import code_of
+
+__all__ = ["Offer", "Pusher"]
+
+log = get_logger("kvxfer.server")
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+
+
+@dataclass
+class Offer:
+    """One reader rank's blocks for one request, waiting for (or being written by) this rank."""
+
+    transfer_id: str
+    request_id: str
+    key: ReaderKey
+    reader: Identity
+    rank: RankInfo
+    blocks: dict[str, I64]
+    spans: TokenSpans
+    writer_given: dict[str, I64]
+    deadline: float  # time.monotonic()
+    timer: asyncio.TimerHandle | None = None
+    task: asyncio.Task[None] | None = None
+    wrote: bool = False  # a WRITE was started
+    revoked: bool = False
+
+
+class Pusher:
+    """Owns the offers this sidecar holds as a writer (see the module docs)."""
+
+    def __init__(
+        self, settings: Settings, registry: Registry, data_plane: Transport, publisher: Publisher, peers: PeerDirectory,
+        outbox: Outbox, metrics: SidecarMetrics, topologies: TopologyCache,
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.registry = registry
+        self.dp = data_plane
+        self.publisher = publisher
+        self.peers = peers
+        self.outbox = outbox
+        self.metrics = metrics
+        self.topologies = topologies
+        self.offers: dict[str, dict[ReaderKey, Offer]] = {}
+        #: The data-plane name of each reader written into, with the instance and epoch it was loaded for.
+        self._loaded: dict[ReaderKey, tuple[str, int, str]] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.offers.values())
+
+    # ------------------------------------------------------------------ peer API
+    def offer(self, req: peer_pb2.OfferRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.OfferResponse:
+        """A reader offers its blocks for a request; the WRITEs start once it is published here."""
+        rid = check_id(req.request_id, "request_id")
+        creds.check(req.engine_id, "engine_id")
+        reg = self.registry.require()
+        if req.writer_engine_id and req.writer_engine_id != self.settings.engine_id:
+            raise FailedPreconditionError(
+                f"writer_engine_id: the offer is for engine {req.writer_engine_id!r}; this sidecar is "
+                f"{self.settings.engine_id!r}",
+                field="writer_engine_id", reason=Reason.PEER_MISMATCH,
+            )  # fmt: skip
+        rank = rank_from_proto(req.rank, "rank")
+        key: ReaderKey = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
+        reader = self.publisher.readers.get(key)
+        if reader is None or req.epoch != reader.epoch:
+            seen = "has not handshaken" if reader is None else f"handshook at epoch {reader.epoch}, not {req.epoch},"
+            raise FailedPreconditionError(
+                f"engine_id: reader {req.engine_id!r} (instance {req.instance_id!r}, tp rank {rank.tp_rank}) {seen} "
+                "with this sidecar; handshake first",
+                field="engine_id", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
+        missing = [n for n in reg.groups if n not in reader.regions]
+        if missing:
+            raise FailedPreconditionError(
+                f"info.groups[{missing[0]}].regions: the reader's handshake carried no regions; it cannot be written",
+                field="info", reason=Reason.PEER_INPUT,
+            )  # fmt: skip
+        blocks = blocks_from_proto(req.blocks, reader.groups, "blocks")
+        given = remote_blocks(req.writer_blocks, reg.layouts, push=True, field="writer_blocks")
+        limit = self.settings.transfer_timeout_seconds
+        timeout = min(check_timeout(float(req.timeout_seconds)) or limit, limit)
+        if key in self.offers.get(rid, {}):
+            raise AlreadyExistsError(f"request_id: {rid!r} is already offered by this reader rank", field="request_id")
+        self.publisher.check_writable(rid, req.engine_id)
+        now = time.monotonic()
+        offer = Offer(f"{self.registry.instance_id[:8]}-w{next(self._ids)}", rid, key, reader, rank, blocks,
+                      token_spans(req.blocks, req.writer_blocks), given, now + timeout)  # fmt: skip
+        self.offers.setdefault(rid, {})[key] = offer
+        offer.timer = asyncio.get_running_loop().call_later(timeout, self._lapse, offer)
+        published = rid in self.publisher.publishes
+        if published:
+            self._start(offer, reg)
+        return peer_pb2.OfferResponse(published=published)
+
+    async def revoke(self, req: peer_pb2.RevokeRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.RevokeResponse:
+        """The reader takes its offer back; answered once no WRITE of it is in flight and none will start."""
+        rid = check_id(req.request_id, "request_id")
+        creds.check(req.engine_id, "engine_id")
+        rank = rank_from_proto(req.rank, "rank")
+        offer = self.offers.get(rid, {}).get((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank))
+        if offer is None:
+            return peer_pb2.RevokeResponse(found=False)
+        offer.revoked = True
+        self._forget(offer)
+        if offer.task is not None and not offer.task.done():
+            offer.task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(offer.task)  # the transfer is cancelled with it
+        why = req.reason or "the reader revoked its offer"
+        self.publisher.reader_finished(rid, req.engine_id, rank, f"{why} (revoked)")
+        with log_context(request_id=rid, transfer_id=offer.transfer_id, peer=offer.reader.label):
+            log.info("offer revoked", extra={"wrote": offer.wrote, "reason": why})
+        return peer_pb2.RevokeResponse(found=True, wrote=offer.wrote)
+
+    # ------------------------------------------------------------------ local events
+    def published(self, rid: str) -> None:
+        """``rid`` was published here: write every offer that waited for it."""
+        waiting = [o for o in self.offers.get(rid, {}).values() if o.task is None]
+        if waiting:
+            reg = self.registry.require()
+            for offer in waiting:
+                self._start(offer, reg)
+
+    def publish_dropped(self, rid: str, why: str) -> None:
+        """The publish of ``rid`` is gone: its offers fail (a WRITE in flight is cancelled first)."""
+        for offer in list(self.offers.get(rid, {}).values()):
+            err = AbortedError(f"push of {rid!r} stopped: the publish was dropped ({why})", field="request_id")
+            if offer.task is not None and not offer.task.done():
+                offer.task.cancel(err.message)
+            else:
+                self._forget(offer)
+                self._send_landed(offer, err)
+
+    def cancel_all(self) -> list[asyncio.Task[None]]:
+        """Stop every push (shutdown); returns the tasks to wait for."""
+        tasks = []
+        for per_reader in list(self.offers.values()):
+            for offer in list(per_reader.values()):
+                self._forget(offer)
+                if offer.task is not None and not offer.task.done():
+                    offer.task.cancel("the sidecar is stopping")
+                    tasks.append(offer.task)
+        return tasks
+
+    # ------------------------------------------------------------------ one push
+    def _start(self, offer: Offer, reg: Registration) -> None:
+        offer.task = asyncio.get_running_loop().create_task(self._push(offer, reg))
+
+    async def _push(self, offer: Offer, reg: Registration) -> None:
+        rid = offer.request_id
+        with log_context(request_id=rid, transfer_id=offer.transfer_id, peer=offer.reader.label):
+            started = time.monotonic()
+            outcome: KvxferError | None = None
+            moved = (0, 0, 0.0)
+            try:
+                async with asyncio.timeout(max(offer.deadline - started, 0.0)):
+                    moved = await self._write(offer, reg)
+            except TimeoutError:
+                outcome = DeadlineError(f"push of {rid!r} into {offer.reader.label} did not finish by the offer's "
+                                        "deadline", field="timeout_seconds")  # fmt: skip
+            except asyncio.CancelledError as exc:
+                if offer.revoked:
+                    self.metrics.transfer_done("write", "aborted", nbytes=0, descriptors=0,
+                                               seconds=time.monotonic() - started, reason="aborted")  # fmt: skip
+                    return  # the reader knows: it asked
+                outcome = AbortedError(str(exc.args[0]) if exc.args else f"push of {rid!r} stopped", field="request_id")
+            except KvxferError as exc:
+                outcome = exc
+            except Exception as exc:  # a bug: the reader still gets its answer
+                log.exception("push failed unexpectedly")
+                outcome = KvxferError(f"internal error in push of {rid!r}: {type(exc).__name__}: {exc}")
+            self._forget(offer)
+            elapsed = time.monotonic() - started
+            if outcome is None:
+                nbytes, ndesc, _ = moved
+                self.metrics.transfer_done("write", "ok", nbytes=nbytes, descriptors=ndesc, seconds=elapsed)
+                log.debug("push done", extra={"bytes": nbytes, "descriptors": ndesc, "seconds": round(elapsed, 6)})
+            else:
+                label = "timeout" if isinstance(outcome, DeadlineError) else "failed"
+                self.metrics.transfer_done("write", label, nbytes=0, descriptors=0, seconds=elapsed,  # type: ignore[arg-type]
+                                           reason=label if label == "timeout" else outcome.status.lower())  # fmt: skip
+                log.info("push ended", extra={"outcome": label, "error": outcome.message})
+            self.publisher.reader_finished(rid, offer.key[0], offer.rank, outcome.message if outcome else None)
+            self._send_landed(offer, outcome, moved)
+
+    async def _write(self, offer: Offer, reg: Registration) -> tuple[int, int, float]:
+        """Plan this rank's part of the reader's pull and WRITE it; (bytes, descriptors, seconds)."""
+        current = self.publisher.readers.get(offer.key)
+        if current is None or current.epoch != offer.reader.epoch:
+            raise PeerUnavailableError(
+                f"reader {offer.reader.label} registered again or restarted since its offer of {offer.request_id!r}; "
+                "its blocks are no longer the offered ones",
+                field="epoch", reason=Reason.PEER_CHANGED,
+            )  # fmt: skip
+        entry = self.publisher.admit_writer(offer.request_id, offer.reader, offer.rank)
+        local, remote = self._descriptors(offer, reg, entry.blocks)
+        if not local.shape[0]:
+            return 0, 0, 0.0
+        peer = self._peer_name(offer.reader)
+        mem: MemType = "VRAM" if next(iter(reg.groups.values())).memory.mem_type == "VRAM" else "DRAM"
+        rmem: MemType = "VRAM" if next(iter(offer.reader.regions.values()))[1] == "VRAM" else "DRAM"
+        offer.wrote = True
+        t0 = time.monotonic()
+        try:
+            await self.dp.transfer("WRITE", local, remote, peer, timeout=max(offer.deadline - t0, 0.001),
+                                   mem_type=mem, remote_mem_type=rmem)  # fmt: skip
+        except KvxferError as exc:
+            self._unload(offer.key)
+            raise PeerUnavailableError(
+                f"data plane WRITE into {offer.reader.label} at {offer.reader.address} failed: {exc.message}",
+                field="remote_addresses", reason=Reason.DATA_PLANE,
+            ) from None  # fmt: skip
+        return int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - t0
+
+    def _descriptors(self, offer: Offer, reg: Registration, published: dict[str, I64]) -> tuple[U64, U64]:
+        """(this side's, the reader's) descriptor arrays: the reader's pull plan, restricted to this rank."""
+        mine, theirs = [], []
+        for name, g in reg.groups.items():
+            ids = offer.writer_given.get(name)
+            if ids is not None and not_published(ids, published[name]):
+                raise InvalidArgumentError(f"writer_blocks[{name}]: {not_published(ids, published[name])}",
+                                           field=f"writer_blocks[{name}]")  # fmt: skip
+            topo = self.topologies.topology(f"<{name}", offer.reader.groups[name], g.layout, offer.rank,
+                                            reg.rank.tp_size)  # fmt: skip
+            num_tokens, reader_skip, writer_skip = offer.spans.get(name, (None, 0, 0))
+            try:
+                plan = topo.plan(offer.blocks[name], published[name] if ids is None else ids, num_tokens=num_tokens,
+                                 local_skip=reader_skip, remote_skip=writer_skip)  # fmt: skip
+            except KvxferError as exc:
+                field = exc.field or "blocks"
+                raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
+                                           field=f"{field}[{name}]") from None  # fmt: skip
+            for rp in plan.per_rank:
+                if rp.remote_rank == reg.rank.tp_rank:
+                    into, out_of = rp.descriptors(offer.reader.regions[name][0], g.memory.table)
+                    theirs.append(into)
+                    mine.append(out_of)
+        if not mine:
+            empty = np.zeros((0, 3), np.uint64)
+            return empty, empty
+        return np.concatenate(mine), np.concatenate(theirs)
+
+    def _peer_name(self, reader: Identity) -> str:
+        """The reader's agent on this data plane, loaded once per reader instance and epoch."""
+        key: ReaderKey = (reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank)
+        for old in [k for k in self._loaded if k[0] == key[0] and k[2:] == key[2:] and k != key]:
+            self._unload(old)  # a restarted reader: its old agent is gone
+        loaded = self._loaded.get(key)
+        if loaded is not None and loaded[1:] == (reader.epoch, reader.instance_id):
+            return loaded[0]
+        if loaded is not None:
+            self._unload(key)
+        name = self.dp.add_peer(reader.metadata)
+        self._loaded[key] = (name, reader.epoch, reader.instance_id)
+        return name
+
+    def _unload(self, key: ReaderKey) -> None:
+        loaded = self._loaded.pop(key, None)
+        if loaded is not None:
+            self.dp.remove_peer(loaded[0])
+
+    def _lapse(self, offer: Offer) -> None:
+        """The offer's deadline passed before its publish came: the reader is told (its own deadline ends it)."""
+        if offer.task is None and self.offers.get(offer.request_id, {}).get(offer.key) is offer:
+            self._forget(offer)
+            self._send_landed(offer, DeadlineError(
+                f"request_id: {offer.request_id!r} was not published on {self.settings.engine_id} before the offer's "
+                "deadline", field="request_id"))  # fmt: skip
+
+    def _forget(self, offer: Offer) -> None:
+        per_reader = self.offers.get(offer.request_id)
+        if per_reader is not None and per_reader.get(offer.key) is offer:
+            del per_reader[offer.key]
+            if not per_reader:
+                del self.offers[offer.request_id]
+        if offer.timer is not None:
+            offer.timer.cancel()
+
+    def _send_landed(self, offer: Offer, err: KvxferError | None, moved: tuple[int, int, float] = (0, 0, 0.0)) -> None:
+        me = self.registry.registration
+        req = peer_pb2.LandedRequest(
+            request_id=offer.request_id, engine_id=self.settings.engine_id, instance_id=self.registry.instance_id,
+            rank=rank_to_proto(me.rank) if me is not None else None, epoch=offer.reader.epoch,
+            bytes=moved[0], descriptors=moved[1], data_seconds=moved[2],
+        )  # fmt: skip
+        if err is not None:
+            req.code, req.message, req.reason = code_of(err).value[0], err.message, err.reason.value
+        self.outbox.spawn(self._call_landed(offer, req))
+
+    async def _call_landed(self, offer: Offer, req: peer_pb2.LandedRequest) -> None:
+        address = offer.reader.address
+        try:
+            await self.peers.call(address, "Landed", lambda s: s.Landed(req, timeout=PEER_CALL_SECONDS,
+                                                                        metadata=self.peers.metadata))  # fmt: skip
+        except KvxferError as exc:  # the reader's own deadline ends its pull
+            with log_context(request_id=offer.request_id, peer=offer.reader.label):
+                log.warning("could not tell a reader its push landed", extra={"error": exc.message})

@@ -1,0 +1,202 @@
+"""Push mode end to end (real gRPC servers, real NIXL on loopback): the prefill side WRITEs, every byte checked.
+
+Faults use the named fault injector :class:`~tests.sidecar.helpers.DelayedDataPlane` on the
+writer: it holds each WRITE before posting it, so "abort while a WRITE is in flight" happens on cue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxfer.layout import KVCacheLayout
+from kvxfer.server.app import Sidecar
+from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
+from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, push_transfer
+
+FRAGMENTED_P = [5, 6, 7, 1, 30, 31, 12, 40, 41, 42, 43, 2]
+FRAGMENTED_D = [9, 3, 4, 50, 51, 52, 20, 21, 0, 60, 61, 62]
+OK = grpc.StatusCode
+LAY = attention()
+
+
+def _count(sidecar: Sidecar, direction: str, outcome: str) -> float:
+    assert sidecar.metrics is not None
+    return float(sidecar.metrics.transfers.labels(direction=direction, outcome=outcome)._value.get())
+
+
+@pytest.mark.parametrize("offer_first", [True, False])
+async def test_push_writes_every_byte(harness: Harness, offer_first: bool) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    (res,) = await push_transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=11,
+                                 offer_first=offer_first)  # fmt: skip
+    assert res.done
+    assert res.bytes == len(FRAGMENTED_D) * LAY.page_bytes * LAY.num_layers
+    assert res.descriptors == 9 * LAY.num_layers  # the pull's coalescing: 9 runs per layer
+    assert res.remote_ranks == (0,)
+    # WRITEs on the prefill side, no READ on the decode side.
+    assert _count(ps[0], "write", "ok") == 1
+    assert _count(ds[0], "push", "ok") == 1
+    assert _count(ds[0], "read", "ok") == 0
+    await _wait_leases(pw, 0)  # the writer freed its publish itself once its WRITE landed
+
+
+MLA = KVCacheLayout.mla(num_layers=3, num_blocks=64, block_size=16, latent_dim=576)
+HYBRID = {"attention": attention(layers=3), "mamba": KVCacheLayout.mamba(num_layers=1, num_blocks=64,
+                                                                          page_size_bytes=4000)}  # fmt: skip
+FP8_16 = KVCacheLayout.quantized(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=4, head_size=64)
+FP8_32 = KVCacheLayout.quantized(num_layers=2, num_blocks=64, block_size=32, num_kv_heads=4, head_size=64)
+CASES: dict[str, tuple[object, object, int, int, dict[str, list[int]], dict[str, list[int]]]] = {
+    "tp2-to-1-hnd": ({"kv": attention(tp=2)}, {"kv": attention(tp=1)}, 2, 1, {"kv": FRAGMENTED_P},
+                     {"kv": FRAGMENTED_D}),
+    "tp1-to-2-nhd": ({"kv": attention(tp=1, order="NHD")}, {"kv": attention(tp=2, order="NHD")}, 1, 2,
+                     {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}),
+    "tp2-to-4-replicated": ({"kv": attention(heads=2, tp=2)}, {"kv": attention(heads=2, tp=2)}, 2, 4,
+                            {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}),
+    "mla-tp2-to-1": ({"kv": MLA}, {"kv": MLA}, 2, 1, {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}),
+    "hybrid-mamba": (HYBRID, HYBRID, 1, 1, {"attention": FRAGMENTED_P, "mamba": [7, 8]},
+                     {"attention": FRAGMENTED_D, "mamba": [33, 1]}),
+    "cross-layer": ({"kv": attention(layers=8, cross_layer=True)}, {"kv": attention(layers=8, cross_layer=True)}, 1,
+                    1, {"kv": list(range(10, 30))}, {"kv": list(range(40, 60))}),
+    "fp8-block-16-to-32": ({"kv": FP8_16}, {"kv": FP8_32}, 1, 1, {"kv": [3, 4, 9, 10, 20, 21]}, {"kv": [7, 2, 30]}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_push_every_cache_kind_and_tp_pair(harness: Harness, case: str) -> None:
+    p_lay, d_lay, p_tp, d_tp, p_blocks, d_blocks = CASES[case]
+    if case == "tp2-to-4-replicated":  # 2 heads over 4 decode ranks: each head is on two decode ranks
+        d_lay = {"kv": KVCacheLayout.attention(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=1,
+                                               total_kv_heads=2, head_size=64)}  # fmt: skip
+    ps, pw, _ds, dw = await harness.deployment(p_lay, d_lay, prefill_tp=p_tp, decode_tp=d_tp)  # type: ignore[arg-type]
+    results = await push_transfer(pw, ps, dw, case, p_blocks, d_blocks, salt=3)
+    layouts: Mapping[str, KVCacheLayout] = dw[0].layouts
+    want = sum(len(ids) * layouts[g].page_bytes * layouts[g].num_layers for g, ids in d_blocks.items())
+    assert all(r.bytes == want for r in results), [r.bytes for r in results]  # every receiving byte written once
+    written = sum(_bytes(s, "write") for s in ps)
+    assert written == want * d_tp
+    await _wait_leases(pw, 0)  # every prefill rank freed, the unread MLA replica by its UNREAD notice
+
+
+async def _wait_leases(workers: list[Worker] | Worker, n: int, within: float = 5.0) -> None:
+    ws = workers if isinstance(workers, list) else [workers]
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        leases = [(await w.client.status())["leases"] for w in ws]
+        if all(n_ == n for n_ in leases):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"leases never reached {n}")
+
+
+def _bytes(sidecar: Sidecar, direction: str) -> float:
+    assert sidecar.metrics is not None
+    return float(sidecar.metrics.transfer_bytes.labels(direction=direction, backend="nixl")._value.get())
+
+
+# ---------------------------------------------------------------------- faults
+async def _pair(harness: Harness, delay: float = 0.0, **settings: object) -> tuple[Sidecar, Worker, Sidecar, Worker,
+                                                                                   DelayedDataPlane]:  # fmt: skip
+    dp = DelayedDataPlane("prefill-delayed", delay)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp, **settings)
+    d = await harness.sidecar(role="decode", engine_id="decode", **settings)
+    return p, await harness.worker(p, {"kv": LAY}), d, await harness.worker(d, {"kv": LAY}), dp
+
+
+async def test_abort_mid_write_is_fenced_no_byte_lands_after(harness: Harness) -> None:
+    p, pw, _d, dw, dp = await _pair(harness, delay=1.0)
+    dw.poison({"kv": [4, 5, 6]})
+    pw.fill({"kv": [1, 2, 3]}, 5)
+    pull = asyncio.ensure_future(dw.client.pull("a1", [p.peer_address], {"kv": [4, 5, 6]}, push=True))
+    await asyncio.sleep(0.2)
+    await pw.client.publish("a1", {"kv": [1, 2, 3]})
+    await asyncio.wait_for(dp.reading.wait(), 5)  # the WRITE is in the data plane's hands
+    t0 = time.monotonic()
+    assert await dw.client.abort("a1", "user cancelled") == (1, False)
+    await expect_error(OK.ABORTED, pull, "pull of 'a1' aborted: user cancelled")
+    assert time.monotonic() - t0 < 1.0  # the Revoke cancelled the WRITE: no waiting out its deadline
+    await asyncio.sleep(1.3)  # past the moment the held WRITE would have been posted
+    assert dw.verify({"kv": [4, 5, 6]}, 5)[0] > 0
+    poisoned = np.array(dw.buffers["kv"].pages(0)[[4, 5, 6]])
+    dw.poison({"kv": [4, 5, 6]})
+    assert np.array_equal(poisoned, np.array(dw.buffers["kv"].pages(0)[[4, 5, 6]]))  # still the poison: nothing landed
+    assert len(p.core.pusher) == 0 if p.core else False
+    await _wait_leases(pw, 0)  # the prefill dropped its publish (the abort reached it)
+    dp.delay = 0.0
+    (res,) = await push_transfer([pw], [p], [dw], "after", {"kv": [9, 10]}, {"kv": [20, 21]}, salt=6)
+    assert res.done
+
+
+async def test_never_published_times_out_and_the_offer_is_gone(harness: Harness) -> None:
+    p, _pw, _d, dw, _dp = await _pair(harness)
+    t0 = time.monotonic()
+    await expect_error(OK.DEADLINE_EXCEEDED, dw.client.pull("never", [p.peer_address], {"kv": [1, 2]}, push=True,
+                                                             deadline=0.5), "did not finish within")  # fmt: skip
+    assert time.monotonic() - t0 < 2.0
+    assert p.core is not None
+    assert len(p.core.pusher) == 0
+
+
+async def test_publish_aborted_before_the_write_fails_the_push(harness: Harness) -> None:
+    p, pw, _d, dw, dp = await _pair(harness, delay=1.0)
+    pull = asyncio.ensure_future(dw.client.pull("gone", [p.peer_address], {"kv": [4, 5]}, push=True))
+    await asyncio.sleep(0.2)
+    await pw.client.publish("gone", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await pw.client.abort("gone", "prefill cancelled")
+    err = await expect_error(OK.ABORTED, pull, "prefill cancelled")
+    assert err.reason == "ABORTED"
+
+
+async def test_writer_stopping_mid_push_tells_the_reader_at_once(harness: Harness) -> None:
+    p, pw, _d, dw, dp = await _pair(harness, delay=5.0)
+    pull = asyncio.ensure_future(dw.client.pull("w1", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=10.0))
+    await asyncio.sleep(0.2)
+    await pw.client.publish("w1", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    t0 = time.monotonic()
+    await p.stop(0)  # its WRITE is cancelled, and the reader told before the peer API closes
+    err = await expect_error(OK.ABORTED, pull, "the sidecar is stopping")
+    assert err.reason == "ABORTED"
+    assert time.monotonic() - t0 < 3.0
+
+
+# ---------------------------------------------------------------------- trust
+async def test_offers_are_checked_and_bound(harness: Harness) -> None:
+    p, pw, d, dw, _dp = await _pair(harness)
+    other = await harness.sidecar(role="decode", engine_id="other")
+    ow = await harness.worker(other, {"kv": LAY})
+    await pw.client.publish("mine", {"kv": [1, 2]}, reader_engine_id="decode")
+    # Another engine may not be written the publish bound to "decode".
+    await expect_error(OK.PERMISSION_DENIED, ow.client.pull("mine", [p.peer_address], {"kv": [3, 4]}, push=True),
+                       "bound to reader engine 'decode'")  # fmt: skip
+    # Offered ids out of the reader's layout: refused naming the field, nothing kept.
+    await expect_error(OK.INVALID_ARGUMENT, dw.client.pull("bad", [p.peer_address], {"kv": [1, 999]}, push=True),
+                       "local_blocks[kv]", "999")  # fmt: skip
+    assert p.core is not None
+    assert len(p.core.pusher) == 0
+    async with grpc.aio.insecure_channel(p.peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:  # never handshaken: refused
+            await stub.Offer(peer_pb2.OfferRequest(request_id="x", engine_id="stranger", instance_id="i", epoch=1,
+                                                   rank=common_pb2.Rank(tp_rank=0, tp_size=1, pp_size=1),
+                                                   blocks=[common_pb2.BlockList(group="kv", block_ids=[1])]),
+                             timeout=5)  # fmt: skip
+        assert exc.value.code() == OK.FAILED_PRECONDITION
+        assert "has not handshaken" in (exc.value.details() or "")
+    # A Landed from someone who is not the writer offered to completes nothing.
+    pull = asyncio.ensure_future(dw.client.pull("mine", [p.peer_address], {"kv": [3, 4]}, push=True, deadline=3))
+    await asyncio.sleep(0.3)
+    async with grpc.aio.insecure_channel(d.peer_address) as ch:
+        resp = await peer_pb2_grpc.PeerStub(ch).Landed(
+            peer_pb2.LandedRequest(request_id="mine", engine_id="impostor", instance_id="i", epoch=1,
+                                   rank=common_pb2.Rank(tp_rank=0, tp_size=1, pp_size=1), bytes=1),
+            timeout=5,
+        )  # fmt: skip
+        assert not resp.found
+    assert (await pull).done  # the real writer's WRITE (it was published before the offer)
