@@ -404,15 +404,17 @@ class AsyncClient:
 
     async def publish(
         self, request_id: str, blocks: BlockMap, *, lease_seconds: float = 0.0, deadline: float | None = None,
-        reader_engine_id: str = "",
+        reader_engine_id: str = "", origins: Mapping[str, int] | None = None,
     ) -> int:  # fmt: skip
         """Publish a request's blocks; returns the lease's expiry (unix ms).
 
         ``reader_engine_id`` binds the publish to the decode engine meant to read it (else to the
-        first reader engine that fetches it).
+        first reader engine that fetches it). ``origins``: per group, the request's token position
+        of the first listed block (a sliding window's tail; push offers name token positions).
         """
+        spans = {g: (int(t), 0) for g, t in (origins or {}).items()}
         req = local_pb2.PublishRequest(
-            request_id=request_id, blocks=blocks_to_proto(blocks), lease_seconds=lease_seconds,
+            request_id=request_id, blocks=blocks_to_proto(blocks, spans), lease_seconds=lease_seconds,
             reader_engine_id=reader_engine_id,
         )  # fmt: skip
         resp: local_pb2.PublishResponse = await self._call(self._stub.Publish, req, deadline)

@@ -90,7 +90,8 @@ class Publisher:
                 field="reader_engine_id",
             )
         now = time.monotonic()
-        entry = PublishEntry(rid, blocks, lease, now + lease, reader_engine=reader, published_at=now)
+        origins = {bl.group: int(bl.skip_tokens) for bl in req.blocks if bl.skip_tokens}
+        entry = PublishEntry(rid, blocks, lease, now + lease, reader_engine=reader, published_at=now, origins=origins)
         self.publishes[rid] = entry
         self._arm_lease(entry)
         return local_pb2.PublishResponse(request_id=rid, expires_unix_ms=entry.expires_unix_ms)

@@ -248,7 +248,7 @@ class Pusher:
                 field="epoch", reason=Reason.PEER_CHANGED,
             )  # fmt: skip
         entry = self.publisher.admit_writer(offer.request_id, offer.reader, offer.rank)
-        local, remote = self._descriptors(offer, reg, entry.blocks)
+        local, remote = self._descriptors(offer, reg, entry.blocks, entry.origins)
         if not local.shape[0]:
             return 0, 0, 0.0
         peer = self._peer_name(offer.reader)
@@ -267,7 +267,9 @@ class Pusher:
             ) from None  # fmt: skip
         return int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - t0
 
-    def _descriptors(self, offer: Offer, reg: Registration, published: dict[str, I64]) -> tuple[U64, U64]:
+    def _descriptors(
+        self, offer: Offer, reg: Registration, published: dict[str, I64], origins: dict[str, int]
+    ) -> tuple[U64, U64]:
         """(this side's, the reader's) descriptor arrays: the reader's pull plan, restricted to this rank."""
         mine, theirs = [], []
         for name, g in reg.groups.items():
@@ -278,6 +280,15 @@ class Pusher:
             topo = self.topologies.topology(f"<{name}", offer.reader.groups[name], g.layout, offer.rank,
                                             reg.rank.tp_size)  # fmt: skip
             num_tokens, reader_skip, writer_skip = offer.spans.get(name, (None, 0, 0))
+            if ids is None and writer_skip:
+                # Without ids the reader named a position in the request; the publish starts at its origin.
+                writer_skip -= origins.get(name, 0)
+                if writer_skip < 0:
+                    raise InvalidArgumentError(
+                        f"writer_blocks[{name}].skip_tokens: the offer starts at token {writer_skip + origins[name]}; "
+                        f"this rank published from token {origins[name]}",
+                        field=f"writer_blocks[{name}].skip_tokens",
+                    )  # fmt: skip
             try:
                 plan = topo.plan(offer.blocks[name], published[name] if ids is None else ids, num_tokens=num_tokens,
                                  local_skip=reader_skip, remote_skip=writer_skip)  # fmt: skip

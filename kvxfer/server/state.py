@@ -69,6 +69,8 @@ class PublishEntry:
     #: The reader engine allowed to fetch, notify or abort it ('' until named or first touched).
     reader_engine: str = ""
     published_at: float = 0.0  # time.monotonic(): holds never extend past published_at + --max-hold-seconds
+    #: Per group: the request's token position of the first published block (push offers name positions).
+    origins: dict[str, int] = field(default_factory=dict)
 
     @property
     def expires_unix_ms(self) -> int:

@@ -11,16 +11,19 @@ objects, driven through the calls vLLM's scheduler makes (``on_new_request``,
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from kvxfer.client import Client
 from kvxfer.harness.cluster import LocalCluster, SidecarProc
+from kvxfer.integrations.vllm.params import push_params
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import transfer_groups
@@ -101,6 +104,18 @@ class Sidecars:
         """``sidecar_socket`` of set ``name``: a template with ``{rank}``."""
         assert name in self.sets, name
         return str(self.cluster.dir / f"{name}-{{rank}}.sock")
+
+    def counter(self, name: str, sample: str, **labels: str) -> float:
+        """Sum of one metric sample over the sidecars of set ``name`` (from their /metrics)."""
+        total = 0.0
+        for sc in self.sets[name]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{sc.metrics_port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                for smp in family.samples:
+                    if smp.name == sample and all(smp.labels.get(k) == v for k, v in labels.items()):
+                        total += smp.value
+        return total
 
     def check_idle(self) -> None:
         """No publish left behind (a later test could not replace the registration)."""
@@ -207,6 +222,46 @@ class PD:
         d.scheduler.after_alloc(req, [list(t) for t in tables], n)
         d.step()
         _, recving, failed = d.finished(recving=rid)
+        d.scheduler.loads_finished(recving)
+        return failed
+
+    def push(
+        self, p: Instance, d: Instance, rid: str, prompt_len: int, p_tables: Tables, d_tables: Tables, *,
+        computed: int = 0, offer_first: bool = True,
+    ) -> set[str]:  # fmt: skip
+        """One request in push mode, as a proxy runs it: the decode instance allocates and offers its blocks
+        (``offer_first``: before the prefill finishes), the prefill publishes under the proxy's id and
+        its sidecars WRITE; returns the decode side's failed loads once every rank's load ended.
+        """
+        addresses = [w.registration["peer_address"] for w in p.workers]
+        pre_params, dec_params = push_params(push_id=f"push-{rid}", addresses=addresses,
+                                             sidecar_engine_id=p.workers[0].registration["engine_id"])  # fmt: skip
+
+        def decode_side() -> None:
+            req = decode_request(f"{rid}-d", prompt_len, dec_params)
+            n, is_async = d.scheduler.matched_tokens(req, computed)
+            assert (n, is_async) == (prompt_len - 1 - computed, True), (n, is_async)
+            d.scheduler.after_alloc(req, [list(t) for t in d_tables], n)
+            d.step()
+
+        def prefill_side() -> None:
+            sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
+            req = Request(rid, list(range(100, 100 + prompt_len)), sp, None)
+            p.scheduler.on_new_request(req)
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            req.num_computed_tokens = len(req.prompt_token_ids or ())
+            keep, params = p.scheduler.request_finished(req, [list(t) for t in p_tables])
+            assert keep is True
+            assert params is not None
+            assert params["remote_request_id"] == f"push-{rid}"
+            p.step()
+
+        first, second = (decode_side, prefill_side) if offer_first else (prefill_side, decode_side)
+        first()
+        if offer_first:
+            time.sleep(0.2)  # the offers are at the prefill sidecars before the publish
+        second()
+        _, recving, failed = d.finished(recving=f"{rid}-d")
         d.scheduler.loads_finished(recving)
         return failed
 

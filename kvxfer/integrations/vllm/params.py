@@ -13,6 +13,20 @@ uses the same names), plus a few of kvxfer's own, so existing routers work uncha
   the position of its first listed block in the request's block table, since sliding-window
   groups publish only their tail and Mamba groups only their state block);
 * proxy -> decode: that dict, unchanged.
+
+**Push mode** (:func:`push_params`): the proxy sends the request to both instances at once, with
+an id of its choosing for the transfer (``kvxfer_push_id``) and the prefill instance's sidecar
+addresses (fixed per instance: any earlier prefill response's ``kvxfer_addresses``, or the
+router's configuration):
+
+* proxy -> prefill: ``{"do_remote_decode": true, "kvxfer_push": true, "kvxfer_push_id": X}``;
+  the prefill publishes under ``X`` when it finishes, and its sidecars WRITE into the blocks the
+  decode side offered for ``X``;
+* proxy -> decode: ``{"do_remote_prefill": true, "kvxfer_push": true, "kvxfer_push_id": X,
+  "kvxfer_addresses": [...], "kvxfer_engine_id": ..., "remote_engine_id": ...}``; the decode
+  instance allocates the prompt's blocks at once and offers them; it starts when every block
+  landed. The prefill's response is not needed (a proxy may still wait for it, and fall back to a
+  pull with it: it carries the usual params).
 """
 
 from __future__ import annotations
@@ -28,6 +42,9 @@ __all__ = [
     "RemoteGroup",
     "RemotePrefill",
     "prefill_response",
+    "push_id",
+    "push_params",
+    "wants_push",
     "wants_remote_decode",
     "wants_remote_prefill",
 ]
@@ -70,6 +87,8 @@ class RemotePrefill:
     groups: tuple[RemoteGroup, ...]
     num_tokens: int = 0
     sidecar_engine_id: str = ""
+    #: Push mode: the prefill side WRITEs; ``groups`` is empty (nothing is published yet).
+    push: bool = False
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -95,6 +114,46 @@ class RemotePrefill:
         block_size = _count(params, "remote_block_size")
         groups = _groups(params.get("kvxfer_groups"), lists, block_size)
         return cls(request_id, engine_id, addresses, groups, num_tokens, sidecar_engine)
+
+    @classmethod
+    def parse_push(cls, params: Mapping[str, Any]) -> RemotePrefill:
+        """Validate a decode request's push-mode params (no block ids: the prefill has not run yet)."""
+        request_id = push_id(params)
+        if params.get("kvxfer_addresses") is None:
+            raise ParamsError("kvxfer_addresses: push mode needs the sidecar address of every prefill rank, in "
+                              "rank order", field="kvxfer_addresses")  # fmt: skip
+        addresses = _addresses(params)
+        sidecar_engine = params.get("kvxfer_engine_id") or ""
+        if not isinstance(sidecar_engine, str):
+            raise ParamsError(f"kvxfer_engine_id: must be a string, got {sidecar_engine!r}", field="kvxfer_engine_id")
+        engine_id = str(params.get("remote_engine_id") or "")
+        return cls(request_id, engine_id, addresses, (), 0, sidecar_engine, push=True)
+
+
+def wants_push(params: Mapping[str, Any] | None) -> bool:
+    """The proxy runs this request in push mode (both instances at once; the prefill side WRITEs)."""
+    return bool(params and params.get("kvxfer_push"))
+
+
+def push_id(params: Mapping[str, Any]) -> str:
+    """The transfer's id in push mode (``kvxfer_push_id``), checked."""
+    value = _string(params, "kvxfer_push_id")
+    if len(value) > 256 or any(c.isspace() for c in value):
+        raise ParamsError(f"kvxfer_push_id: at most 256 characters and no spaces, got {value!r}",
+                          field="kvxfer_push_id")  # fmt: skip
+    return value
+
+
+def push_params(
+    *, push_id: str, addresses: Sequence[str], sidecar_engine_id: str = "", engine_id: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill params, decode params) of one request in push mode (what a proxy sends; see the module docs)."""
+    prefill = {"do_remote_decode": True, "kvxfer_push": True, "kvxfer_push_id": push_id}
+    decode = {
+        "do_remote_prefill": True, "kvxfer_push": True, "kvxfer_push_id": push_id,
+        "kvxfer_addresses": list(addresses), "kvxfer_engine_id": sidecar_engine_id, "remote_engine_id": engine_id,
+    }  # fmt: skip
+    return prefill, decode
 
 
 def prefill_response(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from kvxfer.integrations.vllm.params import RemoteGroup, RemotePrefill
 from kvxfer.integrations.vllm.spec import TransferGroup
 
-__all__ = ["NULL_BLOCK", "GroupPull", "PullSpec", "StepPlan", "group_pull", "published_blocks"]
+__all__ = ["NULL_BLOCK", "GroupPull", "PullSpec", "StepPlan", "group_offer", "group_pull", "published_blocks"]
 
 #: vLLM's null block: a table entry that holds nothing (a sliding window's skipped blocks).
 NULL_BLOCK = 0
@@ -41,6 +41,8 @@ class PullSpec:
     groups: tuple[GroupPull, ...] = ()
     #: Set when the load cannot even start (the worker reports it failed at once).
     error: str = ""
+    #: Push mode: the prefill side WRITEs (``remote_blocks`` are empty; ``remote_skip`` is a request position).
+    push: bool = False
 
     @property
     def local_blocks(self) -> tuple[int, ...]:
@@ -58,6 +60,8 @@ class StepPlan:
     aborts: list[str] = field(default_factory=list)
     #: Requests this (prefill) instance published, with their lease expiry in unix ms.
     published: dict[str, int] = field(default_factory=dict)
+    #: Published under another id than vLLM's (push mode: the proxy's ``kvxfer_push_id``): vLLM id -> that id.
+    publish_ids: dict[str, str] = field(default_factory=dict)
     #: Prefill-side copies this (decode) instance will not read (its prefix cache covered the
     #: prompt, or it computes the prompt itself): their publishers are told to free them now.
     drops: list[RemotePrefill] = field(default_factory=list)
@@ -133,3 +137,24 @@ def group_pull(
     if len(local) != -(-e2 // bl) - s // bl or NULL_BLOCK in local:
         return f"local blocks for tokens [{s}, {end}) are not all allocated"
     return GroupPull(group.index, local, tuple(remote.block_ids[lo_r:hi_r]), end - s, s % bl, s % br)
+
+
+def group_offer(group: TransferGroup, table: Sequence[int], start: int, end: int) -> GroupPull | str | None:
+    """Push mode: which local blocks of ``table`` the prefill side writes, for tokens ``[start, end)``.
+
+    As :func:`group_pull`, before anything is published: the returned pull has no remote blocks,
+    and its ``remote_skip`` is the request position where the move starts (the writer knows where
+    its own publish starts). State groups move their one block whole.
+    """
+    if group.role == "state":
+        real = published_blocks(group, table, end)
+        if real is None:
+            return "no state block is allocated for the request"
+        return GroupPull(group.index, real.block_ids, ())
+    # Planned as a pull from a publish of this side's block size that starts at token 0.
+    whole = RemoteGroup(group.name, tuple(range(-(-end // group.block_size) + 1)), group.block_size)
+    got = group_pull(group, whole, table, start, end)
+    if not isinstance(got, GroupPull):
+        return got
+    at = got.remote_blocks[0] * group.block_size + got.remote_skip
+    return GroupPull(got.group, got.local_blocks, (), got.num_tokens, got.local_skip, at)

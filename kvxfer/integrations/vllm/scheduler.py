@@ -30,10 +30,12 @@ from kvxfer.integrations.vllm.params import (
     RemoteGroup,
     RemotePrefill,
     prefill_response,
+    push_id,
+    wants_push,
     wants_remote_decode,
     wants_remote_prefill,
 )
-from kvxfer.integrations.vllm.plan import GroupPull, PullSpec, StepPlan, group_pull, published_blocks
+from kvxfer.integrations.vllm.plan import GroupPull, PullSpec, StepPlan, group_offer, group_pull, published_blocks
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import TransferGroup
 from kvxfer.logs import get_logger, log_context
@@ -134,7 +136,7 @@ class SchedulerSide:
         if rid in self._expected:  # finished while queued: its publishers are told to drop it
             self._expected.discard(rid)
             with contextlib.suppress(ParamsError):
-                self._plan.drops.append(RemotePrefill.parse(params))
+                self._plan.drops.append(_remote(params))
         if rid in self._loading:
             # Finished (aborted) while its KV is still arriving: stop the pull; vLLM keeps the
             # blocks until the workers report the load as ended.
@@ -166,10 +168,16 @@ class SchedulerSide:
 
     def _publish(self, request: Any, groups: list[RemoteGroup], computed: int) -> dict[str, Any]:
         rid = request.request_id
+        # Push mode: published under the proxy's id, which the decode instance offered its blocks for.
+        pid = push_id(request.kv_transfer_params) if wants_push(request.kv_transfer_params) else rid
         addresses, engine = self._peer_identity()
         blocks = {
             n: list(p.block_ids) for g, p in zip(self.groups, groups, strict=True) for n in self._sidecar_names(g)
         }
+        origins = {
+            n: p.first_block * p.block_size for g, p in zip(self.groups, groups, strict=True)
+            for n in self._sidecar_names(g) if p.first_block
+        }  # fmt: skip
         done: list[Client] = []
         expires: list[int] = []
         # A proxy that knows which decode engine will read binds the publish to it (docs/security.md).
@@ -179,20 +187,22 @@ class SchedulerSide:
                               field="kvxfer_reader_engine_id")  # fmt: skip
         try:
             for c in self._sidecars():
-                expires.append(c.publish(rid, blocks, lease_seconds=self.settings.lease_seconds,
-                                         reader_engine_id=reader))  # fmt: skip
+                expires.append(c.publish(pid, blocks, lease_seconds=self.settings.lease_seconds,
+                                         reader_engine_id=reader, origins=origins))  # fmt: skip
                 done.append(c)
         except KvxferRpcError:
             for c in done:
                 try:
-                    c.release(rid)
+                    c.release(pid)
                 except KvxferRpcError as exc:
                     log.warning(f"request {rid}: release after a failed publish failed: {exc.details}")
             self._addresses = []  # a sidecar restarted: ask again next time
             raise
         self._plan.published[rid] = min(expires)
+        if pid != rid:
+            self._plan.publish_ids[rid] = pid
         return prefill_response(
-            engine_id=self.engine_id, request_id=rid, groups=groups, num_tokens=computed, addresses=addresses,
+            engine_id=self.engine_id, request_id=pid, groups=groups, num_tokens=computed, addresses=addresses,
             sidecar_engine_id=engine, tp_size=self.tp_size, pp_size=self.pp_size,
         )  # fmt: skip
 
@@ -216,10 +226,13 @@ class SchedulerSide:
             return 0, False
         rid = request.request_id
         try:
-            remote = RemotePrefill.parse(params)
+            remote = _remote(params)
         except ParamsError as exc:
             log.warning(f"request {rid}: unusable kv_transfer_params ({exc.message}); computing the prompt here")
             return 0, False
+        if remote.push:  # nothing is published yet: the blocks are allocated now and offered
+            count = self.tokens_to_load(request, remote) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         why = self._unusable(remote, self.tokens_to_load(request, remote))
         if why:
             log.warning(f"request {rid}: {why}; computing the prompt here")
@@ -277,7 +290,7 @@ class SchedulerSide:
             # Nothing to load (the local prefix cache covered the prompt, or it is computed here):
             # tell the prefill side, so that it frees its copy now rather than at lease expiry.
             with contextlib.suppress(ParamsError):  # no usable addresses: the lease frees it
-                self._plan.drops.append(RemotePrefill.parse(params))
+                self._plan.drops.append(_remote(params))
             log.info(f"request {rid}: remote KV not needed; the prefill side frees its copy")
             return
         self._plan.pulls.append(self._pull_spec(request, params, tables, num_external_tokens))
@@ -288,7 +301,7 @@ class SchedulerSide:
     ) -> PullSpec:
         rid = request.request_id
         try:
-            remote = RemotePrefill.parse(params)  # checked in matched_tokens already
+            remote = _remote(params)  # checked in matched_tokens already
         except ParamsError as exc:
             return PullSpec(rid, None, error=exc.message)
         end = self.tokens_to_load(request, remote)
@@ -296,15 +309,16 @@ class SchedulerSide:
         if len(tables) != len(self.groups):
             return PullSpec(rid, remote, error=f"{len(tables)} block tables for {len(self.groups)} KV-cache groups")
         pulls: list[GroupPull] = []
-        for g, r, table in zip(self.groups, remote.groups, tables, strict=True):
-            got = group_pull(g, r, table, start, end)
+        remotes = remote.groups or (None,) * len(self.groups)
+        for g, r, table in zip(self.groups, remotes, tables, strict=True):
+            got = group_offer(g, table, start, end) if r is None else group_pull(g, r, table, start, end)
             if isinstance(got, str):
-                return PullSpec(rid, remote, error=f"group {g.name}: {got}")
+                return PullSpec(rid, remote, error=f"group {g.name}: {got}", push=remote.push)
             if got is not None:
                 pulls.append(got)
         if not pulls:
-            return PullSpec(rid, remote, error="no group has anything to load")
-        return PullSpec(rid, remote, tuple(pulls))
+            return PullSpec(rid, remote, error="no group has anything to load", push=remote.push)
+        return PullSpec(rid, remote, tuple(pulls), push=remote.push)
 
     def loads_finished(self, request_ids: Sequence[str] | set[str] | None) -> None:
         """The workers reported these loads as ended."""
@@ -320,3 +334,8 @@ class SchedulerSide:
         """Close the sidecar channels."""
         for c in self._clients or ():
             c.close()
+
+
+def _remote(params: dict[str, Any]) -> RemotePrefill:
+    """A decode request's remote side, in push or pull mode (raises :class:`ParamsError` naming the key)."""
+    return RemotePrefill.parse_push(params) if wants_push(params) else RemotePrefill.parse(params)

@@ -75,6 +75,7 @@ class WorkerSide:
         self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
         self._aborting: set[str] = set()
         self._published: dict[str, int] = {}
+        self._publish_ids: dict[str, str] = {}  # vLLM request id -> the id it was published under (push mode)
         self._released: dict[str, float] = {}
         self._errors: set[int] = set()
         self._failed: set[str] = set()
@@ -173,6 +174,7 @@ class WorkerSide:
         """Start this step's pulls and aborts; remember what the prefill side published."""
         with self._lock:
             self._published.update(plan.published)
+            self._publish_ids.update(plan.publish_ids)
         for spec in plan.pulls:
             if spec.request_id in self._pulls:
                 log.warning(f"request {spec.request_id}: a pull is already running")
@@ -197,14 +199,17 @@ class WorkerSide:
         spans: dict[str, TokenSpan] = {}
         for gp in spec.groups:
             for name in self._names.get(gp.group, ()):
-                local[name], remote_blocks[name] = gp.local_blocks, gp.remote_blocks
+                local[name] = gp.local_blocks
+                if not spec.push:
+                    remote_blocks[name] = gp.remote_blocks
                 if gp.num_tokens:
                     spans[name] = TokenSpan(gp.num_tokens, gp.local_skip, gp.remote_skip)
         with log_context(request_id=spec.request_id, peer=remote.sidecar_engine_id or remote.engine_id or None):
             addresses = self._stage_addresses(remote.addresses)
             return await self.sidecar.aio.pull(
-                remote.request_id, addresses, local, remote_blocks=remote_blocks, spans=spans,
+                remote.request_id, addresses, local, remote_blocks=remote_blocks or None, spans=spans,
                 remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
+                push=spec.push,
             )  # fmt: skip
 
     def _stage_addresses(self, addresses: tuple[str, ...]) -> list[str]:
@@ -269,10 +274,12 @@ class WorkerSide:
         with self._lock:
             for rid, expires_ms in list(self._published.items()):
                 late = wall_ms > expires_ms + RELEASE_GRACE_SECONDS * 1000
-                if rid in self._released or late:
+                pid = self._publish_ids.get(rid, rid)
+                if pid in self._released or late:
                     sending.add(rid)
                     del self._published[rid]
-                    self._released.pop(rid, None)
+                    self._publish_ids.pop(rid, None)
+                    self._released.pop(pid, None)
                     if late:
                         log.warning(f"request {rid}: no release from the sidecar; freeing its blocks after the lease")
             for rid, at in list(self._released.items()):

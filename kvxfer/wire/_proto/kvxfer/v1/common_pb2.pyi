@@ -145,10 +145,13 @@ class BlockList(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     skip_tokens: _builtins.int
-    """Pull only: move tokens [skip_tokens, skip_tokens + num_tokens) of the local list from tokens
+    """Pull: move tokens [skip_tokens, skip_tokens + num_tokens) of the local list from tokens
     [skip_tokens, ...) of the remote list (of the same group). 0, 0: the two lists cover the same
     tokens and all of them move. Lets the lists differ in length (a partly used last block, a
     prefix-cache hit that ends inside a block of the other side's larger block size).
+    Publish: the position in the request of the first listed block's first token (a sliding
+    window publishes its tail). Push: a remote list without ids names where the move starts as a
+    position in the request; the writer subtracts its publish's position.
     """
     num_tokens: _builtins.int
     """local list only"""

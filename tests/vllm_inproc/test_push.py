@@ -1,0 +1,113 @@
+"""Push mode through the connector's halves, on caches vLLM's spec and layout helpers made.
+
+The decode instance allocates and offers its blocks before (or after) the prefill finishes; the
+prefill sidecars WRITE; the decode caches must equal the prefill caches token by token, read back
+as the attention backends read them (``token_rows``), exactly as for a pull (test_pull.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import KVCacheSpec
+
+from tests.vllm_inproc.engine import GroupDef, attention_spec, default_layers, mamba_spec, mla_spec
+from tests.vllm_inproc.pd import PD, block_rows, token_rows
+from tests.vllm_inproc.test_pull import D_POOL, LAYERS, P_POOL, SW_LAYERS, blocks_for, engines, kv_spec, rows
+
+HEADS, HEAD = 4, 64
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "p_bs", "d_tp", "d_bs", "offer_first"),
+    [(1, 16, 1, 16, True), (1, 16, 1, 16, False), (2, 16, 1, 32, True), (1, 32, 2, 16, True)],
+)
+def test_push_heterogeneous_tp_and_block_sizes(pd: PD, p_tp: int, p_bs: int, d_tp: int, d_bs: int,
+                                               offer_first: bool) -> None:  # fmt: skip
+    pre = pd.instance(
+        "prefill", engines(tp=p_tp, seed=1, spec_for=kv_spec(p_bs)), sidecars="pre1kv" if d_tp > p_tp else ""
+    )
+    dec = pd.instance("decode", engines(tp=d_tp, seed=11, spec_for=kv_spec(d_bs)))
+    prompt = 75
+    p_table, d_table = blocks_for(prompt, p_bs, P_POOL), blocks_for(prompt, d_bs, D_POOL)
+    dset = f"dec{d_tp}"
+    before = [pd.sidecars.counter(dset, "kvxfer_transfers_total", direction=d, outcome="ok") for d in ("push", "read")]
+    assert pd.push(pre, dec, "pkv", prompt, [p_table], [d_table], offer_first=offer_first) == set()
+    after = [pd.sidecars.counter(dset, "kvxfer_transfers_total", direction=d, outcome="ok") for d in ("push", "read")]
+    assert after[0] - before[0] == d_tp  # every decode rank was written into...
+    assert after[1] == before[1]  # ...and none read
+    pre.finished(sending="pkv")  # the writers freed their publish once every decode rank landed
+    for n in LAYERS:
+        assert torch.equal(rows(dec.engines, n, d_table, range(prompt - 1)),
+                           rows(pre.engines, n, p_table, range(prompt - 1)))  # fmt: skip
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_push_mla_written_once_per_decode_rank(pd: PD, p_tp: int, d_tp: int) -> None:
+    def make(_heads: int) -> KVCacheSpec:
+        return mla_spec(block_size=16)
+
+    pre = pd.instance("prefill", engines(tp=p_tp, seed=6, spec_for=make, total_kv_heads=1),
+                      sidecars="pre1mla" if d_tp > p_tp else "")  # fmt: skip
+    dec = pd.instance("decode", engines(tp=d_tp, seed=16, spec_for=make, total_kv_heads=1))
+    prompt = 60
+    p_table, d_table = blocks_for(prompt, 16, P_POOL), blocks_for(prompt, 16, D_POOL)
+    assert pd.push(pre, dec, "pmla", prompt, [p_table], [d_table]) == set()
+    pre.finished(sending="pmla")  # the unwritten replica is freed too
+    tokens = range(prompt - 1)
+    for n in LAYERS:
+        want = token_rows(pre.engines[0], n, p_table, tokens)  # one replica, never a mix
+        for e in dec.engines:
+            assert torch.equal(token_rows(e, n, d_table, tokens), want)
+
+
+def test_push_sliding_window_and_full_attention_groups(pd: PD) -> None:
+    """The window group's publish starts at its tail (its origin): the offer names request positions."""
+    window, bs = 32, 16
+
+    def groups() -> list[GroupDef]:
+        full = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
+        sw = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD, window=window)
+        return [GroupDef(SW_LAYERS[::2], full), GroupDef(SW_LAYERS[1::2], sw)]
+
+    pre = pd.instance("prefill", engines(groups=groups(), seed=7))
+    dec = pd.instance("decode", engines(groups=groups(), seed=17))
+    prompt = 100
+    p_full, p_sw = [5, 9, 2, 7, 13, 21, 17], [0, 0, 0, 0, 3, 11, 1]
+    d_full, d_sw = [3, 11, 4, 20, 8, 6, 15], [0, 0, 0, 0, 7, 9, 13]  # the decode side allocates the window only
+    assert pd.push(pre, dec, "psw", prompt, [p_full, p_sw], [d_full, d_sw]) == set()
+    pre.finished(sending="psw")
+    loaded = prompt - 1
+    for n in SW_LAYERS[::2]:
+        assert torch.equal(rows(dec.engines, n, d_full, range(loaded)), rows(pre.engines, n, p_full, range(loaded)))
+    for n in SW_LAYERS[1::2]:
+        tail = range(4 * bs, loaded)
+        assert torch.equal(rows(dec.engines, n, d_sw, tail), rows(pre.engines, n, p_sw, tail))
+
+
+def test_push_attention_and_mamba_groups(pd: PD) -> None:
+    bs = 16
+    attn = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
+    layers = default_layers("mixer", 3)
+
+    def groups() -> list[GroupDef]:
+        return [GroupDef(layers[:2], attn),
+                GroupDef(layers[2:], mamba_spec(block_size=bs, page_size_padded=attn.page_size_bytes))]  # fmt: skip
+
+    pre = pd.instance("prefill", engines(groups=groups(), seed=8))
+    dec = pd.instance("decode", engines(groups=groups(), seed=18))
+    prompt = 70
+    p_attn, d_attn = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
+    p_state, d_state = 22, 23
+    before = block_rows(dec.engines[0], layers[2], d_state)
+    assert pd.push(pre, dec, "phyb", prompt, [p_attn, [p_state]], [d_attn, [d_state]]) == set()
+    pre.finished(sending="phyb")
+    for n in layers[:2]:
+        loaded = range(prompt - 1)
+        assert torch.equal(rows(dec.engines, n, d_attn, loaded), rows(pre.engines, n, p_attn, loaded))
+    mamba = layers[2]
+    assert not torch.equal(block_rows(dec.engines[0], mamba, d_state), before)
+    p_states = pre.engines[0].mamba[mamba].bind(pre.engines[0].kv_caches[mamba])
+    d_states = dec.engines[0].mamba[mamba].bind(dec.engines[0].kv_caches[mamba])
+    for got, want in zip(d_states, p_states, strict=True):
+        assert torch.equal(got[d_state].view(torch.uint8), want[p_state].view(torch.uint8))
