@@ -345,6 +345,9 @@ def demo(
     backend: Annotated[
         str, typer.Option(help="Data plane: nixl or mooncake (in the sidecars), or worker (each worker's own agent).")
     ] = "nixl",
+    mode: Annotated[
+        str, typer.Option(help="pull (decode READs once published) or push (decode offers first; prefill WRITEs).")
+    ] = "pull",
     prefill_tp: Annotated[int, typer.Option(help="Prefill TP size (one worker + sidecar per rank).")] = 1,
     decode_tp: Annotated[int, typer.Option(help="Decode TP size (one worker + sidecar per rank).")] = 1,
     layout: Annotated[str, typer.Option(help="Physical order: HND or NHD.")] = "HND",
@@ -366,9 +369,9 @@ def demo(
     from kvxfer.harness.demo import demo_main
 
     code = demo_main(
-        as_json=as_json, backend=backend, prefill_tp=prefill_tp, decode_tp=decode_tp, order=layout.upper(), kind=kind,
-        layers=layers, kv_heads=kv_heads, head_size=head_size, dtype=dtype, block_size=block_size,
-        cross_layer=cross_layer, requests=requests, min_tokens=min_tokens, max_tokens=max_tokens,
+        as_json=as_json, backend=backend, mode=mode, prefill_tp=prefill_tp, decode_tp=decode_tp,
+        order=layout.upper(), kind=kind, layers=layers, kv_heads=kv_heads, head_size=head_size, dtype=dtype,
+        block_size=block_size, cross_layer=cross_layer, requests=requests, min_tokens=min_tokens, max_tokens=max_tokens,
         memory_mib=memory_mib, seed=seed,
     )  # fmt: skip
     raise typer.Exit(code=code)

@@ -2,9 +2,11 @@
 
 The prefill worker(s) fill each request's blocks with checkable contents and publish them; the
 decode worker(s) pull them through their sidecar (which READs over NIXL or Mooncake from the prefill
-sidecars) and verify every byte. Block lists are fragmented the way a paged allocator leaves them.
-With different TP sizes every rank gets its own worker process and sidecar, and each decode rank
-reads its heads from the prefill ranks that hold them.
+sidecars) and verify every byte. With ``--mode push`` the decode workers offer their blocks first
+(as a decode instance does when the proxy sends it the request with the prefill's), and the
+prefill sidecars WRITE into them once the request is published. Block lists are fragmented the
+way a paged allocator leaves them. With different TP sizes every rank gets its own worker process
+and sidecar, and each decode rank reads its heads from the prefill ranks that hold them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = ["DEFAULTS", "FLAGS", "DemoOptionError", "demo_main", "run_demo"]
 
 DEFAULTS: dict[str, Any] = {
     "backend": "nixl",
+    "mode": "pull",
     "prefill_tp": 1,
     "decode_tp": 1,
     "order": "HND",
@@ -75,6 +78,7 @@ def _check_options(opts: dict[str, Any]) -> None:
     """Refuse a bad option before any process starts; messages name the command-line flag."""
     choices = {
         "backend": ("--backend", ("nixl", "mooncake", "worker")),
+        "mode": ("--mode", ("pull", "push")),
         "order": ("--layout", tuple(o.value for o in Order)),
         "kind": ("--kind", tuple(k.value for k in CacheKind)),
     }
@@ -161,16 +165,27 @@ def run_demo(**options: Any) -> dict[str, Any]:
 
         progress = _progress(show, n_req)
         t_run = time.perf_counter()
+        push = opts["mode"] == "push"
         with progress:
             task = progress.add_task("transfers", total=n_req)
-            pending = prefill(0)
-            collect(pw)
+            pending = None if push else prefill(0)
+            if not push:
+                collect(pw)
             for i in range(n_req):
-                rid, p_blocks = pending
                 d_blocks = d_alloc.allocate(int(sizes[i]))
-                for w in dw:
-                    w.send("pull", rid, addresses, {"kv": d_blocks}, 1000 + i, "prefill")
-                nxt = prefill(i + 1) if i + 1 < n_req else None  # overlap the next prefill with this pull
+                if push:
+                    # The decode side offers first; the prefill publishes while the offers wait.
+                    for w in dw:
+                        w.send("pull", f"demo-{i}", addresses, {"kv": d_blocks}, 1000 + i, "prefill", None, True)
+                    pending = prefill(i)
+                    collect(pw)
+                    nxt = None
+                else:
+                    assert pending is not None
+                    for w in dw:
+                        w.send("pull", pending[0], addresses, {"kv": d_blocks}, 1000 + i, "prefill")
+                    nxt = prefill(i + 1) if i + 1 < n_req else None  # overlap the next prefill with this pull
+                _, p_blocks = pending
                 results = collect(dw)
                 if nxt is not None:
                     collect(pw)
@@ -227,6 +242,7 @@ def _summary(
         "released": released,
         "sidecar_exit_codes": codes,
         "backend": opts["backend"],
+        "mode": opts["mode"],
         "prefill_tp": opts["prefill_tp"],
         "decode_tp": opts["decode_tp"],
         "order": p_layout.order.value,
@@ -313,7 +329,8 @@ def _print(r: dict[str, Any]) -> None:
     out = Console()
     lay = r["prefill_layout"]
     out.print(
-        f"[bold]kvxfer demo[/bold]: {r['backend']}, prefill TP {r['prefill_tp']} -> decode TP {r['decode_tp']}, "
+        f"[bold]kvxfer demo[/bold]: {r['backend']} {r['mode']}, prefill TP {r['prefill_tp']} -> decode TP "
+        f"{r['decode_tp']}, "
         f"{lay['kind']} {lay['dtype']} {r['order']}, {lay['num_layers']} layers x {lay['total_kv_heads']} kv heads x "
         f"{lay['head_size']}, block {lay['block_size']}, {r['num_blocks']} blocks per rank"
     )
@@ -321,9 +338,9 @@ def _print(r: dict[str, Any]) -> None:
     t.add_row("requests", str(r["requests"]))
     t.add_row("verified bytes", f"{r['verified_bytes']:,} ({r['verified_bytes'] / 2**30:.2f} GiB)")
     t.add_row("mismatched bytes", f"[{'green' if r['mismatched_bytes'] == 0 else 'red'}]{r['mismatched_bytes']:,}")
-    t.add_row("throughput (pull, end to end)", f"{r['gbps']:.2f} GB/s")
+    t.add_row(f"throughput ({r['mode']}, end to end)", f"{r['gbps']:.2f} GB/s")
     t.add_row("throughput (data plane only)", f"{r['data_gbps']:.2f} GB/s")
-    t.add_row("pull latency p50 / p99 / max", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} / {r['max_ms']:.1f} ms")
+    t.add_row(f"{r['mode']} latency p50 / p99 / max", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} / {r['max_ms']:.1f} ms")
     t.add_row("mean request", f"{r['mean_request_blocks']:.0f} blocks, {r['mean_request_mib']:.1f} MiB")
     t.add_row(
         "descriptors per request",

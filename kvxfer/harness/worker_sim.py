@@ -313,10 +313,11 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         # the sidecar may then READ on a grant or ahead of its lookup.
         _, rid, addresses, blocks, salt, engine, *more = cmd
         remote = more[0] if more else None
+        push = bool(more[1]) if len(more) > 1 else False  # push mode: offered, the prefill side WRITEs
         for g, ids in blocks.items():
             poison_blocks(buffers[g], ids)
         t0 = time.perf_counter()
-        res = client.pull(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine, wait=True)
+        res = client.pull(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine, wait=True, push=push)
         latency = time.perf_counter() - t0
         checked = bad = 0
         for g, ids in blocks.items():

@@ -51,6 +51,18 @@ def test_demo_with_the_workers_own_agents() -> None:
     assert r["released"] == 4
 
 
+@pytest.mark.parametrize(("kind", "prefill_tp", "decode_tp"), [("attention", 2, 1), ("mla", 1, 2)])
+def test_demo_push_mode(kind: str, prefill_tp: int, decode_tp: int) -> None:
+    # --mode push: the decode workers offer first, the prefill sidecars WRITE; every byte verified.
+    r = run_demo(progress=False, requests=4, layers=4, prefill_tp=prefill_tp, decode_tp=decode_tp, kind=kind,
+                 mode="push")  # fmt: skip
+    assert r["ok"], r
+    assert r["mode"] == "push"
+    assert r["mismatched_bytes"] == 0
+    assert r["verified_bytes"] == r["moved_bytes"] > 0
+    assert r["released"] == 4 * prefill_tp  # every prefill rank freed once its WRITEs landed
+
+
 def test_demo_exits_non_zero_when_a_byte_differs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -93,6 +105,7 @@ def test_demo_shows_progress_and_a_table_without_json() -> None:
     ("option", "message"),
     [
         ({"backend": "rdma"}, "--backend: must be one of nixl, mooncake, worker, got 'rdma'"),
+        ({"mode": "stream"}, "--mode: must be one of pull, push, got 'stream'"),
         ({"order": "XYZ"}, "--layout: must be one of NHD, HND, got 'XYZ'"),
         ({"kind": "ssm"}, "--kind: must be one of attention, quantized, kv_planes, mla, mamba, got 'ssm'"),
         ({"decode_tp": 0}, "--decode-tp: must be >= 1, got 0"),
