@@ -8,13 +8,23 @@ its share of the transfers with ``--concurrency`` requests in flight, fragmented
 random length. Sidecars are reused for every transfer of a configuration. Every decode rank checks
 every byte it received against the request's expected contents.
 
-    python bench/soak.py [--transfers 10000] [--configs 16] [--concurrency 8] [--seed 0] [--json]
+``--mode``: ``pull``, ``push`` (the decode ranks offer their blocks, then the prefill ranks
+publish and their sidecars WRITE) or ``mixed`` (each transfer draws one). ``--faults`` is the share
+of push transfers that fail on purpose: the decode side aborts while the WRITEs may be in flight,
+or gives up on a prefill that never publishes. Such a transfer must end ABORTED or
+DEADLINE_EXCEEDED (or done, verified, when the abort came too late), and its decode blocks are
+poisoned again once the abort returned and watched before they are reused: a single byte that
+lands in them after that (a WRITE past the Revoke fence) is a failure.
+
+    python bench/soak.py [--transfers 10000] [--configs 16] [--concurrency 8] [--seed 0]
+                         [--mode mixed] [--faults 0.1] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -30,16 +40,18 @@ import numpy as np
 os.environ.setdefault("UCX_MODULES", "^efa")  # see tests/sidecar/conftest.py: avoids an exit-time crash
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs each agent's start on stdout: keep --json clean
 
-from kvxfer.client import AsyncClient
+from kvxfer.client import AsyncClient, KvxferRpcError
 from kvxfer.config import load_settings
 from kvxfer.errors import KvxferError
 from kvxfer.harness.cluster import BlockAllocator
-from kvxfer.harness.worker_sim import fill_blocks, poison_blocks, verify_blocks
+from kvxfer.harness.worker_sim import fill_blocks, poison_blocks, still_poisoned, verify_blocks
 from kvxfer.layout import KVCacheLayout, head_range
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.server.app import Sidecar
 from kvxfer.topology import RankInfo, TransferTopology
 
+#: How long a given-up push's decode blocks are watched for a late WRITE before they are reused.
+FENCE_CHECK_S = 0.2
 TP_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4)]
 
 
@@ -131,8 +143,9 @@ class Rank:
 
 
 async def run_config(
-    cfg: Config, transfers: int, concurrency: int, rng: np.random.Generator, sock_dir: Path
-) -> dict[str, Any]:
+    cfg: Config, transfers: int, concurrency: int, rng: np.random.Generator, sock_dir: Path, mode: str = "pull",
+    faults: float = 0.0,
+) -> dict[str, Any]:  # fmt: skip
     """Start the sidecars of one configuration and run ``transfers`` verified transfers."""
     ranks: list[list[Rank]] = [[], []]
     for side, (tp, layouts, role) in enumerate(((cfg.prefill_tp, cfg.prefill, "prefill"),
@@ -156,7 +169,8 @@ async def run_config(
         (side, g): BlockAllocator(lay.num_blocks, rng)
         for side, layouts in ((0, cfg.prefill), (1, cfg.decode)) for g, lay in layouts.items()
     }  # fmt: skip
-    stats: dict[str, Any] = {"label": cfg.label, "transfers": 0, "bytes": 0, "descriptors": 0, "failures": []}
+    stats: dict[str, Any] = {"label": cfg.label, "transfers": 0, "bytes": 0, "descriptors": 0, "failures": [],
+                             "pushed": 0, "faults": 0}  # fmt: skip
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -169,15 +183,28 @@ async def run_config(
                 p_blocks["mamba"] = allocs[(0, "mamba")].allocate(n)
                 d_blocks["mamba"] = allocs[(1, "mamba")].allocate(n)
             rid, salt = f"soak-{i}", i + 1
+            push = mode == "push" or (mode == "mixed" and bool(rng.integers(2)))
+            fault = push and rng.random() < faults
             try:
-                for p in prefill:
-                    for g, ids in p_blocks.items():
-                        fill_blocks(p.buffers[g], p.rank, ids, salt)
-                    await p.client.publish(rid, p_blocks)
-                for d in decode:
-                    for g, ids in d_blocks.items():
-                        poison_blocks(d.buffers[g], ids)
-                results = await asyncio.gather(*(d.client.pull(rid, addresses, d_blocks) for d in decode))
+                if fault:
+                    await _push_fault(rid, salt, prefill, decode, addresses, p_blocks, d_blocks, rng, stats)
+                    return
+                if push:
+                    for d in decode:
+                        for g, ids in d_blocks.items():
+                            poison_blocks(d.buffers[g], ids)
+                    # Offered first, as a decode instance does; the publish comes while the offers wait.
+                    pulls = [asyncio.ensure_future(d.client.pull(rid, addresses, d_blocks, push=True)) for d in decode]
+                    await asyncio.sleep(float(rng.uniform(0, 0.002)))
+                    await _publish(prefill, rid, p_blocks, salt)
+                    results = await asyncio.gather(*pulls)
+                    stats["pushed"] += 1
+                else:
+                    await _publish(prefill, rid, p_blocks, salt)
+                    for d in decode:
+                        for g, ids in d_blocks.items():
+                            poison_blocks(d.buffers[g], ids)
+                    results = await asyncio.gather(*(d.client.pull(rid, addresses, d_blocks) for d in decode))
                 for d, res in zip(decode, results, strict=True):
                     checked = bad = 0
                     for g, ids in d_blocks.items():
@@ -211,7 +238,65 @@ async def run_config(
     return stats
 
 
-async def soak(transfers: int, configs: int, concurrency: int, seed: int, progress: bool) -> dict[str, Any]:
+async def _publish(prefill: list[Rank], rid: str, blocks: dict[str, Any], salt: int) -> None:
+    for p in prefill:
+        for g, ids in blocks.items():
+            fill_blocks(p.buffers[g], p.rank, ids, salt)
+        await p.client.publish(rid, blocks)
+
+
+async def _push_fault(
+    rid: str, salt: int, prefill: list[Rank], decode: list[Rank], addresses: list[str], p_blocks: dict[str, Any],
+    d_blocks: dict[str, Any], rng: np.random.Generator, stats: dict[str, Any],
+) -> None:  # fmt: skip
+    """A push the decode side gives up on (abort mid-flight, or a prefill that never publishes)."""
+    stats["faults"] += 1
+    for d in decode:
+        for g, ids in d_blocks.items():
+            poison_blocks(d.buffers[g], ids)
+    never = bool(rng.integers(2))
+    deadline = 0.3 if never else 0.0
+    pulls = [asyncio.ensure_future(d.client.pull(rid, addresses, d_blocks, push=True, deadline=deadline or None))
+             for d in decode]  # fmt: skip
+    publish = None if never else asyncio.ensure_future(_publish(prefill, rid, p_blocks, salt))
+    if not never:
+        await asyncio.sleep(float(rng.uniform(0, 0.01)))  # the WRITEs may be queued, in flight or done
+        for d in decode:
+            await d.client.abort(rid, "soak: the decode side gives up")
+    outcomes = await asyncio.gather(*pulls, return_exceptions=True)
+    if publish is not None:
+        await publish
+    want = "DEADLINE_EXCEEDED" if never else "ABORTED"
+    landed = all(not isinstance(o, BaseException) for o in outcomes)
+    for o in outcomes:
+        if isinstance(o, BaseException) and not (isinstance(o, KvxferRpcError) and o.code.name == want):
+            stats["failures"].append(f"{rid} ({'never published' if never else 'aborted'}): {o!r}")
+    for p in prefill:  # an abort that reached a rank before its publish leaves it to its lease: free it
+        with contextlib.suppress(KvxferError):
+            await p.client.release(rid)
+    if landed:  # the abort came after every WRITE had landed: the pull is done and its bytes complete
+        for d in decode:
+            for g, ids in d_blocks.items():
+                _c, bad = verify_blocks(d.buffers[g], d.rank, ids, salt)
+                if bad:
+                    stats["failures"].append(f"{rid}: landed but {bad} bytes differ on decode rank {d.rank.tp_rank}")
+        return
+    for d in decode:  # given up: from now on nothing may land in these blocks
+        for g, ids in d_blocks.items():
+            poison_blocks(d.buffers[g], ids)
+    await asyncio.sleep(FENCE_CHECK_S)  # a WRITE past the fence would land within this (loopback: microseconds)
+    for d in decode:
+        bad = [g for g, ids in d_blocks.items() if not still_poisoned(d.buffers[g], ids)]
+        if bad:
+            stats["failures"].append(f"{rid}: bytes landed in decode rank {d.rank.tp_rank}'s blocks of {bad} after "
+                                     "the push was given up")  # fmt: skip
+    return False
+
+
+async def soak(
+    transfers: int, configs: int, concurrency: int, seed: int, progress: bool, mode: str = "pull",
+    faults: float = 0.0,
+) -> dict[str, Any]:  # fmt: skip
     """Run the soak; returns the summary."""
     rng = np.random.default_rng(seed)
     per = [transfers // configs + (1 if i < transfers % configs else 0) for i in range(configs)]
@@ -221,7 +306,7 @@ async def soak(transfers: int, configs: int, concurrency: int, seed: int, progre
     for i, n in enumerate(per):
         cfg = draw_config(rng, i)
         t = time.perf_counter()
-        r = await run_config(cfg, n, concurrency, rng, sock_dir)
+        r = await run_config(cfg, n, concurrency, rng, sock_dir, mode, faults)
         r["seconds"] = time.perf_counter() - t
         results.append(r)
         if progress:
@@ -230,13 +315,19 @@ async def soak(transfers: int, configs: int, concurrency: int, seed: int, progre
     elapsed = time.perf_counter() - t0
     failures = [f for r in results for f in r["failures"]]
     return {
-        "ok": not failures and sum(r["transfers"] for r in results) == transfers,
+        "ok": not failures and sum(r["transfers"] + r["faults"] for r in results) == transfers,
         "transfers": sum(r["transfers"] for r in results),
         "requested": transfers,
         "verified_bytes": sum(r["bytes"] for r in results),
         "failures": len(failures),
         "first_failures": failures[:10],
-        "configs": [{k: r[k] for k in ("label", "transfers", "bytes", "descriptors", "seconds")} for r in results],
+        "configs": [
+            {k: r[k] for k in ("label", "transfers", "bytes", "descriptors", "seconds", "pushed", "faults")}
+            for r in results
+        ],
+        "mode": mode,
+        "pushed": sum(r["pushed"] for r in results),
+        "faults": sum(r["faults"] for r in results),
         "seconds": elapsed,
         "transfers_per_s": sum(r["transfers"] for r in results) / elapsed,
         "seed": seed,
@@ -250,15 +341,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=("pull", "push", "mixed"), default="pull")
+    ap.add_argument("--faults", type=float, default=0.0, help="share of push transfers given up on purpose")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     import uvloop
 
-    r = uvloop.run(soak(a.transfers, a.configs, a.concurrency, a.seed, progress=not a.json))
+    if not 0.0 <= a.faults <= 1.0:
+        ap.error(f"--faults: must be in [0, 1], got {a.faults}")
+    r = uvloop.run(soak(a.transfers, a.configs, a.concurrency, a.seed, progress=not a.json, mode=a.mode,
+                        faults=a.faults))  # fmt: skip
     if a.json:
         print(json.dumps(r))
     else:
-        print(f"{r['transfers']} of {r['requested']} transfers over {len(r['configs'])} configurations, "
+        print(f"{r['transfers']} of {r['requested']} transfers ({r['mode']}: {r['pushed']} pushed, {r['faults']} "
+              f"given up on purpose) over {len(r['configs'])} configurations, "
               f"{r['verified_bytes'] / 2**30:.2f} GiB verified, {r['failures']} failures, {r['seconds']:.0f}s "
               f"({r['transfers_per_s']:.0f}/s)")  # fmt: skip
         for f in r["first_failures"]:

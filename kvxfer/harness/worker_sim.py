@@ -99,6 +99,15 @@ def fill_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: int
     return int(ids.size * layout.page_bytes * layout.num_layers)
 
 
+def still_poisoned(buf: Any, blocks: Sequence[int] | I64) -> bool:
+    """True when every byte of ``blocks`` still holds the poison (nothing landed since :func:`poison_blocks`)."""
+    ids = np.asarray(blocks, dtype=np.int64)
+    return all(
+        bool(np.all(np.asarray(buf.rows(layer, plane)[ids]) == POISON))
+        for layer in range(buf.layout.num_layers) for plane in buf.layout.planes
+    )  # fmt: skip
+
+
 def poison_blocks(buf: Any, blocks: Sequence[int] | I64) -> None:
     """Overwrite ``blocks`` so that a pull that moved nothing cannot pass verification."""
     ids = np.asarray(blocks, dtype=np.int64)
