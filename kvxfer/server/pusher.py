@@ -280,18 +280,12 @@ class Pusher:
             topo = self.topologies.topology(f"<{name}", offer.reader.groups[name], g.layout, offer.rank,
                                             reg.rank.tp_size)  # fmt: skip
             num_tokens, reader_skip, writer_skip = offer.spans.get(name, (None, 0, 0))
-            if ids is None and writer_skip:
-                # Without ids the reader named a position in the request; the publish starts at its origin.
-                writer_skip -= origins.get(name, 0)
-                if writer_skip < 0:
-                    raise InvalidArgumentError(
-                        f"writer_blocks[{name}].skip_tokens: the offer starts at token {writer_skip + origins[name]}; "
-                        f"this rank published from token {origins[name]}",
-                        field=f"writer_blocks[{name}].skip_tokens",
-                    )  # fmt: skip
+            if ids is None:
+                ids, writer_skip = _writer_span(name, published[name], g.layout.block_size, origins.get(name, 0),
+                                                writer_skip, num_tokens)  # fmt: skip
             try:
-                plan = topo.plan(offer.blocks[name], published[name] if ids is None else ids, num_tokens=num_tokens,
-                                 local_skip=reader_skip, remote_skip=writer_skip)  # fmt: skip
+                plan = topo.plan(offer.blocks[name], ids, num_tokens=num_tokens, local_skip=reader_skip,
+                                 remote_skip=writer_skip)  # fmt: skip
             except KvxferError as exc:
                 field = exc.field or "blocks"
                 raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
@@ -361,3 +355,30 @@ class Pusher:
         except KvxferError as exc:  # the reader's own deadline ends its pull
             with log_context(request_id=offer.request_id, peer=offer.reader.label):
                 log.warning("could not tell a reader its push landed", extra={"error": exc.message})
+
+
+def _writer_span(
+    name: str, published: I64, block_size: int, origin: int, at: int, num_tokens: int | None
+) -> tuple[I64, int]:
+    """The published blocks holding tokens ``[at, at + num_tokens)`` of the request, and the skip into the first.
+
+    An offer without writer ids names where its tokens start as a position in the request (the
+    writer's block size is not the reader's business); the publish starts at ``origin``.
+    """
+    if num_tokens is None:
+        return published, at
+    if at < origin:
+        raise InvalidArgumentError(
+            f"writer_blocks[{name}].skip_tokens: the offer starts at token {at}; this rank published from token "
+            f"{origin}",
+            field=f"writer_blocks[{name}].skip_tokens",
+        )
+    first = (at - origin) // block_size
+    last = -(-(at - origin + num_tokens) // block_size)
+    if last > published.size:
+        raise InvalidArgumentError(
+            f"writer_blocks[{name}]: the offer needs tokens up to {at + num_tokens}; this rank published "
+            f"{published.size} blocks of {block_size} tokens from token {origin}",
+            field=f"writer_blocks[{name}]",
+        )
+    return published[first:last], (at - origin) - first * block_size

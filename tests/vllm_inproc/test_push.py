@@ -19,16 +19,17 @@ HEADS, HEAD = 4, 64
 
 
 @pytest.mark.parametrize(
-    ("p_tp", "p_bs", "d_tp", "d_bs", "offer_first"),
-    [(1, 16, 1, 16, True), (1, 16, 1, 16, False), (2, 16, 1, 32, True), (1, 32, 2, 16, True)],
-)
+    ("p_tp", "p_bs", "d_tp", "d_bs", "offer_first", "prompt"),
+    [(1, 16, 1, 16, True, 75), (1, 16, 1, 16, False, 65), (2, 16, 1, 32, True, 75), (1, 32, 2, 16, True, 65),
+     (1, 32, 1, 32, True, 33)],
+)  # fmt: skip
 def test_push_heterogeneous_tp_and_block_sizes(pd: PD, p_tp: int, p_bs: int, d_tp: int, d_bs: int,
-                                               offer_first: bool) -> None:  # fmt: skip
+                                               offer_first: bool, prompt: int) -> None:  # fmt: skip
+    """``prompt``: a whole number of blocks plus one token publishes a block the decode side does not load."""
     pre = pd.instance(
         "prefill", engines(tp=p_tp, seed=1, spec_for=kv_spec(p_bs)), sidecars="pre1kv" if d_tp > p_tp else ""
     )
     dec = pd.instance("decode", engines(tp=d_tp, seed=11, spec_for=kv_spec(d_bs)))
-    prompt = 75
     p_table, d_table = blocks_for(prompt, p_bs, P_POOL), blocks_for(prompt, d_bs, D_POOL)
     dset = f"dec{d_tp}"
     before = [pd.sidecars.counter(dset, "kvxfer_transfers_total", direction=d, outcome="ok") for d in ("push", "read")]
