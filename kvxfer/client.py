@@ -527,6 +527,17 @@ class AsyncClient:
         """Outcomes of jobs this worker's agent ran."""
         await self._call(self._stub.AgentReport, local_pb2.AgentReportRequest(outcomes=outcomes), None)
 
+    async def stream_step(self, step: int, requests: Sequence[local_pb2.StreamedRequest]) -> int:
+        """Layer-wise push: the requests this engine step computes; returns how many are offered already."""
+        resp = await self._call(self._stub.StreamStep, local_pb2.StreamStepRequest(step=step, requests=requests), None)
+        return int(resp.offered)
+
+    async def layer_done(self, step: int, group: str, layer: int) -> int:
+        """Layer-wise push: one layer of ``step`` is computed; returns the WRITEs it started."""
+        resp = await self._call(self._stub.LayerDone, local_pb2.LayerDoneRequest(step=step, group=group, layer=layer),
+                                None)  # fmt: skip
+        return int(resp.writes)
+
     async def wait_ready(self, within: float = 30.0) -> None:
         """Until the sidecar answers GetStatus (it started)."""
         deadline = time.monotonic() + within

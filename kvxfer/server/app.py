@@ -96,6 +96,12 @@ class _LocalApi:
     async def agent_report(self, req: local_pb2.AgentReportRequest, _ctx: Context) -> local_pb2.AgentReportResponse:
         return await self.core.agent_report(req)
 
+    async def stream_step(self, req: local_pb2.StreamStepRequest, _ctx: Context) -> local_pb2.StreamStepResponse:
+        return await self.core.stream_step(req)
+
+    async def layer_done(self, req: local_pb2.LayerDoneRequest, _ctx: Context) -> local_pb2.LayerDoneResponse:
+        return await self.core.layer_done(req)
+
 
 class _PeerApi:
     """Peer service methods: each passes on what the caller's credentials prove (see peer_auth)."""

@@ -37,6 +37,7 @@ from kvxfer.server.publisher import Publisher
 from kvxfer.server.puller import Puller
 from kvxfer.server.pusher import Pusher
 from kvxfer.server.registration import Registry
+from kvxfer.server.streamer import Streamer
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_addresses, check_drain_timeout
 from kvxfer.transport import Transport
@@ -94,6 +95,7 @@ class SidecarCore:
         self.pusher = Pusher(settings, self.registry, data_plane, self.publisher, self.peers, self.outbox, metrics,
                              self.topologies)  # fmt: skip
         self.publisher.on_dropped = self.pusher.publish_dropped
+        self.streamer = Streamer(self.registry, self.pusher)
         self.holds = Holds(settings, self.peers, me=self._hold_identity)
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publisher.publishes))
@@ -202,6 +204,16 @@ class SidecarCore:
             peer_address=self.peer_address, registered_bytes=reg.nbytes if reg else 0,
             protocol_version=PROTOCOL_VERSION, groups=list(reg.groups) if reg else [],
         )  # fmt: skip
+
+    async def stream_step(self, req: local_pb2.StreamStepRequest) -> local_pb2.StreamStepResponse:
+        """StreamStep (layer-wise push): the requests this engine step computes."""
+        self._require_role("prefill", "StreamStep")
+        return self.streamer.step(req)
+
+    async def layer_done(self, req: local_pb2.LayerDoneRequest) -> local_pb2.LayerDoneResponse:
+        """LayerDone (layer-wise push): a layer of the step is computed; its WRITEs start now."""
+        self._require_role("prefill", "LayerDone")
+        return self.streamer.layer_done(req)
 
     async def agent_jobs(self, req: local_pb2.AgentJobsRequest) -> local_pb2.AgentJobsResponse:
         """AgentJobs: the next jobs of the worker's own data-plane agent (``--backend worker``)."""

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -53,7 +53,7 @@ from kvxfer.wire import peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto, rank_to_proto
 from kvxfer.wire.status import code_of
 
-__all__ = ["Offer", "Pusher"]
+__all__ = ["Offer", "Pusher", "token_span"]
 
 log = get_logger("kvxfer.server")
 I64 = npt.NDArray[np.int64]
@@ -77,6 +77,28 @@ class Offer:
     task: asyncio.Task[None] | None = None
     wrote: bool = False  # a WRITE was started
     revoked: bool = False
+    #: Layer-wise push (kvxfer.server.streamer): per (group, layer), the WRITE in flight or last done,
+    #: and the request position up to which that layer is written.
+    stream_tasks: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
+    streamed: dict[tuple[str, int], int] = field(default_factory=dict)
+    stream_bytes: int = 0
+    stream_descriptors: int = 0
+    stream_seconds: float = 0.0
+    stream_failed: bool = False
+
+    def covered(self, group: str, num_layers: int) -> bool:
+        """Every layer of ``group`` was streamed up to the offer's last token."""
+        num_tokens, _skip, at = self.spans.get(group, (None, 0, 0))
+        if num_tokens is None or self.stream_failed:
+            return False
+        return all(self.streamed.get((group, layer), at) >= at + num_tokens for layer in range(num_layers))
+
+    def cancel_streams(self) -> list[asyncio.Task[None]]:
+        """Cancel the layer WRITEs in flight; returns them (to wait for)."""
+        running = [t for t in self.stream_tasks.values() if not t.done()]
+        for t in running:
+            t.cancel()
+        return running
 
 
 class Pusher:
@@ -157,10 +179,13 @@ class Pusher:
             return peer_pb2.RevokeResponse(found=False)
         offer.revoked = True
         self._forget(offer)
+        running = offer.cancel_streams()
         if offer.task is not None and not offer.task.done():
             offer.task.cancel()
+            running.append(offer.task)
+        for task in running:  # their transfers are cancelled with them
             with contextlib.suppress(BaseException):
-                await asyncio.shield(offer.task)  # the transfer is cancelled with it
+                await asyncio.shield(task)
         why = req.reason or "the reader revoked its offer"
         self.publisher.reader_finished(rid, req.engine_id, rank, f"{why} (revoked)")
         with log_context(request_id=rid, transfer_id=offer.transfer_id, peer=offer.reader.label):
@@ -183,6 +208,7 @@ class Pusher:
             if offer.task is not None and not offer.task.done():
                 offer.task.cancel(err.message)
             else:
+                offer.cancel_streams()
                 self._forget(offer)
                 self._send_landed(offer, err)
 
@@ -192,6 +218,7 @@ class Pusher:
         for per_reader in list(self.offers.values()):
             for offer in list(per_reader.values()):
                 self._forget(offer)
+                tasks += offer.cancel_streams()
                 if offer.task is not None and not offer.task.done():
                     offer.task.cancel("the sidecar is stopping")
                     tasks.append(offer.task)
@@ -239,7 +266,24 @@ class Pusher:
             self._send_landed(offer, outcome, moved)
 
     async def _write(self, offer: Offer, reg: Registration) -> tuple[int, int, float]:
-        """Plan this rank's part of the reader's pull and WRITE it; (bytes, descriptors, seconds)."""
+        """Plan this rank's part of the reader's pull and WRITE it; (bytes, descriptors, seconds).
+
+        Groups the layer-wise stream already wrote completely are not written again.
+        """
+        entry = self.publisher.admit_writer(offer.request_id, offer.reader, offer.rank)
+        streams = [t for t in offer.stream_tasks.values() if not t.done()]
+        if streams:  # the last layers' WRITEs: a group they leave short is written whole after them
+            await asyncio.gather(*streams, return_exceptions=True)
+        skip = {n for n, g in reg.groups.items() if offer.covered(n, g.layout.num_layers)}
+        local, remote = self._descriptors(offer, reg, entry.blocks, entry.origins, skip)
+        t0 = time.monotonic()
+        if local.shape[0]:
+            await self.write_rows(offer, local, remote)
+        return (int(local[:, 1].sum()) + offer.stream_bytes, int(local.shape[0]) + offer.stream_descriptors,
+                time.monotonic() - t0 + offer.stream_seconds)  # fmt: skip
+
+    async def write_rows(self, offer: Offer, local: U64, remote: U64) -> None:
+        """WRITE these rows of this side into the reader's (its registration must be the offered one)."""
         current = self.publisher.readers.get(offer.key)
         if current is None or current.epoch != offer.reader.epoch:
             raise PeerUnavailableError(
@@ -247,17 +291,13 @@ class Pusher:
                 "its blocks are no longer the offered ones",
                 field="epoch", reason=Reason.PEER_CHANGED,
             )  # fmt: skip
-        entry = self.publisher.admit_writer(offer.request_id, offer.reader, offer.rank)
-        local, remote = self._descriptors(offer, reg, entry.blocks, entry.origins)
-        if not local.shape[0]:
-            return 0, 0, 0.0
+        reg = self.registry.require()
         peer = self._peer_name(offer.reader)
         mem: MemType = "VRAM" if next(iter(reg.groups.values())).memory.mem_type == "VRAM" else "DRAM"
         rmem: MemType = "VRAM" if next(iter(offer.reader.regions.values()))[1] == "VRAM" else "DRAM"
         offer.wrote = True
-        t0 = time.monotonic()
         try:
-            await self.dp.transfer("WRITE", local, remote, peer, timeout=max(offer.deadline - t0, 0.001),
+            await self.dp.transfer("WRITE", local, remote, peer, timeout=max(offer.deadline - time.monotonic(), 0.001),
                                    mem_type=mem, remote_mem_type=rmem)  # fmt: skip
         except KvxferError as exc:
             self._unload(offer.key)
@@ -265,14 +305,16 @@ class Pusher:
                 f"data plane WRITE into {offer.reader.label} at {offer.reader.address} failed: {exc.message}",
                 field="remote_addresses", reason=Reason.DATA_PLANE,
             ) from None  # fmt: skip
-        return int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - t0
 
     def _descriptors(
-        self, offer: Offer, reg: Registration, published: dict[str, I64], origins: dict[str, int]
-    ) -> tuple[U64, U64]:
+        self, offer: Offer, reg: Registration, published: dict[str, I64], origins: dict[str, int],
+        skip: set[str] | None = None,
+    ) -> tuple[U64, U64]:  # fmt: skip
         """(this side's, the reader's) descriptor arrays: the reader's pull plan, restricted to this rank."""
         mine, theirs = [], []
         for name, g in reg.groups.items():
+            if skip and name in skip:
+                continue
             ids = offer.writer_given.get(name)
             if ids is not None and not_published(ids, published[name]):
                 raise InvalidArgumentError(f"writer_blocks[{name}]: {not_published(ids, published[name])}",
@@ -280,9 +322,11 @@ class Pusher:
             topo = self.topologies.topology(f"<{name}", offer.reader.groups[name], g.layout, offer.rank,
                                             reg.rank.tp_size)  # fmt: skip
             num_tokens, reader_skip, writer_skip = offer.spans.get(name, (None, 0, 0))
-            if ids is None:
-                ids, writer_skip = _writer_span(name, published[name], g.layout.block_size, origins.get(name, 0),
-                                                writer_skip, num_tokens)  # fmt: skip
+            if ids is None and num_tokens is not None:
+                ids, writer_skip = token_span(name, published[name], g.layout.block_size, origins.get(name, 0),
+                                              writer_skip, num_tokens, "writer_blocks")  # fmt: skip
+            elif ids is None:
+                ids = published[name]
             try:
                 plan = topo.plan(offer.blocks[name], ids, num_tokens=num_tokens, local_skip=reader_skip,
                                  remote_skip=writer_skip)  # fmt: skip
@@ -322,6 +366,7 @@ class Pusher:
     def _lapse(self, offer: Offer) -> None:
         """The offer's deadline passed before its publish came: the reader is told (its own deadline ends it)."""
         if offer.task is None and self.offers.get(offer.request_id, {}).get(offer.key) is offer:
+            offer.cancel_streams()
             self._forget(offer)
             self._send_landed(offer, DeadlineError(
                 f"request_id: {offer.request_id!r} was not published on {self.settings.engine_id} before the offer's "
@@ -357,28 +402,25 @@ class Pusher:
                 log.warning("could not tell a reader its push landed", extra={"error": exc.message})
 
 
-def _writer_span(
-    name: str, published: I64, block_size: int, origin: int, at: int, num_tokens: int | None
+def token_span(
+    name: str, ids: I64, block_size: int, origin: int, at: int, num_tokens: int, field: str
 ) -> tuple[I64, int]:
-    """The published blocks holding tokens ``[at, at + num_tokens)`` of the request, and the skip into the first.
+    """The blocks of ``ids`` holding tokens ``[at, at + num_tokens)`` of the request, and the skip into the first.
 
-    An offer without writer ids names where its tokens start as a position in the request (the
-    writer's block size is not the reader's business); the publish starts at ``origin``.
+    ``ids`` hold the request's tokens from position ``origin`` on. An offer names where its tokens
+    start as a position in the request (the writer's block size is not the reader's business).
     """
-    if num_tokens is None:
-        return published, at
     if at < origin:
         raise InvalidArgumentError(
-            f"writer_blocks[{name}].skip_tokens: the offer starts at token {at}; this rank published from token "
-            f"{origin}",
-            field=f"writer_blocks[{name}].skip_tokens",
+            f"{field}[{name}].skip_tokens: the move starts at token {at}; the blocks hold tokens from {origin}",
+            field=f"{field}[{name}].skip_tokens",
         )
     first = (at - origin) // block_size
     last = -(-(at - origin + num_tokens) // block_size)
-    if last > published.size:
+    if last > ids.size:
         raise InvalidArgumentError(
-            f"writer_blocks[{name}]: the offer needs tokens up to {at + num_tokens}; this rank published "
-            f"{published.size} blocks of {block_size} tokens from token {origin}",
-            field=f"writer_blocks[{name}]",
+            f"{field}[{name}]: tokens up to {at + num_tokens} are needed; {ids.size} blocks of {block_size} tokens "
+            f"from token {origin} hold fewer",
+            field=f"{field}[{name}]",
         )
-    return published[first:last], (at - origin) - first * block_size
+    return ids[first:last], (at - origin) - first * block_size

@@ -77,6 +77,8 @@ METHODS: dict[int, FastMethod] = {
         FastMethod(3, "Publish", local_pb2.PublishRequest, local_pb2.PublishResponse),
         FastMethod(4, "AgentJobs", local_pb2.AgentJobsRequest, local_pb2.AgentJobsResponse),
         FastMethod(5, "AgentReport", local_pb2.AgentReportRequest, local_pb2.AgentReportResponse),
+        FastMethod(6, "StreamStep", local_pb2.StreamStepRequest, local_pb2.StreamStepResponse),
+        FastMethod(7, "LayerDone", local_pb2.LayerDoneRequest, local_pb2.LayerDoneResponse),
     )
 }
 #: The method a request message type is sent as.

@@ -14,9 +14,10 @@ import grpc
 import numpy as np
 import pytest
 
+from kvxfer.client import TokenSpan
 from kvxfer.layout import KVCacheLayout
 from kvxfer.server.app import Sidecar
-from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxfer.wire import common_pb2, local_pb2, peer_pb2, peer_pb2_grpc
 from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, push_transfer
 
 FRAGMENTED_P = [5, 6, 7, 1, 30, 31, 12, 40, 41, 42, 43, 2]
@@ -200,3 +201,84 @@ async def test_offers_are_checked_and_bound(harness: Harness) -> None:
         )  # fmt: skip
         assert not resp.found
     assert (await pull).done  # the real writer's WRITE (it was published before the offer)
+
+
+# ---------------------------------------------------------------------- layer-wise
+async def test_layerwise_push_lands_each_layer_before_the_publish(harness: Harness) -> None:
+    """StreamStep + LayerDone: each layer of each step is written as it is announced; the publish adds nothing."""
+    lay = attention(layers=4, block_size=16)
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    p_blocks, d_blocks = [5, 6, 7, 1, 30], [9, 3, 4, 50, 51]
+    prompt, loaded = 74, 73  # the decode side loads all but the last prompt token
+    pw[0].fill({"kv": p_blocks}, 21)
+    dw[0].poison({"kv": d_blocks})
+    pull = asyncio.ensure_future(dw[0].client.pull("lw", [ps[0].peer_address], {"kv": d_blocks}, push=True,
+                                                   spans={"kv": TokenSpan(loaded, 0, 0)}))  # fmt: skip
+    for _ in range(100):  # the offer is at the writer
+        if ps[0].core is not None and ps[0].core.pusher.offers.get("lw"):
+            break
+        await asyncio.sleep(0.01)
+    src, dst = pw[0].buffers["kv"], dw[0].buffers["kv"]
+    steps = [(1, 0, 40), (2, 40, prompt)]
+    for step, start, end in steps:
+        table = p_blocks[: -(-end // lay.block_size)]
+        req = local_pb2.StreamedRequest(request_id="lw", blocks=[common_pb2.BlockList(group="kv", block_ids=table)],
+                                        start_token=start, end_token=end)  # fmt: skip
+        assert await pw[0].client.stream_step(step, [req]) == 1
+        for layer in range(lay.num_layers):
+            assert await pw[0].client.layer_done(step, "kv", layer) == 1
+    # Every layer landed before the request was even published.
+    for layer in range(lay.num_layers):
+        await _until(lambda layer=layer: np.array_equal(np.asarray(dst.pages(layer)[d_blocks]),
+                                                        np.asarray(src.pages(layer)[p_blocks])))  # fmt: skip
+    assert not pull.done()  # it ends with the Landed the publish sends
+    await pw[0].client.publish("lw", {"kv": p_blocks})
+    res = await pull
+    # Five blocks, and the block step 1 left partly computed (tokens 32..39 of 32..47) written again by step 2.
+    assert res.bytes == (5 + 1) * lay.page_bytes * lay.num_layers
+    assert _bytes(ps[0], "write") == res.bytes  # all of it streamed: the publish wrote nothing more
+
+
+async def test_layerwise_offer_after_the_first_layers_is_completed_at_the_publish(harness: Harness) -> None:
+    """Layers announced before the offer came are not streamed; the publish writes what the stream missed."""
+    lay = attention(layers=3, block_size=16)
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    p_blocks, d_blocks = [5, 6, 7], [9, 3, 4]
+    pw[0].fill({"kv": p_blocks}, 22)
+    dw[0].poison({"kv": d_blocks})
+    req = local_pb2.StreamedRequest(request_id="late", blocks=[common_pb2.BlockList(group="kv", block_ids=p_blocks)],
+                                    start_token=0, end_token=48)  # fmt: skip
+    assert await pw[0].client.stream_step(7, [req]) == 0  # no offer yet
+    assert await pw[0].client.layer_done(7, "kv", 0) == 0
+    pull = asyncio.ensure_future(dw[0].client.pull("late", [ps[0].peer_address], {"kv": d_blocks}, push=True,
+                                                   spans={"kv": TokenSpan(47, 0, 0)}))  # fmt: skip
+    for _ in range(100):
+        if ps[0].core is not None and ps[0].core.pusher.offers.get("late"):
+            break
+        await asyncio.sleep(0.01)
+    for layer in (1, 2):
+        assert await pw[0].client.layer_done(7, "kv", layer) == 1
+    await pw[0].client.publish("late", {"kv": p_blocks})
+    res = await pull
+    assert dw[0].verify({"kv": d_blocks}, 22)[1] == 0
+    assert (
+        res.bytes == 3 * lay.page_bytes * 2 + 3 * lay.page_bytes * 3
+    )  # layers 1-2 streamed, then all 3 at the publish
+
+
+async def test_layer_done_refuses_unknown_groups_and_layers(harness: Harness) -> None:
+    _ps, pw, _ds, _dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await expect_error(OK.INVALID_ARGUMENT, pw[0].client.layer_done(1, "kv9", 0), "group: unknown cache group 'kv9'")
+    await expect_error(OK.INVALID_ARGUMENT, pw[0].client.layer_done(1, "kv", 99), "layer: 99 is not below 4")
+    bad = local_pb2.StreamedRequest(request_id="x", blocks=[common_pb2.BlockList(group="kv", block_ids=[1])],
+                                    start_token=5, end_token=5)  # fmt: skip
+    await expect_error(OK.INVALID_ARGUMENT, pw[0].client.stream_step(1, [bad]), "requests[0].end_token: 5")
+
+
+async def _until(pred: object, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if pred():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")

@@ -1226,3 +1226,126 @@ class AgentReportResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AgentReportResponse: _TypeAlias = AgentReportResponse  # noqa: Y015
+
+@_typing.final
+class StreamedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    END_TOKEN_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """the id it will be published under (push mode: the proxy's)"""
+    start_token: _builtins.int
+    """tokens computed before this step"""
+    end_token: _builtins.int
+    """tokens computed once this step is done"""
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockList]:
+        """its block table so far, per group (skip_tokens: as a Publish's)"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        blocks: _abc.Iterable[_common_pb2.BlockList] | None = ...,
+        start_token: _builtins.int = ...,
+        end_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "end_token", b"end_token", "request_id", b"request_id", "start_token", b"start_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamedRequest: _TypeAlias = StreamedRequest  # noqa: Y015
+
+@_typing.final
+class StreamStepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """the worker's step number (its LayerDone calls name it)"""
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamedRequest]: ...
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        requests: _abc.Iterable[Global___StreamedRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamStepRequest: _TypeAlias = StreamStepRequest  # noqa: Y015
+
+@_typing.final
+class StreamStepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFERED_FIELD_NUMBER: _builtins.int
+    offered: _builtins.int
+    """requests of the step with an offer here already"""
+    def __init__(
+        self,
+        *,
+        offered: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offered", b"offered"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamStepResponse: _TypeAlias = StreamStepResponse  # noqa: Y015
+
+@_typing.final
+class LayerDoneRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    group: _builtins.str
+    layer: _builtins.int
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        group: _builtins.str = ...,
+        layer: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "layer", b"layer", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerDoneRequest: _TypeAlias = LayerDoneRequest  # noqa: Y015
+
+@_typing.final
+class LayerDoneResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WRITES_FIELD_NUMBER: _builtins.int
+    writes: _builtins.int
+    """WRITEs started for this layer"""
+    def __init__(
+        self,
+        *,
+        writes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["writes", b"writes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerDoneResponse: _TypeAlias = LayerDoneResponse  # noqa: Y015

@@ -94,6 +94,16 @@ class LocalStub:
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.AgentReportRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_local__pb2.AgentReportResponse.FromString,
                 _registered_method=True)
+        self.StreamStep = channel.unary_unary(
+                '/kvxfer.v1.Local/StreamStep',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.StreamStepRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.StreamStepResponse.FromString,
+                _registered_method=True)
+        self.LayerDone = channel.unary_unary(
+                '/kvxfer.v1.Local/LayerDone',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneResponse.FromString,
+                _registered_method=True)
 
 
 class LocalServicer:
@@ -188,6 +198,22 @@ class LocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamStep(self, request, context):
+        """Layer-wise push (prefill side): the requests this engine step computes, with their block tables so
+        far and the tokens the step adds. Their offered blocks are written layer by layer (LayerDone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LayerDone(self, request, context):
+        """Layer-wise push: one layer of a step is computed (its KV is in the cache): WRITE that layer of
+        every offered request of the step now, while the next layers compute.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +276,16 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.AgentReport,
                     request_deserializer=kvxfer_dot_v1_dot_local__pb2.AgentReportRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_local__pb2.AgentReportResponse.SerializeToString,
+            ),
+            'StreamStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.StreamStep,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.StreamStepRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.StreamStepResponse.SerializeToString,
+            ),
+            'LayerDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.LayerDone,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +612,60 @@ class Local:
             '/kvxfer.v1.Local/AgentReport',
             kvxfer_dot_v1_dot_local__pb2.AgentReportRequest.SerializeToString,
             kvxfer_dot_v1_dot_local__pb2.AgentReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/StreamStep',
+            kvxfer_dot_v1_dot_local__pb2.StreamStepRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.StreamStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LayerDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/LayerDone',
+            kvxfer_dot_v1_dot_local__pb2.LayerDoneRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.LayerDoneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,6 +67,14 @@ class LocalStub:
     """
     AgentReport: _grpc.UnaryUnaryMultiCallable[_local_pb2.AgentReportRequest, _local_pb2.AgentReportResponse]
     """--backend worker: the outcomes of jobs the worker's agent ran."""
+    StreamStep: _grpc.UnaryUnaryMultiCallable[_local_pb2.StreamStepRequest, _local_pb2.StreamStepResponse]
+    """Layer-wise push (prefill side): the requests this engine step computes, with their block tables so
+    far and the tokens the step adds. Their offered blocks are written layer by layer (LayerDone).
+    """
+    LayerDone: _grpc.UnaryUnaryMultiCallable[_local_pb2.LayerDoneRequest, _local_pb2.LayerDoneResponse]
+    """Layer-wise push: one layer of a step is computed (its KV is in the cache): WRITE that layer of
+    every offered request of the step now, while the next layers compute.
+    """
 
 @_typing.type_check_only
 class LocalAsyncStub(LocalStub):
@@ -104,6 +112,14 @@ class LocalAsyncStub(LocalStub):
     """
     AgentReport: _aio.UnaryUnaryMultiCallable[_local_pb2.AgentReportRequest, _local_pb2.AgentReportResponse]  # type: ignore[assignment]
     """--backend worker: the outcomes of jobs the worker's agent ran."""
+    StreamStep: _aio.UnaryUnaryMultiCallable[_local_pb2.StreamStepRequest, _local_pb2.StreamStepResponse]  # type: ignore[assignment]
+    """Layer-wise push (prefill side): the requests this engine step computes, with their block tables so
+    far and the tokens the step adds. Their offered blocks are written layer by layer (LayerDone).
+    """
+    LayerDone: _aio.UnaryUnaryMultiCallable[_local_pb2.LayerDoneRequest, _local_pb2.LayerDoneResponse]  # type: ignore[assignment]
+    """Layer-wise push: one layer of a step is computed (its KV is in the cache): WRITE that layer of
+    every offered request of the step now, while the next layers compute.
+    """
 
 class LocalServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -210,5 +226,25 @@ class LocalServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_local_pb2.AgentReportResponse, _abc.Awaitable[_local_pb2.AgentReportResponse]]:
         """--backend worker: the outcomes of jobs the worker's agent ran."""
+
+    @_abc_1.abstractmethod
+    def StreamStep(
+        self,
+        request: _local_pb2.StreamStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_local_pb2.StreamStepResponse, _abc.Awaitable[_local_pb2.StreamStepResponse]]:
+        """Layer-wise push (prefill side): the requests this engine step computes, with their block tables so
+        far and the tokens the step adds. Their offered blocks are written layer by layer (LayerDone).
+        """
+
+    @_abc_1.abstractmethod
+    def LayerDone(
+        self,
+        request: _local_pb2.LayerDoneRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_local_pb2.LayerDoneResponse, _abc.Awaitable[_local_pb2.LayerDoneResponse]]:
+        """Layer-wise push: one layer of a step is computed (its KV is in the cache): WRITE that layer of
+        every offered request of the step now, while the next layers compute.
+        """
 
 def add_LocalServicer_to_server(servicer: LocalServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
