@@ -7,12 +7,17 @@ as the attention backends read them (``token_rows``), exactly as for a pull (tes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from vllm import SamplingParams
 from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.request import Request, RequestStatus
 
+from kvxfer.integrations.vllm.params import push_params
 from tests.vllm_inproc.engine import GroupDef, attention_spec, default_layers, mamba_spec, mla_spec
-from tests.vllm_inproc.pd import PD, block_rows, token_rows
+from tests.vllm_inproc.pd import PD, block_rows, decode_request, token_rows
 from tests.vllm_inproc.test_pull import D_POOL, LAYERS, P_POOL, SW_LAYERS, blocks_for, engines, kv_spec, rows
 
 HEADS, HEAD = 4, 64
@@ -112,3 +117,51 @@ def test_push_attention_and_mamba_groups(pd: PD) -> None:
     d_states = dec.engines[0].mamba[mamba].bind(dec.engines[0].kv_caches[mamba])
     for got, want in zip(d_states, p_states, strict=True):
         assert torch.equal(got[d_state].view(torch.uint8), want[p_state].view(torch.uint8))
+
+
+def test_layerwise_push_lands_while_the_prefill_computes(pd: PD) -> None:
+    """``push_layerwise``: each step's layers are written as vLLM's hooks report them; before the publish,
+    the decode cache already holds every loaded token of every layer, as the attention backend reads it."""
+    bs, prompt = 16, 75
+    pre = pd.instance("prefill", engines(seed=2, spec_for=kv_spec(bs)), push_layerwise=True)
+    dec = pd.instance("decode", engines(seed=12, spec_for=kv_spec(bs)))
+    p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
+    addresses = [w.registration["peer_address"] for w in pre.workers]
+    pre_params, dec_params = push_params(push_id="push-lw", addresses=addresses,
+                                         sidecar_engine_id=pre.workers[0].registration["engine_id"])  # fmt: skip
+    dreq = decode_request("lw-d", prompt, dec_params)
+    n, _ = dec.scheduler.matched_tokens(dreq, 0)
+    dec.scheduler.after_alloc(dreq, [d_table], n)
+    dec.step()
+    time.sleep(0.3)  # the offer reaches the prefill sidecar
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
+    preq = Request("lw", list(range(100, 100 + prompt)), sp, None)
+    pre.scheduler.on_new_request(preq)
+    loaded = range(prompt - 1)
+    # Chunked prefill: tokens [0, 40) in one step, [40, 75) in the next, as vLLM's scheduler reports them.
+    for new, computed, count, replace in (([p_table[:3]], 0, 40, True), ([p_table[3:]], 40, 35, False)):
+        pre.scheduler.step_streams([("lw", new, computed, count, replace)])
+        pre.step()
+        for layer in LAYERS:  # what vLLM's attention layers call after writing their KV
+            for w in pre.workers:
+                w.layer_saved(layer)
+        for w in pre.workers:
+            w.step_saved()
+    deadline = time.monotonic() + 10
+    while not all(torch.equal(rows(dec.engines, n_, d_table, loaded), rows(pre.engines, n_, p_table, loaded))
+                  for n_ in LAYERS):  # fmt: skip
+        assert time.monotonic() < deadline, "the streamed layers never landed"
+        time.sleep(0.02)
+    # Only now does the prefill finish and publish; the decode load ends with its Landed.
+    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    preq.num_computed_tokens = prompt
+    keep, _ = pre.scheduler.request_finished(preq, [p_table])
+    assert keep is True
+    pre.step()
+    _, recving, failed = dec.finished(recving="lw-d")
+    dec.scheduler.loads_finished(recving)
+    assert failed == set()
+    pre.finished(sending="lw")
+    assert all(w.layer_signals == 2 * len(LAYERS) for w in pre.workers)
+    written = pd.sidecars.counter("pre1", "kvxfer_transfer_bytes_total", direction="write")
+    assert written > 0

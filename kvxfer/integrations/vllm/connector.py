@@ -170,10 +170,20 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """Nothing to save: the cache already lives in memory the sidecar registered."""
+        """Nothing to copy (the cache lives in memory the sidecar registered); with ``push_layerwise``
+        the sidecar is told the layer is in the cache, and WRITEs it while the next layers compute."""
+        if self._worker is not None:
+            self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for (see :meth:`save_kv_layer`)."""
+        """Nothing to wait for: the prefill's blocks stay held by its publish, not by the step."""
+        if self._worker is not None:
+            self._worker.step_saved()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """With ``push_layerwise`` the per-layer hooks must run, which full CUDA graphs skip."""
+        return ConnectorSettings.load(extra_config).push_layerwise
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(published requests the decode side is done with, requests whose load ended)."""
@@ -225,9 +235,26 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return tuple(self._kv_cache_config.select_transfer_block_ids(block_ids))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """The step's pulls, aborts and publishes, for the workers."""
+        """The step's pulls, aborts, publishes and streamed prefills, for the workers."""
         assert self._scheduler is not None
+        if self.settings.push_layerwise:
+            self._scheduler.step_streams(self._scheduled(scheduler_output))
         return KvxferConnectorMetadata(self._scheduler.build_plan())
+
+    def _scheduled(self, out: SchedulerOutput) -> list[tuple[str, Any, int, int, bool]]:
+        """(request, new blocks per transfer group, computed before, scheduled now, replace) of this step."""
+        counts = out.num_scheduled_tokens
+        rows: list[tuple[str, Any, int, int, bool]] = [
+            (r.req_id, self._transfer_tables(r.block_ids), r.num_computed_tokens, counts.get(r.req_id, 0), True)
+            for r in out.scheduled_new_reqs
+        ]
+        cached = out.scheduled_cached_reqs
+        resumed: set[str] = set(getattr(cached, "resumed_req_ids", ()))
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            rows.append((rid, self._transfer_tables(new) if new is not None else None, cached.num_computed_tokens[i],
+                         counts.get(rid, 0), rid in resumed))  # fmt: skip
+        return rows
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Forget loads that the workers reported as ended."""

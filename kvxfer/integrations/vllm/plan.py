@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from kvxfer.integrations.vllm.params import RemoteGroup, RemotePrefill
 from kvxfer.integrations.vllm.spec import TransferGroup
 
-__all__ = ["NULL_BLOCK", "GroupPull", "PullSpec", "StepPlan", "group_offer", "group_pull", "published_blocks"]
+__all__ = [
+    "NULL_BLOCK",
+    "GroupPull",
+    "PullSpec",
+    "StepPlan",
+    "StreamSpec",
+    "group_offer",
+    "group_pull",
+    "published_blocks",
+]
 
 #: vLLM's null block: a table entry that holds nothing (a sliding window's skipped blocks).
 NULL_BLOCK = 0
@@ -50,6 +59,17 @@ class PullSpec:
         return tuple(b for g in self.groups for b in g.local_blocks)
 
 
+@dataclass(frozen=True)
+class StreamSpec:
+    """Layer-wise push: one request this step computes, with its blocks so far (per transfer group)."""
+
+    request_id: str  # the id it is published under
+    #: Per transfer group: the blocks that hold tokens (a sliding window's tail), and the position of the first.
+    groups: tuple[tuple[tuple[int, ...], int], ...]
+    start: int  # tokens computed before the step
+    end: int  # tokens computed after it
+
+
 @dataclass
 class StepPlan:
     """Connector work of one engine step."""
@@ -66,8 +86,11 @@ class StepPlan:
     #: prompt, or it computes the prompt itself): their publishers are told to free them now.
     drops: list[RemotePrefill] = field(default_factory=list)
 
+    #: Requests this (prefill) step computes whose KV streams layer by layer (push mode).
+    streams: list[StreamSpec] = field(default_factory=list)
+
     def __bool__(self) -> bool:
-        return bool(self.pulls or self.aborts or self.published or self.drops)
+        return bool(self.pulls or self.aborts or self.published or self.drops or self.streams)
 
 
 def published_blocks(group: TransferGroup, table: Sequence[int], num_tokens: int) -> RemoteGroup | None:

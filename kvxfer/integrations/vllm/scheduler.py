@@ -35,7 +35,16 @@ from kvxfer.integrations.vllm.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from kvxfer.integrations.vllm.plan import GroupPull, PullSpec, StepPlan, group_offer, group_pull, published_blocks
+from kvxfer.integrations.vllm.plan import (
+    NULL_BLOCK,
+    GroupPull,
+    PullSpec,
+    StepPlan,
+    StreamSpec,
+    group_offer,
+    group_pull,
+    published_blocks,
+)
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import TransferGroup
 from kvxfer.logs import get_logger, log_context
@@ -71,6 +80,8 @@ class SchedulerSide:
         self._sidecar_groups: tuple[str, ...] = ()
         self._plan = StepPlan()
         self._loading: set[str] = set()  # decode requests whose KV is on its way
+        #: Layer-wise push (prefill side): vLLM id -> (push id, prompt tokens, block table so far per group).
+        self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
         self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
 
     @property
@@ -111,9 +122,24 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ prefill side
     def on_new_request(self, request: Any) -> None:
-        """A prefill for a remote decode stops ``prefill_backoff`` tokens short (models with Mamba)."""
+        """A prefill for a remote decode stops ``prefill_backoff`` tokens short (models with Mamba).
+
+        With ``push_layerwise``, a push-mode prefill is streamed layer by layer from its first step.
+        """
         params = request.kv_transfer_params
-        if not self.prefill_backoff or not wants_remote_decode(params) or params.get("kvxfer_truncated"):
+        self._truncate(request, params)
+        if self.settings.push_layerwise and wants_remote_decode(params) and wants_push(params):
+            try:
+                pid = push_id(params)
+            except ParamsError as exc:
+                log.warning(f"request {request.request_id}: not streamed ({exc.message})")
+                return
+            self._streams[request.request_id] = (pid, int(request.num_prompt_tokens), [[] for _ in self.groups])
+
+    def _truncate(self, request: Any, params: dict[str, Any] | None) -> None:
+        if not self.prefill_backoff or params is None or not wants_remote_decode(params):
+            return
+        if params.get("kvxfer_truncated"):
             return
         n = self.prefill_backoff
         if request.prompt_token_ids is None or len(request.prompt_token_ids) <= n:
@@ -133,6 +159,7 @@ class SchedulerSide:
         """
         params = request.kv_transfer_params
         rid = request.request_id
+        self._streams.pop(rid, None)
         if rid in self._expected:  # finished while queued: its publishers are told to drop it
             self._expected.discard(rid)
             with contextlib.suppress(ParamsError):
@@ -323,6 +350,34 @@ class SchedulerSide:
     def loads_finished(self, request_ids: Sequence[str] | set[str] | None) -> None:
         """The workers reported these loads as ended."""
         self._loading.difference_update(request_ids or ())
+
+    def step_streams(
+        self, scheduled: Sequence[tuple[str, Sequence[Sequence[int]] | None, int, int, bool]]
+    ) -> None:  # fmt: skip
+        """Layer-wise push: this step's part of every streamed prefill (for the workers to announce).
+
+        ``scheduled``: (vLLM id, new blocks per transfer group or None, tokens computed before the
+        step, tokens the step computes, whether the blocks replace the table (a new or resumed request)).
+        """
+        for rid, new_blocks, computed, count, replace in scheduled:
+            stream = self._streams.get(rid)
+            if stream is None or count <= 0:
+                continue
+            pid, prompt, tables = stream
+            for table, more in zip(tables, new_blocks or [[] for _ in tables], strict=True):
+                if replace:
+                    table.clear()
+                table.extend(more)
+            end = min(computed + count, prompt)
+            if end <= computed:
+                continue
+            groups = []
+            for g, table in zip(self.groups, tables, strict=True):
+                first = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+                groups.append((tuple(table[first:]), first * g.block_size))
+            self._plan.streams.append(StreamSpec(pid, tuple(groups), computed, end))
+            if end >= prompt:
+                del self._streams[rid]  # its last step: the publish follows
 
     # ------------------------------------------------------------------ both sides
     def build_plan(self) -> StepPlan:

@@ -56,6 +56,10 @@ class ConnectorSettings:
     data_plane: str = "sidecar"
     #: The library of the worker's agent with ``data_plane: worker`` (a kvxfer backend name).
     worker_backend: str = "nixl"
+    #: Prefill instance, push mode: stream each request's KV layer by layer while the prefill
+    #: computes (the sidecar WRITEs a layer as soon as the worker says it is in the cache). Needs
+    #: vLLM's per-layer hooks: CUDA graphs run piecewise.
+    push_layerwise: bool = False
 
     def __post_init__(self) -> None:
         if not self.sidecar_socket.strip():
@@ -142,6 +146,12 @@ _ENV = {"sidecar_socket": "KVXFER_LOCAL_SOCKET", "token_file": "KVXFER_TOKEN_FIL
 
 
 def _coerce(name: str, raw: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        raise ConnectorSettingsError(f"{name}: must be true or false, got {raw!r}", field=name)
     if kind is str:
         if not isinstance(raw, str):
             raise ConnectorSettingsError(f"{name}: must be a string, got {raw!r}", field=name)

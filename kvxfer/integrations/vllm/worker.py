@@ -21,12 +21,13 @@ from kvxfer.client import Client, KvxferRpcError, PullResult, TokenSpan
 from kvxfer.errors import KvxferError, Reason
 from kvxfer.integrations.vllm.kvcache import SharedCaches, own_caches, share_caches
 from kvxfer.integrations.vllm.params import RemotePrefill
-from kvxfer.integrations.vllm.plan import PullSpec, StepPlan
+from kvxfer.integrations.vllm.plan import PullSpec, StepPlan, StreamSpec
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import CacheGroup
 from kvxfer.logs import get_logger, log_context
 from kvxfer.memory import LibraryRef
 from kvxfer.topology import RankInfo
+from kvxfer.wire import common_pb2, local_pb2
 from kvxfer.worker_agent import WorkerAgent
 
 __all__ = ["SidecarUnavailableError", "WorkerSide"]
@@ -71,6 +72,12 @@ class WorkerSide:
         self.shared: SharedCaches | None = None
         self.registration: dict[str, Any] = {}
         self._names: dict[int, list[str]] = {}  # vLLM transfer group -> kvxfer groups
+        self._layers: dict[str, tuple[str, int]] = {}  # vLLM layer name -> (kvxfer group, layer index)
+        #: Layer-wise push: the step being computed (0: none streams), and what the signals cost.
+        self._stream_step = 0
+        self._steps = 0
+        self.layer_signals = 0
+        self.layer_signal_seconds = 0.0
         self._lock = threading.Lock()
         self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
         self._aborting: set[str] = set()
@@ -100,8 +107,11 @@ class WorkerSide:
         else:
             self.shared = share_caches(groups, kv_caches)
         self._names = {}
+        self._layers = {}
         for g in groups:
             self._names.setdefault(g.transfer_index, []).append(g.name)
+            for i, layer in enumerate(g.layer_names):
+                self._layers[layer] = (g.name, i)
         self.registration = self.sidecar.call(self._register(), timeout=self.settings.call_timeout_seconds + 5)
         for g in groups:
             lay = g.layout
@@ -189,6 +199,51 @@ class WorkerSide:
         if self.rank.tp_rank == 0:  # one rank per pipeline stage tells that stage's prefill ranks
             for remote in plan.drops:
                 self.sidecar.submit(self._drop(remote))
+        self._stream_step = 0
+        if plan.streams:
+            self._steps += 1
+            self._stream_step = self._steps
+            self.sidecar.submit(self._announce(self._steps, plan.streams))
+
+    async def _announce(self, step: int, streams: Sequence[StreamSpec]) -> None:
+        reqs = []
+        for spec in streams:
+            lists = [
+                common_pb2.BlockList(group=name, block_ids=list(ids), skip_tokens=origin)
+                for gi, (ids, origin) in enumerate(spec.groups) for name in self._names.get(gi, ())
+                if ids
+            ]  # fmt: skip
+            reqs.append(local_pb2.StreamedRequest(request_id=spec.request_id, blocks=lists, start_token=spec.start,
+                                                  end_token=spec.end))  # fmt: skip
+        try:
+            await self.sidecar.aio.stream_step(step, reqs)
+        except KvxferError as exc:  # the publish still writes the whole request
+            log.warning(f"step {step}: could not announce the streamed requests: {exc.message}")
+
+    def layer_saved(self, layer_name: str) -> None:
+        """A layer's KV of this step is in the cache: its WRITEs may start (layer-wise push).
+
+        Called on the forward path after each attention layer: it only hands the signal to the
+        client's loop thread and returns (no copy, no waiting).
+        """
+        if not self._stream_step:
+            return
+        t0 = time.perf_counter()
+        where = self._layers.get(layer_name)
+        if where is not None:
+            self.sidecar.submit(self._layer_done(self._stream_step, *where))
+        self.layer_signals += 1
+        self.layer_signal_seconds += time.perf_counter() - t0
+
+    def step_saved(self) -> None:
+        """The step's forward pass ended: no more layer signals until the next streamed step."""
+        self._stream_step = 0
+
+    async def _layer_done(self, step: int, group: str, layer: int) -> None:
+        try:
+            await self.sidecar.aio.layer_done(step, group, layer)
+        except KvxferError as exc:  # the publish writes what the stream missed
+            log.debug(f"step {step}: layer signal {group}/{layer} not taken: {exc.message}")
 
     async def _pull(self, spec: PullSpec) -> PullResult:
         remote = spec.remote
@@ -299,6 +354,10 @@ class WorkerSide:
 
     def close(self) -> None:
         """Close the client; let the sidecar forget the memory (tensors keep their mapping)."""
+        if self.layer_signals:
+            each = 1e6 * self.layer_signal_seconds / self.layer_signals
+            log.info(f"layer-wise push: {self.layer_signals} layer signals over {self._steps} steps, {each:.1f} us "
+                     "each on the forward path")  # fmt: skip
         self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
