@@ -18,7 +18,8 @@ time to first token on the decode side, end-to-end TTFT (prefill + decode TTFT) 
 sidecar next to each instance. ``--mode`` runs kvxfer's connectors in pull mode (above), push
 mode (the proxy sends the prompt to both instances at once, with ``kvxfer_push`` params: the
 decode instance allocates and offers its blocks, the prefill sidecar WRITEs into them when the
-prefill finishes) or both, side by side. Client TTFT is the proxy's: from the moment it received
+prefill finishes), push-layerwise (the same, with the prefill's layers written as they are
+computed) or several, side by side. Client TTFT is the proxy's: from the moment it received
 the request to the first token it streams back (pull: prefill, then decode; push: both at once).
 Every process started here is in its own process group and is killed (TERM, then KILL) when the
 script ends, whatever the reason; the whole run has a deadline.
@@ -199,7 +200,9 @@ def omp_bind_env(role: str) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": _ARGS.omp_bind.split("|")[0 if role.endswith("prefill") else 1]}
 
 
-def kvxfer_setup(role: str, run_dir: Path, log_dir: Path, *, data_plane: str = "sidecar") -> InstanceSpec:
+def kvxfer_setup(
+    role: str, run_dir: Path, log_dir: Path, *, data_plane: str = "sidecar", layerwise: bool = False
+) -> InstanceSpec:
     """kvxfer's connector (``kvxfer.integrations.vllm``), with a kvxfer sidecar next to the instance.
 
     One sidecar per worker rank (TP 1 here); the connector finds it through ``{rank}`` in the
@@ -229,8 +232,9 @@ def kvxfer_setup(role: str, run_dir: Path, log_dir: Path, *, data_plane: str = "
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "engine_id": engine_id,
         "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"sidecar_socket": template, "data_plane": data_plane},
-    }
+        "kv_connector_extra_config": {"sidecar_socket": template, "data_plane": data_plane,
+                                      "push_layerwise": layerwise and role == "prefill"},
+    }  # fmt: skip
     return InstanceSpec(
         cfg, {}, metrics_url=f"http://{metrics}/metrics", peer_address=peer, sidecar_engine_id=engine_id
     )
@@ -250,7 +254,7 @@ def sidecar_metrics(url: str) -> dict[str, float]:
 
 
 #: How the proxy runs kvxfer's connectors (``--mode``).
-MODES = ("pull", "push")
+MODES = ("pull", "push", "push-layerwise")
 
 CONNECTORS: dict[str, ConnectorSetup] = {
     "nixl": nixl_setup,
@@ -564,6 +568,8 @@ def run_pd(
     """One prefill and one decode instance joined by a connector; every prompt routed P -> D."""
     name = run.connector
     setup = CONNECTORS[name]
+    if run.mode == "push-layerwise":  # the prefill instance streams each layer as it is computed
+        setup = functools.partial(setup, layerwise=True)
     seq_names = [k for k in prompts if k.startswith("len")]
     conc_names = [k for k in prompts if k.startswith("conc")]
     out: dict[str, Any] = {}
@@ -580,7 +586,7 @@ def run_pd(
             out["startup_s"] = wait_ready([prefill, decode], args.startup_timeout)
             pp, dp = prefill.port or 0, decode.port or 0
             pd_complete: Callable[..., PDResult] = (
-                functools.partial(pd_push, prefill=p_spec) if run.mode == "push" else pd_pull
+                functools.partial(pd_push, prefill=p_spec) if run.mode.startswith("push") else pd_pull
             )
             # warm-up (also makes the connector's first handshake happen outside the timings)
             warm = pd_complete(pp, dp, prompts[seq_names[0]], 2, args.request_timeout)
