@@ -334,6 +334,13 @@ class Publisher:
             entry.expires_at = hold
         return entry
 
+    def release_unwanted(self, rid: str, why: str) -> None:
+        """Free a publish every reader gave up on before it existed (push mode: all offers revoked)."""
+        if self.drop(rid, why) is not None:
+            with log_context(request_id=rid):
+                log.info("publish released: its readers gave up before it", extra={"reason": why})
+            self.hub.emit(Kind.RELEASED, rid, code=grpc.StatusCode.UNAVAILABLE.value[0], message=f"{why}; released")
+
     def reader_finished(self, rid: str, engine_id: str, rank: RankInfo, failure: str | None) -> bool:
         """A push into a reader rank ended (``failure`` None: it landed); True when that freed the blocks."""
         entry = self.publishes.get(rid)

@@ -120,6 +120,9 @@ class Pusher:
         #: The data-plane name of each reader written into, with the instance and epoch it was loaded for.
         self._loaded: dict[ReaderKey, tuple[str, int, str]] = {}
         self._ids = itertools.count(1)
+        #: Requests whose every offer was revoked before they were published here: request id ->
+        #: (why, when). Their publish, when it comes, is released at once (nobody will take it).
+        self._given_up: dict[str, tuple[str, float]] = {}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.offers.values())
@@ -187,14 +190,21 @@ class Pusher:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(task)
         why = req.reason or "the reader revoked its offer"
-        self.publisher.reader_finished(rid, req.engine_id, rank, f"{why} (revoked)")
+        if rid in self.publisher.publishes:
+            self.publisher.reader_finished(rid, req.engine_id, rank, f"{why} (revoked)")
+        elif not self.offers.get(rid):
+            self._remember_given_up(rid, f"{req.engine_id} gave up on it before it was published ({why})")
         with log_context(request_id=rid, transfer_id=offer.transfer_id, peer=offer.reader.label):
             log.info("offer revoked", extra={"wrote": offer.wrote, "reason": why})
         return peer_pb2.RevokeResponse(found=True, wrote=offer.wrote)
 
     # ------------------------------------------------------------------ local events
     def published(self, rid: str) -> None:
-        """``rid`` was published here: write every offer that waited for it."""
+        """``rid`` was published here: write every offer that waited for it (or free it if all gave up)."""
+        given_up = self._given_up.pop(rid, None)
+        if given_up is not None and not self.offers.get(rid):
+            self.publisher.release_unwanted(rid, given_up[0])
+            return
         waiting = [o for o in self.offers.get(rid, {}).values() if o.task is None]
         if waiting:
             reg = self.registry.require()
@@ -362,6 +372,13 @@ class Pusher:
         loaded = self._loaded.pop(key, None)
         if loaded is not None:
             self.dp.remove_peer(loaded[0])
+
+    def _remember_given_up(self, rid: str, why: str) -> None:
+        now = time.monotonic()
+        horizon = now - self.settings.transfer_timeout_seconds - self.settings.lease_seconds
+        for old in [k for k, (_w, at) in self._given_up.items() if at < horizon]:
+            del self._given_up[old]
+        self._given_up[rid] = (why, now)
 
     def _lapse(self, offer: Offer) -> None:
         """The offer's deadline passed before its publish came: the reader is told (its own deadline ends it)."""

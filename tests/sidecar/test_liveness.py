@@ -140,3 +140,41 @@ async def test_worker_lease_must_be_open(harness: Harness, tmp_path: Path) -> No
 
 async def _not_registered(c: AsyncClient) -> bool:
     return not (await c.status())["registered"]
+
+
+async def test_a_decode_worker_killed_mid_push_revokes_its_offer(harness: Harness) -> None:
+    """Push mode: the dead decode worker's blocks are gone, so the WRITE held in flight is revoked
+    (cancelled before it is posted), and the prefill frees its publish at once."""
+    lay = attention()
+    wp = DelayedDataPlane("prefill-slow", 30.0)  # FAULT INJECTOR: holds the writer's WRITE
+    p = await harness.sidecar(role="prefill", engine_id="prefill", lease_seconds=600, data_plane=wp)
+    pw = await harness.worker(p, {"kv": lay})
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    watch = AsyncClient(d.local_target)
+    try:
+        victim = _spawn(harness, d, "victim", {"kv": lay})
+        await asyncio.to_thread(victim.recv, 60)
+        victim.send("pull", "r1", [p.peer_address], {"kv": [4, 5, 6]}, 4, "prefill", None, True)
+        core = p.core
+        assert core is not None
+
+        async def offered() -> bool:
+            return bool(core.pusher.offers.get("r1"))
+
+        await _until(offered, 30.0)
+        await pw.prefill("r1", {"kv": [1, 2, 3]}, salt=4)
+        await asyncio.wait_for(wp.reading.wait(), 30)  # the WRITE is in the data plane's hands
+        victim.proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.proc.wait, 10)
+
+        async def settled() -> bool:
+            s, ps = await watch.status(), await pw.client.status()
+            return (
+                not s["registered"] and s["transfers_in_flight"] == 0 and ps["leases"] == 0 and not len(p.core.pusher)
+            )  # type: ignore[union-attr]
+
+        await _until(settled, NOTICE_BOUND_S + 2.0)
+        assert p.metrics is not None
+        assert p.metrics.transfers.labels(direction="write", outcome="ok")._value.get() == 0
+    finally:
+        await watch.close()

@@ -133,14 +133,22 @@ async def test_abort_mid_write_is_fenced_no_byte_lands_after(harness: Harness) -
     assert res.done
 
 
-async def test_never_published_times_out_and_the_offer_is_gone(harness: Harness) -> None:
-    p, _pw, _d, dw, _dp = await _pair(harness)
+async def test_not_published_in_time_the_offer_is_revoked_and_a_late_publish_freed(harness: Harness) -> None:
+    p, pw, _d, dw, _dp = await _pair(harness)
     t0 = time.monotonic()
     await expect_error(OK.DEADLINE_EXCEEDED, dw.client.pull("never", [p.peer_address], {"kv": [1, 2]}, push=True,
                                                              deadline=0.5), "did not finish within")  # fmt: skip
     assert time.monotonic() - t0 < 2.0
     assert p.core is not None
-    assert len(p.core.pusher) == 0
+    assert len(p.core.pusher) == 0  # revoked by the fence
+    # The prefill finishes later: nobody wants it any more, so its publish is freed at once.
+    released = asyncio.ensure_future(_first_kind(pw, "RELEASED"))
+    await asyncio.sleep(0.1)
+    await pw.client.publish("never", {"kv": [3, 4]})
+    ev = await asyncio.wait_for(released, 5)
+    assert ev.request_id == "never"  # type: ignore[attr-defined]
+    assert "gave up on it before it was published" in ev.message  # type: ignore[attr-defined]
+    await _wait_leases(pw, 0, within=1.0)
 
 
 async def test_publish_aborted_before_the_write_fails_the_push(harness: Harness) -> None:
@@ -282,3 +290,10 @@ async def _until(pred: object, within: float = 5.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("condition not reached")
+
+
+async def _first_kind(worker: Worker, kind: str) -> object:
+    async for ev in worker.client.watch_completions():
+        if ev.kind == kind:
+            return ev
+    raise AssertionError("stream ended")
