@@ -165,3 +165,40 @@ def test_layerwise_push_lands_while_the_prefill_computes(pd: PD) -> None:
     assert all(w.layer_signals == 2 * len(LAYERS) for w in pre.workers)
     written = pd.sidecars.counter("pre1", "kvxfer_transfer_bytes_total", direction="write")
     assert written > 0
+
+
+def test_decode_abort_mid_push_fences_and_frees_the_prefill(pd: PD) -> None:
+    """A decode request aborted while its offer waits: the load ends only after the offer is revoked,
+    its blocks stay untouched, and the prefill's later publish is freed at once (not at lease expiry)."""
+    bs, prompt = 16, 70
+    pre = pd.instance("prefill", engines(seed=4, spec_for=kv_spec(bs)))
+    dec = pd.instance("decode", engines(seed=14, spec_for=kv_spec(bs)))
+    p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
+    before = {n: [block_rows(dec.engines[0], n, b) for b in d_table] for n in LAYERS}
+    addresses = [w.registration["peer_address"] for w in pre.workers]
+    pre_params, dec_params = push_params(push_id="push-ab", addresses=addresses,
+                                         sidecar_engine_id=pre.workers[0].registration["engine_id"])  # fmt: skip
+    dreq = decode_request("ab-d", prompt, dec_params)
+    n, _ = dec.scheduler.matched_tokens(dreq, 0)
+    dec.scheduler.after_alloc(dreq, [d_table], n)
+    dec.step()
+    time.sleep(0.3)  # offered
+    dreq.status = RequestStatus.FINISHED_ABORTED  # the client went away
+    assert dec.scheduler.request_finished(dreq, [d_table]) == (False, None)
+    dec.step()  # the workers abort the load: Revoke, then the load ends
+    _, recving, failed = dec.finished(recving="ab-d")
+    assert failed == set()  # an abort is no load failure (vLLM frees the blocks itself)
+    dec.scheduler.loads_finished(recving)
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
+    preq = Request("ab", list(range(100, 100 + prompt)), sp, None)
+    pre.scheduler.on_new_request(preq)
+    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    preq.num_computed_tokens = prompt
+    keep, _ = pre.scheduler.request_finished(preq, [p_table])
+    assert keep is True
+    pre.step()
+    pre.finished(sending="ab", timeout=5.0)  # freed at once: its reader gave up before it was published
+    time.sleep(0.2)
+    for n_ in LAYERS:
+        assert all(torch.equal(block_rows(dec.engines[0], n_, b), was) for b, was in zip(d_table, before[n_],
+                                                                                      strict=True))  # fmt: skip
