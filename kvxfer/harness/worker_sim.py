@@ -29,8 +29,10 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.client import TokenSpan
 from kvxfer.layout import CacheKind, KVCacheLayout, Plane, head_range
 from kvxfer.topology import RankInfo
+from kvxfer.wire import common_pb2, local_pb2
 
 __all__ = ["CudaKVBuffer", "WorkerConfig", "fill_blocks", "global_heads", "verify_blocks", "worker_main"]
 
@@ -314,6 +316,24 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         t1 = time.perf_counter()
         client.publish(rid, blocks, lease_seconds=lease)
         return {"bytes": nbytes, "fill_s": t1 - t0, "publish_s": time.perf_counter() - t1}
+    if op == "produce":  # a prefill computed layer by layer: optionally streamed, then published
+        _, rid, blocks, salt, layer_ms, stream, step = cmd
+        for g, ids in blocks.items():
+            fill_blocks(buffers[g], rank, ids, salt)  # the contents; each layer "completes" below
+        ntok = {g: len(ids) * buffers[g].layout.tokens_per_page for g, ids in blocks.items()}
+        if stream:
+            lists = [common_pb2.BlockList(group=g, block_ids=list(ids)) for g, ids in blocks.items()]
+            req = local_pb2.StreamedRequest(request_id=rid, blocks=lists, start_token=0, end_token=max(ntok.values()))
+            client.call(client.aio.stream_step(step, [req]))
+        layers = max(buffers[g].layout.num_layers for g in blocks)
+        for layer in range(layers):
+            time.sleep(layer_ms / 1000)  # the layer's compute (a synthetic producer: its KV is already in place)
+            if stream:  # signalled, not waited for: the WRITE starts while the next layer computes
+                for g in blocks:
+                    client.submit(client.aio.layer_done(step, g, layer))
+        t_last = time.monotonic()  # the last layer is computed
+        client.publish(rid, blocks)
+        return {"t_last": t_last}
     if op == "expect":  # what the decode scheduler says when a request arrives, before its blocks exist
         _, rid, addresses = cmd
         return {"held": client.expect(rid, addresses)}
@@ -323,10 +343,14 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         _, rid, addresses, blocks, salt, engine, *more = cmd
         remote = more[0] if more else None
         push = bool(more[1]) if len(more) > 1 else False  # push mode: offered, the prefill side WRITEs
+        # Tokens to move per group (push mode: what a layer-wise stream needs to plan each step).
+        spans = {g: TokenSpan(int(n)) for g, n in more[2].items()} if len(more) > 2 and more[2] else None
         for g, ids in blocks.items():
             poison_blocks(buffers[g], ids)
         t0 = time.perf_counter()
-        res = client.pull(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine, wait=True, push=push)
+        res = client.pull(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine, wait=True, push=push,
+                          spans=spans)  # fmt: skip
+        t_done = time.monotonic()
         latency = time.perf_counter() - t0
         checked = bad = 0
         for g, ids in blocks.items():
@@ -336,6 +360,7 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
             "latency_s": latency, "data_s": res.data_seconds, "bytes": res.bytes, "descriptors": res.descriptors,
             "checked": checked, "mismatched": bad, "verify_s": time.perf_counter() - t0 - latency,
             "warnings": list(res.warnings), "fetch_s": res.fetch_seconds, "duration_s": res.duration_seconds,
+            "t_done": t_done,
         }  # fmt: skip
     if op == "status":
         return dict(client.status())
