@@ -1,14 +1,17 @@
-"""Same-host GPU READs by CUDA device copies: a transport wrapper around any backend.
+"""Same-host GPU READs and WRITEs by CUDA device copies: a transport wrapper around any backend.
 
 A sidecar's GPU memory is the worker's, opened by CUDA IPC, and CUDA cannot export IPC-opened
 memory again (``cuIpcGetMemHandle`` fails on it), so UCX's cuda_ipc transport cannot serve it and a
 NIXL READ between two sidecars of one node falls back to copies through host memory over tcp
 (0.4 GB/s on the lent H100 against a 1400 GB/s device copy). Instead, a publisher advertises the
-worker's own IPC handles in its data-plane metadata; a reader on the same host opens them itself
-and READs with device copies on its GPU. Anything else (another host, DRAM, a handle that will not
-open, WRITEs) goes through the wrapped backend. ``kvxfer serve --cuda-ipc-direct false`` (or
-``KVXFER_CUDA_IPC_DIRECT=0``) turns it off; :func:`kvxfer.transport.create_transport` wraps a
-backend when ``TransportConfig.cuda_ipc_direct`` is set.
+worker's own IPC handles in its data-plane metadata; a peer on the same host opens them itself
+and READs (pull) or WRITEs (push) with device copies on its GPU. A WRITE returns, even when it is
+cancelled or runs past its budget, only once its queued copies have finished: queued device copies
+cannot be recalled, and a push's fence (kvxfer.server.push_steps) relies on nothing landing after
+it. Anything else (another host, DRAM, a handle that will not open) goes through the wrapped
+backend. ``kvxfer serve --cuda-ipc-direct false`` (or ``KVXFER_CUDA_IPC_DIRECT=0``) turns it off;
+:func:`kvxfer.transport.create_transport` wraps a backend when ``TransportConfig.cuda_ipc_direct``
+is set.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class CudaIpcDirect(Transport):
         self._exports: dict[int, tuple[_Export, ...]] = {}
         self._peers: dict[str, _Peer] = {}
         self.direct_reads = 0  # READs that took the shortcut (tests, benchmarks)
+        self.direct_writes = 0  # WRITEs (push mode) that took it
         self.kernel_reads = 0  # of those, READs moved by one gather launch (kvxfer.cuda_gather)
         self._kernel = inner.config.cuda_gather == "kernel"
         self._warned_kernel = False
@@ -185,21 +189,26 @@ class CudaIpcDirect(Transport):
         mem_type: MemType = "DRAM", remote_mem_type: MemType = "DRAM",
     ) -> TransferResult:  # fmt: skip
         p = self._peers.get(peer)
-        direct = op == "READ" and notify is None and mem_type == "VRAM" and remote_mem_type == "VRAM"
+        direct = notify is None and mem_type == "VRAM" and remote_mem_type == "VRAM"
         if direct and p is not None and not p.broken and local.shape[0]:
             ordinal = int(local[0, 2])
             try:
-                src = self._translate(peer, p, remote, ordinal)
+                theirs = self._translate(peer, p, remote, ordinal)
             except cuda_ipc.CudaIpcError as exc:
                 p.broken = exc.message
                 log.warning(
-                    "same-host CUDA IPC READ unavailable for this peer; using the backend",
+                    f"same-host CUDA IPC {op} unavailable for this peer; using the backend",
                     extra={"peer": peer, "error": exc.message},
                 )  # fmt: skip
             else:
                 t0 = time.perf_counter()
-                await self._copy(peer, ordinal, local[:, 0], src, local[:, 1], timeout)
-                self.direct_reads += 1
+                write = op == "WRITE"
+                dst, src = (theirs, local[:, 0]) if write else (local[:, 0], theirs)
+                await self._copy(peer, ordinal, dst, src, local[:, 1], timeout, drain=write)
+                if write:
+                    self.direct_writes += 1
+                else:
+                    self.direct_reads += 1
                 return TransferResult(int(local[:, 1].sum()), int(local.shape[0]), time.perf_counter() - t0)
         return await self._inner.transfer(
             op, local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type, remote_mem_type=remote_mem_type
@@ -239,7 +248,10 @@ class CudaIpcDirect(Transport):
                     return other, cuda_ipc.mappings.acquire(other, e.handle)[0]
             raise first from None
 
-    async def _copy(self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float) -> None:
+    async def _copy(
+        self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float, *, drain: bool = False
+    ) -> None:
+        """Device copies ``src`` -> ``dst``; with ``drain`` it never returns while one may still land."""
         drv = cuda_ipc.driver()
         t_submit = time.perf_counter()
         try:
@@ -267,14 +279,19 @@ class CudaIpcDirect(Transport):
         try:
             t_done = await asyncio.wait_for(asyncio.shield(waiter), timeout=budget)
         except TimeoutError:
-            # Queued device copies cannot be recalled; they finish on their own (the thread too).
+            if drain:  # queued copies cannot be recalled: a WRITE is over only once they have landed
+                await _drained(waiter)
             raise TransferTimeoutError(
                 f"{sizes.size} device copies did not finish within {budget:.3f}s", backend="cuda-ipc", peer=peer
             ) from None
+        except asyncio.CancelledError:
+            if drain:
+                await _drained(waiter)
+            raise
         except cuda_ipc.CudaIpcError as exc:
             raise TransferFailedError(f"device copies failed: {exc.message}", backend="cuda-ipc", peer=peer) from None
-        if log.isEnabledFor(logging.DEBUG):  # where a READ's fixed cost goes (bench/gpu/sidecar_vram_bench.py)
-            log.debug("same-host READ phases", extra={
+        if log.isEnabledFor(logging.DEBUG):  # where a transfer's fixed cost goes (bench/gpu/sidecar_vram_bench.py)
+            log.debug("same-host READ phases" if not drain else "same-host WRITE phases", extra={
                 "peer": peer, "spans": int(sizes.size), "how": batch.how, "submit_us": (t_queued - t_submit) * 1e6,
                 "gpu_us": (t_done - t_queued) * 1e6, "wake_us": (time.perf_counter() - t_done) * 1e6,
                 "kernel_table_upload_launch_us": list(drv.kernels.last_us) if batch.how == "kernel" else None,
@@ -286,3 +303,14 @@ class CudaIpcDirect(Transport):
         if self._waiter is not None:
             self._waiter.shutdown(wait=False)
         self._inner.close()
+
+
+async def _drained(waiter: asyncio.Future[Any]) -> None:
+    """Until the device copies behind ``waiter`` finished (cancelling the caller again does not stop the wait)."""
+    while not waiter.done():
+        try:
+            await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            continue
+        except Exception:
+            return
