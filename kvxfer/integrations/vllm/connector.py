@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -239,7 +240,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._scheduler is not None
         if self.settings.push_layerwise:
             self._scheduler.step_streams(self._scheduled(scheduler_output))
-        return KvxferConnectorMetadata(self._scheduler.build_plan())
+        plan = self._scheduler.build_plan()
+        if not plan and scheduler_output.total_num_scheduled_tokens == 0 and self._scheduler.loading:
+            # Nothing to run but loads to wait for: nap instead of spinning the engine, its workers and
+            # a core the prefill next door (or this host's other work) could use.
+            time.sleep(self.settings.idle_wait_ms / 1000)
+        return KvxferConnectorMetadata(plan)
 
     def _scheduled(self, out: SchedulerOutput) -> list[tuple[str, Any, int, int, bool]]:
         """(request, new blocks per transfer group, computed before, scheduled now, replace) of this step."""

@@ -347,6 +347,11 @@ class SchedulerSide:
             return PullSpec(rid, remote, error="no group has anything to load", push=remote.push)
         return PullSpec(rid, remote, tuple(pulls), push=remote.push)
 
+    @property
+    def loading(self) -> bool:
+        """Some decode request's KV is on its way."""
+        return bool(self._loading)
+
     def loads_finished(self, request_ids: Sequence[str] | set[str] | None) -> None:
         """The workers reported these loads as ended."""
         self._loading.difference_update(request_ids or ())

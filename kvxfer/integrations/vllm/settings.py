@@ -60,6 +60,10 @@ class ConnectorSettings:
     #: computes (the sidecar WRITEs a layer as soon as the worker says it is in the cache). Needs
     #: vLLM's per-layer hooks: CUDA graphs run piecewise.
     push_layerwise: bool = False
+    #: Decode instance: when a step schedules nothing and loads are on their way, the engine naps
+    #: this long before its next step instead of spinning (vLLM steps without pause while a request
+    #: waits for remote KV, which in push mode lasts the whole remote prefill). 0: no nap.
+    idle_wait_ms: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.sidecar_socket.strip():
@@ -71,7 +75,7 @@ class ConnectorSettings:
                 f"known: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)}",
                 field="sidecar_socket",
             )
-        for name in ("lease_seconds", "transfer_timeout_seconds"):
+        for name in ("lease_seconds", "transfer_timeout_seconds", "idle_wait_ms"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ConnectorSettingsError(f"{name}: must be a number >= 0, got {value!r}", field=name)
