@@ -123,6 +123,9 @@ class Pusher:
         #: Requests whose every offer was revoked before they were published here: request id ->
         #: (why, when). Their publish, when it comes, is released at once (nobody will take it).
         self._given_up: dict[str, tuple[str, float]] = {}
+        #: Offers the layer-wise stream completed before their publish (Landed already sent): request id
+        #: -> [(reader, its rank, when)]. The publish, when it comes, counts them as done readers.
+        self._landed_early: dict[str, list[tuple[Identity, RankInfo, float]]] = {}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.offers.values())
@@ -205,6 +208,12 @@ class Pusher:
         if given_up is not None and not self.offers.get(rid):
             self.publisher.release_unwanted(rid, given_up[0])
             return
+        for reader, rank, _at in self._landed_early.pop(rid, ()):
+            try:
+                self.publisher.admit_writer(rid, reader, rank)
+            except KvxferError:
+                continue  # bound to another reader meanwhile: its lease or its reader frees it
+            self.publisher.reader_finished(rid, reader.engine_id, rank, None)
         waiting = [o for o in self.offers.get(rid, {}).values() if o.task is None]
         if waiting:
             reg = self.registry.require()
@@ -372,6 +381,20 @@ class Pusher:
         loaded = self._loaded.pop(key, None)
         if loaded is not None:
             self.dp.remove_peer(loaded[0])
+
+    def landed_early(self, offer: Offer) -> None:
+        """The layer-wise stream wrote every byte of ``offer`` before the publish: tell the reader now."""
+        if offer.task is not None or self.offers.get(offer.request_id, {}).get(offer.key) is not offer:
+            return  # the publish path has it, or it ended otherwise
+        self._forget(offer)
+        now = time.monotonic()
+        horizon = now - self.settings.transfer_timeout_seconds - self.settings.lease_seconds
+        for rid in [r for r, done in self._landed_early.items() if all(at < horizon for *_x, at in done)]:
+            del self._landed_early[rid]
+        self._landed_early.setdefault(offer.request_id, []).append((offer.reader, offer.rank, now))
+        self.metrics.transfer_done("write", "ok", nbytes=offer.stream_bytes, descriptors=offer.stream_descriptors,
+                                   seconds=offer.stream_seconds)  # fmt: skip
+        self._send_landed(offer, None, (offer.stream_bytes, offer.stream_descriptors, offer.stream_seconds))
 
     def _remember_given_up(self, rid: str, why: str) -> None:
         now = time.monotonic()

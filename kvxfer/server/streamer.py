@@ -10,9 +10,12 @@ region. Writes of one layer of one offer run in step order, so a partly computed
 one step is overwritten by the next step's.
 
 What a step wrote is recorded on the offer (per group and layer, how far its tokens are written).
-When the request is published (the prefill finished), the pusher writes only the groups the
-stream did not cover completely (an offer that came after the first layers, a layout whose
-layers share one region, a Mamba state), then reports Landed as usual.
+An offer the stream covers completely (every group, every layer, every offered token) gets its
+``Landed`` at once: the decode side starts without waiting for the prefill to finish its step and
+publish; the publish, when it comes, counts that reader as done. Otherwise, when the request is
+published, the pusher writes only the groups the stream did not cover completely (an offer that
+came after the first layers, a layout whose layers share one region, a Mamba state), then reports
+Landed as usual.
 """
 
 from __future__ import annotations
@@ -202,3 +205,7 @@ class Streamer:
         offer.stream_seconds += time.monotonic() - t0
         if start <= written:  # contiguous with what earlier steps wrote
             offer.streamed[key] = max(written, upto)
+        reg = self.registry.registration
+        if reg is not None and all(offer.covered(n, g.layout.num_layers) for n, g in reg.groups.items()):
+            # Every byte the reader needs has landed: it may start now, not when the publish comes.
+            self.pusher.landed_early(offer)

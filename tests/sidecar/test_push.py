@@ -142,9 +142,8 @@ async def test_not_published_in_time_the_offer_is_revoked_and_a_late_publish_fre
     assert p.core is not None
     assert len(p.core.pusher) == 0  # revoked by the fence
     # The prefill finishes later: nobody wants it any more, so its publish is freed at once.
-    released = asyncio.ensure_future(_first_kind(pw, "RELEASED"))
-    await asyncio.sleep(0.1)
     await pw.client.publish("never", {"kv": [3, 4]})
+    released = asyncio.ensure_future(_first_kind(pw, "RELEASED", "never"))
     ev = await asyncio.wait_for(released, 5)
     assert ev.request_id == "never"  # type: ignore[attr-defined]
     assert "gave up on it before it was published" in ev.message  # type: ignore[attr-defined]
@@ -213,7 +212,8 @@ async def test_offers_are_checked_and_bound(harness: Harness) -> None:
 
 # ---------------------------------------------------------------------- layer-wise
 async def test_layerwise_push_lands_each_layer_before_the_publish(harness: Harness) -> None:
-    """StreamStep + LayerDone: each layer of each step is written as it is announced; the publish adds nothing."""
+    """StreamStep + LayerDone: each layer of each step is written as it is announced; once every offered byte
+    landed the reader is told, before the publish; the publish then adds nothing and is freed at once."""
     lay = attention(layers=4, block_size=16)
     ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
     p_blocks, d_blocks = [5, 6, 7, 1, 30], [9, 3, 4, 50, 51]
@@ -239,12 +239,15 @@ async def test_layerwise_push_lands_each_layer_before_the_publish(harness: Harne
     for layer in range(lay.num_layers):
         await _until(lambda layer=layer: np.array_equal(np.asarray(dst.pages(layer)[d_blocks]),
                                                         np.asarray(src.pages(layer)[p_blocks])))  # fmt: skip
-    assert not pull.done()  # it ends with the Landed the publish sends
-    await pw[0].client.publish("lw", {"kv": p_blocks})
-    res = await pull
+    # Every offered byte landed: the decode side is told at once, before the prefill even published.
+    res = await asyncio.wait_for(pull, 5)
+    assert (await pw[0].client.status())["leases"] == 0
     # Five blocks, and the block step 1 left partly computed (tokens 32..39 of 32..47) written again by step 2.
     assert res.bytes == (5 + 1) * lay.page_bytes * lay.num_layers
-    assert _bytes(ps[0], "write") == res.bytes  # all of it streamed: the publish wrote nothing more
+    # The publish comes later: the reader already has everything, so it is freed at once, nothing written.
+    await pw[0].client.publish("lw", {"kv": p_blocks})
+    await _wait_leases(pw, 0, within=2.0)
+    assert _bytes(ps[0], "write") == res.bytes
 
 
 async def test_layerwise_offer_after_the_first_layers_is_completed_at_the_publish(harness: Harness) -> None:
@@ -292,8 +295,9 @@ async def _until(pred: object, within: float = 5.0) -> None:
     raise AssertionError("condition not reached")
 
 
-async def _first_kind(worker: Worker, kind: str) -> object:
-    async for ev in worker.client.watch_completions():
-        if ev.kind == kind:
+async def _first_kind(worker: Worker, kind: str, rid: str) -> object:
+    # replay: the stream may open after the event (the log keeps it)
+    async for ev in worker.client.watch_completions(replay=True):
+        if ev.kind == kind and ev.request_id == rid:
             return ev
     raise AssertionError("stream ended")
