@@ -32,6 +32,9 @@ from kvxfer.worker_agent import WorkerAgent
 
 __all__ = ["SidecarUnavailableError", "WorkerSide"]
 
+#: How often (in layer signals) the worker logs what they cost the forward pass.
+LAYER_SIGNAL_LOG_EVERY = 64
+
 log = get_logger("kvxfer.vllm.worker")
 T = TypeVar("T")
 
@@ -234,6 +237,13 @@ class WorkerSide:
             self.sidecar.submit(self._layer_done(self._stream_step, *where))
         self.layer_signals += 1
         self.layer_signal_seconds += time.perf_counter() - t0
+        if self.layer_signals % LAYER_SIGNAL_LOG_EVERY == 0:
+            self._log_layer_signals()
+
+    def _log_layer_signals(self) -> None:
+        each = 1e6 * self.layer_signal_seconds / self.layer_signals
+        log.info(f"layer-wise push: {self.layer_signals} layer signals over {self._steps} steps, {each:.1f} us each "
+                 "on the forward path")  # fmt: skip
 
     def step_saved(self) -> None:
         """The step's forward pass ended: no more layer signals until the next streamed step."""
@@ -355,9 +365,7 @@ class WorkerSide:
     def close(self) -> None:
         """Close the client; let the sidecar forget the memory (tensors keep their mapping)."""
         if self.layer_signals:
-            each = 1e6 * self.layer_signal_seconds / self.layer_signals
-            log.info(f"layer-wise push: {self.layer_signals} layer signals over {self._steps} steps, {each:.1f} us "
-                     "each on the forward path")  # fmt: skip
+            self._log_layer_signals()
         self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
