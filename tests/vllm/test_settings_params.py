@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from kvxfer.integrations.vllm.params import ParamsError, RemoteGroup, RemotePrefill, prefill_response
+from kvxfer.integrations.vllm.params import (
+    ParamsError,
+    RemoteGroup,
+    RemotePrefill,
+    prefill_response,
+    push_params,
+    wants_push,
+)
 from kvxfer.integrations.vllm.settings import DEFAULT_SOCKET, ConnectorSettings, ConnectorSettingsError
 
 
@@ -47,6 +54,9 @@ def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
         ({"sidecar_socket": 5}, "sidecar_socket: must be a string, got 5"),
         ({"data_plane": "gpu"}, "data_plane: 'gpu' is not one of sidecar, worker"),
         ({"worker_backend": "worker"}, "worker_backend: 'worker' is not a library backend (e.g. nixl)"),
+        ({"push_layerwise": "maybe"}, "push_layerwise: must be true or false, got 'maybe'"),
+        ({"push_layerwise": 1}, "push_layerwise: must be true or false, got 1"),
+        ({"idle_wait_ms": -1}, "idle_wait_ms: must be a number >= 0, got -1.0"),
     ],
 )
 def test_bad_settings_name_the_key(extra: dict[str, Any], fragment: str) -> None:
@@ -128,4 +138,45 @@ def test_legacy_params_of_one_rank_use_remote_host_and_port() -> None:
 def test_bad_params_name_the_key(params: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ParamsError) as info:
         RemotePrefill.parse(params)
+    assert fragment in info.value.message
+
+
+def test_push_settings_from_the_environment() -> None:
+    env = {"KVXFER_VLLM_PUSH_LAYERWISE": "true", "KVXFER_VLLM_IDLE_WAIT_MS": "0"}
+    s = ConnectorSettings.load({}, env=env)
+    assert (s.push_layerwise, s.idle_wait_ms) == (True, 0.0)
+    assert ConnectorSettings.load({"push_layerwise": False}, env=env).push_layerwise is False  # extra config wins
+    assert ConnectorSettings.load({}, env={}).push_layerwise is False
+
+
+def test_push_params_round_trip() -> None:
+    pre, dec = push_params(push_id="push-1", addresses=["p0:1", "p1:1"], sidecar_engine_id="pe", engine_id="vp")
+    assert pre == {"do_remote_decode": True, "kvxfer_push": True, "kvxfer_push_id": "push-1"}
+    assert wants_push(pre)
+    assert wants_push(dec)
+    r = RemotePrefill.parse_push(dec)
+    assert (r.request_id, r.addresses, r.sidecar_engine_id, r.engine_id, r.push) == (
+        "push-1",
+        ("p0:1", "p1:1"),
+        "pe",
+        "vp",
+        True,
+    )
+    assert r.groups == ()  # nothing is published yet
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({"kvxfer_push": True, "kvxfer_addresses": ["a:1"]}, "kvxfer_push_id: must be a non-empty string"),
+        ({"kvxfer_push": True, "kvxfer_push_id": "a b", "kvxfer_addresses": ["a:1"]},
+         "kvxfer_push_id: at most 256 characters and no spaces, got 'a b'"),
+        ({"kvxfer_push": True, "kvxfer_push_id": "x"}, "kvxfer_addresses: push mode needs the sidecar address"),
+        ({"kvxfer_push": True, "kvxfer_push_id": "x", "kvxfer_addresses": ["a:1"], "kvxfer_engine_id": 3},
+         "kvxfer_engine_id: must be a string, got 3"),
+    ],
+)  # fmt: skip
+def test_bad_push_params_name_the_key(params: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ParamsError) as info:
+        RemotePrefill.parse_push(params)
     assert fragment in info.value.message
