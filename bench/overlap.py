@@ -20,6 +20,11 @@ verified. Every mode runs in the same cluster, interleaved request by request.
   .venv/bin/python bench/overlap.py                                  # CPU, shared memory
   python3 bench/overlap.py --memory cuda --out $OUT                  # one GPU
   python3 bench/overlap.py --memory cuda --decode-device 1 --out $OUT
+  python3 bench/overlap.py --memory cuda --gpu-compute --out $OUT    # layers as GPU work + CUDA events
+
+With ``--gpu-compute`` each layer is GPU work (a spin, then the layer's KV written by a device
+copy) that the producer only queues; layer-wise push then relies on the per-layer CUDA events the
+sidecar waits for, and the control mode without them must find wrong bytes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 import numpy as np
 
 MODES = ("pull", "push", "push-layerwise")
+#: With --gpu-compute: layer-wise push whose worker sends no CUDA events (a control: the sidecar
+#: then WRITEs layers the GPU has not written yet, and the decode side must find wrong bytes).
+CONTROL = "push-layerwise-no-events"
 
 
 def layout(layers: int, num_blocks: int, heads: int, head_size: int) -> Any:
@@ -74,23 +82,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rid, salt = f"ovl-{mode}-{i}", 1000 + step
                 p_blocks, d_blocks = p_alloc.allocate(args.blocks), d_alloc.allocate(args.blocks)
                 tokens = args.blocks * lay.block_size
+                gpu = ("no-events" if mode == CONTROL else "events") if args.gpu_compute else ""
                 if mode == "pull":
-                    t_last = pw.call("produce", rid, {"kv": p_blocks}, salt, args.layer_ms, False, step)["t_last"]
+                    t_last = pw.call("produce", rid, {"kv": p_blocks}, salt, args.layer_ms, False, step, gpu)["t_last"]
                     got = dw.call("pull", rid, [pre.peer_address], {"kv": d_blocks}, salt, "prefill")
                 else:
-                    layerwise = mode == "push-layerwise"
+                    layerwise = mode.startswith("push-layerwise")
                     spans = {"kv": tokens} if layerwise else None
                     dw.send("pull", rid, [pre.peer_address], {"kv": d_blocks}, salt, "prefill", None, True, spans)
                     time.sleep(0.05)  # the offer is at the prefill sidecar, as when a proxy sends both at once
-                    t_last = pw.call("produce", rid, {"kv": p_blocks}, salt, args.layer_ms, layerwise, step)["t_last"]
+                    t_last = pw.call("produce", rid, {"kv": p_blocks}, salt, args.layer_ms, layerwise, step,
+                                     gpu)["t_last"]  # fmt: skip
                     got = dw.recv()
                 p_alloc.release(p_blocks)
                 d_alloc.release(d_blocks)
-                if got["mismatched"]:
+                if got["mismatched"] and mode != CONTROL:
                     raise RuntimeError(f"{rid}: {got['mismatched']} bytes differ")
                 if i >= args.warmup:
                     per_mode[mode].append({"after_last_layer_ms": 1000 * (got["t_done"] - t_last),
-                                           "bytes": got["checked"]})  # fmt: skip
+                                           "bytes": got["checked"], "mismatched": got["mismatched"]})  # fmt: skip
         codes = cluster.stop()
     summary = {}
     for mode, rows in per_mode.items():
@@ -100,6 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "p50_ms": statistics.median(lat) if lat else float("nan"),
             "p90_ms": float(np.percentile(lat, 90)) if lat else float("nan"),
             "min_ms": min(lat) if lat else float("nan"),
+            "requests_with_wrong_bytes": sum(1 for r in rows if r["mismatched"]),
         }  # fmt: skip
     return {
         "memory": memory, "layers": args.layers, "blocks": args.blocks, "layer_ms": args.layer_ms,
@@ -123,11 +134,18 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--gpu-compute", action="store_true",
+                    help="(--memory cuda) each layer is GPU work the producer does not wait for, with a CUDA event "
+                    f"per layer; adds the control mode {CONTROL}")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
+    if args.gpu_compute:
+        if args.memory != "cuda":
+            ap.error("--gpu-compute: needs --memory cuda")
+        args.modes.append(CONTROL)
+    bad = [m for m in args.modes if m not in (*MODES, CONTROL)]
     if bad or not args.modes:
         ap.error(f"--modes: unknown {bad or args.modes}; known: {', '.join(MODES)}")
     if 2 * args.blocks + 4 > args.num_blocks:
@@ -137,8 +155,8 @@ def main() -> int:
     print(f"{rep['layers']} layers x {args.layer_ms:g} ms = {rep['prefill_ms']:g} ms of prefill, {mib:.1f} MiB per "
           f"request, memory {rep['memory']}; last layer computed -> last byte landed:")  # fmt: skip
     for mode, s in rep["summary"].items():
-        print(f"  {mode:<16} p50 {s['p50_ms']:8.2f} ms   p90 {s['p90_ms']:8.2f} ms   min {s['min_ms']:8.2f} ms   "
-              f"({s['requests']} requests)")  # fmt: skip
+        print(f"  {mode:<26} p50 {s['p50_ms']:8.2f} ms   p90 {s['p90_ms']:8.2f} ms   min {s['min_ms']:8.2f} ms   "
+              f"({s['requests']} requests, {s['requests_with_wrong_bytes']} with wrong bytes)")  # fmt: skip
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "overlap.json").write_text(json.dumps(rep, indent=2))

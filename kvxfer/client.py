@@ -527,9 +527,15 @@ class AsyncClient:
         """Outcomes of jobs this worker's agent ran."""
         await self._call(self._stub.AgentReport, local_pb2.AgentReportRequest(outcomes=outcomes), None)
 
-    async def stream_step(self, step: int, requests: Sequence[local_pb2.StreamedRequest]) -> int:
-        """Layer-wise push: the requests this engine step computes; returns how many are offered already."""
-        resp = await self._call(self._stub.StreamStep, local_pb2.StreamStepRequest(step=step, requests=requests), None)
+    async def stream_step(
+        self, step: int, requests: Sequence[local_pb2.StreamedRequest], events: Sequence[local_pb2.LayerEvent] = ()
+    ) -> int:
+        """Layer-wise push: the requests this engine step computes; returns how many are offered already.
+
+        ``events``: a GPU worker's interprocess event per (group, layer), recorded after each layer.
+        """
+        req = local_pb2.StreamStepRequest(step=step, requests=requests, events=events)
+        resp = await self._call(self._stub.StreamStep, req, None)
         return int(resp.offered)
 
     async def layer_done(self, step: int, group: str, layer: int) -> int:

@@ -146,6 +146,7 @@ class CudaDriver:
             "cuEventSynchronize": [ctypes.c_void_p],
             "cuEventDestroy_v2": [ctypes.c_void_p],
             "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+            "cuIpcOpenEventHandle": [ctypes.POINTER(ctypes.c_void_p), _Handle],
         }.items():
             fn = getattr(lib, name, None)
             if fn is not None:  # copies are optional: registration works without them
@@ -260,6 +261,22 @@ class CudaDriver:
             rc = self._lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS)
         self._check(rc, "cuIpcOpenMemHandle")
         return int(ptr.value)
+
+    def open_event(self, ordinal: int, handle: bytes) -> int:
+        """Open another process's interprocess event (``cudaIpcGetEventHandle``); returns the CUevent."""
+        h = _Handle()
+        ctypes.memmove(ctypes.byref(h), handle, HANDLE_BYTES)
+        ev = ctypes.c_void_p()
+        with self._current(ordinal):
+            rc = self._lib.cuIpcOpenEventHandle(ctypes.byref(ev), h)
+        self._check(rc, "cuIpcOpenEventHandle")
+        return int(ev.value or 0)
+
+    def sync_event(self, ordinal: int, event: int) -> None:
+        """Block until the work recorded in ``event`` (by any process) has completed."""
+        with self._current(ordinal):
+            rc = self._lib.cuEventSynchronize(ctypes.c_void_p(event))
+        self._check(rc, "cuEventSynchronize")
 
     def close(self, ordinal: int, ptr: int) -> None:
         """Unmap what :meth:`open` mapped."""

@@ -317,7 +317,9 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         client.publish(rid, blocks, lease_seconds=lease)
         return {"bytes": nbytes, "fill_s": t1 - t0, "publish_s": time.perf_counter() - t1}
     if op == "produce":  # a prefill computed layer by layer: optionally streamed, then published
-        _, rid, blocks, salt, layer_ms, stream, step = cmd
+        _, rid, blocks, salt, layer_ms, stream, step, *gpu = cmd
+        if gpu and gpu[0]:
+            return _produce_on_gpu(client, buffers, rank, rid, blocks, salt, layer_ms, stream, step, gpu[0])
         for g, ids in blocks.items():
             fill_blocks(buffers[g], rank, ids, salt)  # the contents; each layer "completes" below
         ntok = {g: len(ids) * buffers[g].layout.tokens_per_page for g, ids in blocks.items()}
@@ -365,6 +367,71 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
     if op == "status":
         return dict(client.status())
     raise ValueError(f"unknown command {op!r}")
+
+
+#: GPU clock cycles per millisecond that ``torch.cuda._sleep`` spins (about an H100/H200's boost clock).
+GPU_CYCLES_PER_MS = 1_900_000
+_LAYER_EVENTS: dict[tuple[str, int], Any] = {}  # (group, layer) -> interprocess CUDA event, made once
+
+
+def _produce_on_gpu(
+    client: Any, buffers: dict[str, Any], rank: RankInfo, rid: str, blocks: dict[str, Any], salt: int,
+    layer_ms: float, stream: bool, step: int, how: str,
+) -> dict[str, Any]:  # fmt: skip
+    """A prefill whose layers are GPU work the host does not wait for (``how``: ``events`` or ``no-events``).
+
+    Each layer spins the GPU for ``layer_ms`` and then writes that layer's KV of the request (a
+    device copy queued after the spin), as a model's attention layer does; with ``events`` it
+    records the layer's interprocess event. The host only queues work and signals: the sidecar must
+    wait for the event before it WRITEs the layer (``no-events`` shows what happens otherwise).
+    """
+    import torch
+
+    staged: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+    for g, ids in blocks.items():
+        buf = buffers[g]
+        fill_blocks(buf, rank, ids, salt)
+        for layer in range(buf.layout.num_layers):
+            view = buf.pages(layer)._view
+            index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=view.device)
+            staged[(g, layer)] = (view, index, view[index].clone())
+        poison_blocks(buf, ids)  # what a WRITE that did not wait for the layer would carry
+    events = []
+    for g, buf in buffers.items():
+        if g not in blocks:
+            continue
+        for layer in range(buf.layout.num_layers):
+            ev = _LAYER_EVENTS.get((g, layer))
+            if ev is None:
+                ev = torch.cuda.Event(enable_timing=False, interprocess=True)  # type: ignore[no-untyped-call]
+                _LAYER_EVENTS[(g, layer)] = ev
+                ev.record()
+            if how == "events":
+                events.append(local_pb2.LayerEvent(group=g, layer=layer, ipc_handle=bytes(ev.ipc_handle()),
+                                                   device=buf.device.index))  # fmt: skip
+    if stream:
+        ntok = max(len(ids) * buffers[g].layout.tokens_per_page for g, ids in blocks.items())
+        lists = [common_pb2.BlockList(group=g, block_ids=list(ids)) for g, ids in blocks.items()]
+        req = local_pb2.StreamedRequest(request_id=rid, blocks=lists, start_token=0, end_token=ntok)
+        client.call(client.aio.stream_step(step, [req], events))
+    torch.cuda.synchronize()
+    t_queue = time.monotonic()
+    layers = max(buffers[g].layout.num_layers for g in blocks)
+    for layer in range(layers):
+        # the layer's kernels
+        torch.cuda._sleep(int(layer_ms * GPU_CYCLES_PER_MS))  # type: ignore[no-untyped-call]
+        for g in blocks:
+            if (g, layer) in staged:
+                view, index, values = staged[(g, layer)]
+                view[index] = values  # its KV, written after its kernels on the same stream
+                _LAYER_EVENTS[(g, layer)].record()
+                if stream:
+                    client.submit(client.aio.layer_done(step, g, layer))
+    queued = time.monotonic() - t_queue
+    torch.cuda.synchronize()
+    t_last = time.monotonic()  # the last layer's KV is in memory
+    client.publish(rid, blocks)
+    return {"t_last": t_last, "queued_s": queued, "gpu_s": t_last - t_queue}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

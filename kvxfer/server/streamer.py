@@ -63,6 +63,9 @@ class Streamer:
         self.registry = registry
         self.pusher = pusher
         self._steps: dict[int, list[_Streamed]] = {}
+        #: Per step: the GPU worker's event of each (group, layer) (device, IPC handle), and the opened events.
+        self._events: dict[int, dict[tuple[str, int], tuple[int, bytes]]] = {}
+        self._opened: dict[tuple[int, bytes], int] = {}
         self._early: dict[int, list[tuple[str, int]]] = {}  # LayerDone frames that overtook their StreamStep
         #: (offer, step, group) -> (this side's rows, the reader's rows, this side's region of each row)
         self._rows: dict[tuple[str, int, str], tuple[U64, U64, I64]] = {}
@@ -83,8 +86,10 @@ class Streamer:
             origins = {bl.group: int(bl.skip_tokens) for bl in r.blocks}
             reqs.append(_Streamed(rid, blocks, origins, int(r.start_token), int(r.end_token)))
         self._steps[step] = reqs
+        self._events[step] = {(e.group, int(e.layer)): (int(e.device), bytes(e.ipc_handle)) for e in req.events}
         for old in [s for s in self._steps if s <= step - MAX_STEPS]:
             del self._steps[old]
+            self._events.pop(old, None)
         self._rows = {k: v for k, v in self._rows.items() if k[1] > step - MAX_STEPS}
         for group, layer in self._early.pop(step, ()):
             self._layer(step, group, layer, reg)
@@ -113,6 +118,7 @@ class Streamer:
         lay = reg.groups[group].layout
         if lay.num_regions == 1 and lay.num_layers > 1:
             return 0  # every layer in one region (cross-layer): the publish writes it whole
+        ready: asyncio.Future[None] | None = None
         for r in self._steps[step]:
             for offer in list(self.pusher.offers.get(r.request_id, {}).values()):
                 if offer.task is not None or offer.writer_given or group not in offer.spans:
@@ -130,9 +136,32 @@ class Streamer:
                 if not keep.any():
                     continue
                 upto = self._upto(offer, r, group)
-                self._write(offer, group, layer, mine[keep], theirs[keep], r.start, upto)
+                if ready is None:
+                    ready = self._layer_ready(step, group, layer)
+                self._write(offer, group, layer, mine[keep], theirs[keep], r.start, upto, ready)
                 writes += 1
         return writes
+
+    def _layer_ready(self, step: int, group: str, layer: int) -> asyncio.Future[None]:
+        """Done once the layer's KV is in memory: at once on a CPU; a GPU worker's event must complete first."""
+        loop = asyncio.get_running_loop()
+        event = self._events.get(step, {}).get((group, layer))
+        if event is None:
+            done: asyncio.Future[None] = loop.create_future()
+            done.set_result(None)
+            return done
+        device, handle = event
+        return loop.run_in_executor(None, self._wait_event, device, handle)
+
+    def _wait_event(self, device: int, handle: bytes) -> None:
+        from kvxfer import cuda_ipc  # only GPU workers send events
+
+        drv = cuda_ipc.driver()
+        key = (device, handle)
+        ev = self._opened.get(key)
+        if ev is None:
+            ev = self._opened[key] = drv.open_event(device, handle)
+        drv.sync_event(device, ev)
 
     def _upto(self, offer: Offer, r: _Streamed, group: str) -> int:
         num_tokens, _reader_skip, at = offer.spans[group]
@@ -176,17 +205,20 @@ class Streamer:
         self._rows[key] = rows
         return rows
 
-    def _write(self, offer: Offer, group: str, layer: int, mine: U64, theirs: U64, start: int, upto: int) -> None:
+    def _write(
+        self, offer: Offer, group: str, layer: int, mine: U64, theirs: U64, start: int, upto: int,
+        ready: asyncio.Future[None],
+    ) -> None:  # fmt: skip
         """Chain one layer's WRITE after the previous step's of the same layer (a rewritten chunk lands last)."""
         key = (group, layer)
         before = offer.stream_tasks.get(key)
         offer.stream_tasks[key] = asyncio.get_running_loop().create_task(
-            self._run(offer, key, before, mine, theirs, start, upto)
+            self._run(offer, key, before, mine, theirs, start, upto, ready)
         )
 
     async def _run(
         self, offer: Offer, key: tuple[str, int], before: asyncio.Task[None] | None, mine: U64, theirs: U64,
-        start: int, upto: int,
+        start: int, upto: int, ready: asyncio.Future[None],
     ) -> None:  # fmt: skip
         if before is not None:
             with contextlib.suppress(BaseException):
@@ -194,11 +226,12 @@ class Streamer:
         written = offer.streamed.get(key, offer.spans[key[0]][2])
         t0 = time.monotonic()
         try:
+            await asyncio.shield(ready)  # a GPU layer's kernels must have written it (its event)
             await self.pusher.write_rows(offer, mine, theirs)
-        except KvxferError as exc:
+        except (KvxferError, OSError) as exc:
             offer.stream_failed = True
             with log_context(request_id=offer.request_id, transfer_id=offer.transfer_id, peer=offer.reader.label):
-                log.info("layer WRITE failed; the publish writes the request whole", extra={"error": exc.message})
+                log.info("layer WRITE failed; the publish writes the request whole", extra={"error": str(exc)})
             return
         offer.stream_bytes += int(mine[:, 1].sum())
         offer.stream_descriptors += int(mine.shape[0])

@@ -76,6 +76,8 @@ class WorkerSide:
         self.registration: dict[str, Any] = {}
         self._names: dict[int, list[str]] = {}  # vLLM transfer group -> kvxfer groups
         self._layers: dict[str, tuple[str, int]] = {}  # vLLM layer name -> (kvxfer group, layer index)
+        #: GPU workers, layer-wise push: one interprocess CUDA event per layer, recorded after it wrote its KV.
+        self._events: dict[str, tuple[Any, local_pb2.LayerEvent]] = {}
         #: Layer-wise push: the step being computed (0: none streams), and what the signals cost.
         self._stream_step = 0
         self._steps = 0
@@ -115,6 +117,7 @@ class WorkerSide:
             self._names.setdefault(g.transfer_index, []).append(g.name)
             for i, layer in enumerate(g.layer_names):
                 self._layers[layer] = (g.name, i)
+        self._events = layer_events(self._layers, kv_caches) if self.settings.push_layerwise else {}
         self.registration = self.sidecar.call(self._register(), timeout=self.settings.call_timeout_seconds + 5)
         for g in groups:
             lay = g.layout
@@ -219,7 +222,7 @@ class WorkerSide:
             reqs.append(local_pb2.StreamedRequest(request_id=spec.request_id, blocks=lists, start_token=spec.start,
                                                   end_token=spec.end))  # fmt: skip
         try:
-            await self.sidecar.aio.stream_step(step, reqs)
+            await self.sidecar.aio.stream_step(step, reqs, [e for _ev, e in self._events.values()])
         except KvxferError as exc:  # the publish still writes the whole request
             log.warning(f"step {step}: could not announce the streamed requests: {exc.message}")
 
@@ -234,6 +237,9 @@ class WorkerSide:
         t0 = time.perf_counter()
         where = self._layers.get(layer_name)
         if where is not None:
+            event = self._events.get(layer_name)
+            if event is not None:
+                event[0].record()  # on the compute stream: the sidecar waits for it, this thread does not
             self.sidecar.submit(self._layer_done(self._stream_step, *where))
         self.layer_signals += 1
         self.layer_signal_seconds += time.perf_counter() - t0
@@ -376,3 +382,24 @@ class WorkerSide:
             self.agent.close()
         if self.shared is not None:
             self.shared.close()
+
+
+def layer_events(layers: Mapping[str, tuple[str, int]], kv_caches: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """One interprocess CUDA event per layer whose cache is on a GPU (empty on a CPU worker).
+
+    Made once at registration: ``save_kv_layer`` only records it on the compute stream, and the
+    sidecar opens each handle once and waits for the latest record before the layer's WRITE.
+    """
+    out: dict[str, tuple[Any, Any]] = {}
+    for name, (group, index) in layers.items():
+        tensor = kv_caches.get(name)
+        if tensor is None or not getattr(tensor, "is_cuda", False):
+            continue
+        import torch
+
+        with torch.cuda.device(tensor.device):
+            ev = torch.cuda.Event(enable_timing=False, interprocess=True)  # type: ignore[no-untyped-call]
+            ev.record()  # an event must be recorded once before its handle can be exported
+            handle = bytes(ev.ipc_handle())  # type: ignore[no-untyped-call]
+        out[name] = (ev, local_pb2.LayerEvent(group=group, layer=index, ipc_handle=handle, device=tensor.device.index))
+    return out

@@ -1262,24 +1262,64 @@ class StreamedRequest(_message.Message):
 Global___StreamedRequest: _TypeAlias = StreamedRequest  # noqa: Y015
 
 @_typing.final
+class LayerEvent(_message.Message):
+    """A GPU worker's interprocess CUDA event of one layer: recorded on its compute stream right after the
+    layer wrote its KV, so the sidecar waits for it before that layer's WRITE (the worker never waits).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
+    IPC_HANDLE_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    layer: _builtins.int
+    ipc_handle: _builtins.bytes
+    """cudaIpcEventHandle_t (64 bytes)"""
+    device: _builtins.int
+    """the worker's CUDA device ordinal"""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        layer: _builtins.int = ...,
+        ipc_handle: _builtins.bytes = ...,
+        device: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "group", b"group", "ipc_handle", b"ipc_handle", "layer", b"layer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerEvent: _TypeAlias = LayerEvent  # noqa: Y015
+
+@_typing.final
 class StreamStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STEP_FIELD_NUMBER: _builtins.int
     REQUESTS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """the worker's step number (its LayerDone calls name it)"""
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamedRequest]: ...
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerEvent]:
+        """GPU workers: one per (group, layer), the same events every step"""
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         requests: _abc.Iterable[Global___StreamedRequest] | None = ...,
+        events: _abc.Iterable[Global___LayerEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "requests", b"requests", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
