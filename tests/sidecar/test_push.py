@@ -301,3 +301,32 @@ async def _first_kind(worker: Worker, kind: str, rid: str) -> object:
         if ev.kind == kind and ev.request_id == rid:
             return ev
     raise AssertionError("stream ended")
+
+
+async def test_layer_events_that_cannot_be_waited_for_leave_the_layers_to_the_publish(harness: Harness) -> None:
+    """A StreamStep naming CUDA events on a host without CUDA: no layer is written before its event could be
+    waited for; the stream gives up and the publish writes the whole request (every byte right)."""
+    lay = attention(layers=2, block_size=16)
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    p_blocks, d_blocks = [5, 6], [9, 3]
+    pw[0].fill({"kv": p_blocks}, 23)
+    dw[0].poison({"kv": d_blocks})
+    pull = asyncio.ensure_future(dw[0].client.pull("ev", [ps[0].peer_address], {"kv": d_blocks}, push=True,
+                                                   spans={"kv": TokenSpan(31, 0, 0)}))  # fmt: skip
+    for _ in range(100):
+        if ps[0].core is not None and ps[0].core.pusher.offers.get("ev"):
+            break
+        await asyncio.sleep(0.01)
+    req = local_pb2.StreamedRequest(request_id="ev", blocks=[common_pb2.BlockList(group="kv", block_ids=p_blocks)],
+                                    start_token=0, end_token=32)  # fmt: skip
+    events = [local_pb2.LayerEvent(group="kv", layer=n, ipc_handle=bytes(64), device=0) for n in range(2)]
+    assert await pw[0].client.stream_step(1, [req], events) == 1
+    for layer in range(2):
+        assert await pw[0].client.layer_done(1, "kv", layer) == 1
+    await asyncio.sleep(0.3)
+    assert not pull.done()
+    assert all(np.all(np.asarray(dw[0].buffers["kv"].pages(n)[d_blocks]) == 0xA5) for n in range(2))  # untouched
+    await pw[0].client.publish("ev", {"kv": p_blocks})
+    res = await pull
+    assert dw[0].verify({"kv": d_blocks}, 23)[1] == 0
+    assert res.bytes == 2 * lay.page_bytes * 2  # written once, at the publish
