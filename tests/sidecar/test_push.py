@@ -222,10 +222,7 @@ async def test_layerwise_push_lands_each_layer_before_the_publish(harness: Harne
     dw[0].poison({"kv": d_blocks})
     pull = asyncio.ensure_future(dw[0].client.pull("lw", [ps[0].peer_address], {"kv": d_blocks}, push=True,
                                                    spans={"kv": TokenSpan(loaded, 0, 0)}))  # fmt: skip
-    for _ in range(100):  # the offer is at the writer
-        if ps[0].core is not None and ps[0].core.pusher.offers.get("lw"):
-            break
-        await asyncio.sleep(0.01)
+    await _offered(ps[0], "lw")
     src, dst = pw[0].buffers["kv"], dw[0].buffers["kv"]
     steps = [(1, 0, 40), (2, 40, prompt)]
     for step, start, end in steps:
@@ -263,10 +260,7 @@ async def test_layerwise_offer_after_the_first_layers_is_completed_at_the_publis
     assert await pw[0].client.layer_done(7, "kv", 0) == 0
     pull = asyncio.ensure_future(dw[0].client.pull("late", [ps[0].peer_address], {"kv": d_blocks}, push=True,
                                                    spans={"kv": TokenSpan(47, 0, 0)}))  # fmt: skip
-    for _ in range(100):
-        if ps[0].core is not None and ps[0].core.pusher.offers.get("late"):
-            break
-        await asyncio.sleep(0.01)
+    await _offered(ps[0], "late")
     for layer in (1, 2):
         assert await pw[0].client.layer_done(7, "kv", layer) == 1
     await pw[0].client.publish("late", {"kv": p_blocks})
@@ -313,10 +307,7 @@ async def test_layer_events_that_cannot_be_waited_for_leave_the_layers_to_the_pu
     dw[0].poison({"kv": d_blocks})
     pull = asyncio.ensure_future(dw[0].client.pull("ev", [ps[0].peer_address], {"kv": d_blocks}, push=True,
                                                    spans={"kv": TokenSpan(31, 0, 0)}))  # fmt: skip
-    for _ in range(100):
-        if ps[0].core is not None and ps[0].core.pusher.offers.get("ev"):
-            break
-        await asyncio.sleep(0.01)
+    await _offered(ps[0], "ev")
     req = local_pb2.StreamedRequest(request_id="ev", blocks=[common_pb2.BlockList(group="kv", block_ids=p_blocks)],
                                     start_token=0, end_token=32)  # fmt: skip
     events = [local_pb2.LayerEvent(group="kv", layer=n, ipc_handle=bytes(64), device=0) for n in range(2)]
@@ -330,3 +321,11 @@ async def test_layer_events_that_cannot_be_waited_for_leave_the_layers_to_the_pu
     res = await pull
     assert dw[0].verify({"kv": d_blocks}, 23)[1] == 0
     assert res.bytes == 2 * lay.page_bytes * 2  # written once, at the publish
+
+
+async def _offered(writer: Sidecar, rid: str, within: float = 5.0) -> None:
+    """Until the writer holds an offer for ``rid`` (the reader's Offer call arrived)."""
+    deadline = time.monotonic() + within
+    while writer.core is None or not writer.core.pusher.offers.get(rid):
+        assert time.monotonic() < deadline, f"no offer for {rid!r} reached the writer"
+        await asyncio.sleep(0.01)

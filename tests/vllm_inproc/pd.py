@@ -233,16 +233,10 @@ class PD:
         (``offer_first``: before the prefill finishes), the prefill publishes under the proxy's id and
         its sidecars WRITE; returns the decode side's failed loads once every rank's load ended.
         """
-        addresses = [w.registration["peer_address"] for w in p.workers]
-        pre_params, dec_params = push_params(push_id=f"push-{rid}", addresses=addresses,
-                                             sidecar_engine_id=p.workers[0].registration["engine_id"])  # fmt: skip
+        pre_params, dec_params = self.push_params(p, rid)
 
         def decode_side() -> None:
-            req = decode_request(f"{rid}-d", prompt_len, dec_params)
-            n, is_async = d.scheduler.matched_tokens(req, computed)
-            assert (n, is_async) == (prompt_len - 1 - computed, True), (n, is_async)
-            d.scheduler.after_alloc(req, [list(t) for t in d_tables], n)
-            d.step()
+            self.offer(d, f"{rid}-d", prompt_len, dec_params, d_tables, computed=computed)
 
         def prefill_side() -> None:
             sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
@@ -264,6 +258,25 @@ class PD:
         _, recving, failed = d.finished(recving=f"{rid}-d")
         d.scheduler.loads_finished(recving)
         return failed
+
+    @staticmethod
+    def push_params(p: Instance, rid: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a push-mode proxy sends the prefill and the decode instance for ``rid`` (id ``push-<rid>``)."""
+        addresses = [w.registration["peer_address"] for w in p.workers]
+        return push_params(push_id=f"push-{rid}", addresses=addresses,
+                           sidecar_engine_id=p.workers[0].registration["engine_id"])  # fmt: skip
+
+    @staticmethod
+    def offer(
+        d: Instance, rid: str, prompt_len: int, params: dict[str, Any], d_tables: Tables, *, computed: int = 0
+    ) -> Request:
+        """The decode side of a push: match, allocate, one step (each rank's sidecar offers its blocks)."""
+        req = decode_request(rid, prompt_len, params)
+        n, is_async = d.scheduler.matched_tokens(req, computed)
+        assert (n, is_async) == (prompt_len - 1 - computed, True), (n, is_async)
+        d.scheduler.after_alloc(req, [list(t) for t in d_tables], n)
+        d.step()
+        return req
 
     def close(self) -> None:
         for m in reversed(self.made):

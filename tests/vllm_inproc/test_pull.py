@@ -320,6 +320,30 @@ def test_mla_is_read_from_one_replica(pd: PD, p_tp: int, d_tp: int) -> None:
 
 # ------------------------------------------------------------------------------ several KV-cache groups
 SW_LAYERS = default_layers("self_attn.attn", 4)
+MIXER_LAYERS = default_layers("mixer", 3)
+
+
+def sliding_window_groups(window: int, bs: int) -> list[GroupDef]:
+    """Full attention on the even layers, a sliding window on the odd ones (vLLM's hybrid allocator)."""
+    full = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
+    sw = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD, window=window)
+    return [GroupDef(SW_LAYERS[::2], full), GroupDef(SW_LAYERS[1::2], sw)]
+
+
+def hybrid_groups(bs: int) -> list[GroupDef]:
+    """Two attention layers and a Mamba layer whose page is padded to the attention page."""
+    attn = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
+    return [GroupDef(MIXER_LAYERS[:2], attn),
+            GroupDef(MIXER_LAYERS[2:], mamba_spec(block_size=bs, page_size_padded=attn.page_size_bytes))]  # fmt: skip
+
+
+def assert_mamba_state_moved(pre: Engine, dec: Engine, layer: str, p_state: int, d_state: int) -> None:
+    """The conv and ssm states a Mamba layer cuts from the state block are equal on both sides, byte for byte."""
+    p_states = pre.mamba[layer].bind(pre.kv_caches[layer])
+    d_states = dec.mamba[layer].bind(dec.kv_caches[layer])
+    assert [s.dtype for s in d_states] == [torch.float16, torch.float32]
+    for got, want in zip(d_states, p_states, strict=True):
+        assert torch.equal(got[d_state].view(torch.uint8), want[p_state].view(torch.uint8))
 
 
 def test_sliding_window_and_full_attention_groups(pd: PD) -> None:
@@ -329,13 +353,8 @@ def test_sliding_window_and_full_attention_groups(pd: PD) -> None:
     """
     window, bs = 32, 16
 
-    def groups() -> list[GroupDef]:
-        full = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
-        sw = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD, window=window)
-        return [GroupDef(SW_LAYERS[::2], full), GroupDef(SW_LAYERS[1::2], sw)]
-
-    pre = pd.instance("prefill", engines(groups=groups(), seed=7))
-    dec = pd.instance("decode", engines(groups=groups(), seed=17))
+    pre = pd.instance("prefill", engines(groups=sliding_window_groups(window, bs), seed=7))
+    dec = pd.instance("decode", engines(groups=sliding_window_groups(window, bs), seed=17))
     prompt = 100  # 7 blocks; the window of the last 32 tokens lies in blocks 4..6
     p_full, p_sw = [5, 9, 2, 7, 13, 21, 17], [0, 0, 0, 0, 3, 11, 1]  # vLLM freed the blocks the window left
     d_full, d_sw = [3, 11, 4, 20, 8, 6, 15], [19, 1, 2, 5, 7, 9, 13]
@@ -363,15 +382,9 @@ def test_attention_and_mamba_groups(pd: PD) -> None:
     state), and the decode instance loads exactly those tokens.
     """
     bs = 16
-    attn = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
-    layers = default_layers("mixer", 3)
-
-    def groups() -> list[GroupDef]:
-        return [GroupDef(layers[:2], attn),
-                GroupDef(layers[2:], mamba_spec(block_size=bs, page_size_padded=attn.page_size_bytes))]  # fmt: skip
-
-    pre = pd.instance("prefill", engines(groups=groups(), seed=8))
-    dec = pd.instance("decode", engines(groups=groups(), seed=18))
+    layers = MIXER_LAYERS
+    pre = pd.instance("prefill", engines(groups=hybrid_groups(bs), seed=8))
+    dec = pd.instance("decode", engines(groups=hybrid_groups(bs), seed=18))
     prompt = 70
     p_attn, d_attn = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
     p_state, d_state = 22, 23
@@ -384,11 +397,7 @@ def test_attention_and_mamba_groups(pd: PD) -> None:
         loaded = range(prompt - 1)
         assert torch.equal(rows(dec.engines, n, d_attn, loaded), rows(pre.engines, n, p_attn, loaded))
     mamba = layers[2]
-    p_states = pre.engines[0].mamba[mamba].bind(pre.engines[0].kv_caches[mamba])
-    d_states = dec.engines[0].mamba[mamba].bind(dec.engines[0].kv_caches[mamba])
-    assert [s.dtype for s in d_states] == [torch.float16, torch.float32]
-    for got, want in zip(d_states, p_states, strict=True):
-        assert torch.equal(got[d_state].view(torch.uint8), want[p_state].view(torch.uint8))
+    assert_mamba_state_moved(pre.engines[0], dec.engines[0], mamba, p_state, d_state)
 
 
 # ------------------------------------------------------------------------------ sidecars that outlive a configuration

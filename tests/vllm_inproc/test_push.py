@@ -15,10 +15,22 @@ from vllm import SamplingParams
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvxfer.integrations.vllm.params import push_params
-from tests.vllm_inproc.engine import GroupDef, attention_spec, default_layers, mamba_spec, mla_spec
-from tests.vllm_inproc.pd import PD, block_rows, decode_request, token_rows
-from tests.vllm_inproc.test_pull import D_POOL, LAYERS, P_POOL, SW_LAYERS, blocks_for, engines, kv_spec, rows
+from tests.vllm_inproc.engine import mla_spec
+from tests.vllm_inproc.pd import PD, block_rows, token_rows
+from tests.vllm_inproc.test_pull import (
+    D_POOL,
+    LAYERS,
+    MIXER_LAYERS,
+    P_POOL,
+    SW_LAYERS,
+    assert_mamba_state_moved,
+    blocks_for,
+    engines,
+    hybrid_groups,
+    kv_spec,
+    rows,
+    sliding_window_groups,
+)
 
 HEADS, HEAD = 4, 64
 
@@ -71,13 +83,8 @@ def test_push_sliding_window_and_full_attention_groups(pd: PD) -> None:
     """The window group's publish starts at its tail (its origin): the offer names request positions."""
     window, bs = 32, 16
 
-    def groups() -> list[GroupDef]:
-        full = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
-        sw = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD, window=window)
-        return [GroupDef(SW_LAYERS[::2], full), GroupDef(SW_LAYERS[1::2], sw)]
-
-    pre = pd.instance("prefill", engines(groups=groups(), seed=7))
-    dec = pd.instance("decode", engines(groups=groups(), seed=17))
+    pre = pd.instance("prefill", engines(groups=sliding_window_groups(window, bs), seed=7))
+    dec = pd.instance("decode", engines(groups=sliding_window_groups(window, bs), seed=17))
     prompt = 100
     p_full, p_sw = [5, 9, 2, 7, 13, 21, 17], [0, 0, 0, 0, 3, 11, 1]
     d_full, d_sw = [3, 11, 4, 20, 8, 6, 15], [0, 0, 0, 0, 7, 9, 13]  # the decode side allocates the window only
@@ -93,15 +100,9 @@ def test_push_sliding_window_and_full_attention_groups(pd: PD) -> None:
 
 def test_push_attention_and_mamba_groups(pd: PD) -> None:
     bs = 16
-    attn = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
-    layers = default_layers("mixer", 3)
-
-    def groups() -> list[GroupDef]:
-        return [GroupDef(layers[:2], attn),
-                GroupDef(layers[2:], mamba_spec(block_size=bs, page_size_padded=attn.page_size_bytes))]  # fmt: skip
-
-    pre = pd.instance("prefill", engines(groups=groups(), seed=8))
-    dec = pd.instance("decode", engines(groups=groups(), seed=18))
+    layers = MIXER_LAYERS
+    pre = pd.instance("prefill", engines(groups=hybrid_groups(bs), seed=8))
+    dec = pd.instance("decode", engines(groups=hybrid_groups(bs), seed=18))
     prompt = 70
     p_attn, d_attn = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
     p_state, d_state = 22, 23
@@ -113,10 +114,7 @@ def test_push_attention_and_mamba_groups(pd: PD) -> None:
         assert torch.equal(rows(dec.engines, n, d_attn, loaded), rows(pre.engines, n, p_attn, loaded))
     mamba = layers[2]
     assert not torch.equal(block_rows(dec.engines[0], mamba, d_state), before)
-    p_states = pre.engines[0].mamba[mamba].bind(pre.engines[0].kv_caches[mamba])
-    d_states = dec.engines[0].mamba[mamba].bind(dec.engines[0].kv_caches[mamba])
-    for got, want in zip(d_states, p_states, strict=True):
-        assert torch.equal(got[d_state].view(torch.uint8), want[p_state].view(torch.uint8))
+    assert_mamba_state_moved(pre.engines[0], dec.engines[0], mamba, p_state, d_state)
 
 
 def test_layerwise_push_lands_while_the_prefill_computes(pd: PD) -> None:
@@ -126,13 +124,8 @@ def test_layerwise_push_lands_while_the_prefill_computes(pd: PD) -> None:
     pre = pd.instance("prefill", engines(seed=2, spec_for=kv_spec(bs)), push_layerwise=True)
     dec = pd.instance("decode", engines(seed=12, spec_for=kv_spec(bs)))
     p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
-    addresses = [w.registration["peer_address"] for w in pre.workers]
-    pre_params, dec_params = push_params(push_id="push-lw", addresses=addresses,
-                                         sidecar_engine_id=pre.workers[0].registration["engine_id"])  # fmt: skip
-    dreq = decode_request("lw-d", prompt, dec_params)
-    n, _ = dec.scheduler.matched_tokens(dreq, 0)
-    dec.scheduler.after_alloc(dreq, [d_table], n)
-    dec.step()
+    pre_params, dec_params = pd.push_params(pre, "lw")
+    pd.offer(dec, "lw-d", prompt, dec_params, [d_table])
     time.sleep(0.3)  # the offer reaches the prefill sidecar
     sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
     preq = Request("lw", list(range(100, 100 + prompt)), sp, None)
@@ -175,13 +168,8 @@ def test_decode_abort_mid_push_fences_and_frees_the_prefill(pd: PD) -> None:
     dec = pd.instance("decode", engines(seed=14, spec_for=kv_spec(bs)))
     p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
     before = {n: [block_rows(dec.engines[0], n, b) for b in d_table] for n in LAYERS}
-    addresses = [w.registration["peer_address"] for w in pre.workers]
-    pre_params, dec_params = push_params(push_id="push-ab", addresses=addresses,
-                                         sidecar_engine_id=pre.workers[0].registration["engine_id"])  # fmt: skip
-    dreq = decode_request("ab-d", prompt, dec_params)
-    n, _ = dec.scheduler.matched_tokens(dreq, 0)
-    dec.scheduler.after_alloc(dreq, [d_table], n)
-    dec.step()
+    pre_params, dec_params = pd.push_params(pre, "ab")
+    dreq = pd.offer(dec, "ab-d", prompt, dec_params, [d_table])
     time.sleep(0.3)  # offered
     dreq.status = RequestStatus.FINISHED_ABORTED  # the client went away
     assert dec.scheduler.request_finished(dreq, [d_table]) == (False, None)
