@@ -182,6 +182,9 @@ class Pusher:
         rank = rank_from_proto(req.rank, "rank")
         offer = self.offers.get(rid, {}).get((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank))
         if offer is None:
+            if rid not in self.publisher.publishes and not self.offers.get(rid):
+                # Its offer lapsed (or never came): a publish that comes later is still nobody's.
+                self._remember_given_up(rid, f"{req.engine_id} gave up on it before it was published")
             return peer_pb2.RevokeResponse(found=False)
         offer.revoked = True
         self._forget(offer)
@@ -408,6 +411,9 @@ class Pusher:
         if offer.task is None and self.offers.get(offer.request_id, {}).get(offer.key) is offer:
             offer.cancel_streams()
             self._forget(offer)
+            if not self.offers.get(offer.request_id):  # its reader gives up at this deadline too
+                self._remember_given_up(offer.request_id, f"{offer.key[0]} gave up on it before it was published "
+                                        "(its offer lapsed)")  # fmt: skip
             self._send_landed(offer, DeadlineError(
                 f"request_id: {offer.request_id!r} was not published on {self.settings.engine_id} before the offer's "
                 "deadline", field="request_id"))  # fmt: skip
