@@ -216,7 +216,7 @@ async def run_config(
                     stats["descriptors"] += res.descriptors
                 stats["transfers"] += 1
             except KvxferError as exc:
-                stats["failures"].append(f"{rid}: {exc}")
+                stats["failures"].append(f"{rid}: {exc!r} (reason {getattr(exc, 'reason', '')})")
             finally:
                 for (side, g), a in allocs.items():
                     a.release((p_blocks if side == 0 else d_blocks)[g])

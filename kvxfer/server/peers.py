@@ -88,7 +88,7 @@ class PeerDirectory:
         self._on_handshake = on_handshake
         self._timeout = handshake_timeout
         self._sessions: dict[str, PeerSession] = {}
-        self._pending: dict[str, asyncio.Future[PeerSession]] = {}
+        self._pending: dict[str, asyncio.Future[PeerSession]] = {}  # handshakes under way, by address
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, peer_pb2_grpc.PeerAsyncStub] = {}
         self._closing: set[asyncio.Task[None]] = set()
@@ -116,19 +116,18 @@ class PeerDirectory:
             return s
         fut = self._pending.get(address)
         if fut is None:
-            fut = asyncio.get_running_loop().create_future()
+            # The handshake is a task of its own: a caller that is cancelled (its pull aborted) must not
+            # take the handshake down with it for the others waiting on it.
+            fut = asyncio.ensure_future(self._handshake(address, budget))
             self._pending[address] = fut
-            try:
-                s = await self._handshake(address, budget)
-            except BaseException as exc:
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else PeerUnavailableError(str(exc)))
-                    fut.exception()  # mark retrieved: waiters may be gone
-                raise
-            finally:
-                self._pending.pop(address, None)
-            fut.set_result(s)
-            return s
+
+            def forget(done: asyncio.Future[PeerSession]) -> None:
+                if self._pending.get(address) is done:
+                    del self._pending[address]
+                if not done.cancelled():
+                    done.exception()  # retrieved: every waiter may be gone
+
+            fut.add_done_callback(forget)
         return await asyncio.shield(fut)
 
     async def _handshake(self, address: str, budget: float | None) -> PeerSession:
