@@ -52,7 +52,7 @@ from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.topology import RegionTable
-from kvxfer.transport import MemType, Transport
+from kvxfer.transport import Transport, mem_type
 from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import check_block_ids, rank_to_proto, regions_from_proto
 
@@ -427,8 +427,8 @@ class PullSteps:
     async def _read(self, entry: PullEntry, s: PeerSession, local: U64, remote: U64, mem: str, rmem: str) -> None:
         remaining = max(entry.deadline - time.monotonic(), 0.001)
         try:
-            await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=_mem(mem),
-                               remote_mem_type=_mem(rmem))  # fmt: skip
+            await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
+                               remote_mem_type=mem_type(rmem))  # fmt: skip
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True)
             if exc.status == "DEADLINE_EXCEEDED":
@@ -472,10 +472,6 @@ def _from_handshakes(
         q: _Fetched(dict(remote_given), {n: s.identity.regions[n][0] for n in reg.groups}, s.identity.regions[first][1])
         for q, s in used.items()
     }
-
-
-def _mem(value: str) -> MemType:
-    return "VRAM" if value == "VRAM" else "DRAM"
 
 
 def _remote_regions(session: PeerSession, pg: peer_pb2.PublishedGroup, layout: KVCacheLayout) -> RegionTable:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,8 @@ __all__ = ["FENCE_MARGIN_S", "PushSteps"]
 
 log = get_logger("kvxfer.server")
 I64 = npt.NDArray[np.int64]
+#: The pull's check that a handshaken source is the rank and engine it should be (raises when not).
+CheckRank = Callable[[PullEntry, int, PeerSession], None]
 #: How long past an unreachable writer's offer deadline the fence still waits (clock rates differ).
 FENCE_MARGIN_S = 1.0
 
@@ -52,7 +55,7 @@ class PushSteps:
         self.peers = peers
 
     async def run(
-        self, entry: PullEntry, ranks: list[int], sessions: dict[int, PeerSession], check_rank: Any
+        self, entry: PullEntry, ranks: list[int], sessions: dict[int, PeerSession], check_rank: CheckRank
     ) -> local_pb2.TransferStats:
         """Offer, wait for every Landed, and fence on any other outcome (``check_rank``: the pull's peer check)."""
         req_blocks, writer_blocks = entry.offer
@@ -87,7 +90,7 @@ class PushSteps:
 
     async def _offer(
         self, entry: PullEntry, q: int, req_blocks: list[common_pb2.BlockList],
-        writer_blocks: list[common_pb2.BlockList], sessions: dict[int, PeerSession], check_rank: Any,
+        writer_blocks: list[common_pb2.BlockList], sessions: dict[int, PeerSession], check_rank: CheckRank,
         answered: dict[str, float], offered: dict[str, float],
     ) -> None:  # fmt: skip
         address = entry.addresses[q]

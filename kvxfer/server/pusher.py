@@ -48,7 +48,7 @@ from kvxfer.server.state import ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import TokenSpans, check_timeout, not_published, remote_blocks, token_spans
 from kvxfer.topology import RankInfo
-from kvxfer.transport import MemType, Transport
+from kvxfer.transport import Transport, mem_type
 from kvxfer.wire import peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto, rank_to_proto
 from kvxfer.wire.status import code_of
@@ -58,6 +58,7 @@ __all__ = ["Offer", "Pusher", "token_span"]
 log = get_logger("kvxfer.server")
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
+_NO_ROWS: U64 = np.zeros((0, 3), np.uint64)
 
 
 @dataclass
@@ -315,8 +316,8 @@ class Pusher:
             )  # fmt: skip
         reg = self.registry.require()
         peer = self._peer_name(offer.reader)
-        mem: MemType = "VRAM" if next(iter(reg.groups.values())).memory.mem_type == "VRAM" else "DRAM"
-        rmem: MemType = "VRAM" if next(iter(offer.reader.regions.values()))[1] == "VRAM" else "DRAM"
+        mem = mem_type(next(iter(reg.groups.values())).memory.mem_type)
+        rmem = mem_type(next(iter(offer.reader.regions.values()))[1])
         offer.wrote = True
         try:
             await self.dp.transfer("WRITE", local, remote, peer, timeout=max(offer.deadline - time.monotonic(), 0.001),
@@ -332,7 +333,7 @@ class Pusher:
         self, offer: Offer, reg: Registration, published: dict[str, I64], origins: dict[str, int],
         skip: set[str] | None = None,
     ) -> tuple[U64, U64]:  # fmt: skip
-        """(this side's, the reader's) descriptor arrays: the reader's pull plan, restricted to this rank."""
+        """(this side's, the reader's) descriptor arrays of every group but ``skip``, for the whole offer."""
         mine, theirs = [], []
         for name, g in reg.groups.items():
             if skip and name in skip:
@@ -341,8 +342,6 @@ class Pusher:
             if ids is not None and not_published(ids, published[name]):
                 raise InvalidArgumentError(f"writer_blocks[{name}]: {not_published(ids, published[name])}",
                                            field=f"writer_blocks[{name}]")  # fmt: skip
-            topo = self.topologies.topology(f"<{name}", offer.reader.groups[name], g.layout, offer.rank,
-                                            reg.rank.tp_size)  # fmt: skip
             num_tokens, reader_skip, writer_skip = offer.spans.get(name, (None, 0, 0))
             if ids is None and num_tokens is not None:
                 ids, writer_skip = token_span(name, published[name], g.layout.block_size, origins.get(name, 0),
@@ -350,21 +349,39 @@ class Pusher:
             elif ids is None:
                 ids = published[name]
             try:
-                plan = topo.plan(offer.blocks[name], ids, num_tokens=num_tokens, local_skip=reader_skip,
-                                 remote_skip=writer_skip)  # fmt: skip
+                rows = self.rank_rows(offer, reg, name, offer.blocks[name], ids, num_tokens=num_tokens,
+                                      reader_skip=reader_skip, writer_skip=writer_skip)  # fmt: skip
             except KvxferError as exc:
                 field = exc.field or "blocks"
                 raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
                                            field=f"{field}[{name}]") from None  # fmt: skip
-            for rp in plan.per_rank:
-                if rp.remote_rank == reg.rank.tp_rank:
-                    into, out_of = rp.descriptors(offer.reader.regions[name][0], g.memory.table)
-                    theirs.append(into)
-                    mine.append(out_of)
+            mine.append(rows[0])
+            theirs.append(rows[1])
         if not mine:
-            empty = np.zeros((0, 3), np.uint64)
-            return empty, empty
+            return _NO_ROWS, _NO_ROWS
         return np.concatenate(mine), np.concatenate(theirs)
+
+    def rank_rows(
+        self, offer: Offer, reg: Registration, group: str, reader_ids: I64, writer_ids: I64, *,
+        num_tokens: int | None, reader_skip: int, writer_skip: int,
+    ) -> tuple[U64, U64, I64]:  # fmt: skip
+        """The reader's pull plan of ``group`` restricted to this rank: (this side's rows, the reader's rows,
+        this side's region of each row). Raises the topology's error for lists that do not fit."""
+        g = reg.groups[group]
+        topo = self.topologies.topology(f"<{group}", offer.reader.groups[group], g.layout, offer.rank,
+                                        reg.rank.tp_size)  # fmt: skip
+        plan = topo.plan(reader_ids, writer_ids, num_tokens=num_tokens, local_skip=reader_skip,
+                         remote_skip=writer_skip)  # fmt: skip
+        mine, theirs, regions = [], [], []
+        for rp in plan.per_rank:
+            if rp.remote_rank == reg.rank.tp_rank:
+                into, out_of = rp.descriptors(offer.reader.regions[group][0], g.memory.table)
+                mine.append(out_of)
+                theirs.append(into)
+                regions.append(rp.remote_region)
+        if not mine:
+            return _NO_ROWS, _NO_ROWS, np.zeros(0, np.int64)
+        return np.concatenate(mine), np.concatenate(theirs), np.concatenate(regions)
 
     def _peer_name(self, reader: Identity) -> str:
         """The reader's agent on this data plane, loaded once per reader instance and epoch."""

@@ -190,18 +190,10 @@ class Streamer:
                                            lo - at, hi - lo, "blocks")  # fmt: skip
         writer_ids, writer_at = token_span(group, r.blocks[group], g.layout.block_size, r.origins.get(group, 0), lo,
                                            hi - lo, "requests.blocks")  # fmt: skip
-        topo = self.pusher.topologies.topology(f"<{group}", theirs_layout, g.layout, offer.rank, reg.rank.tp_size)
-        plan = topo.plan(reader_ids, writer_ids, num_tokens=hi - lo, local_skip=reader_at, remote_skip=writer_at)
-        mine, theirs, regions = [], [], []
-        for rp in plan.per_rank:
-            if rp.remote_rank == reg.rank.tp_rank:
-                into, out_of = rp.descriptors(offer.reader.regions[group][0], g.memory.table)
-                mine.append(out_of)
-                theirs.append(into)
-                regions.append(rp.remote_region)
-        if not mine:
+        rows = self.pusher.rank_rows(offer, reg, group, reader_ids, writer_ids, num_tokens=hi - lo,
+                                     reader_skip=reader_at, writer_skip=writer_at)  # fmt: skip
+        if not rows[0].shape[0]:
             return None
-        rows = (np.concatenate(mine), np.concatenate(theirs), np.concatenate(regions))
         self._rows[key] = rows
         return rows
 

@@ -9,6 +9,7 @@ from kvxfer.transport.base import (
     Transport,
     TransportConfig,
     WorkerAgentInfo,
+    mem_type,
 )
 from kvxfer.transport.errors import (
     BackendUnavailableError,
@@ -37,6 +38,7 @@ __all__ = [
     "WorkerAgentInfo",
     "available_transports",
     "create_transport",
+    "mem_type",
     "register_transport",
     "transport_class",
 ]

@@ -24,12 +24,19 @@ from kvxfer.transport.errors import describe_transfer
 
 __all__ = [
     "MemType", "Notification", "Op", "Registration", "TransferResult", "Transport", "TransportConfig",
-    "WorkerAgentInfo",
+    "WorkerAgentInfo", "mem_type",
 ]  # fmt: skip
 
 U64 = npt.NDArray[np.uint64]
 Op = Literal["READ", "WRITE"]
 MemType = Literal["DRAM", "VRAM"]
+
+
+def mem_type(value: str) -> MemType:
+    """A memory type as the wire carries it (``VRAM``; anything else is host memory)."""
+    return "VRAM" if value == "VRAM" else "DRAM"
+
+
 CudaGather = Literal["kernel", "copy-engine"]
 
 
