@@ -338,8 +338,9 @@ class SidecarCore:
     async def worker_gone(self, epoch: int) -> None:
         """The worker that registered ``epoch`` exited: nothing it registered may be read or written again.
 
-        Its publishes are aborted (readers get ABORTED: the blocks no longer exist), its pulls are
-        cancelled (publishers are told to drop theirs), its memory is deregistered and unmapped, and
+        Its publishes are aborted (readers get ABORTED: the blocks no longer exist), the offers of
+        requests it never published fail, its pulls are cancelled (publishers are told to drop
+        theirs), its memory is deregistered and unmapped, and
         the sidecar reports NOT_SERVING until a worker registers again, which it may at once.
         """
         reg = self.registry.registration
@@ -353,6 +354,7 @@ class SidecarCore:
         for rid in list(self.publisher.publishes):
             self.publisher.abort(rid, why)
         await self.puller.cancel_all(why, wait=2.0)
+        await self.pusher.worker_gone(why)
         if self.registry.registration is reg:
             self.registry.drop()
             self.topologies.clear()

@@ -11,7 +11,8 @@ one Landed, done or failed, unless the reader revoked it.
 A reader that gave up takes its offer back (``Revoke``). The answer comes once no WRITE of the
 offer is in flight and none will start, so the reader may reuse its blocks after it. An offer also
 lapses at its deadline: no WRITE starts, or keeps running, past it. A publish dropped here
-(aborted, released, expired, the worker gone) fails the offers waiting on it.
+(aborted, released, expired, the worker gone) fails the offers waiting on it, and a worker that
+exits fails the offers of every request it had not published yet.
 """
 
 from __future__ import annotations
@@ -234,6 +235,28 @@ class Pusher:
                 offer.cancel_streams()
                 self._forget(offer)
                 self._send_landed(offer, err)
+
+    async def worker_gone(self, why: str) -> None:
+        """The worker exited: what it did not publish yet it never will, so every offer still waiting fails.
+
+        Offers of requests it did publish end with their publish (:meth:`publish_dropped`). The
+        layer WRITEs an offer already streamed are stopped and waited for before its reader hears
+        of the failure, so the reader's blocks are quiet when it frees them; and they must be, as
+        the worker's memory is deregistered right after.
+        """
+        ending: list[tuple[Offer, list[asyncio.Task[None]]]] = []
+        for per_reader in list(self.offers.values()):
+            for offer in list(per_reader.values()):
+                if offer.task is None:
+                    self._forget(offer)
+                    ending.append((offer, offer.cancel_streams()))
+        for offer, running in ending:
+            for task in running:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(task)
+            self._send_landed(offer, AbortedError(
+                f"request_id: the push of {offer.request_id!r} stopped before it was published: {why}",
+                field="request_id"))  # fmt: skip
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
         """Stop every push (shutdown); returns the tasks to wait for."""

@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
+import pytest
 
-from kvxfer.client import AsyncClient
+from kvxfer.client import AsyncClient, TokenSpan
 from kvxfer.harness.cluster import WorkerProc
 from kvxfer.harness.worker_sim import WorkerConfig
 from kvxfer.layout import KVCacheLayout
@@ -120,6 +121,45 @@ async def test_a_decode_worker_killed_mid_pull_frees_the_publish_on_the_prefill_
         assert _segments(victim.proc.pid) == []
     finally:
         await watch.close()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_prefill_worker_killed_before_publishing_fails_the_push_at_once(harness: Harness,
+                                                                                 streamed: bool) -> None:  # fmt: skip
+    """Push mode: the prefill worker dies while the decode side's offer waits for its publish (layer-wise:
+    after some layers were already written). That publish can never come, so the reader is told at once,
+    not at its deadline, and only after the layer WRITEs already started have stopped."""
+    lay = attention(layers=4, block_size=16)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", lease_seconds=600)
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    dw = await harness.worker(d, {"kv": lay})
+    core = p.core
+    assert core is not None
+    assert p.metrics is not None
+    victim = _spawn(harness, p, "victim", {"kv": lay})
+    await asyncio.to_thread(victim.recv, 60)
+    pull = asyncio.ensure_future(dw.pull("r1", [p], {"kv": [4, 5, 6]}, push=True, deadline=30.0,
+                                         spans={"kv": TokenSpan(47, 0, 0)}))  # fmt: skip
+
+    async def offered() -> bool:
+        return bool(core.pusher.offers.get("r1"))
+
+    await _until(offered, 30.0)
+    if streamed:  # a layer every 0.3 s, each signalled to the sidecar; never published (it dies first)
+        victim.send("produce", "r1", {"kv": [1, 2, 3]}, 4, 300, True, 1)
+
+        async def some_layers_written() -> bool:
+            return any(o.stream_bytes for o in core.pusher.offers.get("r1", {}).values())
+
+        await _until(some_layers_written, 10.0)
+    victim.proc.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    await asyncio.to_thread(victim.proc.wait, 10)
+    err = await expect_error(grpc.StatusCode.ABORTED, pull, "stopped before it was published", "exited")
+    assert err.reason == "ABORTED"
+    assert time.monotonic() - t0 < NOTICE_BOUND_S
+    assert not len(core.pusher)
+    assert p.metrics.transfers.labels(direction="write", outcome="ok")._value.get() == 0
 
 
 async def test_worker_lease_must_be_open(harness: Harness, tmp_path: Path) -> None:
