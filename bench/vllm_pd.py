@@ -201,12 +201,18 @@ def omp_bind_env(role: str) -> dict[str, str]:
 
 
 def kvxfer_setup(
-    role: str, run_dir: Path, log_dir: Path, *, data_plane: str = "sidecar", layerwise: bool = False
+    role: str,
+    run_dir: Path,
+    log_dir: Path,
+    *,
+    data_plane: str = "sidecar",
+    layerwise: bool = False,
+    failure_policy: str = "fail",
 ) -> InstanceSpec:
     """kvxfer's connector (``kvxfer.integrations.vllm``), with a kvxfer sidecar next to the instance.
 
     One sidecar per worker rank (TP 1 here); the connector finds it through ``{rank}`` in the
-    socket template, exactly as in the Helm chart. A failed load fails the request
+    socket template, exactly as in the Helm chart. By default a failed load fails the request
     (``kv_load_failure_policy: fail``), so a silently recomputed prompt cannot pass for a transfer.
     ``data_plane="worker"``: each vLLM worker's own NIXL agent moves the bytes, driven by its
     sidecar (``kvxfer serve --backend worker``), as a GPU worker reaches an RDMA NIC.
@@ -231,7 +237,7 @@ def kvxfer_setup(
         "kv_connector_module_path": "kvxfer.integrations.vllm",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "engine_id": engine_id,
-        "kv_load_failure_policy": "fail",
+        "kv_load_failure_policy": failure_policy,
         "kv_connector_extra_config": {"sidecar_socket": template, "data_plane": data_plane,
                                       "push_layerwise": layerwise and role == "prefill"},
     }  # fmt: skip
@@ -247,7 +253,8 @@ def sidecar_metrics(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(("kvxfer_transfers_total", "kvxfer_transfer_bytes_total", "kvxfer_lease_expirations_total",
-                            "kvxfer_transfer_failures_total", "kvxfer_leases_active")):  # fmt: skip
+                            "kvxfer_transfer_failures_total", "kvxfer_leases_active",
+                            "kvxfer_transfers_in_flight")):  # fmt: skip
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
