@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -243,8 +242,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         plan = self._scheduler.build_plan()
         if not plan and scheduler_output.total_num_scheduled_tokens == 0 and self._scheduler.loading:
             # Nothing to run but loads to wait for: nap instead of spinning the engine, its workers and
-            # a core the prefill next door (or this host's other work) could use.
-            time.sleep(self.settings.idle_wait_ms / 1000)
+            # a core the prefill next door (or this host's other work) could use; a load that ends
+            # ends the nap.
+            self._scheduler.idle_nap(self.settings.idle_wait_ms / 1000)
         return KvxferConnectorMetadata(plan)
 
     def _scheduled(self, out: SchedulerOutput) -> list[tuple[str, Any, int, int, bool]]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvxfer.client import Client, KvxferRpcError
 from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.idle import LoadWaker
 from kvxfer.integrations.vllm.params import (
     ParamsError,
     RemoteGroup,
@@ -83,6 +84,7 @@ class SchedulerSide:
         #: Layer-wise push (prefill side): vLLM id -> (push id, prompt tokens, block table so far per group).
         self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
         self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
+        self._waker: LoadWaker | None = None  # started at the first nap (decode side)
 
     @property
     def block_size(self) -> int:
@@ -352,6 +354,12 @@ class SchedulerSide:
         """Some decode request's KV is on its way."""
         return bool(self._loading)
 
+    def idle_nap(self, seconds: float) -> bool:
+        """Nothing to run but loads to wait for: nap up to ``seconds``, less if a load ends (see ``idle.py``)."""
+        if self._waker is None:
+            self._waker = LoadWaker(self._sidecars())
+        return self._waker.nap(seconds)
+
     def loads_finished(self, request_ids: Sequence[str] | set[str] | None) -> None:
         """The workers reported these loads as ended."""
         self._loading.difference_update(request_ids or ())
@@ -392,6 +400,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         """Close the sidecar channels."""
+        if self._waker is not None:
+            self._waker.close()
         for c in self._clients or ():
             c.close()
 

@@ -61,9 +61,10 @@ class ConnectorSettings:
     #: vLLM's per-layer hooks: CUDA graphs run piecewise.
     push_layerwise: bool = False
     #: Decode instance: when a step schedules nothing and loads are on their way, the engine naps
-    #: this long before its next step instead of spinning (vLLM steps without pause while a request
-    #: waits for remote KV, which in push mode lasts the whole remote prefill). 0: no nap.
-    idle_wait_ms: float = 1.0
+    #: up to this long before its next step instead of spinning (vLLM steps without pause while a
+    #: request waits for remote KV, which in push mode lasts the whole remote prefill). A load that
+    #: ends ends the nap at once; a request that arrives meanwhile waits for its end. 0: no nap.
+    idle_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.sidecar_socket.strip():
