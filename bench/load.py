@@ -14,7 +14,8 @@ pulls alone), three ways, one after the other in one run:
    GetPublished runs, see kvxfer.server.pull_steps), and as many again expected first
    (``serial_granted``: the decode sidecar holds them and holds the publishers' grants, so it
    READs without any lookup, as for a vLLM request that waited in the decode queue);
-4. ``open_loop`` (with ``--open-loop-rate R``): pulls arriving as a Poisson process at ``R`` per
+4. ``open_loop`` (with ``--open-loop-rate R``; ``--open-loop-paths plain,named`` adds
+   ``open_loop_named``, whose pulls name the publisher's ids): pulls arriving as a Poisson process at ``R`` per
    second for ``--open-loop-seconds``, each started when it arrives whatever is in flight. A closed
    loop of N in flight measures mostly its own queue (Little's law); an open loop at a rate the
    sidecars sustain measures what a pull costs at that load.
@@ -66,9 +67,14 @@ from kvxfer.topology import RankInfo
 HOLD_WAIT_S = 5.5
 
 
+#: The open-loop phases' keys in the report, by ``--open-loop-paths`` entry.
+OPEN_LOOP_KEYS = {"plain": "open_loop", "named": "open_loop_named"}
+
+
 async def run(
     pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int,
     open_rate: float = 0.0, open_seconds: float = 10.0, hops: tuple[str, ...] = ("fast",),
+    open_paths: tuple[str, ...] = ("plain",),
 ) -> dict[str, Any]:  # fmt: skip
     """Start the sidecars, publish, pull concurrently and serially; return the figures.
 
@@ -118,9 +124,11 @@ async def run(
                                                                 f"{tag}-{hop}", bufs, name_remote=named,
                                                                 expect=expect)  # fmt: skip
             if open_rate > 0:
-                for hop, c in dcs.items():
-                    by_hop[hop]["open_loop"] = await _open_loop(pc, c, p.peer_address, src, d_alloc, open_rate,
-                                                                open_seconds, bufs, rng, procs, f"o-{hop}")  # fmt: skip
+                for path in open_paths:
+                    for hop, c in dcs.items():
+                        by_hop[hop][OPEN_LOOP_KEYS[path]] = await _open_loop(
+                            pc, c, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng, procs,
+                            f"o{path[0]}-{hop}", name_remote=path == "named")  # fmt: skip
         finally:
             await pc.close()
             for c in dcs.values():
@@ -129,9 +137,8 @@ async def run(
             dbuf.close()
     last = by_hop[hops[-1]]
     one, ahead, granted = last["serial"], last["serial_ahead"], last["serial_granted"]
-    opened: dict[str, Any] = last.get("open_loop", {})
     every = [r for h in by_hop.values() for k in ("serial", "serial_ahead", "serial_granted") for r in h[k]]
-    every += [r for h in by_hop.values() for r in h.get("open_loop", {}).get("rows", [])]
+    every += [r for h in by_hop.values() for k in OPEN_LOOP_KEYS.values() for r in h.get(k, {}).get("rows", [])]
     return {
         "pulls": pulls,
         "concurrency": concurrency,
@@ -146,7 +153,7 @@ async def run(
         "serial_granted": _stats(granted),
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
-        **({"open_loop": {k: v for k, v in opened.items() if k != "rows"}} if opened else {}),
+        **{key: _summary(last[key]) for key in OPEN_LOOP_KEYS.values() if key in last},
         "hop": hops[-1],
         "by_hop": {hop: {k: _summary(v) for k, v in h.items()} for hop, h in by_hop.items()},
         "verified_pulls": 2 * pulls + len(every),
@@ -219,8 +226,12 @@ async def _pull_phase(
 async def _open_loop(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, rate: float, seconds: float,
     bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int], tag: str = "o",
+    name_remote: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival."""
+    """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival.
+
+    ``name_remote``: each pull names the publisher's block ids, as the vLLM connector's pulls do.
+    """
     n = max(int(rate * seconds), 1)
     sem = asyncio.Semaphore(64)
 
@@ -245,7 +256,9 @@ async def _open_loop(
                 dbuf.pages(k)[dst] ^= 0xFF
             t = time.perf_counter()
             try:
-                res = await dc.pull(f"{tag}{i}", [peer], {"kv": dst})
+                res = await dc.pull(
+                    f"{tag}{i}", [peer], {"kv": dst}, remote_blocks={"kv": src} if name_remote else None
+                )
             except KvxferRpcError as exc:
                 failed[exc.code.name] = failed.get(exc.code.name, 0) + 1
                 return
@@ -326,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open-loop-rate", type=float, default=0.0,
                     help="also pull with Poisson arrivals at this many pulls/s (0: no open-loop phase)")  # fmt: skip
     ap.add_argument("--open-loop-seconds", type=float, default=10.0, help="length of the open-loop phase")
+    ap.add_argument("--open-loop-paths", default="plain",
+                    help="comma-separated open-loop phases, one after the other: plain (the pull finds the publish "
+                         "with GetPublished), named (each pull names the publisher's block ids, as the vLLM "
+                         "connector's do: the READ starts at once, the lookup confirms it off the critical "
+                         "path)")  # fmt: skip
     ap.add_argument("--hop", choices=("fast", "grpc", "both"), default="fast",
                     help="worker -> sidecar: the fast socket (falls back to gRPC), gRPC only, or both side by side "
                          "(serial and open-loop phases; the others use the fast socket)")  # fmt: skip
@@ -336,9 +354,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag}: must be a finite number >= 0, got {value}")
     import uvloop
 
+    paths = tuple(x for x in a.open_loop_paths.split(",") if x)
+    bad = [x for x in paths if x not in OPEN_LOOP_KEYS]
+    if bad or not paths:
+        ap.error(f"--open-loop-paths: {bad[0] if bad else a.open_loop_paths!r} is not one of plain, named")
     hops = ("grpc", "fast") if a.hop == "both" else (a.hop,)
     r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch, a.open_loop_rate,
-                       a.open_loop_seconds, hops))  # fmt: skip
+                       a.open_loop_seconds, hops, paths))  # fmt: skip
     if a.json:
         print(json.dumps(r))
     else:
@@ -352,9 +374,11 @@ def main(argv: list[str] | None = None) -> int:
             (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None),
             (f"one at a time, held while queued: read on grants ({a.serial})", r["serial_granted"], None, None),
         )  # fmt: skip
-        if "open_loop" in r:
-            ol = r["open_loop"]
-            phases += ((f"open loop, Poisson arrivals at {ol['rate_per_s']:.0f}/s for {ol['pulls']} pulls "
+        for path, key in OPEN_LOOP_KEYS.items():
+            if key not in r:
+                continue
+            ol = r[key]
+            phases += ((f"open loop ({path}), Poisson arrivals at {ol['rate_per_s']:.0f}/s for {ol['pulls']} pulls "
                         f"(achieved {ol['achieved_per_s']:.0f}/s, at most {ol['max_in_flight']} in flight, "
                         f"{ol['late_arrivals']} arrivals started late, {ol['failed']} failed "
                         f"{ol['failed_by_code'] or ''})", ol, None, ol["cpu_ms_per_pull"]),)  # fmt: skip
@@ -372,12 +396,12 @@ def main(argv: list[str] | None = None) -> int:
             print("side by side, by worker -> sidecar hop (ms):")
             print(f"  {'phase':16s} {'hop':5s} {'latency p50':>11s} {'p99':>7s} {'overhead p50':>12s} {'p99':>7s} "
                   f"{'local_hop p50':>13s}")  # fmt: skip
-            for kind in ("serial", "serial_ahead", "serial_granted", "open_loop"):
+            for kind in ("serial", "serial_ahead", "serial_granted", *OPEN_LOOP_KEYS.values()):
                 for hop, h in r["by_hop"].items():
                     if kind in h:
                         st = h[kind]
                         extra = ""
-                        if kind == "open_loop":
+                        if kind in OPEN_LOOP_KEYS.values():
                             extra = (f"  achieved {st['achieved_per_s']:.0f}/s, at most {st['max_in_flight']} in "
                                      f"flight, {st['failed']} failed {st['failed_by_code'] or ''}")  # fmt: skip
                         print(f"  {kind:16s} {hop:5s} {st['latency_p50_ms']:11.3f} {st['latency_p99_ms']:7.3f} "
