@@ -82,11 +82,18 @@ class Proc:
 _PROCS: list[Proc] = []
 
 
-def spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, port: int | None = None) -> Proc:
-    """Start ``cmd`` in a new session (own process group), stdout+stderr to ``log_dir/name.log``."""
+def spawn(
+    name: str, cmd: list[str], env: dict[str, str], log_dir: Path, port: int | None = None, cpus: set[int] | None = None
+) -> Proc:  # fmt: skip
+    """Start ``cmd`` in a new session (own process group), stdout+stderr to ``log_dir/name.log``.
+
+    ``cpus``: the process (and every process it starts) runs on these CPUs only.
+    """
     log = log_dir / f"{name}.log"
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     with log.open("wb") as fh:
-        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
+                                 preexec_fn=pin)  # fmt: skip
     proc = Proc(name, popen, log, port)
     _PROCS.append(proc)
     return proc
@@ -200,6 +207,22 @@ def omp_bind_env(role: str) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": _ARGS.omp_bind.split("|")[0 if role.endswith("prefill") else 1]}
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """A CPU list as ``--omp-bind`` writes one (``0-3,6``) as a set."""
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def instance_cpus(name: str) -> set[int] | None:
+    """``--pin-instances``: the CPUs of this instance's role (the single instance runs on the prefill's)."""
+    if _ARGS is None or not getattr(_ARGS, "pin_instances", False) or not _ARGS.omp_bind:
+        return None
+    return parse_cpus(_ARGS.omp_bind.split("|")[1 if name.endswith("decode") else 0])
+
+
 def kvxfer_setup(
     role: str,
     run_dir: Path,
@@ -231,7 +254,7 @@ def kvxfer_setup(
         "--log-format", "text",
         *(("--backend", "worker") if data_plane == "worker" else ()),
     ]  # fmt: skip
-    spawn(f"sidecar-{role}", cmd, dict(os.environ), log_dir)
+    spawn(f"sidecar-{role}", cmd, dict(os.environ), log_dir, cpus=instance_cpus(role))
     cfg = {
         "kv_connector": "KvxferConnector",
         "kv_connector_module_path": "kvxfer.integrations.vllm",
@@ -300,12 +323,15 @@ def start_vllm(
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cpus = instance_cpus(name)
     if spec is not None:
         env.update(omp_bind_env(name))
         env.update(spec.env)
         if spec.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
-    return spawn(name, cmd, env, log_dir, port)
+    elif cpus:  # the single instance, pinned: its threads on the prefill's CPUs
+        env.update(omp_bind_env("prefill"))
+    return spawn(name, cmd, env, log_dir, port, cpus=cpus)
 
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -651,6 +677,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "connectors": [r.name for r in runs],
         "dtype": _model_kwargs(args).get("dtype", args.dtype),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "omp_bind": args.omp_bind,
+        "pin_instances": args.pin_instances,
         "block_size": _model_kwargs(args).get("block_size", args.block_size),
         "max_tokens": args.max_tokens,
         "prompt_lengths": {k: len(v) for k, v in prompts.items()},
@@ -843,6 +871,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="VLLM_CPU_OMP_THREADS_BIND of prefill|decode (default: each its half of the cores; '' = vLLM's auto)."
         " With both on the same cores, NIXL/UCX progress starves and transfers take ~30 s.",
     )
+    ap.add_argument(
+        "--pin-instances", action="store_true",
+        help="run every process of an instance (and its sidecar) on its --omp-bind CPUs only, as if each instance had "
+        "a host of its own; the single instance runs on the prefill's CPUs",
+    )  # fmt: skip
     ap.add_argument("--nixl-threads", type=int, default=None, help="NixlConnector num_threads (vLLM default 4)")
     ap.add_argument("--skip-reference", action="store_true", help="debugging: no single instance, no comparison")
     return ap.parse_args(argv)
