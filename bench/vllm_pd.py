@@ -721,6 +721,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pd: dict[str, PDResult] = got.pop("results")
         samples: dict[str, list[PDResult]] = got.pop("samples")
         got["decode_ttft_samples_ms"] = {k: [1000 * x.decode_ttft_s for x in v] for k, v in samples.items()}
+        got["client_ttft_samples_ms"] = {k: [1000 * x.e2e_ttft_s for x in v] for k, v in samples.items()}
         rows = []
         mismatches = []
         for k in prompts:
