@@ -128,6 +128,8 @@ class Pusher:
         #: Offers the layer-wise stream completed before their publish (Landed already sent): request id
         #: -> [(reader, its rank, when)]. The publish, when it comes, counts them as done readers.
         self._landed_early: dict[str, list[tuple[Identity, RankInfo, float]]] = {}
+        #: Offers ended here whose layer WRITEs are still stopping: a Revoke of one waits for them.
+        self._stopping: dict[tuple[str, ReaderKey], list[asyncio.Task[None]]] = {}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.offers.values())
@@ -182,8 +184,12 @@ class Pusher:
         rid = check_id(req.request_id, "request_id")
         creds.check(req.engine_id, "engine_id")
         rank = rank_from_proto(req.rank, "rank")
-        offer = self.offers.get(rid, {}).get((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank))
+        key: ReaderKey = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
+        offer = self.offers.get(rid, {}).get(key)
         if offer is None:
+            stopping = self._stopping.get((rid, key))
+            if stopping:  # ended here a moment ago: answer once none of its WRITEs can still land
+                await asyncio.wait(stopping)
             if rid not in self.publisher.publishes and not self.offers.get(rid):
                 # Its offer lapsed (or never came): a publish that comes later is still nobody's.
                 self._remember_given_up(rid, f"{req.engine_id} gave up on it before it was published")
@@ -232,9 +238,7 @@ class Pusher:
             if offer.task is not None and not offer.task.done():
                 offer.task.cancel(err.message)
             else:
-                offer.cancel_streams()
-                self._forget(offer)
-                self._send_landed(offer, err)
+                self._fail(offer, err)
 
     async def worker_gone(self, why: str) -> None:
         """The worker exited: what it did not publish yet it never will, so every offer still waiting fails.
@@ -244,19 +248,15 @@ class Pusher:
         of the failure, so the reader's blocks are quiet when it frees them; and they must be, as
         the worker's memory is deregistered right after.
         """
-        ending: list[tuple[Offer, list[asyncio.Task[None]]]] = []
+        running: list[asyncio.Task[None]] = []
         for per_reader in list(self.offers.values()):
             for offer in list(per_reader.values()):
                 if offer.task is None:
-                    self._forget(offer)
-                    ending.append((offer, offer.cancel_streams()))
-        for offer, running in ending:
-            for task in running:
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(task)
-            self._send_landed(offer, AbortedError(
-                f"request_id: the push of {offer.request_id!r} stopped before it was published: {why}",
-                field="request_id"))  # fmt: skip
+                    running += self._fail(offer, AbortedError(
+                        f"request_id: the push of {offer.request_id!r} stopped before it was published: {why}",
+                        field="request_id"))  # fmt: skip
+        if running:
+            await asyncio.wait(running)
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
         """Stop every push (shutdown); returns the tasks to wait for."""
@@ -449,14 +449,38 @@ class Pusher:
     def _lapse(self, offer: Offer) -> None:
         """The offer's deadline passed before its publish came: the reader is told (its own deadline ends it)."""
         if offer.task is None and self.offers.get(offer.request_id, {}).get(offer.key) is offer:
-            offer.cancel_streams()
-            self._forget(offer)
+            self._fail(offer, DeadlineError(
+                f"request_id: {offer.request_id!r} was not published on {self.settings.engine_id} before the offer's "
+                "deadline", field="request_id"))  # fmt: skip
             if not self.offers.get(offer.request_id):  # its reader gives up at this deadline too
                 self._remember_given_up(offer.request_id, f"{offer.key[0]} gave up on it before it was published "
                                         "(its offer lapsed)")  # fmt: skip
-            self._send_landed(offer, DeadlineError(
-                f"request_id: {offer.request_id!r} was not published on {self.settings.engine_id} before the offer's "
-                "deadline", field="request_id"))  # fmt: skip
+
+    def _fail(self, offer: Offer, err: KvxferError) -> list[asyncio.Task[None]]:
+        """End an offer that has no push task: stop its layer WRITEs and tell the reader once they ended.
+
+        A failed ``Landed`` lets the reader reuse its blocks, so it must not leave while a WRITE of
+        the offer may still land (a device copy drains before its task ends), nor may a ``Revoke``
+        of it be answered before. Returns the WRITEs still stopping.
+        """
+        self._forget(offer)
+        running = offer.cancel_streams()
+        if not running:
+            self._send_landed(offer, err)
+            return running
+
+        stopping = (offer.request_id, offer.key)
+        self._stopping[stopping] = running
+
+        async def when_stopped() -> None:
+            try:
+                await asyncio.wait(running)
+            finally:
+                self._stopping.pop(stopping, None)
+            self._send_landed(offer, err)
+
+        self.outbox.spawn(when_stopped())
+        return running
 
     def _forget(self, offer: Offer) -> None:
         per_reader = self.offers.get(offer.request_id)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -228,11 +230,15 @@ class DelayedDataPlane(Transport):
 
     name = "nixl"
 
-    def __init__(self, name: str, delay: float) -> None:
+    def __init__(self, name: str, delay: float, *, drain: bool = False) -> None:
         self.inner = create_transport("nixl", name, TransportConfig(cuda_ipc_direct=True))
         super().__init__(self.inner.agent_name, self.inner.config)
         self.delay = delay
         self.reading = asyncio.Event()
+        #: ``drain``: a transfer, once it reached the data plane, still happens when its caller is
+        #: cancelled, and only then does the cancellation go through (queued device copies behave so).
+        self.drain = drain
+        self.landed_at: list[float] = []  # time.monotonic() of each transfer's end
 
     def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
         return self.inner.register(table, mem_type)
@@ -254,9 +260,25 @@ class DelayedDataPlane(Transport):
         mem_type: MemType = "DRAM", remote_mem_type: MemType = "DRAM",
     ) -> TransferResult:  # fmt: skip
         self.reading.set()
-        await asyncio.sleep(self.delay)
-        return await self.inner.transfer(op, local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type,
-                                         remote_mem_type=remote_mem_type)  # fmt: skip
+
+        async def held() -> TransferResult:
+            await asyncio.sleep(self.delay)
+            try:
+                return await self.inner.transfer(op, local, remote, peer, timeout=timeout, notify=notify,
+                                                 mem_type=mem_type, remote_mem_type=remote_mem_type)  # fmt: skip
+            finally:
+                self.landed_at.append(time.monotonic())
+
+        if not self.drain:
+            return await held()
+        task = asyncio.ensure_future(held())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(task)
+            raise
 
     def poll_notifications(self) -> list[Notification]:
         return self.inner.poll_notifications()

@@ -150,6 +150,36 @@ async def test_not_published_in_time_the_offer_is_revoked_and_a_late_publish_fre
     await _wait_leases(pw, 0, within=1.0)
 
 
+@pytest.mark.parametrize(("deadline", "says"), [(10.0, "before the offer's deadline"), (0.7, "within 0.7")])
+async def test_an_offer_lapsing_mid_layer_write_answers_only_once_the_write_landed(harness: Harness, deadline: float,
+                                                                                   says: str) -> None:  # fmt: skip
+    """The writer's offer lapses (its --transfer-timeout-seconds is below the reader's deadline) while a layer
+    WRITE is in the data plane, and that WRITE cannot be recalled (FAULT INJECTOR: it drains, as queued device
+    copies do). The reader hears of the failure (deadline 10 s), or has its Revoke answered (deadline 0.7 s:
+    it gives up itself while the WRITE drains), only after the WRITE landed: no byte lands in blocks it
+    already gave back."""
+    dp = DelayedDataPlane("prefill-draining", 1.0, drain=True)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp, transfer_timeout_seconds=0.5)
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    p_blocks, d_blocks, ntok = [1, 2, 3], [4, 5, 6], 3 * LAY.block_size
+    pw.fill({"kv": p_blocks}, 9)
+    spans = {"kv": TokenSpan(ntok - 1, 0, 0)}
+    pull = asyncio.ensure_future(dw.client.pull("lap", [p.peer_address], {"kv": d_blocks}, push=True,
+                                                deadline=deadline, spans=spans))  # fmt: skip
+    await _offered(p, "lap")
+    req = local_pb2.StreamedRequest(request_id="lap", blocks=[common_pb2.BlockList(group="kv", block_ids=p_blocks)],
+                                    start_token=0, end_token=ntok)  # fmt: skip
+    assert await pw.client.stream_step(1, [req]) == 1
+    assert await pw.client.layer_done(1, "kv", 0) == 1
+    await asyncio.wait_for(dp.reading.wait(), 5)  # layer 0's WRITE is in the data plane's hands
+    await expect_error(OK.DEADLINE_EXCEEDED, pull, says)
+    failed_at = time.monotonic()
+    assert dp.landed_at, "the layer WRITE never ended"
+    assert max(dp.landed_at) <= failed_at
+    assert not len(p.core.pusher)  # type: ignore[union-attr]
+
+
 async def test_publish_aborted_before_the_write_fails_the_push(harness: Harness) -> None:
     p, pw, _d, dw, dp = await _pair(harness, delay=1.0)
     pull = asyncio.ensure_future(dw.client.pull("gone", [p.peer_address], {"kv": [4, 5]}, push=True))
