@@ -47,7 +47,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,6 +391,18 @@ class StreamResult:
     finish_reason: str | None
 
 
+def sse_chunks(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a streamed completion (server-sent events), up to ``[DONE]``."""
+    for raw in lines:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 def _stream(port: int, body: dict[str, Any], timeout_s: float) -> StreamResult:
     body = {**body, "stream": True}
     req = urllib.request.Request(
@@ -404,14 +416,7 @@ def _stream(port: int, body: dict[str, Any], timeout_s: float) -> StreamResult:
     finish: str | None = None
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in sse_chunks(r):
                 for ch in chunk.get("choices", []):
                     new = ch.get("token_ids") or []
                     if new and ttft is None:

@@ -199,11 +199,7 @@ def _read_stream(conn: http.client.HTTPConnection) -> dict[str, Any]:
     error = ""
     if resp.status != 200:
         return {"status": resp.status, "tokens": [], "error": resp.read()[:500].decode(errors="replace")}
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-            continue
-        chunk = json.loads(line[5:])
+    for chunk in pd.sse_chunks(resp):
         if "error" in chunk:
             error = str(chunk["error"])[:500]
         for ch in chunk.get("choices", []):
