@@ -259,14 +259,19 @@ class Pusher:
             await asyncio.wait(running)
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
-        """Stop every push (shutdown); returns the tasks to wait for."""
+        """Stop every push (shutdown); returns the tasks to wait for. Every reader hears ABORTED."""
         tasks = []
         for per_reader in list(self.offers.values()):
             for offer in list(per_reader.values()):
+                if offer.task is None:  # not published yet: nothing of it will be
+                    tasks += self._fail(offer, AbortedError(
+                        f"request_id: the push of {offer.request_id!r} stopped: the sidecar is stopping",
+                        field="request_id"))  # fmt: skip
+                    continue
                 self._forget(offer)
                 tasks += offer.cancel_streams()
-                if offer.task is not None and not offer.task.done():
-                    offer.task.cancel("the sidecar is stopping")
+                if not offer.task.done():
+                    offer.task.cancel("the sidecar is stopping")  # its end tells the reader
                     tasks.append(offer.task)
         return tasks
 

@@ -204,6 +204,19 @@ async def test_writer_stopping_mid_push_tells_the_reader_at_once(harness: Harnes
     assert time.monotonic() - t0 < 3.0
 
 
+async def test_writer_stopping_before_the_publish_tells_the_reader_at_once(harness: Harness) -> None:
+    """An offer still waiting for its publish when the writer's sidecar stops: the reader hears ABORTED then,
+    not at its deadline."""
+    p, _pw, _d, dw, _dp = await _pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("w0", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
+    await _offered(p, "w0")
+    t0 = time.monotonic()
+    await p.stop(0)
+    err = await expect_error(OK.ABORTED, pull, "the sidecar is stopping")
+    assert err.reason == "ABORTED"
+    assert time.monotonic() - t0 < 3.0
+
+
 # ---------------------------------------------------------------------- trust
 async def test_offers_are_checked_and_bound(harness: Harness) -> None:
     p, pw, d, dw, _dp = await _pair(harness)
