@@ -1,270 +1,57 @@
-"""Clients of the sidecar's local API, for workers: :class:`AsyncClient` and its blocking facade :class:`Client`.
-
-Every call carries a deadline (``deadline`` per call, else the client's ``timeout``, default 30 s)
-and the bearer token when one is set; failures raise :class:`KvxferRpcError` with the status code,
-the sidecar's message and its machine-readable ``reason`` and ``field``.
-
-The hot calls (``pull``, ``pull_batch``, ``publish``) go to a sidecar on a Unix socket as frames
-on its fast socket (``<socket>.fast``, :mod:`kvxfer.wire.frames`) when it serves one: the same
-messages, deadlines, token and errors, ~0.5 ms less per call than gRPC. Every other call, and
-every call when the fast socket cannot be reached, goes over gRPC (``fast=False``: always gRPC).
-
-:class:`Client` runs one :class:`AsyncClient` on a private event-loop thread: its methods block,
-:meth:`Client.submit` starts any coroutine of :attr:`Client.aio` from any thread and returns a
-:class:`concurrent.futures.Future` (what vLLM's worker half uses to keep pulls off its step).
-
-Typical prefill worker::
-
-    buf = SharedKVBuffer.create(layout)
-    with Client("unix:///run/kvxfer/kvxfer.sock") as c:
-        c.register_caches({"attention": (layout, buf.ref())}, rank=RankInfo(0, 1))
-        c.publish("req-1", {"attention": block_ids})
-
-Typical decode worker::
-
-    c.pull("req-1", ["prefill-0:50051"], {"attention": local_ids}, wait=True)
-"""
+"""The asynchronous client of one sidecar's local API (gRPC, and the fast socket for the hot calls)."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
-import contextlib
 import math
-import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import grpc
-import numpy as np
-import numpy.typing as npt
-import uvloop
 from google.protobuf.message import DecodeError, Message
 
-from kvxfer.errors import InvalidArgumentError, KvxferError, Reason
+from kvxfer.client.types import (
+    BlockMap,
+    CompletionEvent,
+    GroupsArg,
+    KvxferRpcError,
+    PullItem,
+    PullResult,
+    TokenSpan,
+    _batch_results,
+    _check_timeout,
+    _event,
+    _groups_proto,
+    _options,
+    _pull_request,
+    _pull_result,
+    _status_dict,
+    normalize_target,
+)
+from kvxfer.errors import Reason
 from kvxfer.fastsock import FastCallError, FastChannel, FastHelloRefusedError
-from kvxfer.layout import KVCacheLayout
 from kvxfer.logs import get_logger
-from kvxfer.memory import MemoryRef
 from kvxfer.topology import RankInfo
 from kvxfer.transport.base import WorkerAgentInfo
 from kvxfer.wire import local_pb2, local_pb2_grpc
 from kvxfer.wire.convert import (
     blocks_to_proto,
-    layout_to_proto,
-    memory_to_proto,
     rank_to_proto,
     worker_agent_to_proto,
 )
 from kvxfer.wire.frames import METHOD_OF_REQUEST, FastMethod, fast_socket_path
-from kvxfer.wire.status import error_from_status, error_from_status_message, parse_reason, status_code
+from kvxfer.wire.status import error_from_status, error_from_status_message
 
-__all__ = [
-    "AsyncClient",
-    "CacheGroupSpec",
-    "Client",
-    "CompletionEvent",
-    "KvxferRpcError",
-    "PullItem",
-    "PullResult",
-    "TokenSpan",
-    "normalize_target",
-]
+__all__ = ["AsyncClient"]
 
-log = get_logger("kvxfer.client")
-P = ParamSpec("P")
-T = TypeVar("T")
 Q = TypeVar("Q", bound=Message)
 R = TypeVar("R")
-BlockMap = Mapping[str, Sequence[int] | npt.NDArray[np.integer]]
+
 #: After the fast socket could not be reached, hot calls use gRPC this long before trying it again.
 FAST_RETRY_SECONDS = 5.0
-GroupsArg = Sequence["CacheGroupSpec"] | Mapping[str, tuple[KVCacheLayout, MemoryRef]]
 
-
-class KvxferRpcError(KvxferError):
-    """A sidecar call failed: ``code`` is the gRPC status, ``details`` the sidecar's explanation,
-    ``reason`` (a :class:`~kvxfer.errors.Reason`) and ``field`` what code may branch on."""
-
-    def __init__(
-        self, code: grpc.StatusCode, message: str, method: str = "", *, reason: Reason | None = None,
-        field: str | None = None,
-    ) -> None:  # fmt: skip
-        text = f"{method}: {code.name}: {message}" if method else f"{code.name}: {message}"
-        super().__init__(text, field=field, reason=reason or parse_reason("", code))
-        self.code = code
-        self.details = message
-        self.method = method
-
-    @classmethod
-    def of_call(cls, exc: grpc.aio.AioRpcError, method: str) -> KvxferRpcError:
-        """The error of a failed call, with the reason and field from its status details."""
-        code, details = exc.code(), exc.details() or ""
-        reason, field = error_from_status(code, details, exc.trailing_metadata())
-        return cls(code, details, method, reason=reason, field=field)
-
-
-@dataclass(frozen=True)
-class CacheGroupSpec:
-    """One cache group to register: its name, layout and where its memory is."""
-
-    name: str
-    layout: KVCacheLayout
-    memory: MemoryRef
-
-
-@dataclass(frozen=True)
-class PullResult:
-    """The answer to a pull."""
-
-    transfer_id: str
-    request_id: str
-    done: bool
-    bytes: int = 0
-    descriptors: int = 0
-    duration_seconds: float = 0.0
-    data_seconds: float = 0.0
-    remote_ranks: tuple[int, ...] = ()
-    warnings: tuple[str, ...] = ()
-    fetch_seconds: float = 0.0  # handshakes + GetPublished round trips (part of duration_seconds)
-
-
-@dataclass(frozen=True)
-class TokenSpan:
-    """Which tokens of a group's block lists a pull moves (see ``BlockList`` in local.proto).
-
-    Tokens ``[local_skip, local_skip + num_tokens)`` of the local list receive tokens
-    ``[remote_skip, remote_skip + num_tokens)`` of the remote list; the lists may then differ in length.
-    """
-
-    num_tokens: int
-    local_skip: int = 0
-    remote_skip: int = 0
-
-
-@dataclass(frozen=True)
-class PullItem:
-    """One pull of a :meth:`AsyncClient.pull_batch`: the arguments :meth:`AsyncClient.pull` takes."""
-
-    request_id: str
-    remote_addresses: Sequence[str]
-    local_blocks: BlockMap
-    remote_blocks: BlockMap | None = None
-    remote_engine_id: str = ""
-    wait: bool = True
-    deadline: float | None = None
-    spans: Mapping[str, TokenSpan] | None = None
-    #: Push mode: the source ranks WRITE into ``local_blocks`` once the request is published there.
-    push: bool = False
-
-
-@dataclass(frozen=True)
-class CompletionEvent:
-    """One event of the completion stream."""
-
-    sequence: int
-    kind: str  # PULLED, PULL_FAILED, RELEASED, EXPIRED, ABORTED
-    request_id: str
-    transfer_id: str
-    code: grpc.StatusCode
-    message: str
-    peer: str
-    bytes: int = 0
-    descriptors: int = 0
-    duration_seconds: float = 0.0
-    unix_ms: int = 0
-    raw: Any = field(default=None, repr=False, compare=False)
-
-
-def normalize_target(target: str) -> str:
-    """``/path/sock`` or ``unix:/path`` -> ``unix:///path``; ``host:port`` unchanged."""
-    if target.startswith("unix://"):
-        return target
-    if target.startswith("unix:"):
-        return "unix://" + target[5:]
-    if target.startswith("/"):
-        return "unix://" + target
-    return target
-
-
-def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
-def _groups_proto(groups: GroupsArg) -> list[local_pb2.CacheGroup]:
-    specs = [CacheGroupSpec(n, lay, mem) for n, (lay, mem) in groups.items()] if isinstance(groups, Mapping) else groups
-    return [
-        local_pb2.CacheGroup(name=g.name, layout=layout_to_proto(g.layout), memory=memory_to_proto(g.memory))
-        for g in specs
-    ]
-
-
-def _spans(spans: Mapping[str, TokenSpan] | None, *, local: bool) -> dict[str, tuple[int, int]]:
-    """(skip_tokens, num_tokens) per group of one side of a pull (num_tokens is the local side's)."""
-    return {g: (s.local_skip, s.num_tokens) if local else (s.remote_skip, 0) for g, s in (spans or {}).items()}
-
-
-def _pull_result(resp: local_pb2.PullResponse) -> PullResult:
-    st = resp.stats
-    return PullResult(
-        resp.transfer_id, resp.request_id, resp.done, st.bytes, st.descriptors, st.duration_seconds,
-        st.data_seconds, tuple(st.remote_ranks), tuple(st.warnings), st.fetch_seconds,
-    )  # fmt: skip
-
-
-def _event(ev: local_pb2.Completion) -> CompletionEvent:
-    return CompletionEvent(
-        ev.sequence, local_pb2.Completion.Kind.Name(ev.kind), ev.request_id, ev.transfer_id,
-        status_code(ev.code), ev.message, ev.peer, ev.stats.bytes, ev.stats.descriptors, ev.stats.duration_seconds,
-        ev.unix_ms, ev,
-    )  # fmt: skip
-
-
-def _pull_request(item: PullItem) -> local_pb2.PullRequest:
-    if item.spans and not item.remote_blocks and not item.push:
-        raise ValueError("spans: name remote_blocks too when moving part of a group's tokens")
-    remote = item.remote_blocks
-    if remote is None and item.push and item.spans:
-        remote = {g: [] for g in item.spans}  # push: the writer's ids are its publish; only the skip is named
-    return local_pb2.PullRequest(
-        request_id=item.request_id, remote_engine_id=item.remote_engine_id,
-        remote_addresses=list(item.remote_addresses),
-        remote_blocks=blocks_to_proto(remote or {}, _spans(item.spans, local=False)),
-        local_blocks=blocks_to_proto(item.local_blocks, _spans(item.spans, local=True)), wait=item.wait,
-        timeout_seconds=item.deadline or 0.0, push=item.push,
-    )  # fmt: skip
-
-
-def _batch_results(resp: local_pb2.PullBatchResponse) -> list[PullResult | KvxferRpcError]:
-    out: list[PullResult | KvxferRpcError] = []
-    for r in resp.results:
-        if r.code == 0:
-            out.append(_pull_result(r.response))
-            continue
-        code = status_code(r.code)
-        reason = parse_reason(r.reason, code)
-        out.append(KvxferRpcError(code, r.message, "PullBatch", reason=reason, field=r.field or None))
-    return out
-
-
-def _check_timeout(value: float) -> float:
-    """A client's default deadline: a finite number of seconds > 0."""
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgumentError(f"timeout: must be a finite number of seconds > 0, got {value}", field="timeout")
-    return value
-
-
-def _status_dict(resp: Any) -> dict[str, Any]:
-    out = {}
-    for f in resp.DESCRIPTOR.fields:
-        value = getattr(resp, f.name)
-        out[f.name] = value if isinstance(value, str | bytes | int | float | bool) else list(value)
-    return out
+log = get_logger("kvxfer.client")
 
 
 class AsyncClient:
@@ -569,103 +356,3 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _blocking(
-    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
-) -> Callable[Concatenate[Client, P], T]:
-    """``method`` of :class:`AsyncClient`, run on the client's loop and waited for."""
-
-    def run(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self.call(method(self.aio, *args, **kwargs))
-
-    run.__name__ = method.__name__
-    run.__doc__ = f"Blocking :meth:`AsyncClient.{method.__name__}`."
-    return run
-
-
-class Client:
-    """Blocking facade of an :class:`AsyncClient` that runs on a private event-loop thread.
-
-    Usable from any thread (and from inside another event loop, which it never blocks on its own
-    loop's behalf). :attr:`aio` is the async client; :meth:`submit` and :meth:`call` run any of its
-    coroutines. Close it (or use ``with``) to stop the thread. ``fast`` as for :class:`AsyncClient`.
-    """
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        token: str | None = None,
-        timeout: float = 30.0,
-        credentials: grpc.ChannelCredentials | None = None,
-        max_message_bytes: int = 64 * 1024 * 1024,
-        fast: bool = True,
-    ) -> None:
-        self.target = normalize_target(target)
-        self.timeout = _check_timeout(timeout)
-        # uvloop: the facade's round trips are loop-bound; measured ~10% less CPU per call.
-        self._loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-client", daemon=True)
-        self._thread.start()
-
-        async def make() -> AsyncClient:
-            # grpc.aio binds a channel to the loop that creates it.
-            return AsyncClient(target, token=token, timeout=timeout, credentials=credentials,
-                               max_message_bytes=max_message_bytes, fast=fast)  # fmt: skip
-
-        self.aio = self.call(make())
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
-        """Run ``coro`` on the client's loop; returns at once."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the client's loop and wait for its result (calls bound themselves by their deadline)."""
-        return self.submit(coro).result(timeout)
-
-    register_caches = _blocking(AsyncClient.register_caches)
-    publish = _blocking(AsyncClient.publish)
-    pull = _blocking(AsyncClient.pull)
-    pull_batch = _blocking(AsyncClient.pull_batch)
-    release = _blocking(AsyncClient.release)
-    abort = _blocking(AsyncClient.abort)
-    drop_remote = _blocking(AsyncClient.drop_remote)
-    expect = _blocking(AsyncClient.expect)
-    drain = _blocking(AsyncClient.drain)
-    status = _blocking(AsyncClient.status)
-    wait_ready = _blocking(AsyncClient.wait_ready)
-
-    def watch_completions(self, *, replay: bool = False, after: int = 0) -> Iterator[CompletionEvent]:
-        """Blocking :meth:`AsyncClient.watch_completions`; cancel by closing the iterator."""
-        stream = self.aio.watch_completions(replay=replay, after=after)
-
-        async def following() -> CompletionEvent:
-            return await anext(stream)
-
-        try:
-            while True:
-                try:
-                    yield self.call(following())
-                except StopAsyncIteration:
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                self.call(stream.aclose(), timeout=5)
-
-    def close(self) -> None:
-        """Close the channel and stop the loop thread."""
-        if not self._thread.is_alive():
-            return
-        with contextlib.suppress(Exception):  # best effort: the channel may be broken already
-            self.call(self.aio.close(), timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
