@@ -40,7 +40,6 @@ class LoadWaker:
     def __init__(self, clients: Sequence[Client]) -> None:
         self._ended = threading.Event()
         self._live: set[int] = set()
-        self._count = len(clients)
         self._hot_until = 0.0
         self._closed = False
         self._watches: list[cf.Future[None]] = [c.submit(self._watch(i, c)) for i, c in enumerate(clients)]
@@ -70,7 +69,7 @@ class LoadWaker:
         now = time.monotonic()
         if now < self._hot_until or seconds <= 0:
             return False
-        if len(self._live) < self._count:  # a stream is down: it cannot wake us
+        if len(self._live) < len(self._watches):  # a stream is down: it cannot wake us
             time.sleep(seconds)
             return False
         ended = self._ended.wait(seconds)
