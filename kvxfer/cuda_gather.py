@@ -26,12 +26,16 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CHUNK_BYTES", "KERNEL_SOURCE", "GatherKernels", "Nvrtc", "chunk_owner", "find_nvrtc", "span_table"]
+__all__ = [
+    "CHUNK_BYTES", "KERNEL_SOURCE", "GatherKernels", "Nvrtc", "chunk_owner", "fill_span_table", "find_nvrtc",
+    "span_table",
+]  # fmt: skip
 
 U64 = npt.NDArray[np.uint64]
 
@@ -83,12 +87,22 @@ extern "C" __global__ void __launch_bounds__(512) kvxfer_gather(const u64* __res
 
 def span_table(dst: U64, src: U64, sizes: U64, chunk: int = CHUNK_BYTES) -> tuple[U64, int]:
     """The kernel's table (``src | dst | len | first``) and its total number of chunks."""
-    sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
-    chunks = (sizes + np.uint64(chunk - 1)) // np.uint64(chunk)
-    first = np.zeros(sizes.size + 1, dtype=np.uint64)
-    np.cumsum(chunks, out=first[1:])
-    table = np.concatenate([np.asarray(src, dtype=np.uint64), np.asarray(dst, dtype=np.uint64), sizes, first])
-    return table, int(first[-1])
+    table = np.empty(4 * int(np.size(sizes)) + 1, dtype=np.uint64)
+    return table, fill_span_table(table, dst, src, sizes, chunk)
+
+
+def fill_span_table(out: U64, dst: U64, src: U64, sizes: U64, chunk: int = CHUNK_BYTES) -> int:
+    """Write the kernel's table for ``n`` spans into ``out[: 4 * n + 1]``; returns its number of chunks."""
+    n = int(np.size(sizes))
+    out[:n] = src
+    out[n : 2 * n] = dst
+    lens = out[2 * n : 3 * n]
+    lens[:] = sizes
+    out[3 * n] = 0
+    first = out[3 * n + 1 : 4 * n + 1]
+    np.floor_divide(lens + np.uint64(chunk - 1), np.uint64(chunk), out=first)
+    np.cumsum(first, out=first)
+    return int(out[4 * n])
 
 
 def chunk_owner(table: U64, n: int, chunk: int = CHUNK_BYTES) -> tuple[npt.NDArray[np.int64], U64, U64]:
@@ -185,12 +199,41 @@ _ATTR_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _ATTR_CC_MINOR = 76
 
 
+_EVENT_DISABLE_TIMING = 0x2
+_ERR_NOT_READY = 600
+MAX_STAGING = 8  # pinned table buffers per device: one per READ whose table upload may still be queued
+
+
+@dataclass
+class _Staging:
+    """A pinned host buffer for span tables: uploads from it are DMA, and the host call returns at once.
+
+    The device may still read it after :meth:`GatherKernels.launch` returns, so it is written again
+    only once ``event`` (recorded after its last upload) has completed.
+    """
+
+    host: int
+    words: U64  # a numpy view of the whole buffer
+    event: ctypes.c_void_p
+    used: bool = False
+
+
 @dataclass
 class _Loaded:
     function: ctypes.c_void_p
     sms: int
     scratch: int = 0  # device buffer for the span table
     scratch_bytes: int = 0
+    staging: list[_Staging] = field(default_factory=list)
+    # The launch's arguments, made once: each launch only sets their values (the driver copies them).
+    table_arg: ctypes.c_uint64 = field(default_factory=ctypes.c_uint64)
+    spans_arg: ctypes.c_uint32 = field(default_factory=ctypes.c_uint32)
+    chunk_arg: ctypes.c_uint64 = field(default_factory=lambda: ctypes.c_uint64(CHUNK_BYTES))
+    params: Any = None
+
+    def __post_init__(self) -> None:
+        args = (self.table_arg, self.spans_arg, self.chunk_arg)
+        self.params = (ctypes.c_void_p * 3)(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
 
 
 class GatherKernels:
@@ -220,6 +263,11 @@ class GatherKernels:
             "cuMemAlloc_v2": [ctypes.POINTER(u64), ctypes.c_size_t],
             "cuMemFree_v2": [u64],
             "cuMemcpyHtoDAsync_v2": [u64, vp, ctypes.c_size_t, vp],
+            "cuMemHostAlloc": [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_uint],
+            "cuMemFreeHost": [vp],
+            "cuEventCreate": [ctypes.POINTER(vp), ctypes.c_uint],
+            "cuEventRecord": [vp, vp],
+            "cuEventQuery": [vp],
             "cuLaunchKernel": [vp, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                ctypes.c_uint, ctypes.c_uint, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)],
         }.items():  # fmt: skip
@@ -258,11 +306,17 @@ class GatherKernels:
         if not self._bound:
             self._bind()
         k = self._loaded.get(ordinal) or self._load(ordinal, device)
-        table, chunks = span_table(dst, src, sizes)
+        words = 4 * int(sizes.size) + 1
+        slot = self._staging(k, words)
+        if slot is not None:
+            chunks = fill_span_table(slot.words, dst, src, sizes)
+            host, nbytes = slot.host, words * 8
+        else:
+            table, chunks = span_table(dst, src, sizes)
+            host, nbytes = table.ctypes.data, table.nbytes
         t1 = time.perf_counter()
         if chunks == 0:
             return
-        nbytes = table.nbytes
         if nbytes > k.scratch_bytes:
             # cuMemFree waits until the device is idle, so no queued launch still reads the old
             # table; acceptable for a buffer that only ever grows.
@@ -272,17 +326,39 @@ class GatherKernels:
             ptr, size = ctypes.c_uint64(), max(nbytes, 64 << 10)
             self._check(self._lib.cuMemAlloc_v2(ctypes.byref(ptr), size), "cuMemAlloc(gather table)")
             k.scratch, k.scratch_bytes = int(ptr.value), size
-        # From pageable memory, an async host-to-device copy returns once the driver has staged the
-        # bytes, so ``table`` may go away at once; launches on the stream after it see the new table.
-        self._check(self._lib.cuMemcpyHtoDAsync_v2(k.scratch, table.ctypes.data, nbytes, stream),
-                    "cuMemcpyHtoDAsync(gather table)")  # fmt: skip
+        # From pinned memory the copy is DMA, queued; the slot is not written again before its
+        # event says the copy ran. From pageable memory (no slot free) the driver stages the bytes
+        # before returning. Either way, launches after it on the stream see the new table.
+        self._check(self._lib.cuMemcpyHtoDAsync_v2(k.scratch, host, nbytes, stream), "cuMemcpyHtoDAsync(gather table)")
+        if slot is not None:
+            self._check(self._lib.cuEventRecord(slot.event, stream), "cuEventRecord(gather table)")
+            slot.used = True
         t2 = time.perf_counter()
-        args = (ctypes.c_uint64(k.scratch), ctypes.c_uint32(int(sizes.size)), ctypes.c_uint64(CHUNK_BYTES))
-        params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
+        k.table_arg.value, k.spans_arg.value = k.scratch, int(sizes.size)
         grid = max(1, min(chunks, k.sms * BLOCKS_PER_SM))
-        self._check(self._lib.cuLaunchKernel(k.function, grid, 1, 1, THREADS, 1, 1, 0, stream, params, None),
+        self._check(self._lib.cuLaunchKernel(k.function, grid, 1, 1, THREADS, 1, 1, 0, stream, k.params, None),
                     "cuLaunchKernel(gather)")  # fmt: skip
         self.last_us = ((t1 - t0) * 1e6, (t2 - t1) * 1e6, (time.perf_counter() - t2) * 1e6)
+
+    def _staging(self, k: _Loaded, words: int) -> _Staging | None:
+        """A pinned buffer of at least ``words`` u64 whose last upload has run; None: use pageable memory."""
+        for slot in k.staging:
+            if slot.words.size >= words and (not slot.used or self._lib.cuEventQuery(slot.event) != _ERR_NOT_READY):
+                slot.used = False
+                return slot
+        if len(k.staging) >= MAX_STAGING:
+            return None  # every buffer is still being read: many READs queued at once
+        nbytes = max(64 << 10, 1 << (words * 8 - 1).bit_length())
+        host, event = ctypes.c_void_p(), ctypes.c_void_p()
+        if self._lib.cuMemHostAlloc(ctypes.byref(host), nbytes, 0) or not host.value:
+            return None  # no pinned memory to be had: the pageable upload still works
+        if self._lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING):
+            self._lib.cuMemFreeHost(host)
+            return None
+        view = np.ctypeslib.as_array((ctypes.c_uint64 * (nbytes // 8)).from_address(host.value))
+        slot = _Staging(int(host.value), view, event)
+        k.staging.append(slot)
+        return slot
 
     def forget(self, reason: str) -> None:
         """Stop using the kernel (the caller falls back to the copy engines)."""

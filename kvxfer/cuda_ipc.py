@@ -167,6 +167,7 @@ class CudaDriver:
         self.batch_error = ""  # why batched copies were given up, if they were
         self.kernels = GatherKernels(lib, self._check)  # one launch per pull (kvxfer.cuda_gather)
         self._streams: dict[int, ctypes.c_void_p] = {}
+        self._events: dict[int, list[int]] = {}  # per device: events of finished batches, reused (no create per READ)
         uuid_fn = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
         uuid_fn.argtypes = [ctypes.POINTER(_Uuid), ctypes.c_int]
         uuid_fn.restype = ctypes.c_int
@@ -314,10 +315,19 @@ class CudaDriver:
                     rc = cpy(d, sr, sz, stream)
                     if rc:
                         self._check(rc, f"cuMemcpyDtoDAsync(0x{d:x} <- 0x{sr:x}, {sz})")
-            ev = ctypes.c_void_p()
-            self._check(self._lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
+            free = self._events.setdefault(ordinal, [])
+            ev = ctypes.c_void_p(free.pop()) if free else ctypes.c_void_p()
+            if not ev.value:
+                self._check(self._lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
             self._check(self._lib.cuEventRecord(ev, stream), "cuEventRecord")
         return CopyBatch(ordinal, int(ev.value or 0), calls, how)
+
+    def _finished(self, batch: CopyBatch, rc: int) -> None:
+        """Give ``batch``'s event back for the next batch (the caller holds its context current)."""
+        if rc == 0:
+            self._events.setdefault(batch.ordinal, []).append(batch.event)  # list.append: atomic across threads
+        else:
+            self._lib.cuEventDestroy_v2(ctypes.c_void_p(batch.event))
 
     def _gather(self, ordinal: int, stream: ctypes.c_void_p, dst: Any, src: Any, sizes: Any) -> bool:
         """Launch the gather kernel; False (and the kernel given up) if it cannot be built or queued."""
@@ -347,7 +357,7 @@ class CudaDriver:
         return True
 
     def wait(self, batch: CopyBatch, *, spin_s: float = 0.0) -> None:
-        """Block until the copies of ``batch`` finished (raises if they failed) and free its event.
+        """Block until the copies of ``batch`` finished (raises if they failed) and give its event back.
 
         Meant for a worker thread: the call releases the GIL, and the event loop learns of the end
         within microseconds, where polling from the loop would wait for its (millisecond) timers.
@@ -365,16 +375,16 @@ class CudaDriver:
                     rc = self._lib.cuEventQuery(ev)
             if rc == _ERR_NOT_READY:
                 rc = self._lib.cuEventSynchronize(ev)
-            self._lib.cuEventDestroy_v2(ev)
+            self._finished(batch, rc)
         self._check(rc, "device copies")
 
     def done(self, batch: CopyBatch) -> bool:
-        """Whether the copies of ``batch`` finished (raises if they failed); frees its event when they did."""
+        """Whether the copies of ``batch`` finished (raises if they failed); gives its event back when they did."""
         with self._current(batch.ordinal):
             rc = self._lib.cuEventQuery(ctypes.c_void_p(batch.event))
             if rc == _ERR_NOT_READY:
                 return False
-            self._lib.cuEventDestroy_v2(ctypes.c_void_p(batch.event))
+            self._finished(batch, rc)
         self._check(rc, "device copies")
         return True
 

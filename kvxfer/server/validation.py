@@ -5,6 +5,7 @@ Workers and peers are checked alike: a value that fails here leaves every other 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -75,11 +76,23 @@ def check_addresses(values: Iterable[str]) -> list[str]:
 
 def check_peer_address(value: str, field: str) -> str:
     """A peer API address to dial (``host:port``, ``[v6]:port``): INVALID_ARGUMENT naming ``field`` otherwise."""
+    if _dialable(value):
+        return value
     try:
         parse_address(value, setting=field, dial=True)
     except ConfigError as exc:
         raise InvalidArgumentError(exc.message, field=exc.field) from None
     return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _dialable(value: str) -> bool:
+    """Whether ``value`` is an address to dial; remembered, since every pull names the same few peers."""
+    try:
+        parse_address(value, dial=True)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_lease(value: float) -> float:
@@ -163,6 +176,8 @@ def token_spans(local: Sequence[common_pb2.BlockList], remote: Sequence[common_p
 
 def not_published(given: I64, published: I64) -> str:
     """'' when every id of ``given`` was published, else which one was not."""
+    if given.shape == published.shape and bool((given == published).all()):
+        return ""  # the usual case, the very list published: no set lookup
     outside = np.flatnonzero(~np.isin(given, published))
     if not outside.size:
         return ""

@@ -41,8 +41,8 @@ log = get_logger("kvxfer.transport.cuda_ipc_direct")
 
 U64 = npt.NDArray[np.uint64]
 
-#: A READ's waiter thread polls its event this long before it sleeps in the driver: most same-host
-#: READs finish within it, and a sleeping wait added about 0.1 ms per pull on the lent H200.
+#: The event loop polls a READ's event this long before a thread sleeps in the driver for it: most
+#: same-host READs finish within it, and a sleeping wait added about 0.1 ms per pull on the lent H200.
 SPIN_S = 0.002
 
 
@@ -265,28 +265,19 @@ class CudaIpcDirect(Transport):
             self._warned_kernel = True
             log.warning("same-host GPU READs use the copy engines: the gather kernel is unavailable",
                         extra={"error": drv.kernels.error})  # fmt: skip
-        # Waiting in a thread: asyncio (uvloop) timers tick in milliseconds, a 128 MiB copy takes 0.1 ms.
-        # One thread of our own: asyncio.to_thread costs twice the wake-up (about 110 against 50 us).
-        if self._waiter is None:
-            self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-cuda-wait")
         t_queued = time.perf_counter()
-
-        def wait() -> float:
-            drv.wait(batch, spin_s=SPIN_S)
-            return time.perf_counter()
-
-        waiter = asyncio.get_running_loop().run_in_executor(self._waiter, wait)
+        finished = self._watch(drv, batch)
         try:
-            t_done = await asyncio.wait_for(asyncio.shield(waiter), timeout=budget)
+            t_done = await asyncio.wait_for(asyncio.shield(finished), timeout=budget)
         except TimeoutError:
             if drain:  # queued copies cannot be recalled: a WRITE is over only once they have landed
-                await _drained(waiter)
+                await _drained(finished)
             raise TransferTimeoutError(
                 f"{sizes.size} device copies did not finish within {budget:.3f}s", backend="cuda-ipc", peer=peer
             ) from None
         except asyncio.CancelledError:
             if drain:
-                await _drained(waiter)
+                await _drained(finished)
             raise
         except cuda_ipc.CudaIpcError as exc:
             raise TransferFailedError(f"device copies failed: {exc.message}", backend="cuda-ipc", peer=peer) from None
@@ -297,12 +288,65 @@ class CudaIpcDirect(Transport):
                 "kernel_table_upload_launch_us": list(drv.kernels.last_us) if batch.how == "kernel" else None,
             })  # fmt: skip
 
+    def _watch(self, drv: cuda_ipc.CudaDriver, batch: cuda_ipc.CopyBatch) -> asyncio.Future[float]:
+        """A future of when ``batch`` finished; it runs to the end even if nobody awaits it any more.
+
+        The event loop polls the batch's event once per turn for up to :data:`SPIN_S` (other
+        callbacks and I/O run between polls), so a same-host READ, which mostly takes well under
+        that, is seen done within one turn: a waiter thread cost about 0.15 ms per READ on the lent
+        H200 in handing the wait over and waking the loop again. Past it, a thread sleeps in the
+        driver until the copies end.
+        """
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[float] = loop.create_future()
+        finished.add_done_callback(_retrieved)
+        until = time.perf_counter() + SPIN_S
+
+        def poll() -> None:
+            try:
+                if drv.done(batch):
+                    finished.set_result(time.perf_counter())
+                    return
+            except cuda_ipc.CudaIpcError as exc:
+                finished.set_exception(exc)
+                return
+            if time.perf_counter() < until:
+                loop.call_soon(poll)
+                return
+            if self._waiter is None:
+                self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-cuda-wait")
+
+            def wait() -> float:
+                drv.wait(batch)
+                return time.perf_counter()
+
+            loop.run_in_executor(self._waiter, wait).add_done_callback(lambda f: _chain(f, finished))
+
+        loop.call_soon(poll)
+        return finished
+
     def close(self) -> None:
         for name in list(self._peers):
             self._drop_peer(name)
         if self._waiter is not None:
             self._waiter.shutdown(wait=False)
         self._inner.close()
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark an outcome nobody may await any more (a cancelled READ's copies) as seen."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _chain(src: asyncio.Future[Any], dst: asyncio.Future[Any]) -> None:
+    if dst.done():
+        return
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
 
 
 async def _drained(waiter: asyncio.Future[Any]) -> None:

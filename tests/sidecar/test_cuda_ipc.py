@@ -74,11 +74,16 @@ class FakeDriver:
         self.kernel_flags.append(kernel)
         return cuda_ipc.CopyBatch(ordinal, len(self.copies), 1, "kernel" if kernel else "copy-engine")
 
+    not_ready: int = 0  # polls of each batch that find it still running
+    polls: int = 0
+    waits: list[int] = field(default_factory=list)  # batches a thread waited for in the driver
+
     def done(self, batch: cuda_ipc.CopyBatch) -> bool:
-        return True
+        self.polls += 1
+        return self.polls > self.not_ready
 
     def wait(self, batch: cuda_ipc.CopyBatch, *, spin_s: float = 0.0) -> None:
-        pass
+        self.waits.append(batch.event)
 
 
 @pytest.fixture
@@ -504,6 +509,29 @@ async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: F
     assert (1, 0x1000_0000) in fake.closed  # the reader's mapping is gone with the peer
     pub.deregister(reg)
     assert pub.metadata() == b"backend-metadata-of-pub"
+    a.close()
+
+
+async def test_the_event_loop_sees_a_read_end_and_a_thread_waits_only_for_a_long_one(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    from kvxfer.transport import cuda_ipc_direct
+
+    pub, rd, (a, _reg) = _planes(fake)
+    rd.add_peer(pub.metadata())
+    desc = np.array([[int(a.table.base[0]), 64, 1]], dtype=np.uint64)
+    fake.not_ready = 3
+    await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
+    assert (fake.polls, fake.waits, rd._waiter) == (4, [], None)  # polled once per loop turn, no thread
+    # Past the polling window (here: none) a thread sleeps in the driver until the copies end.
+    monkeypatch.setattr(cuda_ipc_direct, "SPIN_S", 0.0)
+    fake.polls, fake.not_ready = 0, 10**9
+    await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
+    assert (fake.polls, fake.waits) == (1, [2])
+    assert rd.direct_reads == 2
+    rd.close()
     a.close()
 
 

@@ -91,6 +91,11 @@ class KernelLib(FakeLibCuda):
         self.uploads: list[tuple[int, bytes]] = []
         self.launches: list[tuple[int, int, tuple[int, int, int]]] = []
         self.allocs: list[int] = []
+        self.pinned: list[Any] = []  # pinned host buffers (cuMemHostAlloc), real memory
+        self.recorded: list[int] = []  # events recorded, in order
+        self.busy: set[int] = set()  # events whose work has not run yet
+        self.all_busy = False  # the device runs nothing: no event completes
+        events = iter(range(0xE100, 0xE200))
 
         def cb(restype: Any, *argtypes: Any) -> Any:
             return lambda fn: self._keep.append(c.CFUNCTYPE(restype, *argtypes)(fn)) or self._keep[-1]
@@ -116,7 +121,21 @@ class KernelLib(FakeLibCuda):
 
         def upload(dst: int, src: Any, n: int, stream: Any) -> int:
             assert stream == 0x5
-            self.uploads.append((dst, c.string_at(src, n)))
+            self.uploads.append((dst, src, c.string_at(src, n)))
+            return 0
+
+        def host_alloc(p: Any, size: int, flags: int) -> int:
+            self.pinned.append(c.create_string_buffer(size))
+            p[0] = c.addressof(self.pinned[-1])
+            return 0
+
+        def new_event(p: Any, flags: int) -> int:
+            p[0] = next(events)
+            return 0
+
+        def record(ev: Any, stream: Any) -> int:
+            assert stream == 0x5
+            self.recorded.append(ev)
             return 0
 
         def launch(fn: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shm: int, stream: Any,
@@ -135,6 +154,11 @@ class KernelLib(FakeLibCuda):
         self.cuMemAlloc_v2 = cb(i32, c.POINTER(u64), c.c_size_t)(alloc)
         self.cuMemFree_v2 = cb(i32, u64)(lambda p: 0)
         self.cuMemcpyHtoDAsync_v2 = cb(i32, u64, vp, c.c_size_t, vp)(upload)
+        self.cuMemHostAlloc = cb(i32, c.POINTER(vp), c.c_size_t, c.c_uint)(host_alloc)
+        self.cuMemFreeHost = cb(i32, vp)(lambda p: 0)
+        self.cuEventCreate = cb(i32, c.POINTER(vp), c.c_uint)(new_event)
+        self.cuEventRecord = cb(i32, vp, vp)(record)
+        self.cuEventQuery = cb(i32, vp)(lambda ev: 600 if self.all_busy or ev in self.busy else 0)
         self.cuLaunchKernel = cb(i32, vp, c.c_uint, c.c_uint, c.c_uint, c.c_uint, c.c_uint, c.c_uint, c.c_uint, vp,
                                  c.POINTER(vp), c.POINTER(vp))(launch)  # fmt: skip
 
@@ -165,10 +189,38 @@ def test_one_launch_moves_every_span_of_a_pull() -> None:
     assert nvrtc.calls == [(9, 0)]  # compiled for the device's own compute capability
     assert lib.modules == [b"// ptx for the test\n"]
     table, chunks = span_table(dst, src, sizes)
-    assert lib.uploads == [(KernelLib.SCRATCH, table.tobytes())]
+    # The table goes up from a pinned buffer (DMA); the buffer's event is recorded right after it,
+    # then the batch's own event after the launch.
+    (pinned,) = lib.pinned
+    assert lib.uploads == [(KernelLib.SCRATCH, ctypes.addressof(pinned), table.tobytes())]
+    slot_event = lib.recorded[0]
+    assert lib.recorded == [slot_event, b.event]
+    assert slot_event != b.event
     assert lib.launches == [(chunks, 512, (KernelLib.SCRATCH, 3, CHUNK_BYTES))]  # 5 chunks: grid 5
     assert (lib.batches, lib.single) == ([], [])  # no copy-engine submission
-    drv.copy_async(0, dst, src, sizes, kernel=True)
+
+    # While that upload may still be queued its buffer is not written again: a second one is used.
+    lib.busy.add(slot_event)
+    b2 = drv.copy_async(0, dst[:2], src[:2], sizes[:2], kernel=True)
+    assert len(lib.pinned) == 2
+    assert lib.uploads[-1][1] == ctypes.addressof(lib.pinned[1])
+    assert lib.uploads[-1][2] == span_table(dst[:2], src[:2], sizes[:2])[0].tobytes()
+    assert lib.launches[-1] == (chunks, 512, (KernelLib.SCRATCH, 2, CHUNK_BYTES))
+    # Once it ran, the first buffer is used again; the finished batch's event is reused too.
+    lib.busy.clear()
+    drv.wait(b2)
+    b3 = drv.copy_async(0, dst, src, sizes, kernel=True)
+    assert len(lib.pinned) == 2
+    assert lib.uploads[-1][1] == ctypes.addressof(pinned)
+    assert b3.event == b2.event
+    # Every pinned buffer still being read (many READs queued): the table goes up from pageable memory.
+    lib.all_busy = True
+    for _ in range(cuda_gather.MAX_STAGING + 1):
+        drv.copy_async(0, dst, src, sizes, kernel=True)
+    assert len(lib.pinned) == cuda_gather.MAX_STAGING
+    pinned_at = {ctypes.addressof(p) for p in lib.pinned}
+    assert lib.uploads[-1][1] not in pinned_at
+    assert lib.uploads[-1][2] == table.tobytes()
     assert (len(lib.modules), len(lib.allocs)) == (1, 1)  # loaded once, table buffer reused
     assert drv.copy_async(0, dst, src, sizes).how == "copy-engine"  # kernel=False: the copy engines
     assert lib.ctx_depth == 0
