@@ -99,20 +99,58 @@ def proto_lines(log: Path) -> list[str]:
     return out[:12]
 
 
-def read_phases(log: Path) -> dict[str, float]:
-    """Median submit / GPU / wake-up microseconds of the decode sidecar's same-host READs (debug log)."""
-    phases: dict[str, list[float]] = {"submit_us": [], "gpu_us": [], "wake_us": [], "table_us": [], "upload_us": [],
-                                      "launch_us": []}  # fmt: skip
+def read_phases(log: Path) -> dict[str, dict[str, float]]:
+    """Median submit / GPU / wake-up microseconds of the decode sidecar's same-host READs, by READ size (debug log)."""
+    by_size: dict[str, dict[str, list[float]]] = {}
     for line in log.read_text(errors="replace").splitlines():
         if '"same-host READ phases"' in line:
             rec = json.loads(line)
+            phases = by_size.setdefault(f"{rec.get('bytes', 0) / 2**20:.0f} MiB", {})
             for k in ("submit_us", "gpu_us", "wake_us"):
-                phases[k].append(float(rec[k]))
+                phases.setdefault(k, []).append(float(rec[k]))
             split = rec.get("kernel_table_upload_launch_us")
             if split:
                 for k, v in zip(("table_us", "upload_us", "launch_us"), split, strict=True):
-                    phases[k].append(float(v))
-    return {k: round(statistics.median(v), 1) for k, v in phases.items() if v} | {"reads": len(phases["gpu_us"])}
+                    phases.setdefault(k, []).append(float(v))
+    return {
+        size: {k: round(statistics.median(v), 1) for k, v in phases.items()} | {"reads": len(phases["gpu_us"])}
+        for size, phases in by_size.items()
+    }
+
+
+#: A pull's way, on the monotonic clock every process of the host shares: worker call -> fast socket
+#: frame in -> the sidecar's Pull -> its transfer started -> answer ready -> answer written -> worker back.
+PULL_SEGMENTS = ("to_sidecar", "to_pull", "validate", "run", "to_answer", "to_worker")
+
+
+def pull_phases(log: Path, marks: dict[str, tuple[str, float, float]]) -> dict[str, dict[str, float]]:
+    """Median microseconds of each of :data:`PULL_SEGMENTS` per row label, from the decode sidecar's debug log.
+
+    ``marks``: request id -> (row label, the worker's call time, its return time).
+    """
+    fast: dict[str, dict[str, float]] = {}
+    pulls: dict[str, dict[str, float]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"fast-socket call"' in line or '"pull answered"' in line:
+            rec = json.loads(line)
+            rid = rec.get("request_id", "")
+            if rec["msg"] == "fast-socket call" and rec.get("method", "").endswith("/Pull"):
+                fast[rid] = rec
+            elif rec["msg"] == "pull answered":
+                pulls[rid] = rec
+    out: dict[str, dict[str, list[float]]] = {}
+    for rid, (label, t_call, t_done) in marks.items():
+        f, p = fast.get(rid), pulls.get(rid)
+        if f is None or p is None:
+            continue
+        points = (t_call, f["arrived"], p["entered"], p["started"], p["answering"], f["answered"], t_done)
+        seg = out.setdefault(label, {k: [] for k in PULL_SEGMENTS})
+        for k, a, b in zip(PULL_SEGMENTS, points, points[1:], strict=False):
+            seg[k].append((b - a) * 1e6)
+    return {
+        label: {k: round(statistics.median(v), 1) for k, v in seg.items()} | {"pulls": len(seg["run"])}
+        for label, seg in out.items()
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,13 +257,18 @@ def run_cluster(
             except ClusterError as exc:
                 raise ClusterError(f"{exc}\n{cluster.logs(40)}") from None
             res["fill_s"] = fill["fill_s"]
+            res["rid"] = rid
             return res
 
         cases = [(m, lab, t, mode) for m, lab in lists for t in sizes for mode in args.modes]
+        marks: dict[str, tuple[str, float, float]] = {}
         for max_run, label, tokens, mode in cases:
             blocks = -(-tokens // layout.block_size)
             one(max_run, blocks, "warm", mode)  # first pull: handshake, UCX endpoints, IPC mappings
             got = [one(max_run, blocks, "bench", mode) for _ in range(reps)]
+            for r in got:
+                if "t_call" in r:
+                    marks[r["rid"]] = (f"{label} {tokens} tok {mode}", r["t_call"], r["t_done"])
             nbytes = got[0]["bytes"]
             data = statistics.median(r["data_s"] for r in got)
             lat = statistics.median(r["latency_s"] for r in got)
@@ -261,7 +304,11 @@ def run_cluster(
         facts[f"ucx_read_protocol_{path}"] = proto_lines(workdir / "decode-0.log")
         if args.phases:
             facts[f"read_phases_{path}"] = read_phases(workdir / "decode-0.log")
-            print(f"[{path}] same-host READ phases, median us: {facts[f'read_phases_{path}']}", flush=True)
+            for size, ph in facts[f"read_phases_{path}"].items():
+                print(f"[{path}] same-host READ phases of {size}, median us: {ph}", flush=True)
+            facts[f"pull_phases_{path}"] = pull_phases(workdir / "decode-0.log", marks)
+            for label, ph in facts[f"pull_phases_{path}"].items():
+                print(f"[{path}] pull phases, {label}, median us: {ph}", flush=True)
         facts[f"fallback_warnings_{path}"] = [
             ln[:300] for ln in (workdir / "decode-0.log").read_text(errors="replace").splitlines()
             if "CUDA IPC READ unavailable" in ln or "gather kernel is unavailable" in ln

@@ -349,6 +349,7 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         spans = {g: TokenSpan(int(n)) for g, n in more[2].items()} if len(more) > 2 and more[2] else None
         for g, ids in blocks.items():
             poison_blocks(buffers[g], ids)
+        t_call = time.monotonic()
         t0 = time.perf_counter()
         res = client.pull(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine, wait=True, push=push,
                           spans=spans)  # fmt: skip
@@ -362,7 +363,7 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
             "latency_s": latency, "data_s": res.data_seconds, "bytes": res.bytes, "descriptors": res.descriptors,
             "checked": checked, "mismatched": bad, "verify_s": time.perf_counter() - t0 - latency,
             "warnings": list(res.warnings), "fetch_s": res.fetch_seconds, "duration_s": res.duration_seconds,
-            "t_done": t_done,
+            "t_call": t_call, "t_done": t_done,
         }  # fmt: skip
     if op == "status":
         return dict(client.status())

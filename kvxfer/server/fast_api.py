@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import math
 import os
 import socket
@@ -176,6 +177,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        arrived = time.monotonic()
         self.buf += data
         buf = self.buf
         while self.transport is not None and not self.transport.is_closing() and len(buf) >= REQUEST.size:
@@ -198,7 +200,7 @@ class _Connection(asyncio.Protocol):
                 if task is not None:
                     task.cancel()
             else:
-                self._start(call, method, timeout, payload)
+                self._start(call, method, timeout, payload, arrived)
 
     def _hello(self, call: int, method: int, payload: bytes) -> None:
         why = self.api.check_hello(payload) if call == HELLO_CALL and method == 0 else InvalidArgumentError(
@@ -210,7 +212,7 @@ class _Connection(asyncio.Protocol):
         self.greeted = True
         self._answer(call, 0, b"")
 
-    def _start(self, call: int, number: int, timeout: float, payload: bytes) -> None:
+    def _start(self, call: int, number: int, timeout: float, payload: bytes, arrived: float) -> None:
         m = self.api.methods.get(number)
         if m is None:
             self._refuse(call, _UnimplementedError(f"method: the fast socket has no method {number}", field="method"))
@@ -228,11 +230,11 @@ class _Connection(asyncio.Protocol):
         except InvalidArgumentError as exc:
             self._refuse(call, exc)
             return
-        task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Deadline(timeout)))
+        task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Deadline(timeout), arrived))
         self.calls[call] = task
         self.api.calls_started += 1
 
-    async def _run(self, call: int, m: _Method, req: Any, deadline: _Deadline) -> None:
+    async def _run(self, call: int, m: _Method, req: Any, deadline: _Deadline, arrived: float) -> None:
         try:
             resp = await run_unary(m.fn, req, deadline, m.full, m.limit)
         except KvxferError as exc:
@@ -243,6 +245,11 @@ class _Connection(asyncio.Protocol):
             self._answer(call, 0, resp.SerializeToString())
         finally:
             self.calls.pop(call, None)
+        if log.isEnabledFor(logging.DEBUG):  # the hop's share of a call (bench/gpu/sidecar_vram_bench.py --phases)
+            log.debug("fast-socket call", extra={
+                "method": m.full, "request_id": getattr(req, "request_id", ""), "arrived": arrived,
+                "answered": time.monotonic(),
+            })  # fmt: skip
 
     def _refuse(self, call: int, exc: KvxferError, *, close: bool = False) -> None:
         log.warning("fast-socket frame refused", extra={"error": exc.message, "call": call})

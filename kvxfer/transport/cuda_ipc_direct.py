@@ -283,7 +283,8 @@ class CudaIpcDirect(Transport):
             raise TransferFailedError(f"device copies failed: {exc.message}", backend="cuda-ipc", peer=peer) from None
         if log.isEnabledFor(logging.DEBUG):  # where a transfer's fixed cost goes (bench/gpu/sidecar_vram_bench.py)
             log.debug("same-host READ phases" if not drain else "same-host WRITE phases", extra={
-                "peer": peer, "spans": int(sizes.size), "how": batch.how, "submit_us": (t_queued - t_submit) * 1e6,
+                "peer": peer, "spans": int(sizes.size), "bytes": int(sizes.sum()), "how": batch.how,
+                "submit_us": (t_queued - t_submit) * 1e6,
                 "gpu_us": (t_done - t_queued) * 1e6, "wake_us": (time.perf_counter() - t_done) * 1e6,
                 "kernel_table_upload_launch_us": list(drv.kernels.last_us) if batch.how == "kernel" else None,
             })  # fmt: skip
