@@ -58,6 +58,16 @@ from kvxfer.wire.convert import blocks_to_proto
 PULL_METHOD = "/" + local_pb2.DESCRIPTOR.services_by_name["Local"].full_name + "/Pull"
 #: Frame header on the stream socket: payload length, call id (echoed in the answer).
 HEADER = struct.Struct("<IQ")
+#: Idle time before each call (``--gap-ms``): a worker calls its sidecar between steps, not back to
+#: back, and a thread that slept for milliseconds may take far longer to wake than one that spun.
+GAP_S = 0.0
+
+
+def _gap() -> None:
+    if GAP_S:
+        time.sleep(GAP_S)
+
+
 #: One ring: head (written by the producer), tail (by the consumer), spin flag; then the slots.
 RING_HEAD = struct.Struct("<QQQ")
 RING_HEADER_BYTES = 64
@@ -163,7 +173,8 @@ def serve(sock_dir: str, ring_path: str, efd_req: int, efd_resp: int) -> None:
                     parse(payload)
                     self.t.write(HEADER.pack(len(canned), call) + canned)
 
-        await loop.create_unix_server(Frames, f"{sock_dir}/frames.sock")
+        # Kept referenced: uvloop closes a server object that is garbage-collected.
+        frames = await loop.create_unix_server(Frames, f"{sock_dir}/frames.sock")
 
         _mapping, (req, resp, spin_req, spin_resp) = _rings(ring_path)  # the views keep it mapped
 
@@ -192,7 +203,8 @@ def serve(sock_dir: str, ring_path: str, efd_req: int, efd_resp: int) -> None:
 
         threading.Thread(target=spinner, daemon=True).start()
         print("ready", flush=True)
-        await asyncio.Event().wait()
+        async with frames:
+            await asyncio.Event().wait()
 
     uvloop.run(main())
 
@@ -232,6 +244,7 @@ class Caller:
             "grpc_aio_inloop": self.grpc_aio_inloop,
             "grpc_sync": self.grpc_sync,
             "frame_blocking": self.frame_blocking,
+            "frame_blocking_spin": self.frame_blocking_spin,
             "frame_facade": self.frame_facade,
             "frame_inloop": self.frame_inloop,
             "shm_eventfd": self.shm_eventfd,
@@ -241,6 +254,7 @@ class Caller:
     def grpc_aio_facade(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
         out = []
         for r in reqs:
+            _gap()
             t = time.perf_counter()
             self.run(self._aio_pull(r))
             out.append(time.perf_counter() - t)
@@ -262,6 +276,7 @@ class Caller:
     def frame_blocking(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
         out = []
         for r in reqs:
+            _gap()
             t = time.perf_counter()
             self.calls += 1
             payload = r.SerializeToString()
@@ -270,6 +285,27 @@ class Caller:
             n, call = HEADER.unpack(head)
             assert call == self.calls
             local_pb2.PullResponse.FromString(_recv_exactly(self.sock, n))
+            out.append(time.perf_counter() - t)
+        return out
+
+    def frame_blocking_spin(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
+        """frame_blocking whose caller polls its socket for the answer instead of sleeping in recv."""
+        out = []
+        for r in reqs:
+            _gap()
+            t = time.perf_counter()
+            self.calls += 1
+            payload = r.SerializeToString()
+            self.sock.sendall(HEADER.pack(len(payload), self.calls) + payload)
+            buf = b""
+            while len(buf) < HEADER.size or len(buf) < HEADER.size + HEADER.unpack_from(buf)[0]:
+                try:
+                    buf += self.sock.recv(65536, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+            n, call = HEADER.unpack_from(buf)
+            assert call == self.calls
+            local_pb2.PullResponse.FromString(buf[HEADER.size : HEADER.size + n])
             out.append(time.perf_counter() - t)
         return out
 
@@ -284,6 +320,7 @@ class Caller:
         out = []
         one = (1).to_bytes(8, "little")
         for r in reqs:
+            _gap()
             t = time.perf_counter()
             self.req.put(r.SerializeToString())
             os.write(self.efd_req, one)
@@ -348,6 +385,7 @@ def _timed(call: Callable[[local_pb2.PullRequest], object], reqs: list[local_pb2
     """Seconds of each ``call(request)``, one after the other."""
     out = []
     for r in reqs:
+        _gap()
         t = time.perf_counter()
         call(r)
         out.append(time.perf_counter() - t)
@@ -360,6 +398,8 @@ async def _timed_async(
     """Seconds of each ``await call(request)``, one after the other."""
     out = []
     for r in reqs:
+        if GAP_S:
+            await asyncio.sleep(GAP_S)
         t = time.perf_counter()
         await call(r)
         out.append(time.perf_counter() - t)
@@ -493,8 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="calls per variant per round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="*", help="variants to run (default: all)")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each call (the caller sleeps)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    global GAP_S
+    GAP_S = a.gap_ms / 1e3
     if a.rounds < 1 or a.calls < 20:
         ap.error("--rounds must be >= 1 and --calls >= 20")
     r = run(a.rounds, a.calls, a.seed, a.only)

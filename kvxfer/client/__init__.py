@@ -12,6 +12,8 @@ every call when the fast socket cannot be reached, goes over gRPC (``fast=False`
 :class:`Client` runs one :class:`AsyncClient` on a private event-loop thread: its methods block,
 :meth:`Client.submit` starts any coroutine of :attr:`Client.aio` from any thread and returns a
 :class:`concurrent.futures.Future` (what vLLM's worker half uses to keep pulls off its step).
+:meth:`Client.pull` and :meth:`Client.publish` go from the calling thread itself, over that
+thread's own fast-socket connection (:mod:`kvxfer.client.fast`), without the loop thread.
 
 Typical prefill worker::
 

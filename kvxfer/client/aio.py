@@ -9,8 +9,9 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
+from kvxfer.client.fast import decode_answer, timeout_error
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -24,6 +25,7 @@ from kvxfer.client.types import (
     _event,
     _groups_proto,
     _options,
+    _publish_request,
     _pull_request,
     _pull_result,
     _status_dict,
@@ -36,7 +38,6 @@ from kvxfer.topology import RankInfo
 from kvxfer.transport.base import WorkerAgentInfo
 from kvxfer.wire import local_pb2, local_pb2_grpc
 from kvxfer.wire.convert import (
-    blocks_to_proto,
     rank_to_proto,
     worker_agent_to_proto,
 )
@@ -91,13 +92,7 @@ class AsyncClient:
         self._stub = local_pb2_grpc.LocalStub(self._channel)
 
     async def _call(self, rpc: grpc.aio.UnaryUnaryMultiCallable[Q, R], req: Q, deadline: float | None) -> R:
-        timeout = deadline or self.timeout
-        if not math.isfinite(timeout) or timeout <= 0:
-            # gRPC would end such a call at once with DEADLINE_EXCEEDED, which reads like a slow sidecar.
-            raise KvxferRpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"deadline: must be a finite number of seconds > 0, got {deadline}",
-                type(req).DESCRIPTOR.name.removesuffix("Request"), reason=Reason.INVALID_FIELD, field="deadline",
-            )  # fmt: skip
+        timeout = self.call_timeout(req, deadline)
         method = METHOD_OF_REQUEST.get(type(req)) if self.fast_socket is not None else None
         if method is not None:
             channel = self._fast if self._fast is not None and not self._fast.closed else await self._fast_channel()
@@ -115,6 +110,17 @@ class AsyncClient:
             return await rpc(req, timeout=timeout, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise KvxferRpcError.of_call(exc, type(req).DESCRIPTOR.name.removesuffix("Request")) from None
+
+    def call_timeout(self, req: Message, deadline: float | None) -> float:
+        """The seconds a call of ``req`` may take: ``deadline``, else the client's timeout; checked."""
+        timeout = deadline or self.timeout
+        if not math.isfinite(timeout) or timeout <= 0:
+            # gRPC would end such a call at once with DEADLINE_EXCEEDED, which reads like a slow sidecar.
+            raise KvxferRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"deadline: must be a finite number of seconds > 0, got {deadline}",
+                type(req).DESCRIPTOR.name.removesuffix("Request"), reason=Reason.INVALID_FIELD, field="deadline",
+            )  # fmt: skip
+        return timeout
 
     @property
     def fast_active(self) -> bool:
@@ -156,19 +162,8 @@ class AsyncClient:
         try:
             code, payload = await channel.call(method.number, req.SerializeToString(), timeout)
         except TimeoutError:
-            # What grpc.aio reports for a call past its deadline.
-            raise KvxferRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method.name, reason=Reason.DEADLINE
-            ) from None
-        try:
-            if code == 0:
-                return method.response.FromString(payload)
-            status, message, reason, field = error_from_status_message(payload)
-        except DecodeError as exc:  # not what a sidecar sends: say so rather than guess
-            raise KvxferRpcError(
-                grpc.StatusCode.INTERNAL, f"unreadable answer on the fast socket (status {code}): {exc}", method.name
-            ) from None
-        raise KvxferRpcError(status, message, method.name, reason=reason, field=field)
+            raise timeout_error(method) from None
+        return decode_answer(method, code, payload)
 
     async def register_caches(
         self, groups: GroupsArg, *, rank: RankInfo | None = None, worker_id: str = "", deadline: float | None = None,
@@ -199,11 +194,7 @@ class AsyncClient:
         first reader engine that fetches it). ``origins``: per group, the request's token position
         of the first listed block (a sliding window's tail; push offers name token positions).
         """
-        spans = {g: (int(t), 0) for g, t in (origins or {}).items()}
-        req = local_pb2.PublishRequest(
-            request_id=request_id, blocks=blocks_to_proto(blocks, spans), lease_seconds=lease_seconds,
-            reader_engine_id=reader_engine_id,
-        )  # fmt: skip
+        req = _publish_request(request_id, blocks, lease_seconds, reader_engine_id, origins)
         resp: local_pb2.PublishResponse = await self._call(self._stub.Publish, req, deadline)
         return int(resp.expires_unix_ms)
 
@@ -220,7 +211,7 @@ class AsyncClient:
         """
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
                         spans, push)  # fmt: skip
-        return _pull_result(await self._call(self._stub.Pull, _pull_request(item), self._pull_timeout(deadline)))
+        return _pull_result(await self._call(self._stub.Pull, _pull_request(item), self.pull_timeout(deadline)))
 
     async def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:
         """Several pulls in one call (e.g. all a worker starts in one step), one result or error each, in order.
@@ -230,10 +221,10 @@ class AsyncClient:
         """
         req = local_pb2.PullBatchRequest(pulls=[_pull_request(i) for i in items])
         # The call lasts as long as its longest pull, plus a second.
-        call_timeout = max((self._pull_timeout(i.deadline) for i in items), default=self.timeout + 1.0)
+        call_timeout = max((self.pull_timeout(i.deadline) for i in items), default=self.timeout + 1.0)
         return _batch_results(await self._call(self._stub.PullBatch, req, call_timeout))
 
-    def _pull_timeout(self, deadline: float | None) -> float:
+    def pull_timeout(self, deadline: float | None) -> float:
         """The call's timeout for a pull of ``deadline`` (its ``timeout_seconds``), plus a second.
 
         A deadline that is no number of seconds is left to the sidecar, which refuses it naming

@@ -6,14 +6,28 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import uvloop
 
 from kvxfer.client.aio import AsyncClient
-from kvxfer.client.types import CompletionEvent, _check_timeout, normalize_target
+from kvxfer.client.fast import ThreadCalls
+from kvxfer.client.types import (
+    BlockMap,
+    CompletionEvent,
+    PullItem,
+    PullResult,
+    TokenSpan,
+    _check_timeout,
+    _publish_request,
+    _pull_request,
+    _pull_result,
+    normalize_target,
+)
+from kvxfer.wire import local_pb2
+from kvxfer.wire.frames import METHOD_OF_REQUEST
 
 __all__ = ["Client"]
 
@@ -65,6 +79,14 @@ class Client:
                                max_message_bytes=max_message_bytes, fast=fast)  # fmt: skip
 
         self.aio = self.call(make())
+        # pull and publish from the caller's own thread (kvxfer.client.fast): no hand-off to the loop.
+        self._thread_calls = ThreadCalls(self.aio.fast_socket, token=token, connect_timeout=min(self.timeout, 2.0),
+                                         max_message_bytes=max_message_bytes)  # fmt: skip
+
+    @property
+    def fast_active(self) -> bool:
+        """True while the fast socket carries hot calls: a thread's own connection, or the loop's."""
+        return self._thread_calls.active or self.aio.fast_active
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
         """Run ``coro`` on the client's loop; returns at once."""
@@ -75,8 +97,40 @@ class Client:
         return self.submit(coro).result(timeout)
 
     register_caches = _blocking(AsyncClient.register_caches)
-    publish = _blocking(AsyncClient.publish)
-    pull = _blocking(AsyncClient.pull)
+
+    def publish(
+        self, request_id: str, blocks: BlockMap, *, lease_seconds: float = 0.0, deadline: float | None = None,
+        reader_engine_id: str = "", origins: Mapping[str, int] | None = None,
+    ) -> int:  # fmt: skip
+        """Blocking :meth:`AsyncClient.publish` (over this thread's fast-socket connection when there is one)."""
+        req = _publish_request(request_id, blocks, lease_seconds, reader_engine_id, origins)
+        resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PublishRequest], req,
+                                       self.aio.call_timeout(req, deadline))  # fmt: skip
+        if resp is None:
+            return self.call(self.aio.publish(request_id, blocks, lease_seconds=lease_seconds, deadline=deadline,
+                                              reader_engine_id=reader_engine_id, origins=origins))  # fmt: skip
+        assert isinstance(resp, local_pb2.PublishResponse)
+        return int(resp.expires_unix_ms)
+
+    def pull(
+        self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
+        remote_blocks: BlockMap | None = None, remote_engine_id: str = "", wait: bool = True,
+        deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None, push: bool = False,
+    ) -> PullResult:  # fmt: skip
+        """Blocking :meth:`AsyncClient.pull` (over this thread's fast-socket connection when there is one)."""
+        item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
+                        spans, push)  # fmt: skip
+        req = _pull_request(item)
+        resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PullRequest], req,
+                                       self.aio.call_timeout(req, self.aio.pull_timeout(deadline)))  # fmt: skip
+        if resp is None:
+            return self.call(self.aio.pull(
+                request_id, remote_addresses, local_blocks, remote_blocks=remote_blocks,
+                remote_engine_id=remote_engine_id, wait=wait, deadline=deadline, spans=spans, push=push,
+            ))  # fmt: skip
+        assert isinstance(resp, local_pb2.PullResponse)
+        return _pull_result(resp)
+
     pull_batch = _blocking(AsyncClient.pull_batch)
     release = _blocking(AsyncClient.release)
     abort = _blocking(AsyncClient.abort)
@@ -105,6 +159,7 @@ class Client:
 
     def close(self) -> None:
         """Close the channel and stop the loop thread."""
+        self._thread_calls.close()
         if not self._thread.is_alive():
             return
         with contextlib.suppress(Exception):  # best effort: the channel may be broken already

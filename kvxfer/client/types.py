@@ -194,6 +194,16 @@ def _pull_request(item: PullItem) -> local_pb2.PullRequest:
     )  # fmt: skip
 
 
+def _publish_request(
+    request_id: str, blocks: BlockMap, lease_seconds: float, reader_engine_id: str, origins: Mapping[str, int] | None
+) -> local_pb2.PublishRequest:
+    spans = {g: (int(t), 0) for g, t in (origins or {}).items()}
+    return local_pb2.PublishRequest(
+        request_id=request_id, blocks=blocks_to_proto(blocks, spans), lease_seconds=lease_seconds,
+        reader_engine_id=reader_engine_id,
+    )  # fmt: skip
+
+
 def _batch_results(resp: local_pb2.PullBatchResponse) -> list[PullResult | KvxferRpcError]:
     out: list[PullResult | KvxferRpcError] = []
     for r in resp.results:

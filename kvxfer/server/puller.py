@@ -82,6 +82,7 @@ class Puller:
         """
         entered = time.monotonic()
         entry = self._start(req, client_timeout, grants or {})
+        entry.waited = req.wait
         wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
         try:
             await asyncio.shield(wait_for)
@@ -90,6 +91,7 @@ class Puller:
             if req.wait and entry.task is not None and not entry.task.done():
                 entry.abort_reason = "the worker cancelled its Pull call"
                 entry.task.cancel()
+            self._book(entry)  # it may have succeeded just before: nobody else does its bookkeeping
             raise
         failure = entry.done.exception() if entry.done.done() else None
         if failure is not None:
@@ -98,6 +100,10 @@ class Puller:
                                       done=entry.done.done())  # fmt: skip
         if entry.done.done():
             resp.stats.CopyFrom(entry.done.result())
+        if req.wait:
+            # Runs once this task step has returned the answer (the fast socket writes it in the
+            # same step): the bookkeeping stays off the worker's critical path.
+            asyncio.get_running_loop().call_soon(self._book, entry)
         if log.isEnabledFor(logging.DEBUG):  # where a pull's time goes, on monotonic clocks every process shares
             log.debug("pull answered", extra={"entered": entered, "started": entry.started,
                                               "answering": time.monotonic()})  # fmt: skip
@@ -226,11 +232,11 @@ class Puller:
             if failure is not None:
                 self._failed(entry, *failure)
                 return
+            entry.unbooked = (stats, time.monotonic() - entry.started)
             if not entry.done.done():
                 entry.done.set_result(stats)
-            # Bookkeeping runs after the waiting Pull handler (woken by set_result, so scheduled
-            # first) has answered the worker: it is off the worker's critical path.
-            asyncio.get_running_loop().call_soon(self._pulled, entry, stats, time.monotonic() - entry.started)
+            if not entry.waited:  # else the waiting Pull call books it once it has answered
+                asyncio.get_running_loop().call_soon(self._book, entry)
 
     def _failure(
         self, entry: PullEntry, exc: BaseException, budget: float, sessions: dict[int, PeerSession]
@@ -277,6 +283,14 @@ class Puller:
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()  # retrieved: a non-waiting Pull never awaits it
+
+    def _book(self, entry: PullEntry) -> None:
+        """The bookkeeping of a successful pull, once (nothing for a pull not done or failed)."""
+        if entry.unbooked is not None:
+            (stats, elapsed), entry.unbooked = entry.unbooked, None
+            peer = entry.remote_engine_id or ",".join(entry.addresses)
+            with log_context(request_id=entry.request_id, transfer_id=entry.transfer_id, peer=peer):
+                self._pulled(entry, stats, elapsed)
 
     def _pulled(self, entry: PullEntry, stats: local_pb2.TransferStats, elapsed: float) -> None:
         self.metrics.transfer_done(

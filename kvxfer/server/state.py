@@ -121,3 +121,7 @@ class PullEntry:
     offer: tuple[list[Any], list[Any]] = field(default_factory=lambda: ([], []))
     landed: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     writers: dict[str, Any] = field(default_factory=dict)  # address -> the Identity of its handshake
+    #: A Pull call waits for the outcome: it does the bookkeeping of a success once it has answered.
+    waited: bool = False
+    #: A success's bookkeeping (metrics, completion event, the publishers' notice): (stats, seconds), then done.
+    unbooked: tuple[Any, float] | None = None

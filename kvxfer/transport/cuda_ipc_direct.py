@@ -266,18 +266,19 @@ class CudaIpcDirect(Transport):
             log.warning("same-host GPU READs use the copy engines: the gather kernel is unavailable",
                         extra={"error": drv.kernels.error})  # fmt: skip
         t_queued = time.perf_counter()
-        finished = self._watch(drv, batch)
+        finished, landed = self._watch(drv, batch)
         try:
-            t_done = await asyncio.wait_for(asyncio.shield(finished), timeout=budget)
+            async with asyncio.timeout(budget):
+                t_done = await finished
         except TimeoutError:
             if drain:  # queued copies cannot be recalled: a WRITE is over only once they have landed
-                await _drained(finished)
+                await _drained(landed)
             raise TransferTimeoutError(
                 f"{sizes.size} device copies did not finish within {budget:.3f}s", backend="cuda-ipc", peer=peer
             ) from None
         except asyncio.CancelledError:
             if drain:
-                await _drained(finished)
+                await _drained(landed)
             raise
         except cuda_ipc.CudaIpcError as exc:
             raise TransferFailedError(f"device copies failed: {exc.message}", backend="cuda-ipc", peer=peer) from None
@@ -289,27 +290,41 @@ class CudaIpcDirect(Transport):
                 "kernel_table_upload_launch_us": list(drv.kernels.last_us) if batch.how == "kernel" else None,
             })  # fmt: skip
 
-    def _watch(self, drv: cuda_ipc.CudaDriver, batch: cuda_ipc.CopyBatch) -> asyncio.Future[float]:
-        """A future of when ``batch`` finished; it runs to the end even if nobody awaits it any more.
+    def _watch(
+        self, drv: cuda_ipc.CudaDriver, batch: cuda_ipc.CopyBatch
+    ) -> tuple[asyncio.Future[float], asyncio.Future[float]]:
+        """Two futures of when ``batch`` finished: one for the READ to await (cancelling it stops
+        nothing), and one that always ends with the copies (a WRITE that is cancelled waits for it).
 
         The event loop polls the batch's event once per turn for up to :data:`SPIN_S` (other
         callbacks and I/O run between polls), so a same-host READ, which mostly takes well under
-        that, is seen done within one turn: a waiter thread cost about 0.15 ms per READ on the lent
-        H200 in handing the wait over and waking the loop again. Past it, a thread sleeps in the
-        driver until the copies end.
+        that, is seen done within one turn and its task resumes on the next: a waiter thread cost
+        about 0.15 ms per READ on the lent H200 in handing the wait over and waking the loop again.
+        Past it, a thread sleeps in the driver until the copies end.
         """
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[float] = loop.create_future()
-        finished.add_done_callback(_retrieved)
+        landed: asyncio.Future[float] = loop.create_future()
+        for fut in (finished, landed):
+            fut.add_done_callback(_retrieved)
         until = time.perf_counter() + SPIN_S
+
+        def end(t_done: float | None, exc: BaseException | None = None) -> None:
+            for fut in (finished, landed):
+                if fut.done():
+                    continue  # the READ was cancelled or ran out of time
+                if exc is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(t_done or 0.0)
 
         def poll() -> None:
             try:
                 if drv.done(batch):
-                    finished.set_result(time.perf_counter())
+                    end(time.perf_counter())
                     return
             except cuda_ipc.CudaIpcError as exc:
-                finished.set_exception(exc)
+                end(None, exc)
                 return
             if time.perf_counter() < until:
                 loop.call_soon(poll)
@@ -321,10 +336,14 @@ class CudaIpcDirect(Transport):
                 drv.wait(batch)
                 return time.perf_counter()
 
-            loop.run_in_executor(self._waiter, wait).add_done_callback(lambda f: _chain(f, finished))
+            def waited(f: asyncio.Future[float]) -> None:
+                exc = f.exception()
+                end(None if exc else f.result(), exc)
+
+            loop.run_in_executor(self._waiter, wait).add_done_callback(waited)
 
         loop.call_soon(poll)
-        return finished
+        return finished, landed
 
     def close(self) -> None:
         for name in list(self._peers):
@@ -338,16 +357,6 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
     """Mark an outcome nobody may await any more (a cancelled READ's copies) as seen."""
     if not fut.cancelled():
         fut.exception()
-
-
-def _chain(src: asyncio.Future[Any], dst: asyncio.Future[Any]) -> None:
-    if dst.done():
-        return
-    exc = src.exception()
-    if exc is not None:
-        dst.set_exception(exc)
-    else:
-        dst.set_result(src.result())
 
 
 async def _drained(waiter: asyncio.Future[Any]) -> None:

@@ -531,6 +531,14 @@ async def test_the_event_loop_sees_a_read_end_and_a_thread_waits_only_for_a_long
     await rd.read("pub", desc, desc, mem_type="VRAM", remote_mem_type="VRAM", timeout=5.0)
     assert (fake.polls, fake.waits) == (1, [2])
     assert rd.direct_reads == 2
+    # Out of time: a READ gives up at once; a WRITE (push) returns only once its copies ended,
+    # since queued device copies cannot be recalled.
+    monkeypatch.setattr(cuda_ipc_direct, "SPIN_S", 60.0)
+    for op in ("READ", "WRITE"):
+        fake.polls, fake.not_ready = 0, 5000
+        with pytest.raises(KvxferError, match="did not finish within"):
+            await rd.transfer(op, desc, desc, "pub", timeout=0.001, mem_type="VRAM", remote_mem_type="VRAM")
+        assert (fake.polls > 5000) == (op == "WRITE"), (op, fake.polls)
     rd.close()
     a.close()
 

@@ -65,6 +65,72 @@ async def test_a_pull_over_the_fast_socket_moves_exact_bytes(harness: Harness) -
     assert dw[0].verify({"kv": [12]}, salt=13)[1] == 0
 
 
+async def test_a_waiting_pull_is_answered_before_its_bookkeeping_runs(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvxfer.server import fast_api
+    from kvxfer.server.puller import Puller
+
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    events: list[str] = []
+    answer, pulled = fast_api._Connection._answer, Puller._pulled
+
+    def answering(self: Any, call: int, outcome: Any, payload: bytes) -> None:
+        if call != 0:  # not a connection's hello
+            events.append("answer")
+        answer(self, call, outcome, payload)
+
+    def booking(self: Any, entry: Any, stats: Any, elapsed: float) -> None:
+        events.append(f"booked {entry.request_id}")
+        pulled(self, entry, stats, elapsed)
+
+    monkeypatch.setattr(fast_api._Connection, "_answer", answering)
+    monkeypatch.setattr(Puller, "_pulled", booking)
+    for rid, wait in (("r1", True), ("r2", False)):
+        await pw[0].prefill(rid, {"kv": [1, 2]}, salt=3)
+        events.clear()
+        res = await dw[0].pull(rid, ps, {"kv": [4, 5]}, wait=wait)
+        for _ in range(100):  # the bookkeeping of a pull nobody waits for comes when it ends
+            if f"booked {rid}" in events:
+                break
+            await asyncio.sleep(0.01)
+        if wait:
+            # Metrics, the completion event and the publisher's notice come after the worker's
+            # answer (they came first before: the waiting side is one loop turn later), and once.
+            assert events == ["answer", f"booked {rid}"]
+        else:  # answered when posted: booked once, by the pull itself
+            assert sorted(events) == ["answer", f"booked {rid}"], res.done
+    assert dw[0].verify({"kv": [4, 5]}, salt=3)[1] == 0
+
+
+async def test_the_blocking_clients_own_thread_calls_keep_their_deadlines(harness: Harness) -> None:
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=DelayedDataPlane("decode-slow", 0.5))
+    pw = await harness.worker(p, {"kv": LAY})
+    dw = await harness.worker(d, {"kv": LAY})
+    assert d.fast_api is not None
+    with Client(d.local_target) as blocking, Client(p.local_target) as publisher:
+
+        def calls() -> tuple[KvxferRpcError, PullResult]:
+            publisher.publish("slow", {"kv": [1]})
+            publisher.publish("next", {"kv": [2]})
+            with pytest.raises(KvxferRpcError) as late:
+                blocking.pull("slow", [p.peer_address], {"kv": [3]}, deadline=0.2)
+            # The sidecar was told to drop the abandoned pull; the thread's connection serves the next call.
+            return late.value, blocking.pull("next", [p.peer_address], {"kv": [4]}, deadline=5.0)
+
+        pw.fill({"kv": [1]}, salt=6)
+        pw.fill({"kv": [2]}, salt=7)
+        dw.poison({"kv": [3, 4]})
+        late, res = await asyncio.to_thread(calls)
+        assert (late.code, late.reason) == (grpc.StatusCode.DEADLINE_EXCEEDED, Reason.DEADLINE)
+        assert (res.request_id, res.done, res.bytes) == ("next", True, LAY.page_bytes * LAY.num_layers)
+        assert dw.verify({"kv": [4]}, salt=7)[1] == 0
+        assert blocking.fast_active
+        assert not blocking.aio.fast_active  # nothing went through the facade's loop thread
+        assert d.fast_api.calls_started == 2
+
+
 async def test_errors_are_the_same_as_over_grpc(harness: Harness) -> None:
     p = await harness.sidecar(role="prefill", engine_id="prefill")
     d = await harness.sidecar(role="decode", engine_id="decode")
@@ -257,12 +323,14 @@ def test_the_fast_socket_under_uvloop(tmp_path: Path) -> None:
                 assert client.fast_active
             finally:
                 await client.close()
-            # The blocking facade, from this thread, through its own uvloop thread.
+            # The blocking facade: its pull goes from the calling thread over that thread's own
+            # connection, not through the facade's uvloop thread.
             with Client(d.local_target) as blocking:
                 with pytest.raises(KvxferRpcError) as info:
                     await asyncio.to_thread(blocking.pull, "r", ["127.0.0.1:1"], {"kv": [1]})
                 assert info.value.reason is Reason.NOT_REGISTERED
-                assert blocking.aio.fast_active
+                assert blocking.fast_active
+                assert not blocking.aio.fast_active
             assert d.fast_api is not None
             assert d.fast_api.calls_started == 2
         finally:
