@@ -188,6 +188,10 @@ class Settings(BaseModel):
         "kernel",
         description="how same-host GPU READs move a pull's spans: kernel (one gather launch) or copy-engine",
     )
+    nixl_progress_delay_us: int = Field(
+        200, ge=0, le=1_000_000,
+        description="microseconds the NIXL agent's progress thread sleeps between rounds (0: it spins a core)",
+    )  # fmt: skip
     lease_seconds: float = Field(
         30.0, gt=0, le=86400, allow_inf_nan=False, description="how long published blocks are held"
     )
@@ -369,6 +373,7 @@ class Settings(BaseModel):
             nixl_backends=self.nixl_backends, listen_host=host, data_port=self.data_port,
             mooncake_protocol=self.mooncake_protocol, mooncake_device=self.mooncake_device,
             cuda_ipc_direct=self.cuda_ipc_direct, cuda_gather=self.cuda_gather,
+            nixl_progress_delay_us=self.nixl_progress_delay_us,
         )  # fmt: skip
 
     def token(self) -> str | None:

@@ -179,10 +179,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     block_lists = [(args.max_run, f"fragmented (runs 1..{args.max_run})"), (layout.num_blocks, "contiguous")]
     plans = [
-        (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}"),
-         {"KVXFER_CUDA_GATHER": gather},
+        (("cuda-ipc" if not smoke else "default") + ("" if smoke else f"-{gather}") + (f"-{tag}" if tag else ""),
+         {"KVXFER_CUDA_GATHER": gather, **extra},
          block_lists, args.sizes, args.reps, "")
-        for gather in args.gathers
+        for gather in args.gathers for tag, extra in args.sidecar_env
     ]  # fmt: skip
     if not smoke and args.nixl_reps:
         # The same sidecars with the same-host shortcut off: what NIXL/UCX does with IPC-opened memory.
@@ -336,6 +336,13 @@ def main() -> int:
     ap.add_argument("--modes", default="lookup,granted", help="lookup: pull with no publisher ids (GetPublished "
                     "first); granted: expect, then pull with the ids (READ on the grant)")  # fmt: skip
     ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
+    ap.add_argument(
+        "--sidecar-env",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V]",
+        help="a sidecar pair run with these KVXFER_* settings too (repeatable; one run each)",
+    )
     ap.add_argument("--phases", action="store_true", help="debug logs on the sidecars: where a READ's time goes")
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     ap.add_argument(
@@ -350,6 +357,10 @@ def main() -> int:
     args.reps = args.reps or (2 if smoke else 4)
     args.gathers = args.gathers.split(",")
     args.modes = args.modes.split(",")
+    # One (tag, env) per sidecar pair: the defaults, then each --sidecar-env.
+    args.sidecar_env = [("", {})] + [
+        (e.replace("KVXFER_", "").lower(), dict(kv.split("=", 1) for kv in e.split(","))) for e in args.sidecar_env
+    ]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     try:
         result = run(args)
