@@ -104,15 +104,18 @@ def rates(torch: Any, drv: Any, rng: np.random.Generator, copy: float, reps: int
         nbytes = int(z.sum())
         row: dict[str, Any] = {"case": name, "spans": int(z.size), "MiB": nbytes / MiB}
         for how in ("kernel", "copy-engine"):
-            times = []
+            times, submits = [], []
             for i in range(reps + 2):
                 t0 = time.perf_counter()
                 b = drv.copy_async(0, d + u64(dst.data_ptr()), s + u64(src.data_ptr()), z, kernel=how == "kernel")
+                t1 = time.perf_counter()
                 drv.wait(b)
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
+                    submits.append(t1 - t0)
                 assert b.how == how, (b.how, drv.kernels.error)
             t = statistics.median(times)
+            row[f"{how}_submit_us"] = statistics.median(submits) * 1e6
             row[f"{how}_ms"] = t * 1e3
             row[f"{how}_GBps"] = nbytes / t / 1e9
             row[f"{how}_vs_copy"] = nbytes / t / 1e9 / copy
@@ -121,9 +124,26 @@ def rates(torch: Any, drv: Any, rng: np.random.Generator, copy: float, reps: int
         print(f"{name:32} {row['spans']:6} spans {row['MiB']:7.0f} MiB  kernel {row['kernel_GBps']:7.1f} GB/s "
               f"({row['kernel_vs_copy']:.3f} of copy, {row['kernel_ms']:.3f} ms)  copy engines "
               f"{row['copy-engine_GBps']:7.1f} GB/s ({row['copy-engine_vs_copy']:.3f}, "
-              f"{row['copy-engine_ms']:.3f} ms)  "
+              f"{row['copy-engine_ms']:.3f} ms)  submit {row['kernel_submit_us']:.0f} us  "
               f"x{row['kernel_speedup']:.1f}", flush=True)  # fmt: skip
     return out
+
+
+def driver_call_us(drv: Any) -> float:
+    """Median microseconds of one cheap driver call as kvxfer makes them (ctypes, context pushed)."""
+    import ctypes
+
+    one = np.array([0], dtype=np.uint64)
+    b = drv.copy_async(0, one, one, one)  # an empty copy: just an event to query
+    drv.wait(b)
+    ev = ctypes.c_void_p(b.event)
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        with drv._current(0):
+            drv._lib.cuEventQuery(ev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
 
 
 def main() -> int:
@@ -131,6 +151,11 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvxfer-gather"))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--with-nixl-agent",
+        action="store_true",
+        help="make a NIXL agent with UCX in this process first, as a sidecar has one",
+    )
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"ok": False}
@@ -142,6 +167,13 @@ def main() -> int:
 
         torch.zeros(1, device="cuda:0")  # the primary context, as a worker has it
         drv = cuda_ipc.driver()
+        if args.with_nixl_agent:
+            from kvxfer.transport import TransportConfig, create_transport
+
+            result["agent"] = create_transport("nixl", "gather-check", TransportConfig()).agent_name
+        result["driver_call_us"] = driver_call_us(drv)
+        print(f"one driver call (cuEventQuery of a finished event, context pushed): "
+              f"{result['driver_call_us']:.2f} us", flush=True)  # fmt: skip
         nv = Nvrtc.load()
         result["nvrtc"] = {"path": nv.path, "version": nv.version()}
         print(f"NVRTC {nv.version()} at {nv.path}; {torch.cuda.get_device_name(0)}", flush=True)
