@@ -188,11 +188,6 @@ class Settings(BaseModel):
         "kernel",
         description="how same-host GPU READs move a pull's spans: kernel (one gather launch) or copy-engine",
     )
-    busy_poll_ms: float = Field(
-        0.0, ge=0, le=1000, allow_inf_nan=False,
-        description="after an Expect or a Pull, the event loop polls without sleeping this long (0: off; a core "
-        "while it polls)",
-    )  # fmt: skip
     nixl_progress_delay_us: int = Field(
         200, ge=0, le=1_000_000,
         description="microseconds the NIXL agent's progress thread sleeps between rounds (0: it spins a core)",

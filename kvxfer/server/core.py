@@ -27,7 +27,6 @@ from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, Reason,
 from kvxfer.logs import get_logger
 from kvxfer.memory import FdLookup
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.server.busypoll import BusyPoll
 from kvxfer.server.events import CompletionHub
 from kvxfer.server.holds import Holds
 from kvxfer.server.identity import Identity
@@ -98,7 +97,6 @@ class SidecarCore:
         self.publisher.on_dropped = self.pusher.publish_dropped
         self.streamer = Streamer(self.registry, self.pusher)
         self.holds = Holds(settings, self.peers, me=self._hold_identity)
-        self.busy_poll = BusyPoll(settings.busy_poll_ms / 1e3)
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publisher.publishes))
         metrics.in_flight.set_function(lambda: len(self.puller.pulls))
@@ -151,7 +149,6 @@ class SidecarCore:
         """Pull: validate, start the transfer, and answer when posted (or done, with ``wait``)."""
         self._refuse_if_draining("Pull")
         self._require_role("decode", "Pull")
-        self.busy_poll.touch()
         return await self.puller.pull(req, client_timeout, self.holds.take(req.request_id))
 
     async def pull_batch(
@@ -173,7 +170,6 @@ class SidecarCore:
             )
         addresses = check_addresses(req.remote_addresses)
         self.registry.require()  # holding needs a handshake, which needs a registration
-        self.busy_poll.touch()  # its pull comes when the scheduler has blocks for it
         return local_pb2.ExpectResponse(held=self.holds.expect(rid, addresses))
 
     async def release(self, req: local_pb2.ReleaseRequest) -> local_pb2.ReleaseResponse:

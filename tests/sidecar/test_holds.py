@@ -137,25 +137,3 @@ async def test_requests_expected_together_share_their_first_holds(harness: Harne
         await asyncio.sleep(0.01)
     assert set(rids) <= grants.keys()
     assert holds == [1, 12]  # one Hold for the twelve, not one each
-
-
-async def test_busy_poll_keeps_the_loop_turning_after_an_expect_and_a_pull_then_stops(harness: Harness) -> None:
-    lay = attention()
-    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, busy_poll_ms=100)
-    core = ds[0].core
-    assert core is not None
-    assert core.busy_poll.turns == 0  # nothing expected or pulled yet: the loop sleeps
-    await pw[0].prefill("hot", {"kv": [1]}, salt=3)
-    await dw[0].client.expect("hot", [ps[0].peer_address])
-    await asyncio.sleep(0.05)
-    after_expect = core.busy_poll.turns
-    assert after_expect > 50  # turning, with the other work (the hold) served in between
-    res = await dw[0].pull("hot", ps, {"kv": [2]}, remote_blocks={"kv": [1]})
-    assert dw[0].verify({"kv": [2]}, 3) == (res.bytes, 0)
-    await asyncio.sleep(0.2)
-    stopped = core.busy_poll.turns
-    await asyncio.sleep(0.05)
-    assert core.busy_poll.turns == stopped > after_expect  # it stops 100 ms after the last call
-    # A sidecar that gets no Expect or Pull (the prefill side, same setting) never polls.
-    assert ps[0].core is not None
-    assert ps[0].core.busy_poll.turns == 0
