@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import cast
 
@@ -149,6 +150,8 @@ class BlockingFastConnection:
         self._buf = bytearray()
         self._last = HELLO_CALL
         self.closed = False
+        # A connection whose thread ended is collected with it: its socket closes then.
+        self._finalizer = weakref.finalize(self, sock.close)
 
     @classmethod
     def open(
@@ -237,4 +240,4 @@ class BlockingFastConnection:
     def close(self) -> None:
         """Close the connection (idempotent)."""
         self.closed = True
-        self._sock.close()
+        self._finalizer()

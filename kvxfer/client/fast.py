@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import grpc
@@ -61,7 +62,8 @@ class ThreadCalls:
         self._max_message_bytes = max_message_bytes
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._open: set[BlockingFastConnection] = set()
+        # Weak: a thread's connection goes (and closes) with the thread; close() reaches the rest.
+        self._open: weakref.WeakSet[BlockingFastConnection] = weakref.WeakSet()
         self._retry_at = 0.0 if path is not None else math.inf
         self._closed = False
 
@@ -125,6 +127,6 @@ class ThreadCalls:
         """Close every thread's connection; later calls take the usual way (and fail as it does)."""
         with self._lock:
             self._closed = True
-            conns, self._open = list(self._open), set()
+            conns, self._open = list(self._open), weakref.WeakSet()
         for c in conns:
             c.close()

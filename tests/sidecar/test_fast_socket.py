@@ -129,6 +129,32 @@ async def test_the_blocking_clients_own_thread_calls_keep_their_deadlines(harnes
         assert blocking.fast_active
         assert not blocking.aio.fast_active  # nothing went through the facade's loop thread
         assert d.fast_api.calls_started == 2
+        # A thread that ends takes its connection with it.
+        import gc
+        import threading
+
+        open_in_thread: list[int] = []
+
+        def one_call() -> None:
+            with pytest.raises(KvxferRpcError):  # never published: NOT_FOUND, over this thread's connection
+                blocking.pull("gone", [p.peer_address], {"kv": [5]})
+            open_in_thread.append(len(blocking._thread_calls._open))
+
+        def in_a_thread_that_ends() -> None:
+            t = threading.Thread(target=one_call)
+            t.start()
+            t.join()
+
+        before = len(d.fast_api._connections)
+        await asyncio.to_thread(in_a_thread_that_ends)
+        gc.collect()
+        assert open_in_thread == [2]  # the pool thread's connection and the new thread's
+        for _ in range(100):
+            if len(d.fast_api._connections) == before:
+                break
+            await asyncio.sleep(0.01)
+        assert len(blocking._thread_calls._open) == 1
+        assert len(d.fast_api._connections) == before  # the sidecar saw the ended thread's connection close
 
 
 async def test_errors_are_the_same_as_over_grpc(harness: Harness) -> None:
