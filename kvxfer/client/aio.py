@@ -11,7 +11,7 @@ from typing import Any, TypeVar, cast
 import grpc
 from google.protobuf.message import Message
 
-from kvxfer.client.fast import decode_answer, timeout_error
+from kvxfer.client.fast import decode_answer, lost_error, timeout_error
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -42,7 +42,7 @@ from kvxfer.wire.convert import (
     worker_agent_to_proto,
 )
 from kvxfer.wire.frames import METHOD_OF_REQUEST, FastMethod, fast_socket_path
-from kvxfer.wire.status import error_from_status, error_from_status_message
+from kvxfer.wire.status import error_from_status_message
 
 __all__ = ["AsyncClient"]
 
@@ -101,10 +101,7 @@ class AsyncClient:
                     return cast(R, await self._call_fast(channel, method, req, timeout))
                 except FastCallError as exc:
                     if exc.sent:
-                        raise KvxferRpcError(
-                            grpc.StatusCode.UNAVAILABLE, str(exc), method.name,
-                            reason=error_from_status(grpc.StatusCode.UNAVAILABLE, "", None)[0],
-                        ) from None  # fmt: skip
+                        raise lost_error(method, exc) from None
                     # Not sent: nothing started in the sidecar, so gRPC may carry it.
         try:
             return await rpc(req, timeout=timeout, metadata=self._md)

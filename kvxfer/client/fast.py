@@ -26,7 +26,7 @@ from kvxfer.logs import get_logger
 from kvxfer.wire.frames import FastMethod
 from kvxfer.wire.status import error_from_status, error_from_status_message
 
-__all__ = ["ThreadCalls", "decode_answer", "timeout_error"]
+__all__ = ["ThreadCalls", "decode_answer", "lost_error", "timeout_error"]
 
 log = get_logger("kvxfer.client")
 
@@ -45,6 +45,15 @@ def decode_answer(method: FastMethod, code: int, payload: bytes) -> Message:
             grpc.StatusCode.INTERNAL, f"unreadable answer on the fast socket (status {code}): {exc}", method.name
         ) from None
     raise KvxferRpcError(status, message, method.name, reason=reason, field=field)
+
+
+def lost_error(method: FastMethod, exc: FastCallError) -> KvxferRpcError:
+    """A call that was sent when its connection failed: it may have started, so it fails as an
+    unreachable sidecar fails it over gRPC (UNAVAILABLE), never retried on another path."""
+    return KvxferRpcError(
+        grpc.StatusCode.UNAVAILABLE, str(exc), method.name,
+        reason=error_from_status(grpc.StatusCode.UNAVAILABLE, "", None)[0],
+    )  # fmt: skip
 
 
 def timeout_error(method: FastMethod) -> KvxferRpcError:
@@ -86,10 +95,7 @@ class ThreadCalls:
             self._forget(conn)
             if not exc.sent:
                 return None  # nothing started in the sidecar: the usual way may carry it
-            raise KvxferRpcError(
-                grpc.StatusCode.UNAVAILABLE, str(exc), method.name,
-                reason=error_from_status(grpc.StatusCode.UNAVAILABLE, "", None)[0],
-            ) from None  # fmt: skip
+            raise lost_error(method, exc) from None
         return decode_answer(method, code, payload)
 
     def _connection(self) -> BlockingFastConnection | None:

@@ -219,8 +219,7 @@ class Puller:
         budget: float,
     ) -> None:  # fmt: skip
         sessions: dict[int, PeerSession] = {}
-        peer = entry.remote_engine_id or ",".join(entry.addresses)
-        with log_context(request_id=entry.request_id, transfer_id=entry.transfer_id, peer=peer):
+        with log_context(request_id=entry.request_id, transfer_id=entry.transfer_id, peer=_peer_label(entry)):
             failure: tuple[KvxferError, str] | None = None
             try:
                 async with asyncio.timeout(budget):
@@ -288,8 +287,7 @@ class Puller:
         """The bookkeeping of a successful pull, once (nothing for a pull not done or failed)."""
         if entry.unbooked is not None:
             (stats, elapsed), entry.unbooked = entry.unbooked, None
-            peer = entry.remote_engine_id or ",".join(entry.addresses)
-            with log_context(request_id=entry.request_id, transfer_id=entry.transfer_id, peer=peer):
+            with log_context(request_id=entry.request_id, transfer_id=entry.transfer_id, peer=_peer_label(entry)):
                 self._pulled(entry, stats, elapsed)
 
     def _pulled(self, entry: PullEntry, stats: local_pb2.TransferStats, elapsed: float) -> None:
@@ -304,6 +302,11 @@ class Puller:
         reg = self.registry.registration
         if reg is not None:
             self.outbox.notify_publishers(entry, reg.rank, "done", "", stats.bytes)
+
+
+def _peer_label(entry: PullEntry) -> str:
+    """Who a pull's logs name as its peer: the remote engine, else the addresses it reads from."""
+    return entry.remote_engine_id or ",".join(entry.addresses)
 
 
 def _metric_reason(err: KvxferError, outcome: str) -> str:
