@@ -137,6 +137,7 @@ class Puller:
             entry.offer = (list(req.local_blocks), list(req.remote_blocks))
         self.pulls[rid] = entry
         entry.task = asyncio.get_running_loop().create_task(self._run(entry, reg, local_blocks, remote_given, timeout))
+        entry.task.add_done_callback(lambda task: self._never_ran(entry, task))
         return entry
 
     async def pull_batch(
@@ -236,6 +237,23 @@ class Puller:
                 entry.done.set_result(stats)
             if not entry.waited:  # else the waiting Pull call books it once it has answered
                 asyncio.get_running_loop().call_soon(self._book, entry)
+
+    def _never_ran(self, entry: PullEntry, task: asyncio.Task[None]) -> None:
+        """A pull aborted before its task's first step: report it, which its body never got to do.
+
+        ``_run`` catches every way it can end, so its task ends cancelled only when the cancel came
+        before it started (an Abort in the same loop turn as the Pull): then none of its code ran,
+        and the waiting Pull, the metrics, the event and the publishers would hear nothing until
+        the worker's own deadline.
+        """
+        if not task.cancelled():
+            return
+        if self.pulls.get(entry.request_id) is entry:
+            del self.pulls[entry.request_id]
+        with log_context(request_id=entry.request_id, transfer_id=entry.transfer_id, peer=_peer_label(entry)):
+            why = entry.abort_reason or "the sidecar is shutting down"
+            self._failed(entry, AbortedError(f"pull of {entry.request_id!r} aborted: {why}", field="request_id"),
+                         "aborted")  # fmt: skip
 
     def _failure(
         self, entry: PullEntry, exc: BaseException, budget: float, sessions: dict[int, PeerSession]

@@ -278,6 +278,19 @@ class Pusher:
     # ------------------------------------------------------------------ one push
     def _start(self, offer: Offer, reg: Registration) -> None:
         offer.task = asyncio.get_running_loop().create_task(self._push(offer, reg))
+        offer.task.add_done_callback(lambda task: self._never_ran(offer, task))
+
+    def _never_ran(self, offer: Offer, task: asyncio.Task[None]) -> None:
+        """A push cancelled before its task's first step (its publish dropped, the sidecar stopping, in
+        the same loop turn as the publish): ``_push`` catches every way it ends, so only then does its
+        task end cancelled, having told the reader nothing. A revoked offer's reader asked: it knows."""
+        if not task.cancelled() or offer.revoked:
+            return
+        try:
+            task.result()
+        except asyncio.CancelledError as exc:  # carries the canceller's reason, if it gave one
+            why = str(exc.args[0]) if exc.args else f"push of {offer.request_id!r} stopped before it began"
+        self._fail(offer, AbortedError(why, field="request_id"))
 
     async def _push(self, offer: Offer, reg: Registration) -> None:
         rid = offer.request_id
@@ -462,7 +475,7 @@ class Pusher:
                                         "(its offer lapsed)")  # fmt: skip
 
     def _fail(self, offer: Offer, err: KvxferError) -> list[asyncio.Task[None]]:
-        """End an offer that has no push task: stop its layer WRITEs and tell the reader once they ended.
+        """End an offer with no push task (or one that never ran): stop its layer WRITEs, then tell the reader.
 
         A failed ``Landed`` lets the reader reuse its blocks, so it must not leave while a WRITE of
         the offer may still land (a device copy drains before its task ends), nor may a ``Revoke``

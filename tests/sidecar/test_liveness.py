@@ -218,3 +218,31 @@ async def test_a_decode_worker_killed_mid_push_revokes_its_offer(harness: Harnes
         assert p.metrics.transfers.labels(direction="write", outcome="ok")._value.get() == 0
     finally:
         await watch.close()
+
+
+async def test_a_pull_aborted_before_its_task_first_runs_answers_aborted_at_once(harness: Harness) -> None:
+    """The worker's Pull and its Abort handled in one loop turn: the pull's task is cancelled before its
+    first step, so none of its own code runs; it must still end ABORTED at once, not at the worker's
+    deadline (seen as a 20 s hang in tests/vllm_inproc under load)."""
+    from kvxfer.errors import AbortedError
+    from kvxfer.server.events import Kind
+    from kvxfer.wire import local_pb2
+    from kvxfer.wire.convert import blocks_to_proto
+
+    lay = attention()
+    ps, _pw, ds, _dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    core = ds[0].core
+    assert core is not None
+    req = local_pb2.PullRequest(request_id="early", remote_addresses=[ps[0].peer_address],
+                                local_blocks=blocks_to_proto({"kv": [1]}), wait=True, timeout_seconds=20.0)  # fmt: skip
+    t0 = time.monotonic()
+    pull = asyncio.ensure_future(core.puller.pull(req, None))
+    await asyncio.sleep(0)  # the Pull ran to its first await: registered, its task created but not yet run
+    assert "early" in core.puller.pulls
+    assert await core.puller.abort("early", "the worker gave up") is True
+    with pytest.raises(AbortedError, match="aborted: the worker gave up"):
+        await pull
+    assert time.monotonic() - t0 < 2.0
+    assert "early" not in core.puller.pulls  # a retry is not refused as already in flight
+    (ev,) = [e for e in core.hub._ring if e.request_id == "early"]
+    assert ev.kind == Kind.ABORTED

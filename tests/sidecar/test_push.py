@@ -217,6 +217,25 @@ async def test_writer_stopping_before_the_publish_tells_the_reader_at_once(harne
     assert time.monotonic() - t0 < 3.0
 
 
+async def test_a_push_whose_publish_is_dropped_before_its_task_runs_tells_the_reader_at_once(harness: Harness) -> None:
+    """Published and dropped in one loop turn: the push task is cancelled before its first step, so none of
+    its own code runs; the reader must still hear ABORTED with the drop's reason, not at its deadline."""
+    from kvxfer.wire.convert import blocks_to_proto
+
+    p, _pw, _d, dw, _dp = await _pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("w1", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
+    await _offered(p, "w1")
+    core = p.core
+    assert core is not None
+    t0 = time.monotonic()
+    core.publisher.publish(local_pb2.PublishRequest(request_id="w1", blocks=blocks_to_proto({"kv": [1, 2]})))
+    core.pusher.published("w1")  # the offer's push task is created...
+    assert core.publisher.abort("w1", "dropped in the same turn")  # ...and cancelled before it ever runs
+    await expect_error(OK.ABORTED, pull, "dropped in the same turn")
+    assert time.monotonic() - t0 < 3.0
+    assert len(core.pusher) == 0
+
+
 # ---------------------------------------------------------------------- trust
 async def test_offers_are_checked_and_bound(harness: Harness) -> None:
     p, pw, d, dw, _dp = await _pair(harness)
