@@ -273,14 +273,17 @@ class Caller:
     def grpc_sync(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
         return _timed(lambda r: self.sync_stub.Pull(r, timeout=31.0, metadata=self.md), reqs)
 
+    def _send_frame(self, r: local_pb2.PullRequest) -> None:
+        self.calls += 1
+        payload = r.SerializeToString()
+        self.sock.sendall(HEADER.pack(len(payload), self.calls) + payload)
+
     def frame_blocking(self, reqs: list[local_pb2.PullRequest]) -> list[float]:
         out = []
         for r in reqs:
             _gap()
             t = time.perf_counter()
-            self.calls += 1
-            payload = r.SerializeToString()
-            self.sock.sendall(HEADER.pack(len(payload), self.calls) + payload)
+            self._send_frame(r)
             head = _recv_exactly(self.sock, HEADER.size)
             n, call = HEADER.unpack(head)
             assert call == self.calls
@@ -294,9 +297,7 @@ class Caller:
         for r in reqs:
             _gap()
             t = time.perf_counter()
-            self.calls += 1
-            payload = r.SerializeToString()
-            self.sock.sendall(HEADER.pack(len(payload), self.calls) + payload)
+            self._send_frame(r)
             buf = b""
             while len(buf) < HEADER.size or len(buf) < HEADER.size + HEADER.unpack_from(buf)[0]:
                 try:
