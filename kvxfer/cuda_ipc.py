@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
 import uuid as uuid_mod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -356,23 +355,17 @@ class CudaDriver:
             return False
         return True
 
-    def wait(self, batch: CopyBatch, *, spin_s: float = 0.0) -> None:
+    def wait(self, batch: CopyBatch) -> None:
         """Block until the copies of ``batch`` finished (raises if they failed) and give its event back.
 
-        Meant for a worker thread: the call releases the GIL, and the event loop learns of the end
-        within microseconds, where polling from the loop would wait for its (millisecond) timers.
-        For up to ``spin_s`` seconds it polls the event, then it waits in ``cuEventSynchronize``
-        (which may yield or sleep, by the context's scheduling flags: measured 0.1 ms later on the
-        lent H200 for a pull that takes 0.2 ms).
+        Meant for a worker thread (the call releases the GIL): it waits in ``cuEventSynchronize``,
+        which may yield or sleep by the context's scheduling flags. A same-host READ is first polled
+        from the event loop with :meth:`done` (kvxfer.transport.cuda_ipc_direct); only a long one
+        gets here.
         """
         ev = ctypes.c_void_p(batch.event)
         with self._current(batch.ordinal):
             rc = self._lib.cuEventQuery(ev)
-            if rc == _ERR_NOT_READY and spin_s > 0:
-                until = time.perf_counter() + spin_s
-                while rc == _ERR_NOT_READY and time.perf_counter() < until:
-                    time.sleep(0)  # yields the GIL each round: the event loop's thread must not wait on a spin
-                    rc = self._lib.cuEventQuery(ev)
             if rc == _ERR_NOT_READY:
                 rc = self._lib.cuEventSynchronize(ev)
             self._finished(batch, rc)

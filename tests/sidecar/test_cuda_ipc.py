@@ -82,7 +82,7 @@ class FakeDriver:
         self.polls += 1
         return self.polls > self.not_ready
 
-    def wait(self, batch: cuda_ipc.CopyBatch, *, spin_s: float = 0.0) -> None:
+    def wait(self, batch: cuda_ipc.CopyBatch) -> None:
         self.waits.append(batch.event)
 
 
@@ -402,7 +402,13 @@ class FakeLibCuda:
         self.cuEventRecord = cb(i32, c.c_void_p, c.c_void_p)(lambda ev, st: 0)
         self.cuEventQuery = cb(i32, c.c_void_p)(query)
         self.cuEventDestroy_v2 = cb(i32, c.c_void_p)(lambda ev: 0)
-        self.cuEventSynchronize = cb(i32, c.c_void_p)(lambda ev: 0 if ev == 0xE1 else 400)
+        self.synced: list[int] = []
+
+        def synchronize(ev: Any) -> int:
+            self.synced.append(ev)
+            return 0 if ev == 0xE1 else 400
+
+        self.cuEventSynchronize = cb(i32, c.c_void_p)(synchronize)
         self.cuMemcpyDtoDAsync_v2 = cb(i32, c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p)(single)
         self.cuMemcpyBatchAsync_v2 = cb(
             i32, u64p, u64p, szp, c.c_size_t, c.POINTER(cuda_ipc._MemcpyAttributes), szp, c.c_size_t, c.c_void_p
@@ -636,14 +642,15 @@ def test_ucx_memtype_cache_is_off_unless_the_user_says_otherwise() -> None:
     assert mine == {"UCX_MEMTYPE_CACHE": "y"}
 
 
-def test_driver_wait_polls_the_event_before_sleeping_in_the_driver() -> None:
+def test_driver_wait_sleeps_in_the_driver_and_gives_the_event_back() -> None:
     import numpy as np
 
     lib = FakeLibCuda()
     drv = cuda_ipc.CudaDriver(lib)  # type: ignore[arg-type]
     one = np.array([0x1000], dtype=np.uint64)
-    drv.wait(drv.copy_async(0, one, one, one), spin_s=1.0)
-    assert lib.queries == 2  # not ready, then ready: done by polling, no cuEventSynchronize
+    drv.wait(drv.copy_async(0, one, one, one))
+    assert (lib.queries, lib.synced) == (1, [0xE1])  # not ready: it sleeps in cuEventSynchronize
+    assert drv._events[0] == [0xE1]  # and the event serves the next batch
     with pytest.raises(CudaIpcError, match="device copies"):
-        drv.wait(cuda_ipc.CopyBatch(0, 0xBAD, 1), spin_s=1.0)  # a failed event is reported, not spun on
+        drv.wait(cuda_ipc.CopyBatch(0, 0xBAD, 1))  # a failed event is reported
     assert lib.ctx_depth == 0
