@@ -24,6 +24,7 @@ import ctypes.util
 import glob
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -198,9 +199,6 @@ _ATTR_SM_COUNT = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 _ATTR_CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _ATTR_CC_MINOR = 76
 
-
-_EVENT_DISABLE_TIMING = 0x2
-_ERR_NOT_READY = 600
 MAX_STAGING = 8  # pinned table buffers per device: one per READ whose table upload may still be queued
 
 
@@ -209,13 +207,14 @@ class _Staging:
     """A pinned host buffer for span tables: uploads from it are DMA, and the host call returns at once.
 
     The device may still read it after :meth:`GatherKernels.launch` returns, so it is written again
-    only once ``event`` (recorded after its last upload) has completed.
+    only once a batch recorded after its upload (``seq``) was seen finished (:meth:`GatherKernels.ran`):
+    the stream runs in order, so that needs no event of its own.
     """
 
     host: int
     words: U64  # a numpy view of the whole buffer
-    event: ctypes.c_void_p
-    used: bool = False
+    seq: int = 0  # the upload's number on the device's stream (1, 2, ...)
+    busy: bool = False
 
 
 @dataclass
@@ -225,6 +224,7 @@ class _Loaded:
     scratch: int = 0  # device buffer for the span table
     scratch_bytes: int = 0
     staging: list[_Staging] = field(default_factory=list)
+    uploads: int = 0  # table uploads queued on the device's stream so far
     # The launch's arguments, made once: each launch only sets their values (the driver copies them).
     table_arg: ctypes.c_uint64 = field(default_factory=ctypes.c_uint64)
     spans_arg: ctypes.c_uint32 = field(default_factory=ctypes.c_uint32)
@@ -240,40 +240,44 @@ class GatherKernels:
     """The gather kernel per device, loaded into the primary context on first use.
 
     ``lib`` is the driver library (``libcuda.so.1``) of :class:`kvxfer.cuda_ipc.CudaDriver` and
-    ``check`` its error check; the caller makes the device's primary context (where the IPC
+    ``check`` its error check; ``fast`` the same library with calls that keep the GIL (the two calls
+    of a launch go through it). The caller makes the device's primary context (where the IPC
     mappings live) current around :meth:`launch`. ``nvrtc`` gives the compiler (tests pass their own).
     """
 
     def __init__(self, lib: ctypes.CDLL, check: Callable[[int, str], None],
-                 nvrtc: Callable[[], Nvrtc] = Nvrtc.load) -> None:  # fmt: skip
+                 nvrtc: Callable[[], Nvrtc] = Nvrtc.load, *, fast: Any = None) -> None:  # fmt: skip
         self._lib = lib
+        self._fast = lib if fast is None else fast
         self._check = check
         self._nvrtc = nvrtc
         self._loaded: dict[int, _Loaded] = {}
         self._bound = False
+        # A batch may be seen finished on a waiter thread while the event loop takes a buffer.
+        self._slots = threading.Lock()
         self.error = ""  # why the kernel is not used, once it failed to build or load
         self.last_us = (0.0, 0.0, 0.0)  # the last launch's table / upload / launch microseconds (debug logs)
 
     def _bind(self) -> None:
         vp, u64 = ctypes.c_void_p, ctypes.c_uint64
-        for name, argtypes in {
-            "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
-            "cuModuleLoadData": [ctypes.POINTER(vp), ctypes.c_char_p],
-            "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
-            "cuMemAlloc_v2": [ctypes.POINTER(u64), ctypes.c_size_t],
-            "cuMemFree_v2": [u64],
-            "cuMemcpyHtoDAsync_v2": [u64, vp, ctypes.c_size_t, vp],
-            "cuMemHostAlloc": [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_uint],
-            "cuMemFreeHost": [vp],
-            "cuEventCreate": [ctypes.POINTER(vp), ctypes.c_uint],
-            "cuEventRecord": [vp, vp],
-            "cuEventQuery": [vp],
-            "cuLaunchKernel": [vp, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                               ctypes.c_uint, ctypes.c_uint, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)],
-        }.items():  # fmt: skip
-            fn = getattr(self._lib, name)
-            fn.argtypes = argtypes
-            fn.restype = ctypes.c_int
+        launch_args = [vp, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                       ctypes.c_uint, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]  # fmt: skip
+        for lib, table in (
+            (self._lib, {
+                "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+                "cuModuleLoadData": [ctypes.POINTER(vp), ctypes.c_char_p],
+                "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
+                "cuMemAlloc_v2": [ctypes.POINTER(u64), ctypes.c_size_t],
+                "cuMemFree_v2": [u64],
+                "cuMemHostAlloc": [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_uint],
+                "cuMemFreeHost": [vp],
+            }),
+            (self._fast, {"cuMemcpyHtoDAsync_v2": [u64, vp, ctypes.c_size_t, vp], "cuLaunchKernel": launch_args}),
+        ):  # fmt: skip
+            for name, argtypes in table.items():
+                fn = getattr(lib, name)
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
         self._bound = True
 
     @property
@@ -300,7 +304,8 @@ class GatherKernels:
     def launch(self, ordinal: int, device: int, stream: ctypes.c_void_p, dst: U64, src: U64, sizes: U64) -> None:
         """Queue the gather of every span on ``stream``; the caller holds ``ordinal``'s context current.
 
-        Raises whatever building, loading or queuing raised; nothing was queued then.
+        Two driver calls once loaded: the table's upload and the launch. Raises whatever building,
+        loading or queuing raised; nothing was queued then.
         """
         t0 = time.perf_counter()
         if not self._bound:
@@ -316,6 +321,7 @@ class GatherKernels:
             host, nbytes = table.ctypes.data, table.nbytes
         t1 = time.perf_counter()
         if chunks == 0:
+            self._release(slot)
             return
         if nbytes > k.scratch_bytes:
             # cuMemFree waits until the device is idle, so no queued launch still reads the old
@@ -324,40 +330,66 @@ class GatherKernels:
                 self._lib.cuMemFree_v2(k.scratch)
                 k.scratch, k.scratch_bytes = 0, 0
             ptr, size = ctypes.c_uint64(), max(nbytes, 64 << 10)
-            self._check(self._lib.cuMemAlloc_v2(ctypes.byref(ptr), size), "cuMemAlloc(gather table)")
+            rc = self._lib.cuMemAlloc_v2(ctypes.byref(ptr), size)
+            if rc:
+                self._release(slot)
+                self._check(rc, "cuMemAlloc(gather table)")
             k.scratch, k.scratch_bytes = int(ptr.value), size
-        # From pinned memory the copy is DMA, queued; the slot is not written again before its
-        # event says the copy ran. From pageable memory (no slot free) the driver stages the bytes
-        # before returning. Either way, launches after it on the stream see the new table.
-        self._check(self._lib.cuMemcpyHtoDAsync_v2(k.scratch, host, nbytes, stream), "cuMemcpyHtoDAsync(gather table)")
+        # From pinned memory the copy is DMA, queued; the buffer is not written again before a batch
+        # recorded after it was seen finished. From pageable memory (no buffer free) the driver
+        # stages the bytes before returning. Either way, launches after it on the stream see the new table.
+        rc = self._fast.cuMemcpyHtoDAsync_v2(k.scratch, host, nbytes, stream)
+        if rc:
+            self._release(slot)
+            self._check(rc, "cuMemcpyHtoDAsync(gather table)")
+        k.uploads += 1
         if slot is not None:
-            self._check(self._lib.cuEventRecord(slot.event, stream), "cuEventRecord(gather table)")
-            slot.used = True
+            slot.seq = k.uploads
         t2 = time.perf_counter()
         k.table_arg.value, k.spans_arg.value = k.scratch, int(sizes.size)
         grid = max(1, min(chunks, k.sms * BLOCKS_PER_SM))
-        self._check(self._lib.cuLaunchKernel(k.function, grid, 1, 1, THREADS, 1, 1, 0, stream, k.params, None),
+        self._check(self._fast.cuLaunchKernel(k.function, grid, 1, 1, THREADS, 1, 1, 0, stream, k.params, None),
                     "cuLaunchKernel(gather)")  # fmt: skip
         self.last_us = ((t1 - t0) * 1e6, (t2 - t1) * 1e6, (time.perf_counter() - t2) * 1e6)
 
+    def uploads(self, ordinal: int) -> int:
+        """Table uploads queued so far on ``ordinal``'s stream (a batch recorded now comes after all of them)."""
+        k = self._loaded.get(ordinal)
+        return k.uploads if k is not None else 0
+
+    def ran(self, ordinal: int, uploads: int) -> None:
+        """A batch recorded after the first ``uploads`` table uploads finished: their buffers are free again."""
+        k = self._loaded.get(ordinal)
+        if k is None:
+            return
+        with self._slots:
+            for slot in k.staging:
+                if slot.busy and slot.seq <= uploads:
+                    slot.busy = False
+
+    def _release(self, slot: _Staging | None) -> None:
+        """Give back a buffer whose upload was never queued."""
+        if slot is not None:
+            with self._slots:
+                slot.busy = False
+
     def _staging(self, k: _Loaded, words: int) -> _Staging | None:
-        """A pinned buffer of at least ``words`` u64 whose last upload has run; None: use pageable memory."""
-        for slot in k.staging:
-            if slot.words.size >= words and (not slot.used or self._lib.cuEventQuery(slot.event) != _ERR_NOT_READY):
-                slot.used = False
-                return slot
+        """A free pinned buffer of at least ``words`` u64, now taken; None: use pageable memory."""
+        with self._slots:
+            for slot in k.staging:
+                if not slot.busy and slot.words.size >= words:
+                    slot.busy, slot.seq = True, k.uploads + 1  # not freed by a batch recorded before its upload
+                    return slot
         if len(k.staging) >= MAX_STAGING:
             return None  # every buffer is still being read: many READs queued at once
         nbytes = max(64 << 10, 1 << (words * 8 - 1).bit_length())
-        host, event = ctypes.c_void_p(), ctypes.c_void_p()
+        host = ctypes.c_void_p()
         if self._lib.cuMemHostAlloc(ctypes.byref(host), nbytes, 0) or not host.value:
             return None  # no pinned memory to be had: the pageable upload still works
-        if self._lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING):
-            self._lib.cuMemFreeHost(host)
-            return None
         view = np.ctypeslib.as_array((ctypes.c_uint64 * (nbytes // 8)).from_address(host.value))
-        slot = _Staging(int(host.value), view, event)
-        k.staging.append(slot)
+        slot = _Staging(int(host.value), view, k.uploads + 1, busy=True)
+        with self._slots:
+            k.staging.append(slot)
         return slot
 
     def forget(self, reason: str) -> None:

@@ -95,6 +95,7 @@ class CopyBatch:
     event: int
     calls: int  # driver calls it took: 1 with cuMemcpyBatchAsync, else one per copy
     how: str = "copy-engine"  # "kernel": one gather launch (kvxfer.cuda_gather); else the copy engines
+    uploads: int = 0  # gather tables queued on the stream before its event: all have run once it has
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,20 @@ class CudaDriver:
 
     The primary context is the one PyTorch, the CUDA runtime and UCX use, so pointers opened here are
     valid for the data plane in the same process.
+
+    ``fast`` is the same library loaded so that its calls keep the GIL (:class:`ctypes.PyDLL`); the
+    calls of a same-host READ's submission and polls go through it. Each takes microseconds, and
+    giving the GIL up and taking it back around every one is what a sidecar cannot afford: on the
+    lent H200 a driver call on a READ's way cost 35-45 us in the sidecar against 3-5 us in a process
+    that loops over it (docs/notes/gpu.md, runs 12-13). Calls that may block (a wait, a JIT load, an
+    allocation that synchronizes) go through ``lib``, which lets other threads run meanwhile.
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, fast: Any = None) -> None:
         self._lib = lib
+        self._fast = lib if fast is None else fast
         self._ctx: dict[int, ctypes.c_void_p] = {}
+        self._devices: dict[int, int] = {}  # ordinal -> CUdevice, asked once
         self._lock = threading.Lock()
         for name, argtypes in {
             "cuInit": [ctypes.c_uint],
@@ -163,8 +173,18 @@ class CudaDriver:
             self._batch.argtypes = [u64p, u64p, szp, ctypes.c_size_t, attrs, szp, ctypes.c_size_t, szp, ctypes.c_void_p]
         if self._batch is not None:
             self._batch.restype = ctypes.c_int
+        vp = ctypes.c_void_p
+        for name, argtypes in {
+            "cuCtxGetCurrent": [ctypes.POINTER(vp)],
+            "cuCtxSetCurrent": [vp],
+            "cuEventRecord": [vp, vp],
+            "cuEventQuery": [vp],
+        }.items():
+            fn = getattr(self._fast, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
         self.batch_error = ""  # why batched copies were given up, if they were
-        self.kernels = GatherKernels(lib, self._check)  # one launch per pull (kvxfer.cuda_gather)
+        self.kernels = GatherKernels(lib, self._check, fast=self._fast)  # one launch per pull (kvxfer.cuda_gather)
         self._streams: dict[int, ctypes.c_void_p] = {}
         self._events: dict[int, list[int]] = {}  # per device: events of finished batches, reused (no create per READ)
         uuid_fn = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
@@ -204,26 +224,49 @@ class CudaDriver:
         return "GPU-" + str(uuid_mod.UUID(bytes=bytes(u.bytes)))
 
     def _device(self, ordinal: int) -> int:
-        dev = ctypes.c_int()
-        self._check(self._lib.cuDeviceGet(ctypes.byref(dev), int(ordinal)), f"cuDeviceGet({ordinal})")
-        return int(dev.value)
+        dev = self._devices.get(ordinal)
+        if dev is None:
+            out = ctypes.c_int()
+            self._check(self._lib.cuDeviceGet(ctypes.byref(out), int(ordinal)), f"cuDeviceGet({ordinal})")
+            dev = self._devices[ordinal] = int(out.value)
+        return dev
+
+    def _primary(self, ordinal: int) -> ctypes.c_void_p:
+        """The device's primary context, retained on first use and kept for the process's life (as the runtime does)."""
+        ctx = self._ctx.get(ordinal)
+        if ctx is None:
+            with self._lock:
+                ctx = self._ctx.get(ordinal)
+                if ctx is None:
+                    ctx = ctypes.c_void_p()
+                    dev = self._device(ordinal)
+                    self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+                    self._ctx[ordinal] = ctx
+        return ctx
 
     @contextlib.contextmanager
     def _current(self, ordinal: int) -> Iterator[None]:
-        """The device's primary context, current on this thread for the block."""
-        with self._lock:
-            ctx = self._ctx.get(ordinal)
-            if ctx is None:
-                ctx = ctypes.c_void_p()
-                dev = self._device(ordinal)
-                self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-                self._ctx[ordinal] = ctx  # kept for the process's life, as the runtime does
+        """The device's primary context, current on this thread for the block (rare calls)."""
+        ctx = self._primary(ordinal)
         self._check(self._lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
         try:
             yield
         finally:
             popped = ctypes.c_void_p()
             self._lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
+
+    def _make_current(self, ordinal: int) -> None:
+        """Make the device's primary context current on this thread, and leave it so (the hot path).
+
+        One cheap call when it already is (a thread-local read in the driver), instead of a push and
+        a pop around every call: the sidecar's threads use no other context, and the CUDA runtime
+        too leaves a thread's context current.
+        """
+        ctx = self._primary(ordinal)
+        cur = ctypes.c_void_p()
+        self._fast.cuCtxGetCurrent(ctypes.byref(cur))
+        if cur.value != ctx.value:
+            self._check(self._fast.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     def allocation_range(self, ordinal: int, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation that holds device address ``ptr``."""
@@ -298,31 +341,36 @@ class CudaDriver:
         src = np.ascontiguousarray(src, dtype=np.uint64)
         sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
         n = int(dst.size)
-        with self._current(ordinal):
-            stream = self._streams.get(ordinal)
-            if stream is None:
-                stream = ctypes.c_void_p()
-                self._check(self._lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
-                self._streams[ordinal] = stream
-            calls, how = 1, "copy-engine"
-            if kernel and self.kernels.available and self._gather(ordinal, stream, dst, src, sizes):
-                how = "kernel"
-            elif not (self._batch is not None and n > 1 and self._copy_batched(dst, src, sizes, stream)):
-                calls = n
-                cpy = self._lib.cuMemcpyDtoDAsync_v2
-                for d, sr, sz in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
-                    rc = cpy(d, sr, sz, stream)
-                    if rc:
-                        self._check(rc, f"cuMemcpyDtoDAsync(0x{d:x} <- 0x{sr:x}, {sz})")
-            free = self._events.setdefault(ordinal, [])
-            ev = ctypes.c_void_p(free.pop()) if free else ctypes.c_void_p()
-            if not ev.value:
-                self._check(self._lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
-            self._check(self._lib.cuEventRecord(ev, stream), "cuEventRecord")
-        return CopyBatch(ordinal, int(ev.value or 0), calls, how)
+        self._make_current(ordinal)
+        stream = self._streams.get(ordinal)
+        if stream is None:
+            stream = ctypes.c_void_p()
+            self._check(self._lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
+            self._streams[ordinal] = stream
+        calls, how = 1, "copy-engine"
+        if kernel and self.kernels.available and self._gather(ordinal, stream, dst, src, sizes):
+            how = "kernel"
+        elif not (self._batch is not None and n > 1 and self._copy_batched(dst, src, sizes, stream)):
+            calls = n
+            cpy = self._lib.cuMemcpyDtoDAsync_v2
+            for d, sr, sz in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+                rc = cpy(d, sr, sz, stream)
+                if rc:
+                    self._check(rc, f"cuMemcpyDtoDAsync(0x{d:x} <- 0x{sr:x}, {sz})")
+        free = self._events.setdefault(ordinal, [])
+        ev = ctypes.c_void_p(free.pop()) if free else ctypes.c_void_p()
+        if not ev.value:
+            self._check(self._lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        self._check(self._fast.cuEventRecord(ev, stream), "cuEventRecord")
+        return CopyBatch(ordinal, int(ev.value or 0), calls, how, self.kernels.uploads(ordinal))
 
     def _finished(self, batch: CopyBatch, rc: int) -> None:
-        """Give ``batch``'s event back for the next batch (the caller holds its context current)."""
+        """Give ``batch``'s event back for the next batch, and the table buffers it covers to the kernels.
+
+        The caller holds its context current. The stream runs in order, so every table upload
+        queued before the batch's event has run once the event has.
+        """
+        self.kernels.ran(batch.ordinal, batch.uploads)
         if rc == 0:
             self._events.setdefault(batch.ordinal, []).append(batch.event)  # list.append: atomic across threads
         else:
@@ -364,20 +412,23 @@ class CudaDriver:
         gets here.
         """
         ev = ctypes.c_void_p(batch.event)
-        with self._current(batch.ordinal):
-            rc = self._lib.cuEventQuery(ev)
-            if rc == _ERR_NOT_READY:
-                rc = self._lib.cuEventSynchronize(ev)
-            self._finished(batch, rc)
+        self._make_current(batch.ordinal)
+        rc = self._fast.cuEventQuery(ev)
+        if rc == _ERR_NOT_READY:
+            rc = self._lib.cuEventSynchronize(ev)  # lets the GIL go while it sleeps
+        self._finished(batch, rc)
         self._check(rc, "device copies")
 
     def done(self, batch: CopyBatch) -> bool:
-        """Whether the copies of ``batch`` finished (raises if they failed); gives its event back when they did."""
-        with self._current(batch.ordinal):
-            rc = self._lib.cuEventQuery(ctypes.c_void_p(batch.event))
-            if rc == _ERR_NOT_READY:
-                return False
-            self._finished(batch, rc)
+        """Whether the copies of ``batch`` finished (raises if they failed); gives its event back when they did.
+
+        One driver call when the thread's context is already the device's (the event loop polls this).
+        """
+        self._make_current(batch.ordinal)
+        rc = self._fast.cuEventQuery(ctypes.c_void_p(batch.event))
+        if rc == _ERR_NOT_READY:
+            return False
+        self._finished(batch, rc)
         self._check(rc, "device copies")
         return True
 
@@ -393,9 +444,10 @@ def driver() -> CudaDriver:
         if _driver is None:
             try:
                 lib = ctypes.CDLL(LIBCUDA)
+                fast = ctypes.PyDLL(LIBCUDA)  # the same library; its calls keep the GIL (CudaDriver)
             except OSError as exc:
                 raise CudaUnavailableError(f"no CUDA driver in this process ({exc})") from None
-            _driver = CudaDriver(lib)
+            _driver = CudaDriver(lib, fast)
         return _driver
 
 

@@ -129,21 +129,37 @@ def rates(torch: Any, drv: Any, rng: np.random.Generator, copy: float, reps: int
     return out
 
 
-def driver_call_us(drv: Any) -> float:
-    """Median microseconds of one cheap driver call as kvxfer makes them (ctypes, context pushed)."""
+def driver_call_us(drv: Any) -> dict[str, float]:
+    """Median microseconds of one cheap driver call (cuEventQuery of a finished event), two ways.
+
+    ``pushed``: context pushed and popped around it, every call letting the GIL go (kvxfer before
+    run 15); ``poll``: what a READ's poll makes now (the context left current, calls that keep the GIL).
+    """
     import ctypes
 
     one = np.array([0], dtype=np.uint64)
     b = drv.copy_async(0, one, one, one)  # an empty copy: just an event to query
     drv.wait(b)
     ev = ctypes.c_void_p(b.event)
-    times = []
-    for _ in range(200):
-        t0 = time.perf_counter()
+    drv._lib.cuEventQuery.argtypes, drv._lib.cuEventQuery.restype = [ctypes.c_void_p], ctypes.c_int
+
+    def pushed() -> None:
         with drv._current(0):
             drv._lib.cuEventQuery(ev)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+
+    def poll() -> None:
+        drv._make_current(0)
+        drv._fast.cuEventQuery(ev)
+
+    out = {}
+    for name, call in (("pushed", pushed), ("poll", poll)):
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) * 1e6
+    return out
 
 
 def main() -> int:
@@ -172,8 +188,9 @@ def main() -> int:
 
             result["agent"] = create_transport("nixl", "gather-check", TransportConfig()).agent_name
         result["driver_call_us"] = driver_call_us(drv)
-        print(f"one driver call (cuEventQuery of a finished event, context pushed): "
-              f"{result['driver_call_us']:.2f} us", flush=True)  # fmt: skip
+        calls = result["driver_call_us"]
+        print(f"one driver call (cuEventQuery of a finished event): context pushed, GIL let go {calls['pushed']:.2f} "
+              f"us; as a READ's poll now {calls['poll']:.2f} us", flush=True)  # fmt: skip
         nv = Nvrtc.load()
         result["nvrtc"] = {"path": nv.path, "version": nv.version()}
         print(f"NVRTC {nv.version()} at {nv.path}; {torch.cuda.get_device_name(0)}", flush=True)

@@ -323,6 +323,18 @@ class FakeLibCuda:
             self.ctx_depth -= 1
             return 0
 
+        self.current = 0  # the thread's current context, as cuCtxGetCurrent / cuCtxSetCurrent see it
+        self.made_current: list[int] = []
+
+        def get_current(p: Any) -> int:
+            p[0] = self.current or None
+            return 0
+
+        def set_current(ctx: Any) -> int:
+            self.current = ctx or 0
+            self.made_current.append(self.current)
+            return 0
+
         def address_range(pb: Any, ps: Any, ptr: int) -> int:
             assert self.ctx_depth == 1, "called without a current context"
             pb[0], ps[0] = ptr & ~0xFFFFFF, 0x1000000
@@ -363,6 +375,8 @@ class FakeLibCuda:
         self.cuDevicePrimaryCtxRetain = cb(i32, c.POINTER(c.c_void_p), i32)(retain)
         self.cuCtxPushCurrent_v2 = cb(i32, c.c_void_p)(push)
         self.cuCtxPopCurrent_v2 = cb(i32, c.POINTER(c.c_void_p))(pop)
+        self.cuCtxGetCurrent = cb(i32, c.POINTER(c.c_void_p))(get_current)
+        self.cuCtxSetCurrent = cb(i32, c.c_void_p)(set_current)
         self.cuMemGetAddressRange_v2 = cb(i32, c.POINTER(c.c_uint64), c.POINTER(c.c_size_t), c.c_uint64)(address_range)
         self.cuIpcGetMemHandle = cb(i32, h_ptr, c.c_uint64)(get_handle)
         self.cuIpcOpenMemHandle_v2 = cb(i32, c.POINTER(c.c_uint64), cuda_ipc._Handle, c.c_uint)(open_handle)

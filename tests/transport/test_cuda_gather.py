@@ -189,32 +189,35 @@ def test_one_launch_moves_every_span_of_a_pull() -> None:
     assert nvrtc.calls == [(9, 0)]  # compiled for the device's own compute capability
     assert lib.modules == [b"// ptx for the test\n"]
     table, chunks = span_table(dst, src, sizes)
-    # The table goes up from a pinned buffer (DMA); the buffer's event is recorded right after it,
-    # then the batch's own event after the launch.
+    # The table goes up from a pinned buffer (DMA), then the launch, then the batch's event.
     (pinned,) = lib.pinned
     assert lib.uploads == [(KernelLib.SCRATCH, ctypes.addressof(pinned), table.tobytes())]
-    slot_event = lib.recorded[0]
-    assert lib.recorded == [slot_event, b.event]
-    assert slot_event != b.event
+    assert lib.recorded == [b.event]
+    assert b.uploads == 1
     assert lib.launches == [(chunks, 512, (KernelLib.SCRATCH, 3, CHUNK_BYTES))]  # 5 chunks: grid 5
     assert (lib.batches, lib.single) == ([], [])  # no copy-engine submission
 
-    # While that upload may still be queued its buffer is not written again: a second one is used.
-    lib.busy.add(slot_event)
+    # Until a batch recorded after that upload is seen finished, its buffer is not written again.
+    lib.busy.add(b.event)
+    assert drv.done(b) is False
     b2 = drv.copy_async(0, dst[:2], src[:2], sizes[:2], kernel=True)
     assert len(lib.pinned) == 2
     assert lib.uploads[-1][1] == ctypes.addressof(lib.pinned[1])
     assert lib.uploads[-1][2] == span_table(dst[:2], src[:2], sizes[:2])[0].tobytes()
     assert lib.launches[-1] == (chunks, 512, (KernelLib.SCRATCH, 2, CHUNK_BYTES))
-    # Once it ran, the first buffer is used again; the finished batch's event is reused too.
-    lib.busy.clear()
+    assert b2.uploads == 2
+    # b2 ran, so the stream ran both uploads before it: both buffers are free, though b was not polled.
     drv.wait(b2)
     b3 = drv.copy_async(0, dst, src, sizes, kernel=True)
     assert len(lib.pinned) == 2
     assert lib.uploads[-1][1] == ctypes.addressof(pinned)
-    assert b3.event == b2.event
+    assert b3.event == b2.event  # the finished batch's event is reused
+    # A batch recorded before an upload does not free its buffer: b3's upload is the third.
+    lib.busy.clear()
+    assert drv.done(b) is True
+    b4 = drv.copy_async(0, dst, src, sizes, kernel=True)
+    assert lib.uploads[-1][1] == ctypes.addressof(lib.pinned[1])  # pinned[0] still holds b3's table
     # Every pinned buffer still being read (many READs queued): the table goes up from pageable memory.
-    lib.all_busy = True
     for _ in range(cuda_gather.MAX_STAGING + 1):
         drv.copy_async(0, dst, src, sizes, kernel=True)
     assert len(lib.pinned) == cuda_gather.MAX_STAGING
@@ -223,6 +226,55 @@ def test_one_launch_moves_every_span_of_a_pull() -> None:
     assert lib.uploads[-1][2] == table.tobytes()
     assert (len(lib.modules), len(lib.allocs)) == (1, 1)  # loaded once, table buffer reused
     assert drv.copy_async(0, dst, src, sizes).how == "copy-engine"  # kernel=False: the copy engines
+    drv.wait(b4)
+    assert lib.ctx_depth == 0
+
+
+class Recording:
+    """A library whose functions are looked up through it, each lookup named in ``calls``."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib, self.calls = lib, []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("cu"):
+            self.calls.append(name)
+        return getattr(self._lib, name)
+
+
+def test_a_reads_submission_is_three_driver_calls_that_keep_the_gil_and_a_poll_is_one() -> None:
+    lib = KernelLib()
+    slow, fast = Recording(lib), Recording(lib)  # ctypes.CDLL and ctypes.PyDLL of one libcuda.so.1
+    drv = cuda_ipc.CudaDriver(slow, fast)  # type: ignore[arg-type]
+    drv.kernels._nvrtc = FakePtx  # type: ignore[assignment]
+    u64 = np.uint64
+    dst, src, sizes = np.array([0x1000, 0x9000], u64), np.array([0x5000, 0x7000], u64), np.array([64, 64], u64)
+    drv.wait(drv.copy_async(0, dst, src, sizes, kernel=True))  # first use: context, stream, module, buffers
+    assert lib.made_current == [0x1000]  # the device's primary context, made current once and left so
+    slow.calls.clear()
+    fast.calls.clear()
+    b = drv.copy_async(0, dst, src, sizes, kernel=True)
+    assert b.how == "kernel"
+    assert fast.calls == ["cuCtxGetCurrent", "cuMemcpyHtoDAsync_v2", "cuLaunchKernel", "cuEventRecord"]
+    fast.calls.clear()
+    lib.busy.add(b.event)
+    assert drv.done(b) is False
+    assert fast.calls == ["cuCtxGetCurrent", "cuEventQuery"]
+    assert slow.calls == []  # nothing on the way lets the GIL go: no push, no pop, no cuDeviceGet
+    # Another thread's context current (a library that set its own): made ours again before any call.
+    lib.current = 0x4242
+    lib.busy.clear()
+    assert drv.done(b) is True
+    assert lib.made_current == [0x1000, 0x1000]
+    # Waiting for a long batch sleeps in the driver through the library that lets the GIL go.
+    synced: list[int] = []
+    lib.cuEventSynchronize = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda ev: synced.append(ev) or 0)
+    b = drv.copy_async(0, dst, src, sizes, kernel=True)
+    lib.busy.add(b.event)
+    slow.calls.clear()
+    drv.wait(b)
+    assert synced == [b.event]
+    assert slow.calls == ["cuEventSynchronize"]
     assert lib.ctx_depth == 0
 
 
