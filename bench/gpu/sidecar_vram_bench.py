@@ -106,8 +106,9 @@ def read_phases(log: Path) -> dict[str, dict[str, float]]:
         if '"same-host READ phases"' in line:
             rec = json.loads(line)
             phases = by_size.setdefault(f"{rec.get('bytes', 0) / 2**20:.0f} MiB", {})
-            for k in ("submit_us", "gpu_us", "wake_us"):
-                phases.setdefault(k, []).append(float(rec[k]))
+            for k in ("translate_us", "submit_us", "gpu_us", "wake_us", "polls"):
+                if rec.get(k) is not None:
+                    phases.setdefault(k, []).append(float(rec[k]))
             split = rec.get("kernel_table_upload_launch_us")
             if split:
                 for k, v in zip(("table_us", "upload_us", "launch_us"), split, strict=True):

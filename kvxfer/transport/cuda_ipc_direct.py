@@ -191,6 +191,7 @@ class CudaIpcDirect(Transport):
         p = self._peers.get(peer)
         direct = notify is None and mem_type == "VRAM" and remote_mem_type == "VRAM"
         if direct and p is not None and not p.broken and local.shape[0]:
+            t_enter = time.perf_counter()
             ordinal = int(local[0, 2])
             try:
                 theirs = self._translate(peer, p, remote, ordinal)
@@ -204,7 +205,7 @@ class CudaIpcDirect(Transport):
                 t0 = time.perf_counter()
                 write = op == "WRITE"
                 dst, src = (theirs, local[:, 0]) if write else (local[:, 0], theirs)
-                await self._copy(peer, ordinal, dst, src, local[:, 1], timeout, drain=write)
+                await self._copy(peer, ordinal, dst, src, local[:, 1], timeout, drain=write, t_enter=t_enter)
                 if write:
                     self.direct_writes += 1
                 else:
@@ -249,9 +250,13 @@ class CudaIpcDirect(Transport):
             raise first from None
 
     async def _copy(
-        self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float, *, drain: bool = False
-    ) -> None:
-        """Device copies ``src`` -> ``dst``; with ``drain`` it never returns while one may still land."""
+        self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float, *, drain: bool = False,
+        t_enter: float = 0.0,
+    ) -> None:  # fmt: skip
+        """Device copies ``src`` -> ``dst``; with ``drain`` it never returns while one may still land.
+
+        ``t_enter``: when the transfer began (the debug line's ``translate_us`` is the time until here).
+        """
         drv = cuda_ipc.driver()
         t_submit = time.perf_counter()
         try:
@@ -266,7 +271,7 @@ class CudaIpcDirect(Transport):
             log.warning("same-host GPU READs use the copy engines: the gather kernel is unavailable",
                         extra={"error": drv.kernels.error})  # fmt: skip
         t_queued = time.perf_counter()
-        finished, landed = self._watch(drv, batch)
+        finished, landed, polls = self._watch(drv, batch)
         try:
             async with asyncio.timeout(budget):
                 t_done = await finished
@@ -285,6 +290,7 @@ class CudaIpcDirect(Transport):
         if log.isEnabledFor(logging.DEBUG):  # where a transfer's fixed cost goes (bench/gpu/sidecar_vram_bench.py)
             log.debug("same-host READ phases" if not drain else "same-host WRITE phases", extra={
                 "peer": peer, "spans": int(sizes.size), "bytes": int(sizes.sum()), "how": batch.how,
+                "translate_us": (t_submit - t_enter) * 1e6 if t_enter else None, "polls": polls[0],
                 "submit_us": (t_queued - t_submit) * 1e6,
                 "gpu_us": (t_done - t_queued) * 1e6, "wake_us": (time.perf_counter() - t_done) * 1e6,
                 "kernel_table_upload_launch_us": list(drv.kernels.last_us) if batch.how == "kernel" else None,
@@ -292,9 +298,10 @@ class CudaIpcDirect(Transport):
 
     def _watch(
         self, drv: cuda_ipc.CudaDriver, batch: cuda_ipc.CopyBatch
-    ) -> tuple[asyncio.Future[float], asyncio.Future[float]]:
+    ) -> tuple[asyncio.Future[float], asyncio.Future[float], list[int]]:
         """Two futures of when ``batch`` finished: one for the READ to await (cancelling it stops
-        nothing), and one that always ends with the copies (a WRITE that is cancelled waits for it).
+        nothing), and one that always ends with the copies (a WRITE that is cancelled waits for it);
+        and a counter of the event loop's polls (debug logs).
 
         The event loop polls the batch's event once per turn for up to :data:`SPIN_S` (other
         callbacks and I/O run between polls), so a same-host READ, which mostly takes well under
@@ -308,6 +315,7 @@ class CudaIpcDirect(Transport):
         for fut in (finished, landed):
             fut.add_done_callback(_retrieved)
         until = time.perf_counter() + SPIN_S
+        polls = [0]
 
         def end(t_done: float | None, exc: BaseException | None = None) -> None:
             for fut in (finished, landed):
@@ -319,6 +327,7 @@ class CudaIpcDirect(Transport):
                     fut.set_result(t_done or 0.0)
 
         def poll() -> None:
+            polls[0] += 1
             try:
                 if drv.done(batch):
                     end(time.perf_counter())
@@ -343,7 +352,7 @@ class CudaIpcDirect(Transport):
             loop.run_in_executor(self._waiter, wait).add_done_callback(waited)
 
         loop.call_soon(poll)
-        return finished, landed
+        return finished, landed, polls
 
     def close(self) -> None:
         for name in list(self._peers):

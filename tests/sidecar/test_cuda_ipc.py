@@ -577,7 +577,8 @@ async def test_copy_engine_gather_is_chosen_by_config(fake: FakeDriver, caplog: 
     assert (fake.kernel_flags, rd.direct_reads, rd.kernel_reads) == ([False], 1, 0)
     (phases,) = [r for r in caplog.records if r.getMessage() == "same-host READ phases"]
     assert (phases.spans, phases.how) == (1, "copy-engine")  # type: ignore[attr-defined]
-    assert min(phases.submit_us, phases.gpu_us, phases.wake_us) >= 0  # type: ignore[attr-defined]
+    assert min(phases.translate_us, phases.submit_us, phases.gpu_us, phases.wake_us) >= 0  # type: ignore[attr-defined]
+    assert phases.polls == 1  # type: ignore[attr-defined]  # the fake's copies are done at the first poll
     a.close()
 
 
