@@ -73,11 +73,18 @@ class _Export:
 class _Peer:
     """A publisher on this host whose worker memory this process maps itself."""
 
-    bases: npt.NDArray[np.uint64]
+    bases: npt.NDArray[np.uint64]  # sorted
     ends: npt.NDArray[np.uint64]
     exports: list[_Export]
     opened: dict[int, tuple[int, int]] = field(default_factory=dict)  # export index -> (device, local base)
     broken: str = ""
+    # Per export, once mapped: what to add (mod 2**64) to the peer's address to get the address here.
+    shift: U64 = field(init=False)
+    mapped: npt.NDArray[np.bool_] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shift = np.zeros(len(self.exports), dtype=np.uint64)
+        self.mapped = np.zeros(len(self.exports), dtype=bool)
 
 
 class CudaIpcDirect(Transport):
@@ -219,23 +226,30 @@ class CudaIpcDirect(Transport):
         return self._inner.poll_notifications()
 
     def _translate(self, name: str, p: _Peer, remote: U64, ordinal: int) -> U64:
-        """The peer's descriptor addresses as addresses of the worker's memory mapped in this process."""
-        addr, size = remote[:, 0].astype(np.uint64), remote[:, 1].astype(np.uint64)
-        idx = np.searchsorted(p.bases, addr, side="right").astype(np.int64) - 1
-        inside = idx >= 0
-        inside[inside] &= addr[inside] + size[inside] <= p.ends[idx[inside]]
+        """The peer's descriptor addresses as addresses of the worker's memory mapped in this process.
+
+        A handful of vectorized steps, whatever the number of descriptors or regions: this is on
+        every same-host READ's way (a loop over the regions cost 70-100 us a READ).
+        """
+        addr, size = remote[:, 0], remote[:, 1]
+        idx = np.searchsorted(p.bases, addr, side="right") - 1
+        end = p.ends[idx]  # idx -1 reads the last end; such a descriptor is refused below anyway
+        # No sum that could wrap: the descriptor starts in the region and fits in what is left of it.
+        inside = (idx >= 0) & (addr < end) & (size <= end - addr)
         if not inside.all():
             bad = int(np.flatnonzero(~inside)[0])
             raise TransferFailedError(
                 f"remote descriptor {bad} ({int(addr[bad]):#x}, {int(size[bad])} bytes) is outside the peer's "
                 "registered regions", backend="cuda-ipc", peer=name,
             )  # fmt: skip
-        local_base = np.zeros(len(p.exports), dtype=np.uint64)
-        for i in np.unique(idx).tolist():
-            if i not in p.opened:
-                p.opened[i] = self._open(p.exports[i], ordinal)
-            local_base[i] = p.opened[i][1] + p.exports[i].offset
-        return local_base[idx] + (addr - p.bases[idx])
+        unmapped = ~p.mapped[idx]
+        if unmapped.any():  # first READs only: map the allocations they touch
+            for i in np.unique(idx[unmapped]).tolist():
+                e = p.exports[i]
+                p.opened[i] = self._open(e, ordinal)
+                p.shift[i] = np.uint64((p.opened[i][1] + e.offset - e.base) % (1 << 64))
+                p.mapped[i] = True
+        return addr + p.shift[idx]  # uint64: wraps modulo 2**64, as the shift was taken
 
     @staticmethod
     def _open(e: _Export, ordinal: int) -> tuple[int, int]:

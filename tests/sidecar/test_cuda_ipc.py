@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxfer import cuda_ipc
 from kvxfer.cuda_ipc import CudaIpcError, CudaUnavailableError, Exported, IpcMappings
@@ -669,3 +671,61 @@ def test_driver_wait_sleeps_in_the_driver_and_gives_the_event_back() -> None:
     with pytest.raises(CudaIpcError, match="device copies"):
         drv.wait(cuda_ipc.CopyBatch(0, 0xBAD, 1))  # a failed event is reported
     assert lib.ctx_depth == 0
+
+
+@st.composite
+def peer_reads(draw: Any) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """A publisher's exported regions (base, size, offset in its allocation), gaps between them, and
+    descriptors that fall inside one, straddle two, run past the end, or lie before every region."""
+    regions, at = [], draw(st.integers(0x1000, 1 << 40))
+    for _ in range(draw(st.integers(1, 6))):
+        at += draw(st.integers(0, 4096))
+        size = draw(st.integers(1, 1 << 20))
+        regions.append((at, size, draw(st.integers(0, 1 << 30))))
+        at += size
+    descs = []
+    for _ in range(draw(st.integers(1, 12))):
+        base, size, _off = draw(st.sampled_from(regions))
+        start = draw(st.integers(base - 8, base + size))
+        descs.append((start, draw(st.one_of(st.integers(1, size + 8), st.just((1 << 64) - 1)))))
+    return regions, descs
+
+
+@given(peer_reads())
+@settings(max_examples=300, deadline=None)
+def test_remote_addresses_translate_as_one_region_at_a_time_would(
+    case: tuple[list[tuple[int, int, int]], list[tuple[int, int]]],
+) -> None:
+    import numpy as np
+
+    from kvxfer.transport.cuda_ipc_direct import _Export, _Peer
+    from kvxfer.transport.errors import TransferFailedError
+
+    regions, descs = case
+    exports = [_Export(b, s, handle(i + 1), off, UUIDS[0]) for i, (b, s, off) in enumerate(regions)]
+    bases = np.array([e.base for e in exports], dtype=np.uint64)
+    peer = _Peer(bases, bases + np.array([e.size for e in exports], dtype=np.uint64), exports)
+    mapped_at = {handle(i + 1): 0x7F00_0000_0000 + i * (1 << 32) for i in range(len(exports))}
+    rd = CudaIpcDirect(InnerPlane("rd"))
+    opened: list[bytes] = []
+    rd._open = lambda e, ordinal: opened.append(e.handle) or (ordinal, mapped_at[e.handle])  # type: ignore[method-assign]
+
+    want: list[int] = []  # the reference: each descriptor inside one region, where that region is mapped here
+    bad = None
+    for k, (addr, size) in enumerate(descs):
+        home = [e for e in exports if e.base <= addr and addr + size <= e.base + e.size]
+        if not home:
+            bad = k
+            break
+        want.append(mapped_at[home[0].handle] + home[0].offset + addr - home[0].base)
+    remote = np.array([[a, z, 0] for a, z in descs], dtype=np.uint64)
+    if bad is not None:
+        with pytest.raises(TransferFailedError, match=rf"remote descriptor {bad} \({descs[bad][0]:#x}, "):
+            rd._translate("pub", peer, remote, 0)
+        assert opened == []  # nothing is mapped for a READ that is refused
+        return
+    assert rd._translate("pub", peer, remote, 0).tolist() == want
+    touched = {exports[int(np.searchsorted(bases, a, side="right")) - 1].handle for a, _ in descs}
+    assert sorted(opened) == sorted(touched)  # each allocation a READ touches mapped once
+    assert rd._translate("pub", peer, remote, 0).tolist() == want
+    assert len(opened) == len(touched)  # and not again
