@@ -113,12 +113,13 @@ class CudaDriver:
     The primary context is the one PyTorch, the CUDA runtime and UCX use, so pointers opened here are
     valid for the data plane in the same process.
 
-    ``fast`` is the same library loaded so that its calls keep the GIL (:class:`ctypes.PyDLL`); the
-    calls of a same-host READ's submission and polls go through it. Each takes microseconds, and
-    giving the GIL up and taking it back around every one is what a sidecar cannot afford: on the
-    lent H200 a driver call on a READ's way cost 35-45 us in the sidecar against 3-5 us in a process
-    that loops over it (docs/notes/gpu.md, runs 12-13). Calls that may block (a wait, a JIT load, an
-    allocation that synchronizes) go through ``lib``, which lets other threads run meanwhile.
+    ``fast`` is the same library loaded so that its calls keep the GIL (:class:`ctypes.PyDLL`): the
+    calls of a same-host READ's submission and polls, which take microseconds, go through it, so
+    none of them hands the GIL to another thread and waits to get it back. Calls that may block (a
+    wait, a JIT load, an allocation that synchronizes) go through ``lib``, which lets other threads
+    run meanwhile. On the lent H200 a READ's 8 driver calls cost 35-45 us each in the sidecar; its 3
+    calls now cost about 20 us each there (1-3 us in a process that loops over them), so the GIL
+    was the smaller part of it (docs/notes/gpu.md, runs 12-16).
     """
 
     def __init__(self, lib: ctypes.CDLL, fast: Any = None) -> None:
