@@ -222,6 +222,32 @@ class LocalCluster:
             except ClusterError as exc:
                 raise ClusterError(f"{exc}\n{self.logs()}") from None
 
+    def wait_sidecars(self, timeout: float = 120.0) -> None:
+        """Until every started sidecar answers on its local socket; one that exits or stays silent fails.
+
+        Sidecars started together share the CPU while they start (a dozen on two cores take tens of
+        seconds): waiting for all of them once, with one budget, spares each first call its own.
+        """
+        from kvxfer.client import Client, KvxferRpcError
+
+        deadline = time.monotonic() + timeout
+        for sc in self.sidecars:
+            client = Client(sc.local_socket, timeout=5)
+            try:
+                while True:
+                    if sc.proc.poll() is not None:
+                        raise ClusterError(f"sidecar {sc.name} exited ({sc.proc.returncode}) before answering:\n"
+                                           f"{sc.log_tail(40)}")  # fmt: skip
+                    try:
+                        client.wait_ready(min(2.0, max(deadline - time.monotonic(), 0.05)))
+                        break
+                    except KvxferRpcError as exc:
+                        if time.monotonic() > deadline:
+                            raise ClusterError(f"sidecar {sc.name} did not answer within {timeout:g}s ({exc}):\n"
+                                               f"{sc.log_tail(40)}") from None  # fmt: skip
+            finally:
+                client.close()
+
     def logs(self, n: int = 15) -> str:
         """The tail of every sidecar log."""
         return "\n".join(f"--- {s.name} (exit {s.proc.poll()}) ---\n{s.log_tail(n)}" for s in self.sidecars)

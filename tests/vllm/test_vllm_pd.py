@@ -11,9 +11,15 @@ transfer per request of exactly the bytes its blocks hold (READ by the decode si
 by the prefill sidecar and nothing READ), so a prompt that vLLM recomputed instead of loading
 cannot pass. The decode instance loads every prompt token but the last, which it computes.
 
-The instances serve in float16: with bfloat16 this CPU runs vLLM's AMX attention kernel, and the
+The instances serve in float16: with bfloat16 an AMX CPU runs vLLM's AMX attention kernel, and the
 decode side's computation of the last prompt token rounds differently from a full prefill, which
 flips a greedy choice a few tokens into the longest prompt (see docs/vllm.md).
+
+What vLLM does on a CPU depends on its instruction set, and machines of this kind differ (Intel with
+AVX-512 and AMX, AMD with AVX2 only): an fp8 KV cache needs AVX-512 or AMX, and a hybrid model's
+SSM state is kept in float32 only where the CPU has AVX-512 BF16. The expected bytes follow the CPU
+(:mod:`tests.cpu_features`); the fp8 run is skipped, with that reason, on a CPU that vLLM refuses it on.
+Each test may run several instance pairs one after the other: its time limit is the bench's own.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+from tests.cpu_features import cpu_flags, require_fp8_kv_cache
+
+#: The bench's own deadline (--deadline 1200, subprocess timeout 1300) bounds a test, not pytest's default.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1350)]
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("KVXFER_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -121,6 +130,7 @@ def test_llama_fp16_and_block_sizes_differing_both_ways(tmp_path: Path) -> None:
 
 
 def test_llama_fp8_kv_cache(tmp_path: Path) -> None:
+    require_fp8_kv_cache()
     rep = run_bench(tmp_path, "--kv-cache-dtype", "fp8", "--lengths", "5,33,257,700", "--concurrent", "2",
                     "--mode", "pull,push")  # fmt: skip
     per_block = 2 * 32 * 2 * 64 * 1  # kv heads x tokens x (K+V) x head size x one byte
@@ -167,18 +177,25 @@ def test_sliding_window_and_full_attention_groups(tmp_path: Path) -> None:
 def test_attention_and_mamba_hybrid(tmp_path: Path) -> None:
     rep = run_bench(tmp_path, "--model", "granite_hybrid", "--lengths", "5,33,257,700", "--concurrent", "2",
                     "--mode", "pull,push")  # fmt: skip
-    attn_page = 2 * 96 * 2 * 64 * 2  # vLLM raises the attention block to 96 tokens to fit the Mamba state
-    state = 3 * 544 * 2 + 8 * 64 * 16 * 4  # conv state fp16 + ssm state fp32, per layer
+    # vLLM keeps the SSM state in float32 where the CPU has AVX-512 BF16 (its accelerated GDN
+    # backend), else in the model's dtype.
+    ssm_bytes = 4 if "avx512_bf16" in cpu_flags() else 2
+    state = 3 * 544 * 2 + 8 * 64 * 16 * ssm_bytes  # conv state fp16 + ssm state, per layer
+    # vLLM raises the attention block (a multiple of 32 tokens on CPU) until its page holds the state.
+    per_token = 2 * 2 * 64 * 2
+    attn_block = 32 * math.ceil(state / (32 * per_token))
+    attn_page = attn_block * per_token
     for name, direction in (("kvxfer", "read"), ("kvxfer-push", "push")):
         run = rep["runs"][name]
         total = 0
         for r in with_warmup(run["rows"]):
             params = r["kv_transfer_params"]
             assert [g["name"] for g in params["kvxfer_groups"]] == ["g0", "g1"]
+            assert params["kvxfer_groups"][1]["block_size"] == attn_block, (ssm_bytes, params["kvxfer_groups"])
             assert len(params["remote_block_ids"][0]) == 1  # the Mamba group's running-state block
             # The prefill stops one token short: the decode side computes the last token over the state.
             assert params["remote_num_tokens"] == r["tokens"] - 1
-            total += math.ceil(loaded_tokens(r) / 96) * attn_page * 2 + state * 2
+            total += math.ceil(loaded_tokens(r) / attn_block) * attn_page * 2 + state * 2
         check_run(run, expected_bytes=total, max_tokens=rep["max_tokens"], direction=direction)
 
 

@@ -42,10 +42,13 @@ LEASE_SECONDS = 20
 def sidecars() -> Iterator[Sidecars]:
     """Every sidecar set of ``pd.SIDECAR_SETS``, started at once and shared by the modules that drive transfers.
 
-    Session-scoped rather than per module: starting a dozen sidecars takes ~15 s of this suite's budget.
+    Session-scoped rather than per module: starting a dozen sidecars takes ~15 s of this suite's budget
+    (over a minute on a slow two-core machine, more than a worker's own 60 s wait: all are awaited here).
     """
     with LocalCluster(log_level="info") as c:
-        yield Sidecars.start(c, SIDECAR_SETS, flags=("--lease-seconds", str(LEASE_SECONDS)))
+        started = Sidecars.start(c, SIDECAR_SETS, flags=("--lease-seconds", str(LEASE_SECONDS)))
+        c.wait_sidecars(timeout=300)
+        yield started
 
 
 @pytest.fixture

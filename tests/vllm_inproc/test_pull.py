@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from kvxfer.layout import Packing
+from tests.cpu_features import require_fp8_kv_cache
 from tests.vllm_inproc.engine import (
     CPUAttentionBackend,
     Engine,
@@ -139,6 +140,8 @@ def test_cpu_kernel_pages_between_block_sizes(pd: PD, cache_dtype: str, p_bs: in
     cache of the decode block size written by the same kernel directly, byte for byte and in the attention
     vLLM's kernel computes over it.
     """
+    if cache_dtype == "fp8":
+        require_fp8_kv_cache()
     attn = CpuAttention(cache_dtype)
     pre_eng, dec_eng, ref_eng = (
         cpu_engine(p_bs, cache_dtype),
