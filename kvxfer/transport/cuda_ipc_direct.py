@@ -231,6 +231,8 @@ class CudaIpcDirect(Transport):
         A handful of vectorized steps, whatever the number of descriptors or regions: this is on
         every same-host READ's way (a loop over the regions cost 70-100 us a READ).
         """
+        if remote.dtype != np.uint64:  # mixed with int64, numpy would compute addresses in float64
+            remote = remote.astype(np.uint64)
         addr, size = remote[:, 0], remote[:, 1]
         idx = np.searchsorted(p.bases, addr, side="right") - 1
         end = p.ends[idx]  # idx -1 reads the last end; such a descriptor is refused below anyway
