@@ -729,4 +729,5 @@ def test_remote_addresses_translate_as_one_region_at_a_time_would(
     assert sorted(opened) == sorted(touched)  # each allocation a READ touches mapped once
     assert rd._translate("pub", peer, remote, 0).tolist() == want
     assert len(opened) == len(touched)  # and not again
-    assert rd._translate("pub", peer, remote.astype(np.int64), 0).tolist() == want  # signed input: same addresses
+    signed = rd._translate("pub", peer, remote.astype(np.int64), 0)  # signed input: the same uint64 addresses
+    assert (signed.dtype, signed.tolist()) == (np.uint64, want)
