@@ -59,3 +59,18 @@ def test_bench_topology_json() -> None:
         "decode_tp_2x/one_block": (4, 4, 1.0),
     }
     assert all(c["meets_target"] == (c["numpy_ms"] < c["target_ms"]) for c in cases.values())
+
+
+def test_translate_bench_times_this_tree_and_another_side_by_side(tmp_path: Path) -> None:
+    """bench/translate_bench.py: one row per kvxfer tree, a time for every descriptor count."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[2]
+    shutil.copytree(repo / "kvxfer", tmp_path / "kvxfer")  # "another tree": here a copy of this one
+    out = subprocess.run([sys.executable, str(repo / "bench" / "translate_bench.py"), "--reps", "3", "--compare",
+                          str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| ") and " us |" in ln]
+    assert [r.split(" (")[0] for r in rows] == ["| this tree", f"| {tmp_path}"]
+    assert f"({tmp_path / 'kvxfer'})" in rows[1]  # the other tree's package was the one imported
+    assert all(len(r.split(" us |")) == 4 for r in rows)  # three descriptor counts each
