@@ -151,8 +151,6 @@ class CudaDriver:
         for name, argtypes in {
             "cuStreamCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
             "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
-            "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
-            "cuEventQuery": [ctypes.c_void_p],
             "cuEventSynchronize": [ctypes.c_void_p],
             "cuEventDestroy_v2": [ctypes.c_void_p],
             "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
@@ -175,15 +173,16 @@ class CudaDriver:
         if self._batch is not None:
             self._batch.restype = ctypes.c_int
         vp = ctypes.c_void_p
-        for name, argtypes in {
+        for name, argtypes in {  # the copies' hot calls, through the library that keeps the GIL
             "cuCtxGetCurrent": [ctypes.POINTER(vp)],
             "cuCtxSetCurrent": [vp],
             "cuEventRecord": [vp, vp],
             "cuEventQuery": [vp],
         }.items():
-            fn = getattr(self._fast, name)
-            fn.argtypes = argtypes
-            fn.restype = ctypes.c_int
+            fn = getattr(self._fast, name, None)
+            if fn is not None:  # optional like the copies they serve
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
         self.batch_error = ""  # why batched copies were given up, if they were
         self.kernels = GatherKernels(lib, self._check, fast=self._fast)  # one launch per pull (kvxfer.cuda_gather)
         self._streams: dict[int, ctypes.c_void_p] = {}

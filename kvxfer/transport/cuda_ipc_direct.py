@@ -266,9 +266,8 @@ class CudaIpcDirect(Transport):
             raise first from None
 
     async def _copy(
-        self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float, *, drain: bool = False,
-        t_enter: float = 0.0,
-    ) -> None:  # fmt: skip
+        self, peer: str, ordinal: int, dst: U64, src: U64, sizes: U64, budget: float, *, drain: bool, t_enter: float
+    ) -> None:
         """Device copies ``src`` -> ``dst``; with ``drain`` it never returns while one may still land.
 
         ``t_enter``: when the transfer began (the debug line's ``translate_us`` is the time until here).
@@ -306,7 +305,7 @@ class CudaIpcDirect(Transport):
         if log.isEnabledFor(logging.DEBUG):  # where a transfer's fixed cost goes (bench/gpu/sidecar_vram_bench.py)
             log.debug("same-host READ phases" if not drain else "same-host WRITE phases", extra={
                 "peer": peer, "spans": int(sizes.size), "bytes": int(sizes.sum()), "how": batch.how,
-                "translate_us": (t_submit - t_enter) * 1e6 if t_enter else None, "polls": polls[0],
+                "translate_us": (t_submit - t_enter) * 1e6, "polls": polls[0],
                 "submit_us": (t_queued - t_submit) * 1e6,
                 "gpu_us": (t_done - t_queued) * 1e6, "wake_us": (time.perf_counter() - t_done) * 1e6,
                 "kernel_table_upload_launch_us": list(drv.kernels.last_us) if batch.how == "kernel" else None,
