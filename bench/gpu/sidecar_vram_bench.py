@@ -154,6 +154,28 @@ def pull_phases(log: Path, marks: dict[str, tuple[str, float, float]]) -> dict[s
     }
 
 
+def pin(pid: int, cpus: set[int]) -> list[int]:
+    """Pin every thread of process ``pid`` to ``cpus`` (threads it starts later inherit it); the cpus set."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+    return sorted(os.sched_getaffinity(pid))
+
+
+def pin_plan(pids: dict[str, int], width: int) -> dict[str, list[int]]:
+    """Give each process ``width`` cores of its own, this one first, in the order given; {} when too few cores."""
+    have = sorted(os.sched_getaffinity(0))
+    names = ["bench", *pids]
+    if len(have) < width * len(names):
+        return {}
+    plan = {name: set(have[i * width : (i + 1) * width]) for i, name in enumerate(names)}
+    pinned = {"bench": pin(os.getpid(), plan["bench"])}
+    pinned.update({name: pin(pid, plan[name]) for name, pid in pids.items()})
+    return pinned
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     smoke = args.cpu_smoke
     layout = (smoke_layout if smoke else llama3_8b)(args.blocks)
@@ -235,6 +257,11 @@ def run_cluster(
         pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory[0], agent=agent)
         dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory[1], agent=agent)
         cluster.wait_workers(timeout=300)
+        if args.pin_cpus:  # each process on cores of its own: is a READ's CPU side slow from sharing them?
+            procs = {"decode-sidecar": dec.proc.pid, "prefill-sidecar": pre.proc.pid, "decode-worker": dw.proc.pid,
+                     "prefill-worker": pw.proc.pid}  # fmt: skip
+            facts[f"pinned_{path}"] = pinned = pin_plan(procs, args.pin_cpus)
+            print(f"[{path}] pinned: {pinned or 'not enough cores'}", flush=True)
         facts[f"setup_s_{path}"] = time.perf_counter() - t0
         print(f"[{path}] cluster up in {time.perf_counter() - t0:.1f} s", flush=True)
         n = 0
@@ -345,6 +372,8 @@ def main() -> int:
         help="a sidecar pair run with these KVXFER_* settings too (repeatable; one run each)",
     )
     ap.add_argument("--phases", action="store_true", help="debug logs on the sidecars: where a READ's time goes")
+    ap.add_argument("--pin-cpus", type=int, default=0, metavar="N",
+                    help="pin this script, each sidecar and each worker to N cores of its own (0: no pinning)")
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     ap.add_argument(
         "--worker-agents",
