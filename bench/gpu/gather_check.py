@@ -162,6 +162,45 @@ def driver_call_us(drv: Any) -> dict[str, float]:
     return out
 
 
+def idle_gaps(torch: Any, drv: Any, rng: np.random.Generator, reps: int, gap_ms: float) -> list[dict[str, Any]]:
+    """A 128 MiB fragmented gather submitted after a gap of ``gap_ms``: none, asleep, or spinning.
+
+    Why a READ's submission costs ~3x more in a sidecar than in a loop: the sidecar's thread sleeps
+    between pulls. If the cost comes back after a sleep but not after a spin of the same length, the
+    CPU itself (a core that idled: clock, caches) is the cause, not the driver or the process.
+    """
+    src = torch.empty(32 * 64 * 1024 * 4096, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    s, d, z = (a.astype(np.uint64) for a in llama_spans(rng, 1024, 64))
+    s, d = s + np.uint64(src.data_ptr()), d + np.uint64(dst.data_ptr())
+    work = np.arange(4096, dtype=np.uint64)
+    out = []
+    for how in ("none", "sleep", "spin"):
+        rows: list[tuple[float, ...]] = []
+        for i in range(reps + 2):
+            if how == "sleep":
+                time.sleep(gap_ms / 1e3)
+            elif how == "spin":
+                until = time.perf_counter() + gap_ms / 1e3
+                while time.perf_counter() < until:
+                    pass
+            t0 = time.perf_counter()
+            int((work * np.uint64(3) + np.uint64(1)).sum())  # pure CPU: a few numpy calls
+            t1 = time.perf_counter()
+            b = drv.copy_async(0, d, s, z, kernel=True)
+            t2 = time.perf_counter()
+            drv.wait(b)
+            if i >= 2:
+                rows.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, *drv.kernels.last_us))
+        med = [statistics.median(col) for col in zip(*rows, strict=True)]
+        row = dict(zip(("gap", "numpy_us", "submit_us", "table_us", "upload_us", "launch_us"),
+                       (how, *med), strict=True))  # fmt: skip
+        out.append(row)
+        print(f"after {how:5} gap of {gap_ms:.0f} ms: numpy {med[0]:.1f} us, submit {med[1]:.1f} us (table "
+              f"{med[2]:.1f}, upload {med[3]:.1f}, launch {med[4]:.1f})", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvxfer-gather"))
@@ -172,6 +211,7 @@ def main() -> int:
         action="store_true",
         help="make a NIXL agent with UCX in this process first, as a sidecar has one",
     )
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="also time a submission after idle gaps this long")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"ok": False}
@@ -200,6 +240,8 @@ def main() -> int:
         copy = copy_rate(1 << 30, 0, 0)
         result["copy_GBps"] = copy
         print(f"device copy 1 GiB: {copy:.0f} GB/s (bytes moved once)", flush=True)
+        if args.gap_ms > 0:
+            result["idle_gaps"] = idle_gaps(torch, drv, rng, max(args.reps, 20), args.gap_ms)
         result["rates"] = rates(torch, drv, rng, copy, args.reps)
         result["ok"] = bool(result["correctness"]["ok"])
     except Exception:

@@ -372,8 +372,13 @@ def main() -> int:
         help="a sidecar pair run with these KVXFER_* settings too (repeatable; one run each)",
     )
     ap.add_argument("--phases", action="store_true", help="debug logs on the sidecars: where a READ's time goes")
-    ap.add_argument("--pin-cpus", type=int, default=0, metavar="N",
-                    help="pin this script, each sidecar and each worker to N cores of its own (0: no pinning)")
+    ap.add_argument(
+        "--pin-cpus",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pin this script, each sidecar and each worker to N cores of its own (0: no pinning)",
+    )
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     ap.add_argument(
         "--worker-agents",
