@@ -192,11 +192,6 @@ class Settings(BaseModel):
         200, ge=0, le=1_000_000,
         description="microseconds the NIXL agent's progress thread sleeps between rounds (0: it spins a core)",
     )  # fmt: skip
-    busy_poll_ms: float = Field(
-        0.0, ge=0, le=10_000, allow_inf_nan=False,
-        description="milliseconds the event loop keeps polling without sleeping after each incoming call "
-        "(0: off; each window costs a core)",
-    )  # fmt: skip
     lease_seconds: float = Field(
         30.0, gt=0, le=86400, allow_inf_nan=False, description="how long published blocks are held"
     )

@@ -73,10 +73,6 @@ class SidecarMetrics:
         self.handshakes = Counter("kvxfer_handshakes_total", "Peer handshakes by outcome", ["outcome"], registry=r)
         self.peers = Gauge("kvxfer_peers", "Peers with a live handshake", registry=r)
         self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
-        self.busy_poll_seconds = Counter(
-            "kvxfer_busy_poll_seconds", "Seconds the event loop was kept polling without sleeping (--busy-poll-ms)",
-            registry=r,
-        )  # fmt: skip
         # Pre-create the label sets a dashboard plots, so they read 0 instead of being absent.
         for d in ("read", "write", "push"):
             self.transfer_bytes.labels(direction=d, backend=backend)

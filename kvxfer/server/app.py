@@ -30,11 +30,10 @@ from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.server.busy_poll import BusyPoll
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.fast_api import FastApi
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
-from kvxfer.server.rpc import CallSeenInterceptor, TokenInterceptor, service_handler
+from kvxfer.server.rpc import TokenInterceptor, service_handler
 from kvxfer.transport import Transport, create_transport, transport_class
 from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.frames import fast_socket_path
@@ -195,10 +194,8 @@ class Sidecar:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         token = s.token()
+        interceptors = [TokenInterceptor(token)] if token else []
         self.metrics = SidecarMetrics(s.backend)
-        self.busy_poll = BusyPoll(s.busy_poll_ms / 1e3, spent=self.metrics.busy_poll_seconds.inc)
-        poke = [CallSeenInterceptor(self.busy_poll.poke)] if s.busy_poll_ms > 0 else []
-        interceptors: list[grpc.aio.ServerInterceptor] = [*poke, *([TokenInterceptor(token)] if token else [])]
         data_plane = self._dp if self._dp is not None else self._start_data_plane()
         self._dp = data_plane
         for svc in HEALTH_SERVICES:
@@ -228,8 +225,7 @@ class Sidecar:
             # The hot calls as frames beside the local socket: same servicer, limits, mode and token.
             self.fast_api = FastApi(fast_socket_path(self._socket_path), local_api,
                                     limits=local_limits, token=token, mode=SOCKET_MODE,
-                                    max_message_bytes=s.max_message_bytes,
-                                    on_frames=self.busy_poll.poke if s.busy_poll_ms > 0 else None)  # fmt: skip
+                                    max_message_bytes=s.max_message_bytes)  # fmt: skip
 
         await peer.start()
         await local.start()

@@ -26,7 +26,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -85,10 +85,9 @@ class FastApi:
 
     def __init__(
         self, path: Path, api: object, *, limits: Mapping[str, float | None], token: str | None, mode: int,
-        max_message_bytes: int, default_limit: float = 30.0, on_frames: Callable[[], None] | None = None,
+        max_message_bytes: int, default_limit: float = 30.0,
     ) -> None:  # fmt: skip
         self.path = path
-        self.on_frames = on_frames  # told when frames arrive, before they are handled (busy polling)
         self._token = token.encode() if token else None
         self._mode = mode
         self.max_message_bytes = max_message_bytes
@@ -179,8 +178,6 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         arrived = time.monotonic()
-        if self.api.on_frames is not None:
-            self.api.on_frames()
         self.buf += data
         buf = self.buf
         while self.transport is not None and not self.transport.is_closing() and len(buf) >= REQUEST.size:

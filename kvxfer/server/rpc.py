@@ -138,21 +138,6 @@ def _stream(fn: Stream, req_cls: Any, full: str) -> Callable[..., AsyncIterator[
     return handle
 
 
-class CallSeenInterceptor(grpc.aio.ServerInterceptor):
-    """Tells ``seen`` of every call as it arrives, before any other interceptor (busy polling)."""
-
-    def __init__(self, seen: Callable[[], None]) -> None:
-        self._seen = seen
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        self._seen()
-        return await continuation(details)
-
-
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer <token>`` on every call except health checks.
 

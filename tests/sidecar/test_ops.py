@@ -50,7 +50,6 @@ CONTRACT_METRICS = {
     "kvxfer_handshakes_total": {"outcome"},
     "kvxfer_peers": set(),
     "kvxfer_registered_bytes": set(),
-    "kvxfer_busy_poll_seconds_total": set(),
 }
 
 
