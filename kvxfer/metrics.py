@@ -67,6 +67,7 @@ class SidecarMetrics:
             "kvxfer_transfer_descriptors", "Descriptors per transfer", ["direction"],
             buckets=_DESCRIPTOR_BUCKETS, registry=r,
         )  # fmt: skip
+        self._ok: dict[str, tuple[Any, Any, Any, Any]] = {}  # a direction's series of a successful transfer
         self.in_flight = Gauge("kvxfer_transfers_in_flight", "Transfers in flight", registry=r)
         self.leases_active = Gauge("kvxfer_leases_active", "Published requests held under a lease", registry=r)
         self.lease_expirations = Counter("kvxfer_lease_expirations_total", "Leases that expired", registry=r)
@@ -88,12 +89,23 @@ class SidecarMetrics:
         reason: str | None = None,
     ) -> None:  # fmt: skip
         """Record one finished transfer."""
-        self.transfers.labels(direction=direction, outcome=outcome).inc()
         if outcome == "ok":
-            self.transfer_bytes.labels(direction=direction, backend=self.backend).inc(nbytes)
-            self.duration.labels(direction=direction).observe(seconds)
-            self.descriptors.labels(direction=direction).observe(descriptors)
+            # Every pull lands here: the label lookups are done once per direction, not per pull.
+            kids = self._ok.get(direction)
+            if kids is None:
+                kids = self._ok[direction] = (
+                    self.transfers.labels(direction=direction, outcome="ok"),
+                    self.transfer_bytes.labels(direction=direction, backend=self.backend),
+                    self.duration.labels(direction=direction),
+                    self.descriptors.labels(direction=direction),
+                )
+            done, moved, took, descs = kids
+            done.inc()
+            moved.inc(nbytes)
+            took.observe(seconds)
+            descs.observe(descriptors)
         else:
+            self.transfers.labels(direction=direction, outcome=outcome).inc()
             self.failures.labels(reason=reason or outcome).inc()
 
     def exposition(self) -> bytes:

@@ -213,7 +213,10 @@ class Sidecar:
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
             fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
-        self._serve(peer, PEER_SERVICE, _PeerApi(self.core, client_certs=s.tls_ca is not None), {})
+        # A pull's lookups and notices never wait on anything: a timer per call (the default limit)
+        # would only cost the publisher CPU on every pull.
+        peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch"))
+        self._serve(peer, PEER_SERVICE, _PeerApi(self.core, client_certs=s.tls_ca is not None), peer_limits)
         local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
         # inside the core; a second timer per call would only cost time on the hot path.

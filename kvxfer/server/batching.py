@@ -4,7 +4,8 @@ Under load a reader owes one publisher many small calls at once (a lookup per pu
 notice per pull). Each gRPC call costs both processes far more CPU than the few fields it carries,
 so calls owed to one peer while a call to it is under way are sent together, as one batch, when it
 returns. An idle peer still gets each call at once (no timer, no added latency): batches form only
-under load, and their size adapts to it.
+under load, and their size adapts to it. Calls off every critical path (completion notices) may
+also *linger*: the first waits that long for company before it leaves.
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ SendFn = Callable[[K, list[T]], Awaitable[list[Any]]]
 
 
 class Coalescer(Generic[K, T, R]):
-    """Queues items per key; one sender per key sends whatever queued up while it was busy."""
+    """Queues items per key; one sender per key sends whatever queued up while it was busy.
+
+    ``linger``: seconds an item that finds its key idle waits for others before the batch leaves
+    (0: at once).
+    """
 
     def __init__(
-        self, send: SendFn[K, T], spawn: Callable[[Coroutine[Any, Any, Any]], None], *, max_batch: int = 1024
-    ) -> None:
+        self, send: SendFn[K, T], spawn: Callable[[Coroutine[Any, Any, Any]], None], *, max_batch: int = 1024,
+        linger: float = 0.0,
+    ) -> None:  # fmt: skip
         self._send = send
+        self._linger = linger
         self._max_batch = max_batch  # a peer refuses larger batches whole (MAX_BATCH)
         self._spawn = spawn
         self._queues: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
@@ -51,6 +58,8 @@ class Coalescer(Generic[K, T, R]):
 
     async def _run(self, key: K) -> None:
         try:
+            if self._linger > 0:
+                await asyncio.sleep(self._linger)
             while self._queues.get(key):
                 # Items whose caller gave up (cancelled future) are not sent at all; beyond
                 # max_batch the rest waits for the next round.

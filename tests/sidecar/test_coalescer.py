@@ -110,3 +110,21 @@ async def test_a_batch_never_exceeds_max_batch_and_the_rest_goes_next() -> None:
     assert await first == 0
     assert [await f for f in queued] == [i * 10 for i in range(2, 16, 2)]
     assert peer.batches == [("a", [0]), ("a", [2, 4, 6]), ("a", [8, 10, 12]), ("a", [14])]
+
+
+async def test_a_lingering_first_item_waits_for_company_then_the_rest_go_as_before() -> None:
+    peer = Peer()
+    peer.gate.set()
+    c: Coalescer[str, int, int] = Coalescer(peer.send, peer.spawn, linger=0.05)
+    first = c.submit("a", 0)
+    await _settle()
+    assert peer.batches == []  # the key was idle: it waits instead of going alone
+    company = [c.submit("a", i) for i in (2, 4)]
+    assert await asyncio.wait_for(first, 1) == 0
+    assert [await f for f in company] == [20, 40]
+    assert peer.batches == [("a", [0, 2, 4])]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await c.submit("a", 6) == 60  # idle again: the next one lingers too
+    assert loop.time() - t0 >= 0.045
+    assert peer.batches == [("a", [0, 2, 4]), ("a", [6])]
