@@ -14,11 +14,14 @@ pulls alone), three ways, one after the other in one run:
    GetPublished runs, see kvxfer.server.pull_steps), and as many again expected first
    (``serial_granted``: the decode sidecar holds them and holds the publishers' grants, so it
    READs without any lookup, as for a vLLM request that waited in the decode queue);
-4. ``open_loop`` (with ``--open-loop-rate R``; ``--open-loop-paths plain,named`` adds
-   ``open_loop_named``, whose pulls name the publisher's ids): pulls arriving as a Poisson process at ``R`` per
-   second for ``--open-loop-seconds``, each started when it arrives whatever is in flight. A closed
-   loop of N in flight measures mostly its own queue (Little's law); an open loop at a rate the
-   sidecars sustain measures what a pull costs at that load.
+4. ``open_loop`` (with ``--open-loop-rate R``; ``--open-loop-paths plain,named,granted`` adds
+   ``open_loop_named``, whose pulls name the publisher's ids, and ``open_loop_granted``, whose
+   requests are also expected 20 ms before their pull, so the pull reads on a grant with no
+   lookup; the Expect calls and the holds they cause run inside the phase and count in its CPU):
+   pulls arriving as a Poisson process at ``R`` per second for ``--open-loop-seconds``, each
+   started when it arrives whatever is in flight. A closed loop of N in flight measures mostly its
+   own queue (Little's law); an open loop at a rate the sidecars sustain measures what a pull costs
+   at that load.
 
 ``--hop`` picks how the decode worker reaches its sidecar: ``fast`` (the default, as
 ``kvxfer.client`` does: the fast socket ``<socket>.fast``, else gRPC), ``grpc`` (gRPC only: the hop
@@ -68,7 +71,10 @@ HOLD_WAIT_S = 5.5
 
 
 #: The open-loop phases' keys in the report, by ``--open-loop-paths`` entry.
-OPEN_LOOP_KEYS = {"plain": "open_loop", "named": "open_loop_named"}
+OPEN_LOOP_KEYS = {"plain": "open_loop", "named": "open_loop_named", "granted": "open_loop_granted"}
+#: granted: how long before its pull a request is expected (vLLM: it waits in the decode queue
+#: while its prefill runs); held at once, its pull reads on the grant.
+EXPECT_LEAD_S = 0.02
 
 
 async def run(
@@ -128,7 +134,8 @@ async def run(
                     for hop, c in dcs.items():
                         by_hop[hop][OPEN_LOOP_KEYS[path]] = await _open_loop(
                             pc, c, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng, procs,
-                            f"o{path[0]}-{hop}", name_remote=path == "named")  # fmt: skip
+                            f"o{path[0]}-{hop}", name_remote=path in ("named", "granted"),
+                            expect_lead=EXPECT_LEAD_S if path == "granted" else None)  # fmt: skip
         finally:
             await pc.close()
             for c in dcs.values():
@@ -179,8 +186,7 @@ async def _pull_phase(
         for i in range(n):
             await dc.expect(f"{tag}{i}", [peer])
         await asyncio.sleep(HOLD_WAIT_S)  # until a round of holds has covered them all
-    pbuf, dbuf = bufs
-    layers = range(pbuf.layout.num_layers)
+    dst_pages, want = _views(bufs, src)
     out: list[dict[str, float]] = []
 
     async def pull(first: int) -> None:
@@ -190,9 +196,9 @@ async def _pull_phase(
             ids = range(first, min(first + batch, n))
             dsts = [alloc.allocate(len(src)) for _ in ids]
             try:
-                for k in layers:  # stale contents: a pull that moved nothing cannot pass
+                for pages in dst_pages:  # stale contents: a pull that moved nothing cannot pass
                     for dst in dsts:
-                        dbuf.pages(k)[dst] ^= 0xFF
+                        pages[dst] ^= 0xFF
                 t = time.perf_counter()
                 if batch > 1:
                     items = [PullItem(f"{tag}{i}", [peer], {"kv": d}) for i, d in zip(ids, dsts, strict=True)]
@@ -206,7 +212,7 @@ async def _pull_phase(
                         raise res
                     # Byte-exact against the source pages (checked once against the expected
                     # contents): a cheap comparison, so verifying does not hold up other answers.
-                    bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
+                    bad = _mismatched(dst_pages, dst, want)
                     out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
                                 "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
             finally:
@@ -226,11 +232,12 @@ async def _pull_phase(
 async def _open_loop(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, rate: float, seconds: float,
     bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int], tag: str = "o",
-    name_remote: bool = False,
+    name_remote: bool = False, expect_lead: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival.
 
     ``name_remote``: each pull names the publisher's block ids, as the vLLM connector's pulls do.
+    ``expect_lead``: each request is expected on arrival and pulled that many seconds later.
     """
     n = max(int(rate * seconds), 1)
     sem = asyncio.Semaphore(64)
@@ -240,20 +247,22 @@ async def _open_loop(
             await pc.publish(f"{tag}{i}", {"kv": src})
 
     await asyncio.gather(*(publish(i) for i in range(n)))
-    pbuf, dbuf = bufs
-    layers = range(pbuf.layout.num_layers)
+    dst_pages, want = _views(bufs, src)
     rows: list[dict[str, float]] = []
     failed: dict[str, int] = {}  # status code -> pulls that failed with it (an overloaded hop), not in the figures
     in_flight = peak = 0
 
     async def pull(i: int) -> None:
         nonlocal in_flight, peak
+        if expect_lead is not None:
+            await dc.expect(f"{tag}{i}", [peer])
+            await asyncio.sleep(expect_lead)
         dst = alloc.allocate(len(src))
         in_flight += 1
         peak = max(peak, in_flight)
         try:
-            for k in layers:
-                dbuf.pages(k)[dst] ^= 0xFF
+            for pages in dst_pages:
+                pages[dst] ^= 0xFF
             t = time.perf_counter()
             try:
                 res = await dc.pull(
@@ -263,7 +272,7 @@ async def _open_loop(
                 failed[exc.code.name] = failed.get(exc.code.name, 0) + 1
                 return
             lat = time.perf_counter() - t
-            bad = sum(int(np.count_nonzero(dbuf.pages(k)[dst] != pbuf.pages(k)[src])) for k in layers)
+            bad = _mismatched(dst_pages, dst, want)
             rows.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
                          "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
         finally:
@@ -305,6 +314,22 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _views(bufs: tuple[SharedKVBuffer, SharedKVBuffer], src: Any) -> tuple[list[Any], list[Any]]:
+    """The decode buffer's page views per layer, and the source pages every pull must land (copied once).
+
+    The driver shares the cores with the sidecars it measures: building a view per layer per pull
+    and reading the source again each time cost it ~0.65 ms per pull, CPU the sidecars then lacked.
+    """
+    pbuf, dbuf = bufs
+    layers = range(pbuf.layout.num_layers)
+    return [dbuf.pages(k) for k in layers], [pbuf.pages(k)[src].copy() for k in layers]
+
+
+def _mismatched(dst_pages: list[Any], dst: Any, want: list[Any]) -> int:
+    """Bytes of the pulled pages ``dst`` that differ from the source's."""
+    return sum(int(np.count_nonzero(pages[dst] != w)) for pages, w in zip(dst_pages, want, strict=True))
+
+
 def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
     ms = {k: np.array([r[k] for r in rows]) * 1e3 for k in ("latency", "data", "sidecar", "fetch")}
     parts = {
@@ -343,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated open-loop phases, one after the other: plain (the pull finds the publish "
                          "with GetPublished), named (each pull names the publisher's block ids, as the vLLM "
                          "connector's do: the READ starts at once, the lookup confirms it off the critical "
-                         "path)")  # fmt: skip
+                         "path), granted (each request is also expected 20 ms before its pull and read on its "
+                         "grant, no lookup)")  # fmt: skip
     ap.add_argument("--hop", choices=("fast", "grpc", "both"), default="fast",
                     help="worker -> sidecar: the fast socket (falls back to gRPC), gRPC only, or both side by side "
                          "(serial and open-loop phases; the others use the fast socket)")  # fmt: skip
@@ -357,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = tuple(x for x in a.open_loop_paths.split(",") if x)
     bad = [x for x in paths if x not in OPEN_LOOP_KEYS]
     if bad or not paths:
-        ap.error(f"--open-loop-paths: {bad[0] if bad else a.open_loop_paths!r} is not one of plain, named")
+        known = ", ".join(OPEN_LOOP_KEYS)
+        ap.error(f"--open-loop-paths: {bad[0] if bad else a.open_loop_paths!r} is not one of {known}")
     hops = ("grpc", "fast") if a.hop == "both" else (a.hop,)
     r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch, a.open_loop_rate,
                        a.open_loop_seconds, hops, paths))  # fmt: skip
