@@ -166,7 +166,9 @@ class Settings(BaseModel):
     local_socket: str = Field("/run/kvxfer/kvxfer.sock", description="Unix socket for the local API ('' disables)")
     local_listen: str | None = Field(None, description="optional TCP address for the local API")
     fast_socket: bool = Field(
-        True, description="also serve Pull, PullBatch and Publish as frames on <local-socket>.fast (true/false)"
+        True,
+        description="also serve the worker's hot calls (Pull, PullBatch, Publish, Expect, ...) as frames on "
+        "<local-socket>.fast (true/false)",
     )
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
     metrics_auth: Literal["token", "none"] | None = Field(

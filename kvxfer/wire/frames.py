@@ -1,7 +1,8 @@
 """The local fast socket's format: length-prefixed protobuf frames for a worker's hot calls.
 
-A worker's ``Pull``, ``PullBatch`` and ``Publish`` (and, with ``--backend worker``, its agent's
-``AgentJobs`` and ``AgentReport``) may go to its sidecar as frames on a Unix
+A worker's ``Pull``, ``PullBatch``, ``Publish`` and ``Expect`` (and the layer-wise push's
+``StreamStep`` and ``LayerDone``; with ``--backend worker``, its agent's ``AgentJobs`` and
+``AgentReport``) may go to its sidecar as frames on a Unix
 stream socket beside the local API's (:func:`fast_socket_path`) instead of as gRPC calls: the same
 request and response messages (``kvxfer.v1``), a fixed header instead of HTTP/2. Measured on two
 cores (``bench/local_hop.py``), a Pull round trip costs ~60 µs this way from the blocking client's
@@ -79,6 +80,8 @@ METHODS: dict[int, FastMethod] = {
         FastMethod(5, "AgentReport", local_pb2.AgentReportRequest, local_pb2.AgentReportResponse),
         FastMethod(6, "StreamStep", local_pb2.StreamStepRequest, local_pb2.StreamStepResponse),
         FastMethod(7, "LayerDone", local_pb2.LayerDoneRequest, local_pb2.LayerDoneResponse),
+        # One per decode request, from the vLLM scheduler as the request enters its queue.
+        FastMethod(8, "Expect", local_pb2.ExpectRequest, local_pb2.ExpectResponse),
     )
 }
 #: The method a request message type is sent as.

@@ -363,3 +363,30 @@ def test_the_fast_socket_under_uvloop(tmp_path: Path) -> None:
             await h.close()
 
     uvloop.run(main())
+
+
+async def test_expect_goes_over_the_fast_socket_and_its_pull_reads_on_the_grant(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    d = ds[0]
+    assert d.fast_api is not None
+    assert d.core is not None
+    await pw[0].prefill("e1", {"kv": [1, 2]}, salt=3)
+    started = d.fast_api.calls_started
+    assert await dw[0].client.expect("e1", [ps[0].peer_address]) is True
+    assert d.fast_api.calls_started == started + 1  # a frame, not a gRPC call
+    assert await dw[0].client.expect("e1", [ps[0].peer_address]) is False  # already expected, as over gRPC
+    assert d.fast_api.calls_started == started + 2
+    for _ in range(500):  # the first hold goes out at once
+        if "e1" in d.core.holds.grants:
+            break
+        await asyncio.sleep(0.01)
+    res = await dw[0].pull("e1", ps, {"kv": [5, 6]}, remote_blocks={"kv": [1, 2]})
+    assert dw[0].verify({"kv": [5, 6]}, 3) == (res.bytes, 0)
+    assert res.fetch_seconds == 0.0  # read on the grant the Expect's hold brought
+    # Bad input fails the same way as over gRPC: the code, the field, and the next call unharmed.
+    with pytest.raises(KvxferRpcError) as info:
+        await dw[0].client.expect("", [ps[0].peer_address])
+    assert (info.value.code, info.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "request_id")
+    assert d.fast_api.calls_started == started + 4
+    assert await dw[0].client.expect("e2", [ps[0].peer_address]) is True
