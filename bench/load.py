@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.client import AsyncClient, KvxferRpcError, PullItem
-from kvxfer.harness.cluster import BlockAllocator, LocalCluster
+from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
@@ -257,7 +257,11 @@ async def _open_loop(
         if expect_lead is not None:
             await dc.expect(f"{tag}{i}", [peer])
             await asyncio.sleep(expect_lead)
-        dst = alloc.allocate(len(src))
+        try:
+            dst = alloc.allocate(len(src))
+        except ClusterError:  # so many pulls in flight that the decode cache is full: the sidecars fell behind
+            failed["NO_FREE_BLOCKS"] = failed.get("NO_FREE_BLOCKS", 0) + 1
+            return
         in_flight += 1
         peak = max(peak, in_flight)
         try:
