@@ -25,6 +25,7 @@ from kvxfer.errors import (
 )
 from kvxfer.logs import get_logger
 from kvxfer.server.identity import Identity, reader_differences
+from kvxfer.topology import RegionTable
 from kvxfer.wire import peer_pb2, peer_pb2_grpc
 from kvxfer.wire.status import error_from_status, error_of
 
@@ -45,7 +46,7 @@ class PeerSession:
     my_epoch: int = 0  # this sidecar's registration epoch when it handshook (a new one needs a new handshake)
     alive: bool = True
     users: int = field(default=0)
-    regions: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # group -> (raw regions, RegionTable)
+    regions: dict[str, RegionTable] = field(default_factory=dict)  # group -> its checked region table
 
 
 def peer_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> KvxferError:

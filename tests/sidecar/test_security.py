@@ -89,6 +89,23 @@ async def test_region_tables_from_a_peer_must_match_its_layout(harness: Harness)
     await transfer([pw], [p], [dw], "t2", {"kv": [7, 8]}, {"kv": [3, 4]}, salt=2)
 
 
+async def test_regions_named_later_in_a_session_are_not_believed(harness: Harness) -> None:
+    # A session is one instance and epoch of the publisher, whose registration (and regions) cannot
+    # change within it: the regions its first answer named, once checked, are the ones READ from.
+    p, pw, _d, dw = await _pair(harness)
+    await transfer([pw], [p], [dw], "t1", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=1)
+
+    def elsewhere(resp: Any) -> None:
+        for r in resp.groups[0].regions:
+            r.base += LAY.region_bytes  # past the memory the handshake and first answer announced
+
+    restore = _tamper(p, elsewhere)
+    try:  # the bytes still come from the regions checked first, exactly
+        await transfer([pw], [p], [dw], "t2", {"kv": [7, 8]}, {"kv": [5, 6]}, salt=2)
+    finally:
+        restore()
+
+
 async def test_peer_calls_need_a_handshake_and_a_fetch(harness: Harness) -> None:
     p, pw, d, dw = await _pair(harness)
     await pw.prefill("held", {"kv": [1, 2]}, salt=1)
