@@ -67,6 +67,13 @@ async def test_a_publisher_that_registered_other_memory_is_read_again(harness: H
     ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
     await pw[0].prefill("before", {"kv": [1]}, salt=5)
     await dw[0].pull("before", ps, {"kv": [2]}, remote_blocks={"kv": [1]})  # the reader caches the handshake
+    # The reader's notice frees the publish a little after the pull's answer (notices wait ~5 ms for
+    # company); a registration is not replaced under a published request.
+    for _ in range(500):
+        if (await pw[0].client.status())["leases"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (await pw[0].client.status())["leases"] == 0
     # The prefill worker restarts with new memory (other addresses, new epoch); the reader's cached
     # regions are now stale: it reads ahead from them, the lookup says so, and it reads again.
     fresh = Worker(ps[0], {"kv": lay}, pw[0].rank)
