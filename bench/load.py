@@ -255,7 +255,11 @@ async def _open_loop(
     async def pull(i: int) -> None:
         nonlocal in_flight, peak
         if expect_lead is not None:
-            await dc.expect(f"{tag}{i}", [peer])
+            try:
+                await dc.expect(f"{tag}{i}", [peer])
+            except KvxferRpcError as exc:  # an overloaded hop: counted like a pull that failed
+                failed[f"EXPECT_{exc.code.name}"] = failed.get(f"EXPECT_{exc.code.name}", 0) + 1
+                return
             await asyncio.sleep(expect_lead)
         try:
             dst = alloc.allocate(len(src))

@@ -82,6 +82,7 @@ class AsyncClient:
         self.fast_socket = fast_socket_path(self.target) if fast and self.target.startswith("unix://") else None
         self._fast: FastChannel | None = None
         self._fast_retry_at = 0.0
+        self._fast_refused: set[int] = set()  # fast-socket methods the sidecar does not serve (an older one)
         self._fast_connecting: asyncio.Lock | None = None
         opts = _options(max_message_bytes)
         self._channel = (
@@ -94,7 +95,7 @@ class AsyncClient:
     async def _call(self, rpc: grpc.aio.UnaryUnaryMultiCallable[Q, R], req: Q, deadline: float | None) -> R:
         timeout = self.call_timeout(req, deadline)
         method = METHOD_OF_REQUEST.get(type(req)) if self.fast_socket is not None else None
-        if method is not None:
+        if method is not None and method.number not in self._fast_refused:
             channel = self._fast if self._fast is not None and not self._fast.closed else await self._fast_channel()
             if channel is not None:
                 try:
@@ -103,6 +104,12 @@ class AsyncClient:
                     if exc.sent:
                         raise lost_error(method, exc) from None
                     # Not sent: nothing started in the sidecar, so gRPC may carry it.
+                except KvxferRpcError as exc:
+                    if exc.code != grpc.StatusCode.UNIMPLEMENTED or exc.field != "method":
+                        raise
+                    # An older sidecar's fast socket lacks this method (e.g. Expect before stop 25): it
+                    # refused the frame before running anything, so gRPC carries it, now and from now on.
+                    self._fast_refused.add(method.number)
         try:
             return await rpc(req, timeout=timeout, metadata=self._md)
         except grpc.aio.AioRpcError as exc:

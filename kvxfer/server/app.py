@@ -213,8 +213,9 @@ class Sidecar:
             channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
             fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
-        # A pull's lookups and notices never wait on anything: a timer per call (the default limit)
-        # would only cost the publisher CPU on every pull.
+        # A pull's lookups and notices never wait on anything (their Publisher methods are plain
+        # functions, awaiting nothing; keep them so): a timer per call (the default limit) would only
+        # cost the publisher CPU on every pull.
         peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch"))
         self._serve(peer, PEER_SERVICE, _PeerApi(self.core, client_certs=s.tls_ca is not None), peer_limits)
         local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)

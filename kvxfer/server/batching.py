@@ -3,9 +3,9 @@
 Under load a reader owes one publisher many small calls at once (a lookup per pull, a completion
 notice per pull). Each gRPC call costs both processes far more CPU than the few fields it carries,
 so calls owed to one peer while a call to it is under way are sent together, as one batch, when it
-returns. An idle peer still gets each call at once (no timer, no added latency): batches form only
-under load, and their size adapts to it. Calls off every critical path (completion notices) may
-also *linger*: the first waits that long for company before it leaves.
+returns. Without a linger an idle peer gets each call at once (no timer, no added latency): batches
+form only under load, and their size adapts to it. Calls off every critical path (a DONE notice)
+may *linger*: the first waits that long for company before it leaves.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The local fast socket, sidecar side: the worker's hot calls as frames (format: :mod:`kvxfer.wire.frames`).
 
-A worker's ``Pull``, ``PullBatch`` and ``Publish`` arrive here as frames and run through the very
+A worker's hot calls (:data:`kvxfer.wire.frames.METHODS`: ``Pull``, ``PullBatch``, ``Publish``,
+``Expect``, ...) arrive here as frames and run through the very
 method the gRPC servicer calls (``_LocalApi`` in :mod:`kvxfer.server.app`) inside
 :func:`kvxfer.server.rpc.run_unary`, under the same per-method limits: the same validation, request
 id in the logs, deadline and errors (code, message, reason, field) as over gRPC. Only the framing

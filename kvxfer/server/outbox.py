@@ -27,10 +27,12 @@ __all__ = ["Outbox"]
 
 log = get_logger("kvxfer.server")
 PEER_CALL_SECONDS = 10.0  # cap on a single control-plane call to a peer
-#: A completion notice waits this long for others owed to the same publisher (it is off every
-#: critical path: the worker has its answer, the publisher only frees blocks a little later). At a
-#: few hundred pulls/s a gRPC call costs each side ~0.9 ms of CPU, so notices that leave together
-#: cut the CPU per pull of both sidecars (docs/sidecar.md, "Throughput").
+#: A DONE notice waits this long for others owed to the same publisher (it is off every critical
+#: path: the worker has its answer, the publisher only frees blocks a little later). At a few
+#: hundred pulls/s a gRPC call costs each side ~0.9 ms of CPU, so notices that leave together cut
+#: the CPU per pull of both sidecars (docs/sidecar.md, "Stop 25"). FAILED and UNREAD notices go at
+#: once: they free a publish nobody finished reading, and a retry's lookup must not overtake them
+#: (it would READ blocks the late notice then frees under it).
 NOTICE_LINGER_S = 0.005
 LOOKUPS_PER_CALL = 64  # lookups a reader puts in one GetPublishedBatch (answers carry every block id)
 Lookup = tuple[peer_pb2.GetPublishedRequest, float]  # the request and its pull's deadline (monotonic)
@@ -44,9 +46,10 @@ class Outbox:
         self.engine_id = engine_id
         self.instance_id = instance_id
         self._lookups: Coalescer[str, Lookup, Any] = Coalescer(self._send_lookups, self.spawn)
-        self._notices: Coalescer[str, peer_pb2.NotifyRequest, None] = Coalescer(
+        self._done_notices: Coalescer[str, peer_pb2.NotifyRequest, None] = Coalescer(
             self._send_notices, self.spawn, linger=NOTICE_LINGER_S
         )
+        self._notices: Coalescer[str, peer_pb2.NotifyRequest, None] = Coalescer(self._send_notices, self.spawn)
         self._unbatched: set[tuple[str, str]] = set()  # (address, instance) answering UNIMPLEMENTED to batches
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -128,8 +131,9 @@ class Outbox:
                 rank=rank_to_proto(rank), message=msg, bytes=n, outcome=kind,
             )  # fmt: skip
 
+        queue = self._done_notices if outcome == "done" else self._notices
         for address in entry.contacted:
-            self._notices.submit(address, request(kinds[outcome], message, nbytes))
+            queue.submit(address, request(kinds[outcome], message, nbytes))
         if entry.unread:
             unread = request(peer_pb2.NotifyRequest.UNREAD, "no decode rank reads this replica", 0)
             for address in entry.unread:

@@ -479,8 +479,9 @@ def _remote_regions(session: PeerSession, pg: peer_pb2.PublishedGroup, layout: K
 
     A session is one instance and epoch of the peer (an answer from another is refused before
     this), and a registration's regions are fixed: a later answer that names other ones is not
-    believed; READs stay within the regions checked first. Building the tuple to compare them cost
-    every pull ~6 us per layer.
+    believed, and the READs that follow a lookup use the table checked first (those on a grant or
+    ahead of the lookup use the handshake's). Building the tuple to compare them cost every pull
+    ~6 us per layer.
     """
     table = session.regions.get(pg.name)
     if table is None:

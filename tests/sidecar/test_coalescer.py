@@ -115,7 +115,7 @@ async def test_a_batch_never_exceeds_max_batch_and_the_rest_goes_next() -> None:
 async def test_a_lingering_first_item_waits_for_company_then_the_rest_go_as_before() -> None:
     peer = Peer()
     peer.gate.set()
-    c: Coalescer[str, int, int] = Coalescer(peer.send, peer.spawn, linger=0.05)
+    c: Coalescer[str, int, int] = Coalescer(peer.send, peer.spawn, linger=0.3)
     first = c.submit("a", 0)
     await _settle()
     assert peer.batches == []  # the key was idle: it waits instead of going alone
@@ -126,5 +126,52 @@ async def test_a_lingering_first_item_waits_for_company_then_the_rest_go_as_befo
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     assert await c.submit("a", 6) == 60  # idle again: the next one lingers too
-    assert loop.time() - t0 >= 0.045
+    assert loop.time() - t0 >= 0.29
     assert peer.batches == [("a", [0, 2, 4]), ("a", [6])]
+
+
+class _Peers:
+    """RECORDING STUB of the peer directory: each call the Outbox makes, with the notices in it."""
+
+    metadata = ()
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, list[int]]] = []  # (method, outcomes)
+
+    async def call(self, address: str, what: str, send: Any) -> Any:
+        class Stub:
+            def __getattr__(self, name: str) -> Any:
+                def record(msg: Any, **_: Any) -> Any:
+                    notices = msg.notices if name == "NotifyBatch" else [msg]
+                    sent.append((name, [n.outcome for n in notices]))
+
+                return record
+
+        sent = self.sent
+        return send(Stub())
+
+
+async def test_done_notices_linger_and_failed_ones_leave_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxfer.server import outbox
+    from kvxfer.server.outbox import Outbox
+    from kvxfer.server.state import PullEntry
+    from kvxfer.topology import RankInfo
+    from kvxfer.wire import peer_pb2
+
+    monkeypatch.setattr(outbox, "NOTICE_LINGER_S", 0.3)  # long enough that no stall of a slow host ends it early
+    peers = _Peers()
+    box = Outbox(peers, engine_id="decode", instance_id="i1")  # type: ignore[arg-type]
+
+    def entry(rid: str) -> PullEntry:
+        return PullEntry(f"t-{rid}", rid, "", ["p:1"], 0.0, 0.0, contacted=["p:1"])
+
+    box.notify_publishers(entry("ok1"), RankInfo(0, 1), "done", "", 10)
+    box.notify_publishers(entry("bad"), RankInfo(0, 1), "failed", "the READ failed", 0)
+    await _settle()
+    # The failure frees a publish nobody finished reading: it must not wait behind the linger (a
+    # retry's lookup would overtake it and READ blocks it then frees).
+    assert peers.sent == [("Notify", [peer_pb2.NotifyRequest.FAILED])]
+    box.notify_publishers(entry("ok2"), RankInfo(0, 1), "done", "", 10)
+    await asyncio.sleep(0.6)
+    assert peers.sent[1:] == [("NotifyBatch", [peer_pb2.NotifyRequest.DONE] * 2)]  # the two DONEs, together
+    await box.close()

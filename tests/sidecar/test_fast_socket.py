@@ -390,3 +390,25 @@ async def test_expect_goes_over_the_fast_socket_and_its_pull_reads_on_the_grant(
     assert (info.value.code, info.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "request_id")
     assert d.fast_api.calls_started == started + 4
     assert await dw[0].client.expect("e2", [ps[0].peer_address]) is True
+
+
+async def test_a_method_an_older_sidecars_fast_socket_lacks_goes_over_grpc(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, ds, _dw = await harness.deployment({"kv": lay}, {"kv": lay})
+    d = ds[0]
+    assert d.fast_api is not None
+    d.fast_api.methods.pop(8)  # FAULT INJECTOR: a sidecar from before Expect was a frame
+    await pw[0].prefill("e1", {"kv": [1]}, salt=1)
+    started = d.fast_api.calls_started
+    client = AsyncClient(d.local_target)
+    try:
+        await client.status()  # connected over gRPC; the fast socket opens with the first hot call
+        assert await client.expect("e1", [ps[0].peer_address]) is True  # refused as a frame, then gRPC
+        assert await client.expect("e1", [ps[0].peer_address]) is False  # gRPC at once, same answer
+        assert client._fast_refused == {8}
+        assert d.fast_api.calls_started == started  # nothing ran as a frame
+        res = await client.pull("e1", [ps[0].peer_address], {"kv": [2]})  # the other hot calls keep the socket
+        assert res.bytes == lay.page_bytes * lay.num_layers
+        assert d.fast_api.calls_started == started + 1
+    finally:
+        await client.close()

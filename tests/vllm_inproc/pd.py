@@ -117,18 +117,25 @@ class Sidecars:
                         total += smp.value
         return total
 
-    def check_idle(self) -> None:
-        """No publish left behind (a later test could not replace the registration)."""
+    def check_idle(self, wait_s: float = 5.0) -> None:
+        """No publish left behind (a later test could not replace the registration).
+
+        A reader's DONE notice frees its publish a few milliseconds after the pull's answer (notices
+        wait ~5 ms for company), and a closed worker's publishes go when its sidecar sees it gone: wait
+        up to ``wait_s`` for the count to reach 0.
+        """
         for procs in self.sets.values():
             for sc in procs:
                 if sc.proc.poll() is not None:
                     continue
                 client = Client(sc.local_socket, timeout=5)
                 try:
-                    st = client.status()
+                    until = time.monotonic() + wait_s
+                    while (leases := client.status()["leases"]) and time.monotonic() < until:
+                        time.sleep(0.02)
                 finally:
                     client.close()
-                assert st["leases"] == 0, f"{sc.name}: {st['leases']} publishes left behind"
+                assert leases == 0, f"{sc.name}: {leases} publishes left behind"
 
 
 @dataclass
