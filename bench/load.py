@@ -55,6 +55,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -249,7 +250,7 @@ async def _open_loop(
     await asyncio.gather(*(publish(i) for i in range(n)))
     dst_pages, want = _views(bufs, src)
     rows: list[dict[str, float]] = []
-    failed: dict[str, int] = {}  # status code -> pulls that failed with it (an overloaded hop), not in the figures
+    failed: Counter[str] = Counter()  # status code -> pulls that failed with it (an overloaded hop), not in the figures
     in_flight = peak = 0
 
     async def pull(i: int) -> None:
@@ -258,13 +259,13 @@ async def _open_loop(
             try:
                 await dc.expect(f"{tag}{i}", [peer])
             except KvxferRpcError as exc:  # an overloaded hop: counted like a pull that failed
-                failed[f"EXPECT_{exc.code.name}"] = failed.get(f"EXPECT_{exc.code.name}", 0) + 1
+                failed[f"EXPECT_{exc.code.name}"] += 1
                 return
             await asyncio.sleep(expect_lead)
         try:
             dst = alloc.allocate(len(src))
         except ClusterError:  # so many pulls in flight that the decode cache is full: the sidecars fell behind
-            failed["NO_FREE_BLOCKS"] = failed.get("NO_FREE_BLOCKS", 0) + 1
+            failed["NO_FREE_BLOCKS"] += 1
             return
         in_flight += 1
         peak = max(peak, in_flight)
@@ -277,7 +278,7 @@ async def _open_loop(
                     f"{tag}{i}", [peer], {"kv": dst}, remote_blocks={"kv": src} if name_remote else None
                 )
             except KvxferRpcError as exc:
-                failed[exc.code.name] = failed.get(exc.code.name, 0) + 1
+                failed[exc.code.name] += 1
                 return
             lat = time.perf_counter() - t
             bad = _mismatched(dst_pages, dst, want)
@@ -303,7 +304,7 @@ async def _open_loop(
     elapsed = time.perf_counter() - t0
     return {
         "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
-        "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": failed, **_stats(rows),
+        "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": dict(failed), **_stats(rows),
         "cpu_ms_per_pull": {k: (_cpu(pid) - cpu0[k]) * 1e3 / n for k, pid in procs.items()}, "rows": rows,
     }  # fmt: skip
 
