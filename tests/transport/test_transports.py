@@ -59,6 +59,27 @@ class Peer:
         self.kill()
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP a process and wait until every one of its threads is stopped.
+
+    The signal only takes effect when each thread next enters the kernel; on a busy VM a running
+    thread can answer one more READ first, and a test that then expects a stall sees it complete.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    tasks = f"/proc/{pid}/task"
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(tasks):
+            with contextlib.suppress(FileNotFoundError), open(f"{tasks}/{tid}/stat") as f:
+                # the state follows the command name, which is in parentheses and may hold spaces
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within 10 s: thread states {states}")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -271,7 +292,7 @@ def test_silent_peer_times_out_without_spinning_and_others_are_served(
     ld, rd, _ = descriptors(cache, peer)
     asyncio.run(transport.read(name, ld, rd, timeout=30))
     assert peer.proc.pid
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    freeze(peer.proc.pid)
 
     async def stalled() -> tuple[TransportError, float, float]:
         cpu, t0 = time.process_time(), time.monotonic()
@@ -325,7 +346,7 @@ def test_cancelling_the_awaiting_task_cancels_the_transfer(
     ld, rd, _ = descriptors(cache, peer)
     asyncio.run(transport.read(name, ld, rd, timeout=30))
     assert peer.proc.pid
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    freeze(peer.proc.pid)
 
     async def cancel() -> float:
         task = asyncio.create_task(transport.read(name, ld, rd, timeout=30))
@@ -351,7 +372,7 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(
     ld, rd, _ = descriptors(cache, peer)
     asyncio.run(transport.read(name, ld, rd, timeout=30))
     assert peer.proc.pid
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    freeze(peer.proc.pid)
 
     async def killed() -> float:
         task = asyncio.create_task(transport.read(name, ld, rd, timeout=10))
