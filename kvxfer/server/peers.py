@@ -46,7 +46,8 @@ class PeerSession:
     my_epoch: int = 0  # this sidecar's registration epoch when it handshook (a new one needs a new handshake)
     alive: bool = True
     users: int = field(default=0)
-    regions: dict[str, RegionTable] = field(default_factory=dict)  # group -> its checked region table
+    #: group -> its region table and memory type, checked at the session's first answer naming them
+    regions: dict[str, tuple[RegionTable, str]] = field(default_factory=dict)
 
 
 def peer_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> KvxferError:

@@ -339,11 +339,10 @@ class PullSteps:
                     np.asarray(pg.block_ids, dtype=np.int64), layout.num_blocks,
                     f"peer {address} published block_ids[{pg.name}]",
                 )  # fmt: skip
-                out.tables[pg.name] = _remote_regions(session, pg, layout)
+                out.tables[pg.name], out.mem_type = _remote_regions(session, pg, layout)
             except InvalidArgumentError as exc:
                 raise FailedPreconditionError(f"{exc.message}; refusing to read", field="remote_addresses",
                                               reason=Reason.PEER_INPUT) from None  # fmt: skip
-            out.mem_type = pg.memory_type or "DRAM"
         return out
 
     # ------------------------------------------------------------------ 3. descriptors
@@ -474,20 +473,23 @@ def _from_handshakes(
     }
 
 
-def _remote_regions(session: PeerSession, pg: peer_pb2.PublishedGroup, layout: KVCacheLayout) -> RegionTable:
-    """A publisher's region table, parsed and checked at its first answer in a session, then reused.
+def _remote_regions(
+    session: PeerSession, pg: peer_pb2.PublishedGroup, layout: KVCacheLayout
+) -> tuple[RegionTable, str]:
+    """A publisher's region table and memory type, parsed and checked at its first answer in a session, then reused.
 
     A session is one instance and epoch of the peer (an answer from another is refused before
-    this), and a registration's regions are fixed: a later answer that names other ones is not
-    believed, and the READs that follow a lookup use the table checked first (those on a grant or
-    ahead of the lookup use the handshake's). Building the tuple to compare them cost every pull
-    ~6 us per layer.
+    this), and a registration's regions and memory are fixed: a later answer that names other ones
+    is not believed, and the READs that follow a lookup use what was checked first (those on a
+    grant or ahead of the lookup use the handshake's). Building the tuple to compare them cost
+    every pull ~6 us per layer.
     """
-    table = session.regions.get(pg.name)
-    if table is None:
+    known = session.regions.get(pg.name)
+    if known is None:
         table = regions_from_proto(pg.regions, layout, f"peer {session.address} regions[{pg.name}]")
-        session.regions[pg.name] = table
-    return table
+        # normalized as the handshake's are (kvxfer.server.identity): anything but VRAM is host memory
+        known = session.regions[pg.name] = (table, "VRAM" if pg.memory_type == "VRAM" else "DRAM")
+    return known
 
 
 async def _gather_or_cancel(coros: list[Any]) -> None:

@@ -90,14 +90,15 @@ async def test_region_tables_from_a_peer_must_match_its_layout(harness: Harness)
 
 
 async def test_regions_named_later_in_a_session_are_not_believed(harness: Harness) -> None:
-    # A session is one instance and epoch of the publisher, whose registration (and regions) cannot
-    # change within it: the regions its first answer named, once checked, are the ones READ from.
+    # A session is one instance and epoch of the publisher, whose registration (its regions and
+    # their memory) cannot change within it: what its first answer named, once checked, is READ from.
     p, pw, _d, dw = await _pair(harness)
     await transfer([pw], [p], [dw], "t1", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=1)
 
     def elsewhere(resp: Any) -> None:
         for r in resp.groups[0].regions:
             r.base += LAY.region_bytes  # past the memory the handshake and first answer announced
+        resp.groups[0].memory_type = "VRAM"  # the data plane finds no such registration: the READ would fail
 
     restore = _tamper(p, elsewhere)
     try:  # the bytes still come from the regions checked first, exactly
