@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -266,6 +267,10 @@ async def _open_loop(
             dst = alloc.allocate(len(src))
         except ClusterError:  # so many pulls in flight that the decode cache is full: the sidecars fell behind
             failed["NO_FREE_BLOCKS"] += 1
+            # As a decode server drops a request it cannot place: the publish (and the expectation that
+            # keeps it held) freed now, not left to expire while the overload lasts.
+            with contextlib.suppress(KvxferRpcError):
+                await dc.drop_remote(f"{tag}{i}", [peer], reason="no free blocks")
             return
         in_flight += 1
         peak = max(peak, in_flight)
