@@ -29,15 +29,17 @@ class Coalescer(Generic[K, T, R]):
     """Queues items per key; one sender per key sends whatever queued up while it was busy.
 
     ``linger``: seconds an item that finds its key idle waits for others before the batch leaves
-    (0: at once).
+    (0: at once). ``on_dropped(key, n)``: told of the ``n`` items that were never answered because the
+    key's sender was cancelled (the sidecar closing), whose callers may no longer be there to tell.
     """
 
     def __init__(
         self, send: SendFn[K, T], spawn: Callable[[Coroutine[Any, Any, Any]], None], *, max_batch: int = 1024,
-        linger: float = 0.0,
+        linger: float = 0.0, on_dropped: Callable[[K, int], None] | None = None,
     ) -> None:  # fmt: skip
         self._send = send
         self._linger = linger
+        self._on_dropped = on_dropped
         self._max_batch = max_batch  # a peer refuses larger batches whole (MAX_BATCH)
         self._spawn = spawn
         self._queues: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
@@ -76,8 +78,7 @@ class Coalescer(Generic[K, T, R]):
                 except asyncio.CancelledError:
                     task = asyncio.current_task()
                     if task is not None and task.cancelling():
-                        for _, fut in batch:
-                            fut.cancel()
+                        self._drop(key, [fut for _, fut in batch])
                         raise
                     # Cancelled from below (not this task): a failure of this batch only.
                     results = [RuntimeError("the call was cancelled")] * len(batch)
@@ -88,8 +89,14 @@ class Coalescer(Generic[K, T, R]):
         finally:
             self._busy.discard(key)
             # Cancelled (the sidecar is closing): nobody will send what is still queued.
-            for _, fut in self._queues.pop(key, []):
-                fut.cancel()
+            self._drop(key, [fut for _, fut in self._queues.pop(key, [])])
+
+    def _drop(self, key: K, futures: list[asyncio.Future[R]]) -> None:
+        dropped = [fut for fut in futures if not fut.done()]
+        for fut in dropped:
+            fut.cancel()
+        if dropped and self._on_dropped is not None:
+            self._on_dropped(key, len(dropped))
 
 
 def _settle(fut: asyncio.Future[Any], res: Any) -> None:

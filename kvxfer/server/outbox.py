@@ -47,9 +47,11 @@ class Outbox:
         self.instance_id = instance_id
         self._lookups: Coalescer[str, Lookup, Any] = Coalescer(self._send_lookups, self.spawn)
         self._done_notices: Coalescer[str, peer_pb2.NotifyRequest, None] = Coalescer(
-            self._send_notices, self.spawn, linger=NOTICE_LINGER_S
+            self._send_notices, self.spawn, linger=NOTICE_LINGER_S, on_dropped=_notices_dropped
         )
-        self._notices: Coalescer[str, peer_pb2.NotifyRequest, None] = Coalescer(self._send_notices, self.spawn)
+        self._notices: Coalescer[str, peer_pb2.NotifyRequest, None] = Coalescer(
+            self._send_notices, self.spawn, on_dropped=_notices_dropped
+        )
         self._unbatched: set[tuple[str, str]] = set()  # (address, instance) answering UNIMPLEMENTED to batches
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -205,3 +207,10 @@ class Outbox:
                         extra={"peer": address, "error": exc.message})  # fmt: skip
             return False
         return bool(resp.found)
+
+
+def _notices_dropped(address: str, n: int) -> None:
+    # Nobody awaits a notice, so this is the only trace of one the sidecar closed under (lingering
+    # or in flight): the publisher frees those publishes only when their leases expire.
+    log.warning("completion notices dropped: the sidecar closed before they were sent or answered; the peer's "
+                "leases will expire", extra={"peer": address, "notices": n})  # fmt: skip

@@ -130,6 +130,38 @@ async def test_a_lingering_first_item_waits_for_company_then_the_rest_go_as_befo
     assert peer.batches == [("a", [0, 2, 4]), ("a", [6])]
 
 
+async def test_items_a_cancelled_sender_never_answered_are_reported_lingering_or_in_flight() -> None:
+    peer = Peer()
+    dropped: list[tuple[str, int]] = []
+    c: Coalescer[str, int, int] = Coalescer(peer.send, peer.spawn, linger=0.3,
+                                            on_dropped=lambda k, n: dropped.append((k, n)))  # fmt: skip
+    lingering = [c.submit("a", i) for i in (0, 2)]
+    await _settle()
+    (task,) = peer.tasks
+    task.cancel()  # the sidecar closes while they wait for company
+    await asyncio.gather(task, return_exceptions=True)
+    assert all(f.cancelled() for f in lingering)
+    assert dropped == [("a", 2)]
+    assert peer.batches == []
+
+    in_flight = c.submit("b", 4)
+    await asyncio.sleep(0.4)
+    assert peer.batches == [("b", [4])]  # sent; the peer has not answered (its gate is shut)
+    queued = c.submit("b", 6)
+    (task,) = peer.tasks - {t for t in peer.tasks if t.done()}
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert in_flight.cancelled()
+    assert queued.cancelled()
+    assert dropped == [("a", 2), ("b", 1), ("b", 1)]  # the batch in flight, then what queued behind it
+
+    done = Coalescer(peer.send, peer.spawn, on_dropped=lambda k, n: dropped.append((k, n)))
+    peer.gate.set()
+    assert await done.submit("c", 8) == 80
+    await _settle()
+    assert dropped == [("a", 2), ("b", 1), ("b", 1)]  # nothing reported when every item was answered
+
+
 class _Peers:
     """RECORDING STUB of the peer directory: each call the Outbox makes, with the notices in it."""
 
