@@ -170,6 +170,15 @@ class Settings(BaseModel):
         description="also serve the worker's hot calls (Pull, PullBatch, Publish, Expect, ...) as frames on "
         "<local-socket>.fast (true/false)",
     )
+    peer_frames: bool = Field(
+        True,
+        description="also serve the peer API's hot calls (GetPublished, Notify, Hold and their batches) as frames on a "
+        "TCP port of the peer API's host, with its TLS and token, and use a peer's when it offers one (true/false)",
+    )
+    peer_frames_port: int = Field(
+        0, ge=0, le=65535, description="TCP port of the peer frames listener (0: any free port, told to peers in "
+        "the handshake)",
+    )  # fmt: skip
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
     metrics_auth: Literal["token", "none"] | None = Field(
         None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"

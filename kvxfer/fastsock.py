@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from kvxfer.wire.frames import ANSWER, CANCEL, HELLO, HELLO_CALL, REQUEST
 
@@ -62,10 +64,32 @@ class FastChannel(asyncio.Protocol):
     ) -> FastChannel:
         """Connect and say hello; OSError when nobody listens there, FastHelloRefusedError when refused."""
         loop = asyncio.get_running_loop()
+        return await cls._open(
+            lambda: loop.create_unix_connection(lambda: cls(max_message_bytes), os.fspath(path)), HELLO, token, timeout
+        )
+
+    @classmethod
+    async def open_tcp(
+        cls, host: str, port: int, *, tls: ssl.SSLContext | None, hello: bytes, token: str | None, timeout: float,
+        max_message_bytes: int,
+    ) -> FastChannel:  # fmt: skip
+        """A peer sidecar's frames (:data:`kvxfer.wire.frames.PEER_METHODS`); under TLS its certificate
+        is checked against ``host``, as gRPC checks it against the address dialed."""
+        loop = asyncio.get_running_loop()
+        return await cls._open(
+            lambda: loop.create_connection(lambda: cls(max_message_bytes), host, port, ssl=tls,
+                                           server_hostname=host if tls is not None else None),
+            hello, token, timeout,
+        )  # fmt: skip
+
+    @classmethod
+    async def _open(
+        cls, connect: Callable[[], Awaitable[tuple[Any, FastChannel]]], hello: bytes, token: str | None, timeout: float
+    ) -> FastChannel:
         async with asyncio.timeout(timeout):
-            _, ch = await loop.create_unix_connection(lambda: cls(max_message_bytes), os.fspath(path))
+            _, ch = await connect()
             try:
-                code, status = await ch._exchange(HELLO_CALL, 0, HELLO + (token or "").encode(), timeout)
+                code, status = await ch._exchange(HELLO_CALL, 0, hello + (token or "").encode(), timeout)
             except BaseException:
                 ch.close()
                 raise

@@ -33,6 +33,7 @@ from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.fast_api import FastApi
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
+from kvxfer.server.peer_frames import PeerFramesServer
 from kvxfer.server.rpc import TokenInterceptor, service_handler
 from kvxfer.transport import Transport, create_transport, transport_class
 from kvxfer.wire import local_pb2, peer_pb2
@@ -166,6 +167,7 @@ class Sidecar:
         self._socket_path: Path | None = None
         self.fd_box: FdBox | None = None
         self.fast_api: FastApi | None = None
+        self.peer_frames: PeerFramesServer | None = None
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -217,7 +219,15 @@ class Sidecar:
         # functions, awaiting nothing; keep them so): a timer per call (the default limit) would only
         # cost the publisher CPU on every pull.
         peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch"))
-        self._serve(peer, PEER_SERVICE, _PeerApi(self.core, client_certs=s.tls_ca is not None), peer_limits)
+        peer_api = _PeerApi(self.core, client_certs=s.tls_ca is not None)
+        self._serve(peer, PEER_SERVICE, peer_api, peer_limits)
+        if s.peer_frames:
+            # The hot peer calls as frames beside it: same servicer, limits, TLS and token.
+            try:
+                self.peer_frames = PeerFramesServer(s, peer_api, limits=peer_limits, token=token)
+            except OSError as exc:
+                raise ConfigError(f"--peer-frames-port: {exc}", field="peer_frames_port") from None
+            self.core.registry.frames_address = self.peer_frames.address
         local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
         # inside the core; a second timer per call would only cost time on the hot path.
@@ -232,6 +242,8 @@ class Sidecar:
                                     max_message_bytes=s.max_message_bytes)  # fmt: skip
 
         await peer.start()
+        if self.peer_frames is not None:
+            await self.peer_frames.start()
         await local.start()
         if self.fd_box is not None:
             await self.fd_box.start()
@@ -248,6 +260,7 @@ class Sidecar:
         log.info(
             "sidecar started",
             extra={"engine_id": s.engine_id, "peer_address": self.peer_address, "local": self.local_target,
+                   "peer_frames": self.peer_frames.address if self.peer_frames is not None else None,
                    "metrics_port": self.metrics_port, "metrics_auth": s.metrics_token is not None,
                    "backend": s.backend, "role": s.role,
                    "version": __version__, "protocol": PROTOCOL_VERSION, "auth": bool(token),
@@ -382,7 +395,7 @@ class Sidecar:
         if self.core is not None:
             self.core.hub.close()
         servers = [srv for srv in (self._local_server, self._peer_server) if srv is not None]
-        fast = [self.fast_api.close(grace)] if self.fast_api is not None else []
+        fast = [api.close(grace) for api in (self.fast_api, self.peer_frames) if api is not None]
         await asyncio.gather(*(srv.stop(grace) for srv in servers), *fast)
         if self.core is not None:
             await self.core.close()

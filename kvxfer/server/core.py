@@ -32,6 +32,7 @@ from kvxfer.server.holds import Holds
 from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
+from kvxfer.server.peer_frames import FramesDialer
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
 from kvxfer.server.puller import Puller
@@ -86,6 +87,7 @@ class SidecarCore:
             me=self.registry.identity, load_peer=data_plane.add_peer, forget_peer=data_plane.remove_peer,
             channel_options=channel_options, credentials=channel_credentials, metadata=md,
             on_handshake=lambda outcome: self.metrics.handshakes.labels(outcome=outcome).inc(),
+            frames=FramesDialer.of(settings),
         )  # fmt: skip
         self.topologies = TopologyCache()
         self.outbox = Outbox(self.peers, engine_id=settings.engine_id, instance_id=self.instance_id)

@@ -9,8 +9,16 @@ differs, which saves the ~0.5 ms per call that gRPC's HTTP/2 costs on a busy two
 
 Access is that of the local API's socket: the socket has mode 0660 before anyone can connect
 (bound, chmod, then listen), and with a token every connection's hello must carry it (compared in
-constant time). A frame this side cannot use is answered with an error naming what is wrong, and
-only its own call fails; a frame too long for ``--max-message-bytes`` or a connection that does not
+constant time).
+
+The same class serves the peer API's hot calls (:data:`kvxfer.wire.frames.PEER_METHODS`) to other
+sidecars on TCP (:meth:`FastApi.start_tcp`), under the peer API's TLS: with client certificates a
+connection's certificate is its caller's credentials for every call on it
+(:class:`kvxfer.server.peer_auth.PeerCredentials`, as gRPC's auth context gives them), and the
+hello carries the cluster's token where gRPC carries it in each call's metadata.
+
+A frame this side cannot use is answered with an error naming what is wrong, and only its own call
+fails; a frame too long for ``--max-message-bytes`` or a connection that does not
 say hello first is answered and the connection closed. A call runs until it answers, its client
 cancels it, or the connection closes (then it is cancelled, as gRPC cancels a call whose client
 went away).
@@ -25,6 +33,7 @@ import logging
 import math
 import os
 import socket
+import ssl
 import stat
 import time
 from collections.abc import Mapping
@@ -40,10 +49,10 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger
 from kvxfer.server.rpc import Unary, parse_request, run_unary, snake_case
 from kvxfer.wire import local_pb2
-from kvxfer.wire.frames import ANSWER, CANCEL, HELLO, HELLO_CALL, METHODS, REQUEST
+from kvxfer.wire.frames import ANSWER, CANCEL, HELLO, HELLO_CALL, METHODS, REQUEST, FastMethod
 from kvxfer.wire.status import status_message
 
-__all__ = ["FastApi"]
+__all__ = ["AuthContext", "FastApi", "tls_auth_context"]
 
 log = get_logger("kvxfer.server.fast")
 _SERVICE = local_pb2.DESCRIPTOR.services_by_name["Local"].full_name
@@ -62,16 +71,33 @@ class _UnimplementedError(KvxferError):
     default_reason = Reason.UNSUPPORTED
 
 
-class _Deadline:
-    """What the servicer's methods read of a call's context: the time left."""
+#: A connection's credentials as gRPC's ``auth_context()`` names them (property -> values).
+AuthContext = Mapping[str, list[bytes]]
+_NO_AUTH: AuthContext = {}
 
-    __slots__ = ("_expires",)
 
-    def __init__(self, timeout: float) -> None:
+class _Context:
+    """What the servicer's methods read of a call's context: the time left, the caller's credentials."""
+
+    __slots__ = ("_auth", "_expires")
+
+    def __init__(self, timeout: float, auth: AuthContext) -> None:
         self._expires = time.monotonic() + timeout if timeout > 0 else None
+        self._auth = auth
 
     def time_remaining(self) -> float | None:
         return None if self._expires is None else max(self._expires - time.monotonic(), 0.0)
+
+    def auth_context(self) -> AuthContext:
+        return self._auth
+
+
+def tls_auth_context(peercert: Any) -> AuthContext:
+    """The client certificate's URI names under gRPC's auth-context key (what peer_auth reads)."""
+    if not peercert:
+        return _NO_AUTH
+    uris = [v.encode() for kind, v in peercert.get("subjectAltName", ()) if kind == "URI"]
+    return {"peer_uri": uris} if uris else _NO_AUTH
 
 
 class _Method:
@@ -82,28 +108,37 @@ class _Method:
 
 
 class FastApi:
-    """Serves :data:`kvxfer.wire.frames.METHODS` of ``api`` (the local servicer) on the Unix socket ``path``."""
+    """Serves ``methods`` (by default :data:`kvxfer.wire.frames.METHODS`) of ``api`` as frames.
+
+    On the Unix socket ``path`` (:meth:`start`: the local servicer) or on a bound TCP socket
+    (:meth:`start_tcp`: the peer servicer, ``service`` and ``hello`` then name the peer API's).
+    """
 
     def __init__(
-        self, path: Path, api: object, *, limits: Mapping[str, float | None], token: str | None, mode: int,
-        max_message_bytes: int, default_limit: float = 30.0,
+        self, path: Path | None, api: object, *, limits: Mapping[str, float | None], token: str | None, mode: int,
+        max_message_bytes: int, default_limit: float = 30.0, methods: Mapping[int, FastMethod] = METHODS,
+        service: str = _SERVICE, hello: bytes = HELLO, name: str = "fast socket",
     ) -> None:  # fmt: skip
         self.path = path
+        self.name = name
         self._token = token.encode() if token else None
         self._mode = mode
+        self._hello_line = hello
         self.max_message_bytes = max_message_bytes
         self.methods = {
             n: _Method(
-                getattr(api, snake_case(m.name)), f"/{_SERVICE}/{m.name}", limits.get(m.name, default_limit), m.request
+                getattr(api, snake_case(m.name)), f"/{service}/{m.name}", limits.get(m.name, default_limit), m.request
             )
-            for n, m in METHODS.items()
+            for n, m in methods.items()
         }
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
+        self._tls = False
         self.calls_started = 0  # hot calls that arrived here (not over gRPC)
 
     async def start(self) -> None:
         """Listen (the socket has its final mode before anyone can connect)."""
+        assert self.path is not None
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 self.path.unlink()  # stale: the local API's own socket was checked for a live sidecar
@@ -120,13 +155,21 @@ class FastApi:
             sock.close()
             raise
 
+    async def start_tcp(self, sock: socket.socket, tls: ssl.SSLContext | None) -> None:
+        """Serve on a bound TCP socket (bound early, so that its port is known before the handshakes)."""
+        sock.listen(128)
+        sock.setblocking(False)
+        self._tls = tls is not None
+        self._server = await asyncio.get_running_loop().create_server(lambda: _Connection(self), sock=sock, ssl=tls)
+
     async def close(self, grace: float = 0.0) -> None:
         """Stop listening; calls in flight get ``grace`` seconds to answer, then are cancelled."""
         if self._server is not None:
             self._server.close()
             self._server = None
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            if self.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
         tasks = [t for c in self._connections for t in c.calls.values()]
         if tasks and grace > 0:
             await asyncio.wait(tasks, timeout=grace)
@@ -136,17 +179,17 @@ class FastApi:
 
     def check_hello(self, payload: bytes) -> KvxferError | None:
         """Why a hello is refused, or None."""
-        if not payload.startswith(HELLO):
+        if not payload.startswith(self._hello_line):
             return InvalidArgumentError(
-                "hello: not a kvxfer fast-socket client (the first frame must be the hello)", field="hello"
+                f"hello: not a kvxfer {self.name} client (the first frame must be the hello)", field="hello"
             )
         if self._token is None:
             return None
-        got = payload[len(HELLO) :]
+        got = payload[len(self._hello_line) :]
         if not got:
-            return UnauthenticatedError("fast socket: the hello carries no token", field="authorization")
+            return UnauthenticatedError(f"{self.name}: the hello carries no token", field="authorization")
         if not hmac.compare_digest(got, self._token):
-            return UnauthenticatedError("fast socket: the token in the hello is not valid", field="authorization")
+            return UnauthenticatedError(f"{self.name}: the token in the hello is not valid", field="authorization")
         return None
 
 
@@ -159,10 +202,13 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.greeted = False
         self.calls: dict[int, asyncio.Task[None]] = {}
+        self.auth = _NO_AUTH
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
+        if self.api._tls:  # the TLS handshake, client certificate checked, is over by now
+            self.auth = tls_auth_context(transport.get_extra_info("peercert"))
         self.api._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -216,7 +262,8 @@ class _Connection(asyncio.Protocol):
     def _start(self, call: int, number: int, timeout: float, payload: bytes, arrived: float) -> None:
         m = self.api.methods.get(number)
         if m is None:
-            self._refuse(call, _UnimplementedError(f"method: the fast socket has no method {number}", field="method"))
+            self._refuse(call, _UnimplementedError(f"method: the {self.api.name} has no method {number}",
+                                                   field="method"))  # fmt: skip
             return
         if not math.isfinite(timeout) or timeout < 0:
             self._refuse(call, InvalidArgumentError(
@@ -231,11 +278,11 @@ class _Connection(asyncio.Protocol):
         except InvalidArgumentError as exc:
             self._refuse(call, exc)
             return
-        task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Deadline(timeout), arrived))
+        task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Context(timeout, self.auth), arrived))
         self.calls[call] = task
         self.api.calls_started += 1
 
-    async def _run(self, call: int, m: _Method, req: Any, deadline: _Deadline, arrived: float) -> None:
+    async def _run(self, call: int, m: _Method, req: Any, deadline: _Context, arrived: float) -> None:
         try:
             resp = await run_unary(m.fn, req, deadline, m.full, m.limit)
         except KvxferError as exc:
@@ -253,7 +300,7 @@ class _Connection(asyncio.Protocol):
             })  # fmt: skip
 
     def _refuse(self, call: int, exc: KvxferError, *, close: bool = False) -> None:
-        log.warning("fast-socket frame refused", extra={"error": exc.message, "call": call})
+        log.warning("frame refused", extra={"listener": self.api.name, "error": exc.message, "call": call})
         self._answer(call, exc, b"")
         if close and self.transport is not None:
             self.transport.close()

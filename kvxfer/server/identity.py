@@ -43,6 +43,8 @@ class Identity:
     #: Per group: its registered regions and memory type (what a reader needs to READ before the
     #: lookup answers); empty from a peer that does not send them.
     regions: Mapping[str, tuple[RegionTable, str]] = dataclasses.field(default_factory=dict, compare=False)
+    #: Where the peer API's hot calls are also served as frames ("": gRPC only; see kvxfer.server.peers).
+    frames_address: str = dataclasses.field(default="", compare=False)
 
     @property
     def label(self) -> str:
@@ -63,7 +65,7 @@ class Identity:
                 for n, lay in self.groups.items()
             ],
             data_plane=peer_pb2.DataPlane(backend=self.backend, agent_name=self.agent_name, metadata=self.metadata),
-            address=self.address, role=self.role,
+            address=self.address, role=self.role, frames_address=self.frames_address,
         )  # fmt: skip
 
     @classmethod
@@ -89,7 +91,7 @@ class Identity:
         return cls(
             int(msg.protocol_version), msg.engine_id, msg.instance_id, int(msg.epoch),
             rank_from_proto(msg.rank, f"{field}.rank"), groups, msg.data_plane.backend, msg.data_plane.agent_name,
-            bytes(msg.data_plane.metadata), msg.address, msg.role, regions,
+            bytes(msg.data_plane.metadata), msg.address, msg.role, regions, msg.frames_address,
         )  # fmt: skip
 
 

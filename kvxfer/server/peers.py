@@ -4,6 +4,10 @@ A session is handshaken on first use and reused; it is dropped (and the peer re-
 next use) when a call to it fails at the transport level, when the peer's instance id changes
 (it restarted) or when its registration epoch changes (its memory, hence its data-plane metadata,
 changed). Concurrent first uses of one address share a single handshake.
+
+A peer whose handshake names a frames address gets a frames connection too, opened in the
+background after the handshake (:mod:`kvxfer.server.peer_frames`): from then on its hot calls go
+as frames, everything else and everything before over gRPC.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from kvxfer.errors import (
     PeerUnavailableError,
     Reason,
 )
+from kvxfer.fastsock import FastHelloRefusedError
 from kvxfer.logs import get_logger
 from kvxfer.server.identity import Identity, reader_differences
+from kvxfer.server.peer_frames import FramedStub, FramesDialer
 from kvxfer.topology import RegionTable
 from kvxfer.wire import peer_pb2, peer_pb2_grpc
 from kvxfer.wire.status import error_from_status, error_of
@@ -80,6 +86,7 @@ class PeerDirectory:
         metadata: tuple[tuple[str, str], ...],
         on_handshake: Callable[[str], None],
         handshake_timeout: float = 10.0,
+        frames: FramesDialer | None = None,
     ) -> None:
         self._me = me
         self._load_peer = load_peer
@@ -94,6 +101,9 @@ class PeerDirectory:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, peer_pb2_grpc.PeerAsyncStub] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._dialer = frames
+        self._frames: dict[str, FramedStub] = {}  # by address: open frames connections
+        self._opening: dict[str, asyncio.Task[None]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -180,7 +190,32 @@ class PeerDirectory:
         self._sessions[address] = s
         self._on_handshake("ok")
         log.info("handshake ok", extra={"peer": them.label, "address": address, "epoch": them.epoch})
+        self._connect_frames(address, them)
         return s
+
+    def _connect_frames(self, address: str, them: Identity) -> None:
+        """Open a frames connection to a peer that offers one, in the background (calls use gRPC meanwhile)."""
+        if self._dialer is None or not them.frames_address or address in self._opening:
+            return
+        framed = self._frames.get(address)
+        if framed is not None and not framed.closed:
+            return
+        task = asyncio.get_running_loop().create_task(self._open_frames(self._dialer, address, them))
+        self._opening[address] = task
+        task.add_done_callback(lambda _t: self._opening.pop(address, None))
+
+    async def _open_frames(self, dialer: FramesDialer, address: str, them: Identity) -> None:
+        try:
+            framed = await dialer.open(address, them.frames_address)
+        except (OSError, TimeoutError, FastHelloRefusedError) as exc:
+            log.warning("peer frames not used; its hot calls go over gRPC", extra={
+                "peer": them.label, "address": address, "frames_address": them.frames_address,
+                "error": str(exc) or type(exc).__name__})  # fmt: skip
+            return
+        old = self._frames.get(address)
+        if old is not None:
+            old.close()
+        self._frames[address] = framed
 
     def invalidate(self, address: str, *, reconnect: bool = False) -> None:
         """Drop the session to ``address``; the next use handshakes again.
@@ -193,6 +228,9 @@ class PeerDirectory:
             s.alive = False
             self._forget_peer(s.dp_name)
         if reconnect:
+            framed = self._frames.pop(address, None)
+            if framed is not None:
+                framed.close()
             self._stubs.pop(address, None)
             ch = self._channels.pop(address, None)
             if ch is not None:
@@ -206,8 +244,15 @@ class PeerDirectory:
 
     async def call(self, address: str, what: str, fn: Callable[[peer_pb2_grpc.PeerAsyncStub], Awaitable[T]]) -> T:
         """Run ``fn(stub)``; transport failures invalidate the session and become sidecar errors."""
+        stub: Any = self.stub(address)
+        framed = self._frames.get(address)
+        if framed is not None:
+            if framed.closed:  # the peer went away: gRPC until a new handshake connects again
+                del self._frames[address]
+            else:
+                stub = framed.over(stub)
         try:
-            return await fn(self.stub(address))
+            return await fn(stub)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.invalidate(address, reconnect=True)
@@ -223,6 +268,11 @@ class PeerDirectory:
                 field="remote_addresses",
             ) from None
 
+    def framed(self, address: str) -> bool:
+        """True while a frames connection to ``address`` is open (its hot calls go as frames)."""
+        f = self._frames.get(address)
+        return f is not None and not f.closed
+
     def current(self, address: str) -> PeerSession | None:
         """The live session to ``address``, if any."""
         return self._sessions.get(address)
@@ -231,6 +281,11 @@ class PeerDirectory:
         """Close every channel."""
         for addr in list(self._sessions):
             self.invalidate(addr)
+        for task in list(self._opening.values()):
+            task.cancel()
+        for framed in self._frames.values():
+            framed.close()
+        self._frames.clear()
         channels, self._channels = list(self._channels.values()), {}
         self._stubs.clear()
         for ch in channels:

@@ -49,6 +49,8 @@ class Registry:
         self.metrics = metrics
         self.instance_id = instance_id
         self.peer_address = peer_address
+        #: Set by the sidecar once its peer frames listener is bound ("": none).
+        self.frames_address = ""
         self.registration: Registration | None = None
         self._fd_lookup = fd_lookup
         self._epoch = 0
@@ -72,7 +74,7 @@ class Registry:
             self._identity = Identity(
                 PROTOCOL_VERSION, self.settings.engine_id, self.instance_id, reg.epoch, reg.rank, reg.layouts,
                 self.dp.backend, self.dp.agent_name, self.dp.metadata(), self.peer_address, self.settings.role,
-                {n: (g.memory.table, g.memory.mem_type) for n, g in reg.groups.items()},
+                {n: (g.memory.table, g.memory.mem_type) for n, g in reg.groups.items()}, self.frames_address,
             )  # fmt: skip
         return self._identity
 

@@ -95,6 +95,7 @@ class PeerInfo(_message.Message):
     DATA_PLANE_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    FRAMES_ADDRESS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     engine_id: _builtins.str
     instance_id: _builtins.str
@@ -104,6 +105,10 @@ class PeerInfo(_message.Message):
     address: _builtins.str
     """this sidecar's advertised peer API address"""
     role: _builtins.str
+    frames_address: _builtins.str
+    """host:port where this sidecar also serves the peer API's hot calls as frames (kvxfer.wire.frames,
+    PEER_METHODS) on the same host as `address`, with the same credentials; empty: gRPC only.
+    """
     @_builtins.property
     def rank(self) -> _common_pb2.Rank: ...
     @_builtins.property
@@ -122,10 +127,11 @@ class PeerInfo(_message.Message):
         data_plane: Global___DataPlane | None = ...,
         address: _builtins.str = ...,
         role: _builtins.str = ...,
+        frames_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["data_plane", b"data_plane", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "data_plane", b"data_plane", "engine_id", b"engine_id", "epoch", b"epoch", "groups", b"groups", "instance_id", b"instance_id", "protocol_version", b"protocol_version", "rank", b"rank", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "data_plane", b"data_plane", "engine_id", b"engine_id", "epoch", b"epoch", "frames_address", b"frames_address", "groups", b"groups", "instance_id", b"instance_id", "protocol_version", b"protocol_version", "rank", b"rank", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
