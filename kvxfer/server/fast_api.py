@@ -18,10 +18,9 @@ connection's certificate is its caller's credentials for every call on it
 hello carries the cluster's token where gRPC carries it in each call's metadata.
 
 A frame this side cannot use is answered with an error naming what is wrong, and only its own call
-fails; a frame too long for ``--max-message-bytes`` or a connection that does not
-say hello first is answered and the connection closed. A call runs until it answers, its client
-cancels it, or the connection closes (then it is cancelled, as gRPC cancels a call whose client
-went away).
+fails; a frame too long for ``--max-message-bytes`` or a connection that does not say hello first
+is answered and the connection closed. A call runs until it answers, its client cancels it, or the
+connection closes (then it is cancelled, as gRPC cancels a call whose client went away).
 """
 
 from __future__ import annotations
