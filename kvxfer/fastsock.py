@@ -57,6 +57,8 @@ class FastChannel(asyncio.Protocol):
         self._last = HELLO_CALL
         self._transport: asyncio.Transport | None = None
         self.closed = False
+        #: What the server put in its answer to the hello (a peer sidecar: its instance id).
+        self.hello_answer = b""
 
     @classmethod
     async def open(
@@ -96,6 +98,7 @@ class FastChannel(asyncio.Protocol):
         if code != 0:
             ch.close()
             raise FastHelloRefusedError(code, status)
+        ch.hello_answer = status
         return ch
 
     async def call(self, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:

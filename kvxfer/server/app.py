@@ -223,10 +223,8 @@ class Sidecar:
         self._serve(peer, PEER_SERVICE, peer_api, peer_limits)
         if s.peer_frames:
             # The hot peer calls as frames beside it: same servicer, limits, TLS and token.
-            try:
-                self.peer_frames = PeerFramesServer(s, peer_api, limits=peer_limits, token=token)
-            except OSError as exc:
-                raise ConfigError(f"--peer-frames-port: {exc}", field="peer_frames_port") from None
+            self.peer_frames = PeerFramesServer(s, peer_api, limits=peer_limits, token=token,
+                                                instance_id=self.core.instance_id)  # fmt: skip
             self.core.registry.frames_address = self.peer_frames.address
         local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)

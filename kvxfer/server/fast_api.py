@@ -35,6 +35,7 @@ import socket
 import ssl
 import stat
 import time
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -44,6 +45,7 @@ from kvxfer.errors import (
     KvxferError,
     Reason,
     UnauthenticatedError,
+    UnavailableError,
 )
 from kvxfer.logs import get_logger
 from kvxfer.server.rpc import Unary, parse_request, run_unary, snake_case
@@ -56,6 +58,8 @@ __all__ = ["AuthContext", "FastApi", "tls_auth_context"]
 log = get_logger("kvxfer.server.fast")
 _SERVICE = local_pb2.DESCRIPTOR.services_by_name["Local"].full_name
 _MAX_HELLO = 16 * 1024
+#: Seconds a connection has to say hello before it is closed (nothing else is read from it before).
+HELLO_WITHIN_S = 10.0
 
 
 class _ResourceExhaustedError(KvxferError):
@@ -100,10 +104,11 @@ def tls_auth_context(peercert: Any) -> AuthContext:
 
 
 class _Method:
-    __slots__ = ("fn", "full", "limit", "request")
+    __slots__ = ("fn", "full", "limit", "name", "request")
 
     def __init__(self, fn: Unary, full: str, limit: float | None, request: Any) -> None:
         self.fn, self.full, self.limit, self.request = fn, full, limit, request
+        self.name = full.rsplit("/", 1)[1]
 
 
 class FastApi:
@@ -116,13 +121,14 @@ class FastApi:
     def __init__(
         self, path: Path | None, api: object, *, limits: Mapping[str, float | None], token: str | None, mode: int,
         max_message_bytes: int, default_limit: float = 30.0, methods: Mapping[int, FastMethod] = METHODS,
-        service: str = _SERVICE, hello: bytes = HELLO, name: str = "fast socket",
+        service: str = _SERVICE, hello: bytes = HELLO, name: str = "fast socket", hello_answer: bytes = b"",
     ) -> None:  # fmt: skip
         self.path = path
         self.name = name
         self._token = token.encode() if token else None
         self._mode = mode
         self._hello_line = hello
+        self.hello_answer = hello_answer  # a peer sidecar's instance id: what its reader checks it reached
         self.max_message_bytes = max_message_bytes
         self.methods = {
             n: _Method(
@@ -133,7 +139,9 @@ class FastApi:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self._tls = False
+        self._closing = False
         self.calls_started = 0  # hot calls that arrived here (not over gRPC)
+        self.calls_by_method: Counter[str] = Counter()
 
     async def start(self) -> None:
         """Listen (the socket has its final mode before anyone can connect)."""
@@ -162,7 +170,12 @@ class FastApi:
         self._server = await asyncio.get_running_loop().create_server(lambda: _Connection(self), sock=sock, ssl=tls)
 
     async def close(self, grace: float = 0.0) -> None:
-        """Stop listening; calls in flight get ``grace`` seconds to answer, then are cancelled."""
+        """Stop listening; calls in flight get ``grace`` seconds to answer, then are cancelled.
+
+        From now on a new call is refused (UNAVAILABLE) and a connection that still arrives is closed,
+        as gRPC's ``stop(grace)`` refuses new calls at once.
+        """
+        self._closing = True
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -202,15 +215,27 @@ class _Connection(asyncio.Protocol):
         self.greeted = False
         self.calls: dict[int, asyncio.Task[None]] = {}
         self.auth = _NO_AUTH
+        self._hello_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
+        if self.api._closing:  # arrived (its TLS handshake done) after the listener closed
+            self.transport.close()
+            return
         if self.api._tls:  # the TLS handshake, client certificate checked, is over by now
             self.auth = tls_auth_context(transport.get_extra_info("peercert"))
         self.api._connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_WITHIN_S, self._no_hello)
+
+    def _no_hello(self) -> None:
+        if not self.greeted and self.transport is not None:
+            log.warning("connection closed: no hello", extra={"listener": self.api.name, "within_s": HELLO_WITHIN_S})
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
         self.api._connections.discard(self)
         self.abandon()
         self.transport = None
@@ -256,9 +281,14 @@ class _Connection(asyncio.Protocol):
             self._refuse(call, why, close=True)
             return
         self.greeted = True
-        self._answer(call, 0, b"")
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self._answer(call, 0, self.api.hello_answer)
 
     def _start(self, call: int, number: int, timeout: float, payload: bytes, arrived: float) -> None:
+        if self.api._closing:
+            self._refuse(call, UnavailableError(f"{self.api.name}: the sidecar is stopping", field="method"))
+            return
         m = self.api.methods.get(number)
         if m is None:
             self._refuse(call, _UnimplementedError(f"method: the {self.api.name} has no method {number}",
@@ -280,6 +310,7 @@ class _Connection(asyncio.Protocol):
         task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Context(timeout, self.auth), arrived))
         self.calls[call] = task
         self.api.calls_started += 1
+        self.api.calls_by_method[m.name] += 1
 
     async def _run(self, call: int, m: _Method, req: Any, deadline: _Context, arrived: float) -> None:
         try:

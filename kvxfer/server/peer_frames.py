@@ -16,9 +16,10 @@ Rules that keep it as safe as the gRPC API it shortcuts:
   key and CA; with ``--tls-ca`` a client certificate is required, and its URI names are the caller's
   credentials for every call on the connection (as gRPC's auth context gives them). The cluster's
   token, if any, is the hello's: a connection that does not present it gets nothing.
-* **Same host.** A reader connects only to a frames address on the host it dialed for the
-  handshake (the address its own worker named): a peer cannot send it, and its token, elsewhere.
-  Under TLS the server certificate is checked against that host, as gRPC checks it.
+* **Same sidecar.** A reader connects only to a frames address on the host it dialed for the
+  handshake (the address its own worker named), and keeps the connection only if the sidecar that
+  answers its hello is the instance it handshook with: a peer cannot send it elsewhere. Under TLS
+  the server certificate is checked against that host, as gRPC checks it.
 * **Same answers.** Calls run through the very servicer methods gRPC calls, under the same limits;
   a failure reaches the reader as the ``grpc.aio.AioRpcError`` gRPC would raise (code, message and
   the ``ErrorInfo`` with reason and field), so callers cannot tell the paths apart.
@@ -33,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
-from kvxfer.config import Settings, parse_address
+from kvxfer.config import ConfigError, Settings, parse_address
 from kvxfer.fastsock import FastCallError, FastChannel
 from kvxfer.server.fast_api import FastApi
 from kvxfer.wire import peer_pb2
@@ -80,9 +82,15 @@ class PeerFramesServer:
     """The frames listener beside the peer API: bound at construction (its address goes in the handshake)."""
 
     def __init__(
-        self, settings: Settings, api: object, *, limits: Mapping[str, float | None], token: str | None
-    ) -> None:
+        self, settings: Settings, api: object, *, limits: Mapping[str, float | None], token: str | None,
+        instance_id: str,
+    ) -> None:  # fmt: skip
         host, _ = settings.peer_host_port
+        try:  # before binding: a bad certificate leaks no socket
+            self._tls = server_tls(settings)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--tls-cert/--tls-key/--tls-ca: the peer frames listener cannot use them: {exc}",
+                              field="tls_cert") from None  # fmt: skip
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -90,14 +98,15 @@ class PeerFramesServer:
             self._sock.bind((host, settings.peer_frames_port))
         except OSError as exc:
             self._sock.close()
-            raise OSError(f"cannot listen on {host}:{settings.peer_frames_port}: {exc}") from None
+            raise ConfigError(f"--peer-frames-port: cannot listen on {host}:{settings.peer_frames_port}: {exc}",
+                              field="peer_frames_port") from None  # fmt: skip
         self.port: int = self._sock.getsockname()[1]
         #: What peers are told to dial (the peer API's advertised host, this port).
         self.address = settings.advertise_address(self.port)
-        self._tls = server_tls(settings)
         self.api = FastApi(
             None, api, limits=limits, token=token, mode=0, max_message_bytes=settings.max_message_bytes,
             methods=PEER_METHODS, service=_SERVICE, hello=PEER_HELLO, name="peer frames listener",
+            hello_answer=instance_id.encode(),
         )  # fmt: skip
 
     async def start(self) -> None:
@@ -136,14 +145,23 @@ class FramesDialer:
             return None
         return cls(client_tls(settings), settings.token(), settings.max_message_bytes)
 
-    async def open(self, dialed: str, frames_address: str) -> FramedStub:
-        """A frames connection to a peer (OSError, TimeoutError or FastHelloRefusedError when there is none)."""
+    async def open(self, dialed: str, frames_address: str, instance_id: str) -> FramedStub:
+        """A frames connection to the peer instance ``instance_id`` handshaken at ``dialed``.
+
+        OSError, TimeoutError or FastHelloRefusedError when there is none: the address is not on the
+        host dialed, nobody answers there, the hello is refused, or the sidecar that answers is
+        another instance (another sidecar of that host, or the peer restarted since its handshake).
+        """
         where = same_host(dialed, frames_address)
         if where is None:
             raise OSError(f"its frames address {frames_address!r} is not on the host dialed ({dialed!r})")
         host, port = where
         ch = await FastChannel.open_tcp(host, port, tls=self.tls, hello=PEER_HELLO, token=self.token,
                                         timeout=self.timeout, max_message_bytes=self.max_message_bytes)  # fmt: skip
+        if ch.hello_answer != instance_id.encode():
+            ch.close()
+            answered = ch.hello_answer.decode(errors="replace")
+            raise OSError(f"{frames_address} answered as instance {answered!r}, not the handshake's {instance_id!r}")
         return FramedStub(ch)
 
 
@@ -195,9 +213,12 @@ class FramedStub:
                 raise _rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
             except TimeoutError:
                 raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-            if code == 0:
-                return m.response.FromString(body)
-            status = status_pb2.Status.FromString(body)
+            try:
+                if code == 0:
+                    return m.response.FromString(body)
+                status = status_pb2.Status.FromString(body)
+            except DecodeError as exc:  # as gRPC fails an answer its deserializer cannot read
+                raise _rpc_error(grpc.StatusCode.INTERNAL, f"a {m.name} answer that does not parse: {exc}") from None
             raise _rpc_error(status_code(code), status.message, body)
 
         return call

@@ -13,6 +13,7 @@ as frames, everything else and everything before over gRPC.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -39,6 +40,8 @@ __all__ = ["PeerDirectory", "PeerSession", "peer_error"]
 
 T = TypeVar("T")
 log = get_logger("kvxfer.server.peers")
+#: Seconds after a failed attempt to open a peer's frames connection before the next.
+FRAMES_RETRY_S = 5.0
 
 
 @dataclass
@@ -104,6 +107,8 @@ class PeerDirectory:
         self._dialer = frames
         self._frames: dict[str, FramedStub] = {}  # by address: open frames connections
         self._opening: dict[str, asyncio.Task[None]] = {}
+        self._frames_retry: dict[str, float] = {}  # by address: no new attempt before this time
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -194,23 +199,39 @@ class PeerDirectory:
         return s
 
     def _connect_frames(self, address: str, them: Identity) -> None:
-        """Open a frames connection to a peer that offers one, in the background (calls use gRPC meanwhile)."""
-        if self._dialer is None or not them.frames_address or address in self._opening:
+        """Open a frames connection to a peer that offers one, in the background (calls use gRPC meanwhile).
+
+        After a failed attempt the next waits :data:`FRAMES_RETRY_S`: a peer whose frames cannot be
+        reached is not dialled (and logged) on every call.
+        """
+        if self._dialer is None or self._closed or not them.frames_address or address in self._opening:
             return
         framed = self._frames.get(address)
         if framed is not None and not framed.closed:
             return
+        if time.monotonic() < self._frames_retry.get(address, 0.0):
+            return
         task = asyncio.get_running_loop().create_task(self._open_frames(self._dialer, address, them))
         self._opening[address] = task
-        task.add_done_callback(lambda _t: self._opening.pop(address, None))
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._opening.get(address) is t:
+                del self._opening[address]
+
+        task.add_done_callback(done)
 
     async def _open_frames(self, dialer: FramesDialer, address: str, them: Identity) -> None:
         try:
-            framed = await dialer.open(address, them.frames_address)
+            framed = await dialer.open(address, them.frames_address, them.instance_id)
         except (OSError, TimeoutError, FastHelloRefusedError) as exc:
-            log.warning("peer frames not used; its hot calls go over gRPC", extra={
+            self._frames_retry[address] = time.monotonic() + FRAMES_RETRY_S
+            log.warning("peer frames not used for now; its hot calls go over gRPC", extra={
                 "peer": them.label, "address": address, "frames_address": them.frames_address,
                 "error": str(exc) or type(exc).__name__})  # fmt: skip
+            return
+        s = self._sessions.get(address)
+        if self._closed or s is None or not s.alive or s.identity.instance_id != them.instance_id:
+            framed.close()  # the session it was opened for is gone: the next handshake opens another
             return
         old = self._frames.get(address)
         if old is not None:
@@ -231,6 +252,9 @@ class PeerDirectory:
             framed = self._frames.pop(address, None)
             if framed is not None:
                 framed.close()
+            opening = self._opening.pop(address, None)
+            if opening is not None:
+                opening.cancel()
             self._stubs.pop(address, None)
             ch = self._channels.pop(address, None)
             if ch is not None:
@@ -247,14 +271,22 @@ class PeerDirectory:
         stub: Any = self.stub(address)
         framed = self._frames.get(address)
         if framed is not None:
-            if framed.closed:  # the peer went away: gRPC until a new handshake connects again
+            if framed.closed:  # lost (the peer closed it or went away): gRPC, and dial again
                 del self._frames[address]
+                s = self._sessions.get(address)
+                if s is not None and s.alive:
+                    self._connect_frames(address, s.identity)
+                framed = None
             else:
                 stub = framed.over(stub)
         try:
             return await fn(stub)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # A call on a frames connection that another call's failure already replaced fails
+            # with it, as gRPC's calls on a channel closed under them do: it does not reset the
+            # replacement (the channel, handshake and connection built since) in turn.
+            current = framed is None or self._frames.get(address) is framed
+            if current and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.invalidate(address, reconnect=True)
             raise peer_error(exc, address, what) from None
         except asyncio.CancelledError:
@@ -279,6 +311,7 @@ class PeerDirectory:
 
     async def close(self) -> None:
         """Close every channel."""
+        self._closed = True
         for addr in list(self._sessions):
             self.invalidate(addr)
         for task in list(self._opening.values()):

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import Counter
 from pathlib import Path
 
 import grpc
 import pytest
 
 from kvxfer.fastsock import FastCallError, FastChannel, FastHelloRefusedError
+from kvxfer.server import fast_api
 from kvxfer.server.app import Sidecar
-from kvxfer.server.peer_frames import same_host
+from kvxfer.server.peer_frames import FramesDialer, same_host
 from kvxfer.wire import peer_pb2
 from kvxfer.wire.convert import rank_to_proto
 from kvxfer.wire.frames import PEER_HELLO
 from kvxfer.wire.status import error_from_status_message
-from tests.sidecar.helpers import Harness, attention
+from tests.sidecar.helpers import Harness, Worker, attention
 from tests.sidecar.test_rogue_peer import SECRET, _certs
 
 LAY = attention()
@@ -38,16 +40,19 @@ async def _framed(reader: Sidecar, publisher: Sidecar) -> None:
     raise AssertionError("no frames connection within 5 s")
 
 
-def _frames_calls(s: Sidecar) -> int:
+def _frames_calls(s: Sidecar) -> Counter[str]:
+    """The calls that reached ``s`` as frames so far, by method."""
     assert s.peer_frames is not None
-    return s.peer_frames.api.calls_started
+    return Counter(s.peer_frames.api.calls_by_method)
 
 
-async def _settled(s: Sidecar, want: int) -> None:
-    for _ in range(200):  # a DONE notice lingers a few ms before it leaves
-        if _frames_calls(s) >= want:
+async def _freed(w: Worker) -> None:
+    """Until the publisher holds nothing (the reader's DONE notice lingers a few ms, then frees it)."""
+    for _ in range(300):
+        if (await w.client.status())["leases"] == 0:
             return
         await asyncio.sleep(0.01)
+    raise AssertionError("a publish is still held")
 
 
 @pytest.mark.parametrize("auth", ["none", "token", "mtls"])
@@ -66,18 +71,29 @@ async def test_a_pulls_lookup_and_notice_go_as_frames_and_move_exact_bytes(
     res = await dw[0].pull("r1", ps, {"kv": [3, 4]})  # handshakes; the frames connection opens after it
     assert dw[0].verify({"kv": [3, 4]}, salt=1) == (res.bytes, 0)
     await _framed(ds[0], ps[0])
+    await _freed(pw[0])
     before = _frames_calls(ps[0])
     await pw[0].prefill("r2", {"kv": [5, 6, 7]}, salt=2)
     res = await dw[0].pull("r2", ps, {"kv": [8, 9, 10]})
     assert dw[0].verify({"kv": [8, 9, 10]}, salt=2) == (res.bytes, 0)
     assert res.fetch_seconds > 0  # it looked its publish up (no grant, no read-ahead)
-    await _settled(ps[0], before + 2)
-    assert _frames_calls(ps[0]) == before + 2  # its GetPublished and its DONE notice, as frames
-    for _ in range(200):  # the notice frees the publish as it is handled (just after it arrived)
-        if (await pw[0].client.status())["leases"] == 0:
+    await _freed(pw[0])
+    assert _frames_calls(ps[0]) - before == Counter({"GetPublished": 1, "Notify": 1})
+
+    # A queued request's hold goes as a frame too, and its pull reads on the grant.
+    await pw[0].prefill("r3", {"kv": [11]}, salt=3)
+    before = _frames_calls(ps[0])
+    assert await dw[0].client.expect("r3", [ps[0].peer_address])
+    for _ in range(300):
+        if _frames_calls(ps[0])["Hold"] > before["Hold"]:
             break
         await asyncio.sleep(0.01)
-    assert (await pw[0].client.status())["leases"] == 0
+    res = await dw[0].pull("r3", ps, {"kv": [12]})
+    assert dw[0].verify({"kv": [12]}, salt=3) == (res.bytes, 0)
+    await _freed(pw[0])
+    grew = _frames_calls(ps[0]) - before
+    assert grew["Hold"] >= 1
+    assert grew["Notify"] == 1
 
 
 async def test_a_frames_hello_needs_the_token(harness: Harness, tmp_path: Path) -> None:
@@ -130,7 +146,8 @@ async def test_over_frames_a_certificate_still_names_the_only_engine_its_holder_
     with pytest.raises((FastCallError, ssl.SSLError)):
         await FastChannel.open_tcp("127.0.0.1", port, tls=ssl.create_default_context(cafile=ca), hello=PEER_HELLO,
                                    token=None, timeout=5, max_message_bytes=1 << 20)  # fmt: skip
-    # The real decode engine still reads, exactly, and over frames.
+    # The real decode engine still reads, exactly (its first pull handshakes over gRPC), and then
+    # has a frames connection of its own.
     res = await dw[0].pull("r1", ps, {"kv": [3, 4]})
     assert dw[0].verify({"kv": [3, 4]}, 4) == (res.bytes, 0)
     await _framed(ds[0], ps[0])
@@ -162,14 +179,59 @@ async def test_without_peer_frames_or_after_the_connection_is_lost_calls_go_over
     await pw[0].prefill("r1", {"kv": [1, 2]}, salt=7)
     await dw[0].pull("r1", ps, {"kv": [3, 4]})
     await _framed(ds[0], ps[0])
-    assert ps[0].peer_frames is not None
-    await ps[0].peer_frames.api.close()  # the publisher stops serving frames (its connections close)
-    for _ in range(100):
-        if not ds[0].core.peers.framed(ps[0].peer_address):
-            break
-        await asyncio.sleep(0.01)
+    await _freed(pw[0])
+    # The reader's connection goes away (as when the network drops it) while the publisher still
+    # serves frames.
+    ds[0].core.peers._frames[ps[0].peer_address].close()
+    await asyncio.sleep(0.05)
     before = _frames_calls(ps[0])
     await pw[0].prefill("r2", {"kv": [5]}, salt=8)
     res = await dw[0].pull("r2", ps, {"kv": [6]})
     assert dw[0].verify({"kv": [6]}, 8) == (res.bytes, 0)
-    assert _frames_calls(ps[0]) == before  # over gRPC
+    await _freed(pw[0])
+    # Its lookup found the connection closed and went over gRPC; the reader dialled again at once,
+    # without a new handshake (its notice, 5 ms later, may have taken the new connection).
+    assert (_frames_calls(ps[0]) - before)["GetPublished"] == 0
+    await _framed(ds[0], ps[0])
+    before = _frames_calls(ps[0])
+    await pw[0].prefill("r3", {"kv": [9]}, salt=9)
+    res = await dw[0].pull("r3", ps, {"kv": [10]})
+    assert dw[0].verify({"kv": [10]}, 9) == (res.bytes, 0)
+    await _freed(pw[0])
+    assert _frames_calls(ps[0]) - before == Counter({"GetPublished": 1, "Notify": 1})
+
+    # A publisher that stops serving frames refuses connections that arrive late and calls alike.
+    assert ps[0].peer_frames is not None
+    await ps[0].peer_frames.api.close()
+    await pw[0].prefill("r4", {"kv": [11]}, salt=10)
+    res = await dw[0].pull("r4", ps, {"kv": [12]})
+    assert dw[0].verify({"kv": [12]}, 10) == (res.bytes, 0)
+
+
+async def test_a_frames_connection_is_kept_only_to_the_instance_handshaken(harness: Harness) -> None:
+    a = await harness.sidecar(role="prefill", engine_id="prefill-a")
+    b = await harness.sidecar(role="prefill", engine_id="prefill-b")
+    assert a.core is not None
+    assert b.core is not None
+    assert b.peer_frames is not None
+    dialer = FramesDialer(None, None, 1 << 20)
+    # b's frames port is on the host dialed for a, but b is not the instance a's handshake named
+    with pytest.raises(OSError, match=f"answered as instance '{b.core.instance_id}', not the handshake's"):
+        await dialer.open(a.peer_address, b.peer_frames.address, a.core.instance_id)
+    framed = await dialer.open(b.peer_address, b.peer_frames.address, b.core.instance_id)
+    framed.close()
+
+
+async def test_a_connection_that_does_not_say_hello_is_closed(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fast_api, "HELLO_WITHIN_S", 0.3)
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    assert p.peer_frames is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", p.peer_frames.port)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the sidecar, nothing said
+        assert asyncio.get_running_loop().time() - t0 < 2
+    finally:
+        writer.close()
