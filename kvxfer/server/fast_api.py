@@ -48,6 +48,7 @@ from kvxfer.errors import (
     UnavailableError,
 )
 from kvxfer.logs import get_logger
+from kvxfer.server.peer_auth import URIS_PROPERTY
 from kvxfer.server.rpc import Unary, parse_request, run_unary, snake_case
 from kvxfer.wire import local_pb2
 from kvxfer.wire.frames import ANSWER, CANCEL, HELLO, HELLO_CALL, METHODS, REQUEST, FastMethod
@@ -100,7 +101,7 @@ def tls_auth_context(peercert: Any) -> AuthContext:
     if not peercert:
         return _NO_AUTH
     uris = [v.encode() for kind, v in peercert.get("subjectAltName", ()) if kind == "URI"]
-    return {"peer_uri": uris} if uris else _NO_AUTH
+    return {URIS_PROPERTY: uris} if uris else _NO_AUTH
 
 
 class _Method:
@@ -140,8 +141,7 @@ class FastApi:
         self._connections: set[_Connection] = set()
         self._tls = False
         self._closing = False
-        self.calls_started = 0  # hot calls that arrived here (not over gRPC)
-        self.calls_by_method: Counter[str] = Counter()
+        self.calls_by_method: Counter[str] = Counter()  # hot calls that arrived here (not over gRPC)
 
     async def start(self) -> None:
         """Listen (the socket has its final mode before anyone can connect)."""
@@ -188,6 +188,11 @@ class FastApi:
         for c in list(self._connections):
             c.abandon()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def calls_started(self) -> int:
+        """Hot calls that arrived here, every method."""
+        return sum(self.calls_by_method.values())
 
     def check_hello(self, payload: bytes) -> KvxferError | None:
         """Why a hello is refused, or None."""
@@ -309,7 +314,6 @@ class _Connection(asyncio.Protocol):
             return
         task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Context(timeout, self.auth), arrived))
         self.calls[call] = task
-        self.api.calls_started += 1
         self.api.calls_by_method[m.name] += 1
 
     async def _run(self, call: int, m: _Method, req: Any, deadline: _Context, arrived: float) -> None:

@@ -23,11 +23,11 @@ from typing import Any
 
 from kvxfer.errors import PermissionDeniedError, Reason
 
-__all__ = ["ANONYMOUS", "ENGINE_URI_PREFIX", "PeerCredentials"]
+__all__ = ["ANONYMOUS", "ENGINE_URI_PREFIX", "URIS_PROPERTY", "PeerCredentials"]
 
 #: URI SAN prefix naming an engine a certificate's holder may act as.
 ENGINE_URI_PREFIX = "kvxfer://engine/"
-_URIS = "peer_uri"  # gRPC's auth-context property: the certificate's URI SANs
+URIS_PROPERTY = "peer_uri"  # gRPC's auth-context property: the certificate's URI SANs
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class PeerCredentials:
     @classmethod
     def from_auth_context(cls, auth: Mapping[str, Sequence[bytes]]) -> PeerCredentials:
         """From a call's ``auth_context()``: the engines its certificate names (none named: any)."""
-        uris = (v.decode(errors="replace") for v in auth.get(_URIS, ()))
+        uris = (v.decode(errors="replace") for v in auth.get(URIS_PROPERTY, ()))
         names = [u.removeprefix(ENGINE_URI_PREFIX) for u in uris if u.startswith(ENGINE_URI_PREFIX)]
         return cls(frozenset(names)) if names else ANONYMOUS
 

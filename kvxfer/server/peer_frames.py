@@ -42,13 +42,12 @@ from kvxfer.fastsock import FastCallError, FastChannel
 from kvxfer.server.fast_api import FastApi
 from kvxfer.wire import peer_pb2
 from kvxfer.wire.frames import PEER_HELLO, PEER_METHODS, FastMethod
-from kvxfer.wire.status import status_code
+from kvxfer.wire.status import DETAILS_KEY, status_code
 
 __all__ = ["FramedStub", "FramesDialer", "PeerFramesServer", "client_tls", "same_host"]
 
 _SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
 _BY_NAME: dict[str, FastMethod] = {m.name: m for m in PEER_METHODS.values()}
-_DETAILS_KEY = "grpc-status-details-bin"
 
 
 def server_tls(settings: Settings) -> ssl.SSLContext | None:
@@ -124,7 +123,7 @@ def same_host(dialed: str, frames_address: str) -> tuple[str, int] | None:
     try:
         host, _ = parse_address(dialed, setting="remote_addresses")
         f_host, f_port = parse_address(frames_address, setting="frames_address")
-    except Exception:
+    except ConfigError:
         return None
     return (f_host, f_port) if f_host == host and f_port > 0 else None
 
@@ -145,7 +144,7 @@ class FramesDialer:
             return None
         return cls(client_tls(settings), settings.token(), settings.max_message_bytes)
 
-    async def open(self, dialed: str, frames_address: str, instance_id: str) -> FramedStub:
+    async def open(self, dialed: str, frames_address: str, instance_id: str) -> FastChannel:
         """A frames connection to the peer instance ``instance_id`` handshaken at ``dialed``.
 
         OSError, TimeoutError or FastHelloRefusedError when there is none: the address is not on the
@@ -162,25 +161,25 @@ class FramesDialer:
             ch.close()
             answered = ch.hello_answer.decode(errors="replace")
             raise OSError(f"{frames_address} answered as instance {answered!r}, not the handshake's {instance_id!r}")
-        return FramedStub(ch)
+        return ch
 
 
 def _rpc_error(code: grpc.StatusCode, message: str, status: bytes | None = None) -> grpc.aio.AioRpcError:
-    trailing = grpc.aio.Metadata((_DETAILS_KEY, status)) if status else grpc.aio.Metadata()
+    trailing = grpc.aio.Metadata((DETAILS_KEY, status)) if status else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=message)
 
 
 class FramedStub:
-    """One frames connection to a peer, as a Peer stub: its hot methods as frames, the rest over gRPC.
+    """One frames connection to a peer, as a Peer stub: its hot methods as frames, the rest over ``stub``.
 
-    :meth:`over` pairs it with the peer's gRPC stub for one call. A call the connection could not
-    send goes over gRPC instead; one it sent and lost fails as UNAVAILABLE, a passed deadline as
-    DEADLINE_EXCEEDED, as they would over gRPC.
+    ``stub`` is the gRPC stub of the same address; the two are replaced together (a reconnect drops
+    both). A call the connection could not send goes over gRPC instead; one it sent and lost fails
+    as UNAVAILABLE, a passed deadline as DEADLINE_EXCEEDED, as they would over gRPC.
     """
 
-    def __init__(self, channel: FastChannel) -> None:
+    def __init__(self, channel: FastChannel, stub: Any) -> None:
         self.channel = channel
-        self._stub: Any = None
+        self._stub = stub
         self._methods = {name: self._method(m) for name, m in _BY_NAME.items()}
 
     @property
@@ -188,17 +187,12 @@ class FramedStub:
         """True once the connection is gone (the peer died or the sidecar closed it)."""
         return self.channel.closed
 
-    def over(self, stub: Any) -> FramedStub:
-        """This connection, with ``stub`` for what does not go as frames (the stub of the same address)."""
-        self._stub = stub
-        return self
-
     def close(self) -> None:
         """Close the connection; calls in flight fail as UNAVAILABLE."""
         self.channel.close()
 
     def __getattr__(self, name: str) -> Any:
-        method = self.__dict__["_methods"].get(name)
+        method = self._methods.get(name)
         return method if method is not None else getattr(self._stub, name)
 
     def _method(self, m: FastMethod) -> Callable[..., Awaitable[Any]]:

@@ -222,7 +222,7 @@ class PeerDirectory:
 
     async def _open_frames(self, dialer: FramesDialer, address: str, them: Identity) -> None:
         try:
-            framed = await dialer.open(address, them.frames_address, them.instance_id)
+            channel = await dialer.open(address, them.frames_address, them.instance_id)
         except (OSError, TimeoutError, FastHelloRefusedError) as exc:
             self._frames_retry[address] = time.monotonic() + FRAMES_RETRY_S
             log.warning("peer frames not used for now; its hot calls go over gRPC", extra={
@@ -231,12 +231,12 @@ class PeerDirectory:
             return
         s = self._sessions.get(address)
         if self._closed or s is None or not s.alive or s.identity.instance_id != them.instance_id:
-            framed.close()  # the session it was opened for is gone: the next handshake opens another
+            channel.close()  # the session it was opened for is gone: the next handshake opens another
             return
         old = self._frames.get(address)
         if old is not None:
             old.close()
-        self._frames[address] = framed
+        self._frames[address] = FramedStub(channel, self.stub(address))
 
     def invalidate(self, address: str, *, reconnect: bool = False) -> None:
         """Drop the session to ``address``; the next use handshakes again.
@@ -278,7 +278,7 @@ class PeerDirectory:
                     self._connect_frames(address, s.identity)
                 framed = None
             else:
-                stub = framed.over(stub)
+                stub = framed
         try:
             return await fn(stub)
         except grpc.aio.AioRpcError as exc:

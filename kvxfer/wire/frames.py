@@ -77,37 +77,37 @@ class FastMethod:
         self.response = response
 
 
+def _by_number(*methods: FastMethod) -> dict[int, FastMethod]:
+    table = {m.number: m for m in methods}
+    assert len(table) == len(methods), "a method number given twice"
+    return table
+
+
 #: The hot calls, by the number their frames carry. Numbers are never reused.
-METHODS: dict[int, FastMethod] = {
-    m.number: m
-    for m in (
-        FastMethod(1, "Pull", local_pb2.PullRequest, local_pb2.PullResponse),
-        FastMethod(2, "PullBatch", local_pb2.PullBatchRequest, local_pb2.PullBatchResponse),
-        FastMethod(3, "Publish", local_pb2.PublishRequest, local_pb2.PublishResponse),
-        FastMethod(4, "AgentJobs", local_pb2.AgentJobsRequest, local_pb2.AgentJobsResponse),
-        FastMethod(5, "AgentReport", local_pb2.AgentReportRequest, local_pb2.AgentReportResponse),
-        FastMethod(6, "StreamStep", local_pb2.StreamStepRequest, local_pb2.StreamStepResponse),
-        FastMethod(7, "LayerDone", local_pb2.LayerDoneRequest, local_pb2.LayerDoneResponse),
-        # One per decode request, from the vLLM scheduler as the request enters its queue.
-        FastMethod(8, "Expect", local_pb2.ExpectRequest, local_pb2.ExpectResponse),
-    )
-}
+METHODS: dict[int, FastMethod] = _by_number(
+    FastMethod(1, "Pull", local_pb2.PullRequest, local_pb2.PullResponse),
+    FastMethod(2, "PullBatch", local_pb2.PullBatchRequest, local_pb2.PullBatchResponse),
+    FastMethod(3, "Publish", local_pb2.PublishRequest, local_pb2.PublishResponse),
+    FastMethod(4, "AgentJobs", local_pb2.AgentJobsRequest, local_pb2.AgentJobsResponse),
+    FastMethod(5, "AgentReport", local_pb2.AgentReportRequest, local_pb2.AgentReportResponse),
+    FastMethod(6, "StreamStep", local_pb2.StreamStepRequest, local_pb2.StreamStepResponse),
+    FastMethod(7, "LayerDone", local_pb2.LayerDoneRequest, local_pb2.LayerDoneResponse),
+    # One per decode request, from the vLLM scheduler as the request enters its queue.
+    FastMethod(8, "Expect", local_pb2.ExpectRequest, local_pb2.ExpectResponse),
+)
 #: The method a request message type is sent as.
 METHOD_OF_REQUEST: dict[type[Message], FastMethod] = {m.request: m for m in METHODS.values()}
 
 #: First bytes of a peer connection's hello (the bearer token follows, if the cluster has one).
 PEER_HELLO = b"kvxfer-peer-frames/1\n"
 #: The peer API's hot calls (``kvxfer.v1.Peer``), by number. Numbers are never reused.
-PEER_METHODS: dict[int, FastMethod] = {
-    m.number: m
-    for m in (
-        FastMethod(1, "GetPublished", peer_pb2.GetPublishedRequest, peer_pb2.GetPublishedResponse),
-        FastMethod(2, "GetPublishedBatch", peer_pb2.GetPublishedBatchRequest, peer_pb2.GetPublishedBatchResponse),
-        FastMethod(3, "Notify", peer_pb2.NotifyRequest, peer_pb2.NotifyResponse),
-        FastMethod(4, "NotifyBatch", peer_pb2.NotifyBatchRequest, peer_pb2.NotifyBatchResponse),
-        FastMethod(5, "Hold", peer_pb2.HoldRequest, peer_pb2.HoldResponse),
-    )
-}
+PEER_METHODS: dict[int, FastMethod] = _by_number(
+    FastMethod(1, "GetPublished", peer_pb2.GetPublishedRequest, peer_pb2.GetPublishedResponse),
+    FastMethod(2, "GetPublishedBatch", peer_pb2.GetPublishedBatchRequest, peer_pb2.GetPublishedBatchResponse),
+    FastMethod(3, "Notify", peer_pb2.NotifyRequest, peer_pb2.NotifyResponse),
+    FastMethod(4, "NotifyBatch", peer_pb2.NotifyBatchRequest, peer_pb2.NotifyBatchResponse),
+    FastMethod(5, "Hold", peer_pb2.HoldRequest, peer_pb2.HoldResponse),
+)
 
 
 def fast_socket_path(local_socket: str | os.PathLike[str]) -> Path:

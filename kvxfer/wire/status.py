@@ -32,6 +32,7 @@ from kvxfer.errors import (
 )
 
 __all__ = [
+    "DETAILS_KEY",
     "DOMAIN",
     "abort",
     "code_of",
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 DOMAIN = "kvxfer"
-_DETAILS_KEY = "grpc-status-details-bin"
+DETAILS_KEY = "grpc-status-details-bin"
 
 # What a reason-less failure of each code means (a peer of an older build, gRPC's own errors).
 _REASON_OF_CODE = {
@@ -109,7 +110,7 @@ def error_from_status(
 ) -> tuple[Reason, str | None]:
     """(reason, field) of a failed call: from its ErrorInfo, else the one its code implies."""
     for key, value in trailing_metadata or ():
-        if key != _DETAILS_KEY:
+        if key != DETAILS_KEY:
             continue
         status = status_pb2.Status.FromString(value if isinstance(value, bytes) else bytes(value))
         for detail in status.details:
@@ -127,7 +128,7 @@ def error_from_status_message(raw: bytes) -> tuple[grpc.StatusCode, str, Reason,
     """
     status = status_pb2.Status.FromString(raw)
     code = status_code(status.code)
-    reason, field = error_from_status(code, status.message, ((_DETAILS_KEY, raw),))
+    reason, field = error_from_status(code, status.message, ((DETAILS_KEY, raw),))
     return code, status.message, reason, field
 
 
