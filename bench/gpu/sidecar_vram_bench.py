@@ -207,6 +207,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          block_lists, args.sizes, args.reps, "")
         for gather in args.gathers for tag, extra in args.sidecar_env
     ]  # fmt: skip
+    if args.worker_gather and not smoke:
+        # The same sidecars, the decode worker launching each gather itself (PullRequest.worker_gather).
+        plans += [(f"{p[0]}-in-worker", *p[1:]) for p in list(plans)]
     if not smoke and args.nixl_reps:
         # The same sidecars with the same-host shortcut off: what NIXL/UCX does with IPC-opened memory.
         plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "false"}, block_lists, args.sizes[:1], args.nixl_reps, ""))
@@ -255,7 +258,8 @@ def run_cluster(
         pre = cluster.start_sidecar("prefill-0", "prefill", "prefill", env=env)
         dec = cluster.start_sidecar("decode-0", "decode", "decode", env=env)
         pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory[0], agent=agent)
-        dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory[1], agent=agent)
+        dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory[1], agent=agent,
+                                  worker_gather=path.endswith("-in-worker"))  # fmt: skip
         cluster.wait_workers(timeout=300)
         if args.pin_cpus:  # each process on cores of its own: is a READ's CPU side slow from sharing them?
             procs = {"decode-sidecar": dec.proc.pid, "prefill-sidecar": pre.proc.pid, "decode-worker": dw.proc.pid,
@@ -378,6 +382,11 @@ def main() -> int:
         default=0,
         metavar="N",
         help="pin this script, each sidecar and each worker to N cores of its own (0: no pinning)",
+    )
+    ap.add_argument(
+        "--worker-gather",
+        action="store_true",
+        help="each gather path also with the decode worker launching the gathers itself",
     )
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     ap.add_argument(

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvxfer.client.fast import decode_answer, lost_error, timeout_error
+from kvxfer.client.gather import GatherOutcome, WorkerGather, report_in_background, report_lost, settled
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -91,6 +92,7 @@ class AsyncClient:
             else grpc.aio.insecure_channel(self.target, options=opts)
         )
         self._stub = local_pb2_grpc.LocalStub(self._channel)
+        self._reports: set[asyncio.Task[local_pb2.PullResponse]] = set()  # GatherDone sent in the background
 
     async def _call(self, rpc: grpc.aio.UnaryUnaryMultiCallable[Q, R], req: Q, deadline: float | None) -> R:
         timeout = self.call_timeout(req, deadline)
@@ -206,16 +208,47 @@ class AsyncClient:
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
         remote_blocks: BlockMap | None = None, remote_engine_id: str = "", wait: bool = True,
         deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None, push: bool = False,
+        gather: WorkerGather | None = None,
     ) -> PullResult:  # fmt: skip
         """Pull a published request into ``local_blocks``; with ``wait`` returns once the bytes are in place.
 
         ``spans`` moves part of a group's tokens (:class:`TokenSpan`); it needs ``remote_blocks`` (but
         with ``push``). ``push``: the sources WRITE into ``local_blocks`` once the request is published
-        there (push mode: the pull may start before the prefill does).
+        there (push mode: the pull may start before the prefill does). ``gather``: this worker moves
+        the bytes itself when the sidecar hands it the pull as one same-host GPU gather
+        (:mod:`kvxfer.client.gather`); the call then blocks this thread for the copies.
         """
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
                         spans, push)  # fmt: skip
-        return _pull_result(await self._call(self._stub.Pull, _pull_request(item), self.pull_timeout(deadline)))
+        req = _pull_request(item)
+        req.worker_gather = gather is not None
+        t0 = time.perf_counter()
+        resp = await self._call(self._stub.Pull, req, self.pull_timeout(deadline))
+        if resp.HasField("gather") and gather is not None:
+            outcome = gather.run(resp.gather)  # in this thread: the launch follows the answer at once
+            final = self.report_gather(resp, outcome, t0)
+            if final is not None:
+                return final
+            return _pull_result(await self.gather_done(outcome.report(resp.gather.ticket), deadline))
+        return _pull_result(resp)
+
+    def report_gather(self, resp: local_pb2.PullResponse, outcome: GatherOutcome, t0: float) -> PullResult | None:
+        """After this worker ran a pull's gather: the pull's result when the worker knows it now (a
+        confirmed gather that ended in time; raises for a failed one), its report going in the
+        background from this loop; else None: the caller awaits :meth:`gather_done`'s answer."""
+        if not report_in_background(resp, outcome):
+            return None
+        task = asyncio.get_running_loop().create_task(self.gather_done(outcome.report(resp.gather.ticket)))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+        task.add_done_callback(report_lost)
+        return settled(resp, outcome, t0)
+
+    async def gather_done(
+        self, report: local_pb2.GatherDoneRequest, deadline: float | None = None
+    ) -> local_pb2.PullResponse:
+        """Report how a gather this worker was handed ended; answers the pull's outcome."""
+        return await self._call(self._stub.GatherDone, report, deadline)
 
     async def pull_batch(self, items: Sequence[PullItem]) -> list[PullResult | KvxferRpcError]:
         """Several pulls in one call (e.g. all a worker starts in one step), one result or error each, in order.

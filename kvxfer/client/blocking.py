@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -14,6 +15,7 @@ import uvloop
 
 from kvxfer.client.aio import AsyncClient
 from kvxfer.client.fast import ThreadCalls
+from kvxfer.client.gather import WorkerGather, report_in_background, report_lost, settled
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -116,20 +118,43 @@ class Client:
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
         remote_blocks: BlockMap | None = None, remote_engine_id: str = "", wait: bool = True,
         deadline: float | None = None, spans: Mapping[str, TokenSpan] | None = None, push: bool = False,
+        gather: WorkerGather | None = None,
     ) -> PullResult:  # fmt: skip
-        """Blocking :meth:`AsyncClient.pull` (over this thread's fast-socket connection when there is one)."""
+        """Blocking :meth:`AsyncClient.pull` (over this thread's fast-socket connection when there is one).
+
+        With ``gather``, a gather the sidecar hands this worker runs in the calling thread.
+        """
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
                         spans, push)  # fmt: skip
         req = _pull_request(item)
+        req.worker_gather = gather is not None
+        t0 = time.perf_counter()
         resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PullRequest], req,
                                        self.aio.call_timeout(req, self.aio.pull_timeout(deadline)))  # fmt: skip
         if resp is None:
             return self.call(self.aio.pull(
                 request_id, remote_addresses, local_blocks, remote_blocks=remote_blocks,
                 remote_engine_id=remote_engine_id, wait=wait, deadline=deadline, spans=spans, push=push,
+                gather=gather,
             ))  # fmt: skip
         assert isinstance(resp, local_pb2.PullResponse)
+        if resp.HasField("gather") and gather is not None:
+            return self._gathered(resp, gather, t0, deadline)
         return _pull_result(resp)
+
+    def _gathered(self, resp: local_pb2.PullResponse, gather: WorkerGather, t0: float,
+                  deadline: float | None) -> PullResult:  # fmt: skip
+        outcome = gather.run(resp.gather)
+        report = outcome.report(resp.gather.ticket)
+        if report_in_background(resp, outcome):  # from the client's loop
+            self.submit(self.aio.gather_done(report)).add_done_callback(report_lost)
+            return settled(resp, outcome, t0)
+        answer = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.GatherDoneRequest], report,
+                                         self.aio.call_timeout(report, deadline))  # fmt: skip
+        if answer is None:
+            answer = self.call(self.aio.gather_done(report, deadline))
+        assert isinstance(answer, local_pb2.PullResponse)
+        return _pull_result(answer)
 
     pull_batch = _blocking(AsyncClient.pull_batch)
     release = _blocking(AsyncClient.release)

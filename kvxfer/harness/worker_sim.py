@@ -220,6 +220,7 @@ class WorkerConfig:
     watch: bool = False  # follow the completion stream (prefill: count releases)
     memory: str = "shm"  # "shm" (shared memory) or "cuda:<device>" (GPU tensors shared by CUDA IPC)
     agent: str = ""  # a backend name: this process runs the data plane itself (a --backend worker sidecar)
+    worker_gather: bool = False  # GPU memory: run the same-host gathers the sidecar hands out (kvxfer.client.gather)
 
     def to_json(self) -> str:
         """The command-line form."""
@@ -236,6 +237,7 @@ class WorkerConfig:
 def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
     """Serve JSON-line commands from ``inp`` until ``["stop"]``; answers ``{"ok": result}`` or ``{"error": text}``."""
     from kvxfer.client import Client
+    from kvxfer.client.gather import WorkerGather
     from kvxfer.fdpass import FdLease, fd_socket_path, send_fds
     from kvxfer.memory import SharedKVBuffer
     from kvxfer.worker_agent import WorkerAgent
@@ -252,6 +254,9 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         buffers = {g: CudaKVBuffer(lay, device, pad=4096) for g, lay in layouts.items()}
     else:
         buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
+    gather: WorkerGather | None = None
+    if cfg.worker_gather and cfg.memory.startswith("cuda"):
+        gather = WorkerGather.from_tensors(device, {g: b.regions for g, b in buffers.items()})
     events: dict[str, int] = {}
     agent: WorkerAgent | None = None
     client = Client(cfg.target, token=cfg.token, timeout=60.0)
@@ -282,7 +287,7 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
                 reply({"ok": dict(events)})
                 return 0
             try:
-                reply({"ok": _handle(cmd, client, buffers, rank)})
+                reply({"ok": _handle(cmd, client, buffers, rank, gather)})
             except Exception as exc:
                 reply({"error": f"{type(exc).__name__}: {exc}"})
         return 0
@@ -291,6 +296,8 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         return 1
     finally:
         client.close()
+        if gather is not None:
+            gather.close()
         if agent is not None:
             agent.close()
         if lease is not None:
@@ -307,7 +314,7 @@ def _watch(client: Any, events: dict[str, int]) -> None:
         return
 
 
-def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo) -> dict[str, Any]:
+def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo, gather: Any = None) -> dict[str, Any]:
     op = cmd[0]
     if op == "prefill":
         _, rid, blocks, salt, lease = cmd
@@ -352,7 +359,7 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
         t_call = time.monotonic()
         t0 = time.perf_counter()
         res = client.pull(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine, wait=True, push=push,
-                          spans=spans)  # fmt: skip
+                          spans=spans, gather=gather)  # fmt: skip
         t_done = time.monotonic()
         latency = time.perf_counter() - t0
         checked = bad = 0

@@ -68,6 +68,9 @@ class _LocalApi:
     async def pull(self, req: local_pb2.PullRequest, ctx: Context) -> local_pb2.PullResponse:
         return await self.core.pull(req, ctx.time_remaining())
 
+    async def gather_done(self, req: local_pb2.GatherDoneRequest, _ctx: Context) -> local_pb2.PullResponse:
+        return await self.core.gather_done(req)
+
     async def pull_batch(self, req: local_pb2.PullBatchRequest, ctx: Context) -> local_pb2.PullBatchResponse:
         return await self.core.pull_batch(req, ctx.time_remaining())
 

@@ -153,6 +153,10 @@ class SidecarCore:
         self._require_role("decode", "Pull")
         return await self.puller.pull(req, client_timeout, self.holds.take(req.request_id))
 
+    async def gather_done(self, req: local_pb2.GatherDoneRequest) -> local_pb2.PullResponse:
+        """GatherDone: the worker's report on a pull it moved itself; answers the pull's outcome."""
+        return await self.puller.gather_done(req)
+
     async def pull_batch(
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None
     ) -> local_pb2.PullBatchResponse:

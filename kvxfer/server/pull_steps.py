@@ -27,6 +27,7 @@ outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.topology import RegionTable
-from kvxfer.transport import Transport, mem_type
+from kvxfer.transport import SameHostGather, Transport, mem_type
 from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import check_block_ids, rank_to_proto, regions_from_proto
 
@@ -86,6 +87,9 @@ class PullSteps:
         self.outbox = outbox
         self.topologies = topologies
         self.push = PushSteps(registry, peers)
+        #: Gathers handed to the worker (PullRequest.worker_gather), by ticket, until it reports.
+        self.gathers: dict[int, PullEntry] = {}
+        self._tickets = itertools.count(1)
 
     async def run(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
@@ -212,7 +216,7 @@ class PullSteps:
                 fetch_seconds = time.monotonic() - t_fetch
 
         lookups = asyncio.ensure_future(confirm())
-        reads = asyncio.ensure_future(self._read_all(entry, reg, per_rank, guess, sessions))
+        reads = asyncio.ensure_future(self._read_all(entry, reg, per_rank, guess, sessions, confirmed=False))
         moved: tuple[int, int, float] | None
         try:
             await asyncio.wait((lookups, reads), return_when=asyncio.FIRST_EXCEPTION)
@@ -402,9 +406,13 @@ class PullSteps:
     # ------------------------------------------------------------------ 4. data plane
     async def _read_all(
         self, entry: PullEntry, reg: Registration, per_rank: dict[int, list[tuple[U64, U64]]],
-        published: dict[int, _Fetched], sessions: dict[int, PeerSession],
+        published: dict[int, _Fetched], sessions: dict[int, PeerSession], *, confirmed: bool = True,
     ) -> tuple[int, int, float]:  # fmt: skip
-        """READ from every remote rank at once; returns (bytes, descriptors, seconds of data movement)."""
+        """READ from every remote rank at once; returns (bytes, descriptors, seconds of data movement).
+
+        ``confirmed``: the publishers confirmed these blocks already (a grant, a lookup's answer), as
+        opposed to lookups still running beside the READs (a worker's gather then waits for them).
+        """
         entry.stage = "reading from " + ", ".join(f"rank {q} ({entry.addresses[q]})" for q in per_rank)
         total_bytes = total_desc = 0
         reads = []
@@ -416,15 +424,72 @@ class PullSteps:
             remote = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
             total_bytes += int(local[:, 1].sum())
             total_desc += int(local.shape[0])
-            reads.append(self._read(entry, sessions[q], local, remote, mem_type, published[q].mem_type))
+            reads.append((sessions[q], local, remote, published[q].mem_type))
+        # The worker moves a pull that is one same-host gather (one source rank) itself, if it asked to.
+        by_worker = entry.handoff is not None and not entry.handoff.done() and len(reads) == 1
         t0 = time.monotonic()
         if not entry.posted.done():
             entry.posted.set_result(None)
-        await _gather_or_cancel(reads)
+        await _gather_or_cancel([self._read(entry, reg, *r, mem_type, by_worker=by_worker, confirmed=confirmed)
+                                 for r in reads])  # fmt: skip
         return total_bytes, total_desc, time.monotonic() - t0
 
-    async def _read(self, entry: PullEntry, s: PeerSession, local: U64, remote: U64, mem: str, rmem: str) -> None:
+    async def _worker_reads(
+        self, entry: PullEntry, reg: Registration, s: PeerSession, gather: SameHostGather, local: U64,
+        confirmed: bool,
+    ) -> None:  # fmt: skip
+        """Hand the READ to the worker as one gather (the Pull call answers with it) and wait for its report.
+
+        The worker launches it in its own CUDA context, as soon as the answer reaches it: no
+        sidecar launch, no GPU context switch. It must see the copies end by ``entry.deadline``
+        (on the host's monotonic clock, which both processes read), while the publishers' promise
+        holds; a report that it did not, or none by then, fails the pull.
+        """
+        assert entry.handoff is not None
+        region, offset = _worker_regions(reg, local)
+        spans = np.column_stack((gather.source, gather.offset, region, offset, local[:, 1].astype(np.uint64)))
+        ticket = next(self._tickets)
+        loop = asyncio.get_running_loop()
+        entry.gathered = loop.create_future()
+        self.gathers[ticket] = entry
+        try:
+            entry.handoff.set_result(local_pb2.WorkerGather(
+                ticket=ticket, spans=np.ascontiguousarray(spans, dtype="<u8").tobytes(), deadline=entry.deadline,
+                confirmed=confirmed,
+                sources=[local_pb2.GatherSource(handle=h, device_uuid=u)
+                         for h, u in zip(gather.handles, gather.device_uuids, strict=True)],
+            ))  # fmt: skip
+            report: local_pb2.GatherDoneRequest = await entry.gathered
+        finally:
+            self.gathers.pop(ticket, None)
+        if not report.ok:
+            raise PeerUnavailableError(
+                f"the worker's gather of the READ from {s.identity.label} at {s.address} failed: {report.error}",
+                field="remote_addresses", reason=Reason.DATA_PLANE,
+            )  # fmt: skip
+        if report.ended > entry.deadline:
+            raise DeadlineError(
+                f"the worker's gather of the READ from {s.identity.label} at {s.address} ended "
+                f"{(report.ended - entry.deadline) * 1e3:.3g} ms after the pull's deadline", field="timeout_seconds",
+            )  # fmt: skip
+
+    async def _read(
+        self, entry: PullEntry, reg: Registration, s: PeerSession, local: U64, remote: U64, rmem: str, mem: str, *,
+        by_worker: bool = False, confirmed: bool = True,
+    ) -> None:  # fmt: skip
         remaining = max(entry.deadline - time.monotonic(), 0.001)
+        if by_worker:
+            try:
+                gather = self.dp.same_host_gather(s.dp_name, local, remote, mem_type=mem_type(mem),
+                                                  remote_mem_type=mem_type(rmem))  # fmt: skip
+            except KvxferError as exc:
+                raise PeerUnavailableError(
+                    f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
+                    field="remote_addresses", reason=Reason.DATA_PLANE,
+                ) from None  # fmt: skip
+            if gather is not None:
+                await self._worker_reads(entry, reg, s, gather, local, confirmed)
+                return
         try:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
                                remote_mem_type=mem_type(rmem))  # fmt: skip
@@ -440,6 +505,21 @@ class PullSteps:
                 f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                 field="remote_addresses", reason=Reason.DATA_PLANE,
             ) from None  # fmt: skip
+
+
+def _worker_regions(reg: Registration, local: U64) -> tuple[U64, U64]:
+    """Per local descriptor, the registered region it lies in (groups in registration order, regions
+    in layout order: the order the worker registered its tensors) and its byte offset there."""
+    tables = [g.memory.table for g in reg.groups.values()]
+    bases = np.concatenate([t.base for t in tables]).astype(np.uint64)
+    ends = bases + np.concatenate([t.size for t in tables]).astype(np.uint64)
+    order = np.argsort(bases, kind="stable")
+    addr, size = local[:, 0].astype(np.uint64, copy=False), local[:, 1].astype(np.uint64, copy=False)
+    at = np.searchsorted(bases[order], addr, side="right") - 1
+    region = order[np.maximum(at, 0)]
+    if not ((at >= 0) & (addr < ends[region]) & (size <= ends[region] - addr)).all():
+        raise RuntimeError("a local descriptor lies outside the registered regions")  # a planning bug
+    return region.astype(np.uint64), addr - bases[region]
 
 
 def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) -> bool:

@@ -28,6 +28,7 @@ from kvxfer.errors import (
     DeadlineError,
     InvalidArgumentError,
     KvxferError,
+    NotFoundError,
     Reason,
 )
 from kvxfer.logs import get_logger, log_context
@@ -84,6 +85,9 @@ class Puller:
         entry = self._start(req, client_timeout, grants or {})
         entry.waited = req.wait
         wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
+        if req.worker_gather and not req.push:
+            entry.handoff = asyncio.get_running_loop().create_future()
+            wait_for = asyncio.ensure_future(_first(wait_for, entry.handoff))
         try:
             await asyncio.shield(wait_for)
         except asyncio.CancelledError:
@@ -93,13 +97,12 @@ class Puller:
                 entry.task.cancel()
             self._book(entry)  # it may have succeeded just before: nobody else does its bookkeeping
             raise
-        failure = entry.done.exception() if entry.done.done() else None
-        if failure is not None:
-            raise failure
-        resp = local_pb2.PullResponse(transfer_id=entry.transfer_id, request_id=entry.request_id,
-                                      done=entry.done.done())  # fmt: skip
-        if entry.done.done():
-            resp.stats.CopyFrom(entry.done.result())
+        if entry.handoff is not None and entry.handoff.done() and not entry.done.done():
+            # The worker moves the bytes and reports with GatherDone; this pull's bookkeeping is _run's.
+            entry.waited = False
+            return local_pb2.PullResponse(transfer_id=entry.transfer_id, request_id=entry.request_id,
+                                          gather=entry.handoff.result())  # fmt: skip
+        resp = self._answer(entry)
         if req.wait:
             # Runs once this task step has returned the answer (the fast socket writes it in the
             # same step): the bookkeeping stays off the worker's critical path.
@@ -107,6 +110,31 @@ class Puller:
         if log.isEnabledFor(logging.DEBUG):  # where a pull's time goes, on monotonic clocks every process shares
             log.debug("pull answered", extra={"entered": entered, "started": entry.started,
                                               "answering": time.monotonic()})  # fmt: skip
+        return resp
+
+    async def gather_done(self, req: local_pb2.GatherDoneRequest) -> local_pb2.PullResponse:
+        """A worker's report on the gather it was handed: the pull's outcome, once the pull has ended."""
+        entry = self.steps.gathers.get(req.ticket)
+        if entry is None or entry.gathered is None:
+            raise NotFoundError(
+                f"ticket: no pull waits for gather {req.ticket} (it ended: timed out, aborted or reported)",
+                field="ticket",
+            )  # fmt: skip
+        if not entry.gathered.done():
+            entry.gathered.set_result(req)
+        await asyncio.wait((entry.done,))  # _run books the outcome
+        return self._answer(entry)
+
+    @staticmethod
+    def _answer(entry: PullEntry) -> local_pb2.PullResponse:
+        """The Pull answer for ``entry`` as it stands (raises its failure, if it failed)."""
+        failure = entry.done.exception() if entry.done.done() else None
+        if failure is not None:
+            raise failure
+        resp = local_pb2.PullResponse(transfer_id=entry.transfer_id, request_id=entry.request_id,
+                                      done=entry.done.done())  # fmt: skip
+        if entry.done.done():
+            resp.stats.CopyFrom(entry.done.result())
         return resp
 
     def _start(self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant]) -> PullEntry:

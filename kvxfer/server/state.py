@@ -125,3 +125,8 @@ class PullEntry:
     waited: bool = False
     #: A success's bookkeeping (metrics, completion event, the publishers' notice): (stats, seconds), then done.
     unbooked: tuple[Any, float] | None = None
+    #: PullRequest.worker_gather: the worker moves the bytes when the pull is one same-host GPU gather.
+    #: ``handoff`` (set only then) gets the gather (local_pb2.WorkerGather) for the Pull call to
+    #: answer with, ``gathered`` the worker's report (local_pb2.GatherDoneRequest).
+    handoff: asyncio.Future[Any] | None = None
+    gathered: asyncio.Future[Any] | None = None

@@ -23,8 +23,8 @@ from kvxfer.topology import RegionTable
 from kvxfer.transport.errors import describe_transfer
 
 __all__ = [
-    "MemType", "Notification", "Op", "Registration", "TransferResult", "Transport", "TransportConfig",
-    "WorkerAgentInfo", "mem_type",
+    "MemType", "Notification", "Op", "Registration", "SameHostGather", "TransferResult", "Transport",
+    "TransportConfig", "WorkerAgentInfo", "mem_type",
 ]  # fmt: skip
 
 U64 = npt.NDArray[np.uint64]
@@ -93,6 +93,20 @@ class TransferResult:
     bytes: int
     descriptors: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class SameHostGather:
+    """A READ as a process on the publisher's host could run it itself (:meth:`Transport.same_host_gather`).
+
+    ``handles[i]`` / ``device_uuids[i]``: the publishing worker's GPU allocation ``i`` (CUDA IPC);
+    per descriptor, the allocation it reads (``source``) and the byte offset in it (``offset``).
+    """
+
+    handles: tuple[bytes, ...]
+    device_uuids: tuple[str, ...]
+    source: U64
+    offset: U64
 
 
 @dataclass(frozen=True)
@@ -205,6 +219,17 @@ class Transport(abc.ABC):
             "READ", local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type,
             remote_mem_type=remote_mem_type,
         )  # fmt: skip
+
+    def same_host_gather(
+        self, peer: str, local: U64, remote: U64, *, mem_type: MemType, remote_mem_type: MemType
+    ) -> SameHostGather | None:
+        """This READ as allocations another process on this host can open, or None when it is not one.
+
+        The worker then moves the bytes in its own CUDA context (``PullRequest.worker_gather``).
+        Only a backend that reads peers' memory by CUDA IPC can say yes; raises
+        :class:`~kvxfer.transport.errors.TransferFailedError` on a descriptor outside the peer's regions.
+        """
+        return None
 
     @abc.abstractmethod
     def poll_notifications(self) -> list[Notification]:

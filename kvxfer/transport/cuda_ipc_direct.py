@@ -32,7 +32,7 @@ from kvxfer import cuda_ipc
 from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger
 from kvxfer.topology import RegionTable
-from kvxfer.transport.base import MemType, Notification, Op, Registration, TransferResult, Transport
+from kvxfer.transport.base import MemType, Notification, Op, Registration, SameHostGather, TransferResult, Transport
 from kvxfer.transport.errors import TransferFailedError, TransferTimeoutError
 
 __all__ = ["CudaIpcDirect"]
@@ -81,8 +81,10 @@ class _Peer:
     # Per export, once mapped: what to add (mod 2**64) to the peer's address to get the address here.
     shift: U64 = field(init=False)
     mapped: npt.NDArray[np.bool_] = field(init=False)
+    offsets: U64 = field(init=False)  # per export, its offset in the worker's allocation
 
     def __post_init__(self) -> None:
+        self.offsets = np.array([e.offset for e in self.exports], dtype=np.uint64)
         self.shift = np.zeros(len(self.exports), dtype=np.uint64)
         self.mapped = np.zeros(len(self.exports), dtype=bool)
 
@@ -222,15 +224,25 @@ class CudaIpcDirect(Transport):
             op, local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type, remote_mem_type=remote_mem_type
         )
 
+    def same_host_gather(
+        self, peer: str, local: U64, remote: U64, *, mem_type: MemType, remote_mem_type: MemType
+    ) -> SameHostGather | None:
+        """The READ as the publishing worker's allocations and offsets in them, for the worker here to run."""
+        p = self._peers.get(peer)
+        if p is None or p.broken or mem_type != "VRAM" or remote_mem_type != "VRAM" or not local.shape[0]:
+            return None
+        idx = self._inside(peer, p, remote)
+        # The offset in the worker's allocation: the descriptor's offset in the export, plus the export's.
+        offset = remote[:, 0].astype(np.uint64, copy=False) - p.bases[idx] + p.offsets[idx]
+        return SameHostGather(tuple(e.handle for e in p.exports), tuple(e.uuid for e in p.exports),
+                              idx.astype(np.uint64), offset)  # fmt: skip
+
     def poll_notifications(self) -> list[Notification]:
         return self._inner.poll_notifications()
 
-    def _translate(self, name: str, p: _Peer, remote: U64, ordinal: int) -> U64:
-        """The peer's descriptor addresses as addresses of the worker's memory mapped in this process.
-
-        A handful of vectorized steps, whatever the number of descriptors or regions: this is on
-        every same-host READ's way (a loop over the regions cost 70-100 us a READ).
-        """
+    @staticmethod
+    def _inside(name: str, p: _Peer, remote: U64) -> npt.NDArray[np.intp]:
+        """Per descriptor, the index of the peer's export it lies in; raises if one lies in none."""
         if remote.dtype != np.uint64:  # mixed with int64, numpy would compute addresses in float64
             remote = remote.astype(np.uint64)
         addr, size = remote[:, 0], remote[:, 1]
@@ -244,6 +256,16 @@ class CudaIpcDirect(Transport):
                 f"remote descriptor {bad} ({int(addr[bad]):#x}, {int(size[bad])} bytes) is outside the peer's "
                 "registered regions", backend="cuda-ipc", peer=name,
             )  # fmt: skip
+        return idx
+
+    def _translate(self, name: str, p: _Peer, remote: U64, ordinal: int) -> U64:
+        """The peer's descriptor addresses as addresses of the worker's memory mapped in this process.
+
+        A handful of vectorized steps, whatever the number of descriptors or regions: this is on
+        every same-host READ's way (a loop over the regions cost 70-100 us a READ).
+        """
+        idx = self._inside(name, p, remote)
+        addr = remote[:, 0].astype(np.uint64, copy=False)
         unmapped = ~p.mapped[idx]
         if unmapped.any():  # first READs only: map the allocations they touch
             for i in np.unique(idx[unmapped]).tolist():

@@ -94,6 +94,8 @@ METHODS: dict[int, FastMethod] = _by_number(
     FastMethod(7, "LayerDone", local_pb2.LayerDoneRequest, local_pb2.LayerDoneResponse),
     # One per decode request, from the vLLM scheduler as the request enters its queue.
     FastMethod(8, "Expect", local_pb2.ExpectRequest, local_pb2.ExpectResponse),
+    # A worker's report on a pull whose bytes it moved itself (PullRequest.worker_gather).
+    FastMethod(9, "GatherDone", local_pb2.GatherDoneRequest, local_pb2.PullResponse),
 )
 #: The method a request message type is sent as.
 METHOD_OF_REQUEST: dict[type[Message], FastMethod] = {m.request: m for m in METHODS.values()}

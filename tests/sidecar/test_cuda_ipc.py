@@ -534,6 +534,32 @@ async def test_same_host_reader_copies_from_the_publishers_worker_memory(fake: F
     a.close()
 
 
+def test_a_same_host_read_as_the_publishing_workers_allocations_and_offsets(fake: FakeDriver) -> None:
+    import numpy as np
+
+    pub, rd, (a, _reg) = _planes(fake)
+    rd.add_peer(pub.metadata())
+    base0, base3 = int(a.table.base[0]), int(a.table.base[3])
+    remote = np.array([[base3 + 100, 28, 0], [base0, 4096, 0]], dtype=np.uint64)
+    local = np.array([[0x5000_0000, 28, 1], [0x5000_1000, 4096, 1]], dtype=np.uint64)
+    fake.opened.clear()
+    g = rd.same_host_gather("pub", local, remote, mem_type="VRAM", remote_mem_type="VRAM")
+    assert g is not None
+    assert g.handles == (handle(1),) * 4
+    assert g.device_uuids == (UUIDS[0],) * 4
+    # Region r sits at 0x1000 + r * region_bytes in the worker's allocation (see _planes).
+    assert g.source.tolist() == [3, 0]
+    assert g.offset.tolist() == [0x1000 + 3 * LAY.region_bytes + 100, 0x1000]
+    assert fake.opened == []
+    assert fake.copies == []
+    assert rd.same_host_gather("pub", local, remote, mem_type="DRAM", remote_mem_type="DRAM") is None
+    assert rd.same_host_gather("other", local, remote, mem_type="VRAM", remote_mem_type="VRAM") is None
+    with pytest.raises(KvxferError, match="outside the peer's registered regions"):
+        rd.same_host_gather("pub", local, remote + np.array([[1 << 40, 0, 0]], dtype=np.uint64), mem_type="VRAM",
+                            remote_mem_type="VRAM")  # fmt: skip
+    a.close()
+
+
 async def test_the_event_loop_sees_a_read_end_and_a_thread_waits_only_for_a_long_one(
     fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -458,6 +458,7 @@ class PullRequest(_message.Message):
     WAIT_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     PUSH_FIELD_NUMBER: _builtins.int
+    WORKER_GATHER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     remote_engine_id: _builtins.str
     """checked against the peers' handshakes when set"""
@@ -468,6 +469,11 @@ class PullRequest(_message.Message):
     push: _builtins.bool
     """Push mode: offer local_blocks to the source ranks, which WRITE into them once the request is
     published there; the pull is done once every source rank reported its WRITEs landed.
+    """
+    worker_gather: _builtins.bool
+    """The worker can move the bytes itself (kvxfer.client.WorkerGather): when the pull comes down to
+    one same-host GPU gather, the sidecar answers with PullResponse.gather instead of copying, and
+    the worker launches it in its own CUDA context and reports with GatherDone. Otherwise ignored.
     """
     @_builtins.property
     def remote_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -490,14 +496,116 @@ class PullRequest(_message.Message):
         wait: _builtins.bool = ...,
         timeout_seconds: _builtins.float = ...,
         push: _builtins.bool = ...,
+        worker_gather: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_blocks", b"local_blocks", "push", b"push", "remote_addresses", b"remote_addresses", "remote_blocks", b"remote_blocks", "remote_engine_id", b"remote_engine_id", "request_id", b"request_id", "timeout_seconds", b"timeout_seconds", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_blocks", b"local_blocks", "push", b"push", "remote_addresses", b"remote_addresses", "remote_blocks", b"remote_blocks", "remote_engine_id", b"remote_engine_id", "request_id", b"request_id", "timeout_seconds", b"timeout_seconds", "wait", b"wait", "worker_gather", b"worker_gather"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
+
+@_typing.final
+class GatherSource(_message.Message):
+    """One allocation of a publishing worker's GPU memory, as a worker on the same host opens it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDLE_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    handle: _builtins.bytes
+    """CUipcMemHandle of the allocation"""
+    device_uuid: _builtins.str
+    """the GPU that holds it"""
+    def __init__(
+        self,
+        *,
+        handle: _builtins.bytes = ...,
+        device_uuid: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "handle", b"handle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatherSource: _TypeAlias = GatherSource  # noqa: Y015
+
+@_typing.final
+class WorkerGather(_message.Message):
+    """A pull's bytes as one gather for the worker to launch (PullRequest.worker_gather)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    CONFIRMED_FIELD_NUMBER: _builtins.int
+    ticket: _builtins.int
+    """GatherDone names it"""
+    spans: _builtins.bytes
+    """N x 5 little-endian uint64: source index, byte offset in that allocation, destination region
+    (the worker's registered regions, groups in registration order), byte offset in it, bytes.
+    """
+    deadline: _builtins.float
+    """CLOCK_MONOTONIC seconds on this host: the copies must have ended by then (the publisher's
+    promise on the blocks ends soon after); a gather that ends later has failed.
+    """
+    confirmed: _builtins.bool
+    """The publishers confirmed the blocks before this gather was handed out: a gather that ended by
+    the deadline is the pull's success, and GatherDone's answer need not be awaited.
+    """
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___GatherSource]: ...
+    def __init__(
+        self,
+        *,
+        ticket: _builtins.int = ...,
+        sources: _abc.Iterable[Global___GatherSource] | None = ...,
+        spans: _builtins.bytes = ...,
+        deadline: _builtins.float = ...,
+        confirmed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirmed", b"confirmed", "deadline", b"deadline", "sources", b"sources", "spans", b"spans", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerGather: _TypeAlias = WorkerGather  # noqa: Y015
+
+@_typing.final
+class GatherDoneRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    OK_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    ticket: _builtins.int
+    ok: _builtins.bool
+    """every copy ended, by the deadline"""
+    error: _builtins.str
+    """why not, when not ok"""
+    ended: _builtins.float
+    """CLOCK_MONOTONIC seconds when the worker saw the copies end"""
+    def __init__(
+        self,
+        *,
+        ticket: _builtins.int = ...,
+        ok: _builtins.bool = ...,
+        error: _builtins.str = ...,
+        ended: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "error", b"error", "ok", b"ok", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatherDoneRequest: _TypeAlias = GatherDoneRequest  # noqa: Y015
 
 @_typing.final
 class PullBatchRequest(_message.Message):
@@ -631,12 +739,17 @@ class PullResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    GATHER_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     request_id: _builtins.str
     done: _builtins.bool
     """true when wait was set and the data is in place"""
     @_builtins.property
     def stats(self) -> Global___TransferStats: ...
+    @_builtins.property
+    def gather(self) -> Global___WorkerGather:
+        """the worker is to move the bytes (PullRequest.worker_gather), then GatherDone"""
+
     def __init__(
         self,
         *,
@@ -644,10 +757,11 @@ class PullResponse(_message.Message):
         request_id: _builtins.str = ...,
         done: _builtins.bool = ...,
         stats: Global___TransferStats | None = ...,
+        gather: Global___WorkerGather | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["gather", b"gather", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "request_id", b"request_id", "stats", b"stats", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "gather", b"gather", "request_id", b"request_id", "stats", b"stats", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -104,6 +104,11 @@ class LocalStub:
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneResponse.FromString,
                 _registered_method=True)
+        self.GatherDone = channel.unary_unary(
+                '/kvxfer.v1.Local/GatherDone',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.GatherDoneRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.PullResponse.FromString,
+                _registered_method=True)
 
 
 class LocalServicer:
@@ -214,6 +219,14 @@ class LocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GatherDone(self, request, context):
+        """A worker that moved a pull's bytes itself (PullResponse.gather) reports how its gather ended;
+        answers with the pull's outcome once the sidecar has finished it (notices to the publishers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +299,11 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.LayerDone,
                     request_deserializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_local__pb2.LayerDoneResponse.SerializeToString,
+            ),
+            'GatherDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.GatherDone,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.GatherDoneRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.PullResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -666,6 +684,33 @@ class Local:
             '/kvxfer.v1.Local/LayerDone',
             kvxfer_dot_v1_dot_local__pb2.LayerDoneRequest.SerializeToString,
             kvxfer_dot_v1_dot_local__pb2.LayerDoneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GatherDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/GatherDone',
+            kvxfer_dot_v1_dot_local__pb2.GatherDoneRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,

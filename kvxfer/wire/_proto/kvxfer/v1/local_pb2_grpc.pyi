@@ -75,6 +75,10 @@ class LocalStub:
     """Layer-wise push: one layer of a step is computed (its KV is in the cache): WRITE that layer of
     every offered request of the step now, while the next layers compute.
     """
+    GatherDone: _grpc.UnaryUnaryMultiCallable[_local_pb2.GatherDoneRequest, _local_pb2.PullResponse]
+    """A worker that moved a pull's bytes itself (PullResponse.gather) reports how its gather ended;
+    answers with the pull's outcome once the sidecar has finished it (notices to the publishers).
+    """
 
 @_typing.type_check_only
 class LocalAsyncStub(LocalStub):
@@ -119,6 +123,10 @@ class LocalAsyncStub(LocalStub):
     LayerDone: _aio.UnaryUnaryMultiCallable[_local_pb2.LayerDoneRequest, _local_pb2.LayerDoneResponse]  # type: ignore[assignment]
     """Layer-wise push: one layer of a step is computed (its KV is in the cache): WRITE that layer of
     every offered request of the step now, while the next layers compute.
+    """
+    GatherDone: _aio.UnaryUnaryMultiCallable[_local_pb2.GatherDoneRequest, _local_pb2.PullResponse]  # type: ignore[assignment]
+    """A worker that moved a pull's bytes itself (PullResponse.gather) reports how its gather ended;
+    answers with the pull's outcome once the sidecar has finished it (notices to the publishers).
     """
 
 class LocalServicer(metaclass=_abc_1.ABCMeta):
@@ -245,6 +253,16 @@ class LocalServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_local_pb2.LayerDoneResponse, _abc.Awaitable[_local_pb2.LayerDoneResponse]]:
         """Layer-wise push: one layer of a step is computed (its KV is in the cache): WRITE that layer of
         every offered request of the step now, while the next layers compute.
+        """
+
+    @_abc_1.abstractmethod
+    def GatherDone(
+        self,
+        request: _local_pb2.GatherDoneRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_local_pb2.PullResponse, _abc.Awaitable[_local_pb2.PullResponse]]:
+        """A worker that moved a pull's bytes itself (PullResponse.gather) reports how its gather ended;
+        answers with the pull's outcome once the sidecar has finished it (notices to the publishers).
         """
 
 def add_LocalServicer_to_server(servicer: LocalServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,182 @@
+"""The worker moving a pull's bytes itself: one gather launch in its own CUDA context.
+
+On one host a sidecar READs a publisher's GPU memory with one gather launch (:mod:`kvxfer.cuda_gather`)
+in its own process. What that costs beyond the bytes is mostly the sidecar's: its thread waking,
+its driver calls, and the GPU switching to its context (docs/notes/gpu.md, runs 19-24). A worker
+that asks for it (``PullRequest.worker_gather``) is instead handed the pull as one gather
+(``PullResponse.gather``: the publishing worker's allocations by CUDA IPC handle, and spans as
+offsets in them and in this worker's registered regions) and launches it itself, right after the
+answer arrives, in the context that owns the destination. The sidecar keeps everything else:
+authentication, grants and leases, lookups, descriptors, the publishers' notices.
+
+The gather must end by its ``deadline`` (the host's monotonic clock, which both processes read:
+the publishers hold the blocks until then). A confirmed gather that ended in time is the pull's
+success; its report (``GatherDone``) then goes in the background. An unconfirmed one (the lookups
+were still running) waits for GatherDone's answer, the pull's outcome.
+
+Use::
+
+    gather = WorkerGather.from_tensors(0, {"attn": kv_tensors})  # the groups as registered, in order
+    result = client.pull(rid, addresses, blocks, remote_blocks=ids, gather=gather)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer import cuda_ipc
+from kvxfer.client.types import KvxferRpcError, PullResult
+from kvxfer.errors import InvalidArgumentError, Reason
+from kvxfer.logs import get_logger
+from kvxfer.wire import local_pb2
+
+__all__ = ["GatherOutcome", "WorkerGather", "report_in_background", "report_lost", "settled"]
+
+log = get_logger("kvxfer.client.gather")
+
+U64 = npt.NDArray[np.uint64]
+
+#: How long the worker's thread polls the gather's event before sleeping in the driver for it: a
+#: same-host gather mostly ends within it (1 GiB at 2 TB/s: 0.5 ms).
+SPIN_S = 0.002
+
+
+@dataclass(frozen=True)
+class GatherOutcome:
+    """How a gather this worker ran ended."""
+
+    ok: bool
+    error: str
+    ended: float  # time.monotonic() when its end was seen
+    seconds: float  # launch to end seen
+    bytes: int
+    spans: int
+    late: bool = False  # the copies ended, past the deadline
+
+    def report(self, ticket: int) -> local_pb2.GatherDoneRequest:
+        """The ``GatherDone`` request that reports it."""
+        return local_pb2.GatherDoneRequest(ticket=ticket, ok=self.ok, error=self.error, ended=self.ended)
+
+
+class WorkerGather:
+    """Runs the gathers a sidecar hands this worker (see the module docs).
+
+    ``device``: the ordinal of the GPU holding this worker's KV cache; ``regions``: the base address
+    of every region this worker registered, groups in registration order and each group's regions
+    in layout order (one tensor per layer: the order ``CudaIpcRef.from_tensors`` was given them).
+    """
+
+    def __init__(self, device: int, regions: Sequence[int]) -> None:
+        self.device = int(device)
+        self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
+        self._opened: dict[bytes, tuple[int, int]] = {}  # handle -> (ordinal, base mapped here)
+
+    @classmethod
+    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]]) -> WorkerGather:
+        """From the tensors registered per group (torch tensors: ``data_ptr()``), in registration order."""
+        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors])
+
+    def run(self, plan: local_pb2.WorkerGather) -> GatherOutcome:
+        """Launch ``plan`` on this worker's GPU and wait until it ended (or failed)."""
+        t0 = time.perf_counter()
+        try:
+            dst, src, sizes = self._addresses(plan)
+        except (InvalidArgumentError, cuda_ipc.CudaIpcError) as exc:
+            return GatherOutcome(False, f"the gather cannot run here: {exc.message}", time.monotonic(), 0.0, 0, 0)
+        drv = cuda_ipc.driver()
+        try:
+            batch = drv.copy_async(self.device, dst, src, sizes, kernel=True)
+            until = time.perf_counter() + SPIN_S
+            while not drv.done(batch):
+                if time.perf_counter() > until:
+                    drv.wait(batch)
+                    break
+        except cuda_ipc.CudaIpcError as exc:
+            return GatherOutcome(False, f"device copies failed: {exc.message}", time.monotonic(),
+                                 time.perf_counter() - t0, 0, int(sizes.size))  # fmt: skip
+        ended = time.monotonic()
+        nbytes = int(sizes.sum())
+        if ended > plan.deadline:
+            return GatherOutcome(False, f"the copies ended {(ended - plan.deadline) * 1e3:.3g} ms after the deadline",
+                                 ended, time.perf_counter() - t0, nbytes, int(sizes.size), late=True)  # fmt: skip
+        return GatherOutcome(True, "", ended, time.perf_counter() - t0, nbytes, int(sizes.size))
+
+    def _addresses(self, plan: local_pb2.WorkerGather) -> tuple[U64, U64, U64]:
+        """(destinations, sources, sizes) of ``plan`` as addresses in this process."""
+        if len(plan.spans) % 40:
+            raise InvalidArgumentError(f"gather.spans: {len(plan.spans)} bytes is not a whole number of 40-byte spans",
+                                       field="gather.spans")  # fmt: skip
+        spans = np.frombuffer(plan.spans, dtype="<u8").reshape(-1, 5).astype(np.uint64)
+        source, src_off, region, dst_off, sizes = spans.T
+        if spans.shape[0] and int(source.max()) >= len(plan.sources):
+            raise InvalidArgumentError(f"gather.spans: source {int(source.max())} of {len(plan.sources)}",
+                                       field="gather.spans")  # fmt: skip
+        if spans.shape[0] and int(region.max()) >= self.regions.size:
+            raise InvalidArgumentError(
+                f"gather.spans: region {int(region.max())}, but this worker registered {self.regions.size} regions",
+                field="gather.spans",
+            )  # fmt: skip
+        bases = np.array([self._open(s.handle, s.device_uuid) for s in plan.sources], dtype=np.uint64)
+        return self.regions[region] + dst_off, bases[source] + src_off, sizes
+
+    def _open(self, handle: bytes, device_uuid: str) -> int:
+        """Where the publishing worker's allocation ``handle`` is mapped here (mapped at first use)."""
+        got = self._opened.get(handle)
+        if got is None:
+            got = self._opened[handle] = self._map(handle, device_uuid)
+        return got[1]
+
+    def _map(self, handle: bytes, device_uuid: str) -> tuple[int, int]:
+        try:
+            return self.device, cuda_ipc.mappings.acquire(self.device, handle)[0]
+        except cuda_ipc.CudaIpcError as first:  # no peer access: map it on its own GPU, if this process sees it
+            drv = cuda_ipc.driver()
+            for other in range(drv.device_count()):
+                if other != self.device and drv.device_uuid(other).lower() == device_uuid.lower():
+                    return other, cuda_ipc.mappings.acquire(other, handle)[0]
+            raise first from None
+
+    def close(self) -> None:
+        """Unmap every allocation opened."""
+        opened, self._opened = self._opened, {}
+        for handle, (ordinal, _base) in opened.items():
+            cuda_ipc.mappings.release(ordinal, handle)
+
+
+def report_in_background(resp: local_pb2.PullResponse, outcome: GatherOutcome) -> bool:
+    """Whether the worker knows the pull's outcome without GatherDone's answer: the gather failed,
+    or it was confirmed and ended by its deadline (its report then goes in the background)."""
+    return not outcome.ok or resp.gather.confirmed
+
+
+def settled(resp: local_pb2.PullResponse, outcome: GatherOutcome, t0: float) -> PullResult:
+    """The pull's result from the worker's own gather (:func:`report_in_background` said so).
+
+    Raises :class:`KvxferRpcError` for a failed gather: DEADLINE_EXCEEDED (field ``timeout_seconds``)
+    when the copies ended past the deadline, else UNAVAILABLE (reason DATA_PLANE). ``t0``:
+    ``time.perf_counter()`` when the Pull call began.
+    """
+    if not outcome.ok:
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if outcome.late else grpc.StatusCode.UNAVAILABLE
+        raise KvxferRpcError(code, f"the worker's gather of {resp.request_id!r} failed: {outcome.error}", "Pull",
+                             reason=Reason.DEADLINE if outcome.late else Reason.DATA_PLANE,
+                             field="timeout_seconds" if outcome.late else None)  # fmt: skip
+    return PullResult(resp.transfer_id, resp.request_id, True, outcome.bytes, outcome.spans,
+                      time.perf_counter() - t0, outcome.seconds)  # fmt: skip
+
+
+def report_lost(fut: Future[Any] | Any) -> None:
+    """Log a background GatherDone that failed (a done callback of its task or future)."""
+    if fut.cancelled() or fut.exception() is None:
+        return
+    # The bytes were in place while the publishers' promise held: only the sidecar's bookkeeping
+    # of the pull (its notices to the publishers, metrics) is late; its deadline ends it.
+    log.warning("the sidecar did not take a gather's report", extra={"error": str(fut.exception())})

@@ -1,0 +1,247 @@
+"""The worker moving a pull's bytes itself (PullRequest.worker_gather, kvxfer.client.gather).
+
+Two real sidecars, real NIXL agents and real shared-memory caches; what cannot run on this CPU
+machine is replaced by two named FAKES: ``HostGatherPlane`` stands in for the same-host CUDA IPC
+shortcut's ``same_host_gather`` (its one "allocation" is this process's address space, where the
+publisher's shared memory is mapped too), and ``MemmoveDriver`` for the GPU gather (one host
+memmove per span). Everything between them is the real protocol: the Pull answered with the
+gather, the worker's launch and deadline check, GatherDone, the pull's outcome and the publisher's
+notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxfer import cuda_ipc
+from kvxfer.client import KvxferRpcError
+from kvxfer.client.gather import WorkerGather
+from kvxfer.server.app import Sidecar
+from kvxfer.server.core import SidecarCore
+from kvxfer.transport import (
+    MemType,
+    Notification,
+    Op,
+    Registration,
+    SameHostGather,
+    TransferResult,
+    Transport,
+    TransportConfig,
+    create_transport,
+)
+from kvxfer.wire import common_pb2, local_pb2
+from tests.sidecar.helpers import Harness, Worker, attention
+
+LAY = attention(layers=3, blocks=16)
+U64 = np.uint64
+
+
+class HostGatherPlane(Transport):
+    """FAKE same-host gather capability around a real NIXL agent: every READ is handed to the worker."""
+
+    name = "host-gather-fake"
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner.agent_name, inner.config)
+        self.inner = inner
+        self.handed = 0
+        self.reads = 0
+
+    @property
+    def backend(self) -> str:
+        return self.inner.backend
+
+    def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
+        return self.inner.register(table, mem_type)
+
+    def deregister(self, registration: Registration) -> None:
+        self.inner.deregister(registration)
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.inner.add_peer(metadata)
+
+    def remove_peer(self, peer: str) -> None:
+        self.inner.remove_peer(peer)
+
+    async def transfer(self, op: Op, local: Any, remote: Any, peer: str, **kw: Any) -> TransferResult:
+        self.reads += 1
+        return await self.inner.transfer(op, local, remote, peer, **kw)
+
+    def same_host_gather(
+        self, peer: str, local: Any, remote: Any, *, mem_type: MemType, remote_mem_type: MemType
+    ) -> SameHostGather:
+        self.handed += 1
+        # One source, "allocation" 0 of this process: the offset is the publisher's own address.
+        return SameHostGather((b"\x01" * cuda_ipc.HANDLE_BYTES,), ("host",), np.zeros(len(remote), U64),
+                              remote[:, 0].astype(U64))  # fmt: skip
+
+    def poll_notifications(self) -> list[Notification]:
+        return self.inner.poll_notifications()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class MemmoveDriver:
+    """FAKE GPU gather: each span moved by one host memmove, ``delay`` seconds before it ends."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.launches: list[int] = []
+
+    def copy_async(self, ordinal: int, dst: Any, src: Any, sizes: Any, *, kernel: bool = False) -> Any:
+        for d, s, z in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(d, s, z)
+        time.sleep(self.delay)
+        self.launches.append(len(sizes))
+        return cuda_ipc.CopyBatch(ordinal, len(self.launches), 1, "kernel" if kernel else "copy-engine")
+
+    def done(self, batch: Any) -> bool:
+        return True
+
+    def wait(self, batch: Any) -> None:
+        pass
+
+
+class HostWorkerGather(WorkerGather):
+    """The real executor, with the one "allocation" of HostGatherPlane mapped at address 0."""
+
+    def _map(self, handle: bytes, device_uuid: str) -> tuple[int, int]:
+        assert (handle, device_uuid) == (b"\x01" * cuda_ipc.HANDLE_BYTES, "host")
+        return self.device, 0
+
+
+async def eventually(cond: Any, timeout: float = 3.0) -> None:
+    """Until ``cond()`` holds (what a peer's notice does happens off the answering call's path)."""
+    until = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < until, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def core(sc: Sidecar) -> SidecarCore:
+    assert sc.core is not None
+    return sc.core
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> MemmoveDriver:
+    drv = MemmoveDriver()
+    monkeypatch.setattr(cuda_ipc, "driver", lambda: drv)
+    return drv
+
+
+async def _pair(harness: Harness) -> tuple[Sidecar, Worker, Sidecar, Worker, HostGatherPlane]:
+    ps = await harness.sidecar("p", role="prefill", engine_id="prefill")
+    plane = HostGatherPlane(create_transport("nixl", "d-agent", TransportConfig(cuda_ipc_direct=False)))
+    ds = await harness.sidecar("d", role="decode", engine_id="decode", data_plane=plane)
+    return ps, await harness.worker(ps, {"kv": LAY}), ds, await harness.worker(ds, {"kv": LAY}), plane
+
+
+def _gather(w: Worker) -> HostWorkerGather:
+    return HostWorkerGather(0, w.buffers["kv"].addresses)
+
+
+@pytest.mark.parametrize("ids_given", [False, True], ids=["after-lookup", "reading-ahead"])
+async def test_the_worker_moves_the_pull_itself_and_the_publisher_is_told(
+    harness: Harness, driver: MemmoveDriver, ids_given: bool
+) -> None:
+    ps, pw, ds, dw, plane = await _pair(harness)
+    p_ids, d_ids = [3, 4, 5, 9, 12], [15, 0, 1, 2, 7]
+    await pw.prefill("r1", {"kv": p_ids}, salt=11)
+    dw.poison({"kv": d_ids})
+    res = await dw.pull("r1", [ps], {"kv": d_ids}, gather=_gather(dw),
+                        remote_blocks={"kv": p_ids} if ids_given else None)  # fmt: skip
+    checked, bad = dw.verify({"kv": d_ids}, 11)
+    assert (checked, bad) == (len(d_ids) * LAY.page_bytes * LAY.num_layers, 0)
+    assert res.done
+    assert res.bytes == checked
+    # One gather, launched by the worker; no READ by the sidecar's data plane.
+    assert (plane.handed, plane.reads, len(driver.launches)) == (1, 0, 1)
+    assert driver.launches[0] == res.descriptors
+    # The pull ended on the decode side and the publisher dropped the publish on its notice.
+    await eventually(lambda: not core(ds).puller.pulls and not core(ds).puller.steps.gathers)
+    await eventually(lambda: "r1" not in core(ps).publisher.publishes)
+
+
+async def test_a_gather_past_its_deadline_fails_the_pull_on_both_sides(harness: Harness, driver: MemmoveDriver) -> None:
+    ps, pw, ds, dw, _plane = await _pair(harness)
+    await pw.prefill("late", {"kv": [1, 2]}, salt=3)
+    driver.delay = 0.6
+    with pytest.raises(KvxferRpcError) as err:
+        await dw.pull("late", [ps], {"kv": [4, 5]}, gather=_gather(dw), deadline=0.4)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.value.field == "timeout_seconds"
+    assert "after the deadline" in str(err.value)
+    # The sidecar failed the pull too (never a success) and told the publisher, which holds no more.
+    await eventually(lambda: not core(ds).puller.pulls)
+    await eventually(lambda: "late" not in core(ps).publisher.publishes)
+    # Other pulls are unharmed.
+    driver.delay = 0.0
+    await pw.prefill("next", {"kv": [6]}, salt=4)
+    await dw.pull("next", [ps], {"kv": [8]}, gather=_gather(dw))
+    assert dw.verify({"kv": [8]}, 4)[1] == 0
+
+
+async def test_a_report_for_no_waiting_pull_is_not_found(harness: Harness, driver: MemmoveDriver) -> None:
+    _ps, _pw, _ds, dw, _plane = await _pair(harness)
+    with pytest.raises(KvxferRpcError) as err:
+        await dw.client.gather_done(local_pb2.GatherDoneRequest(ticket=12345, ok=True, ended=time.monotonic()))
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert err.value.field == "ticket"
+
+
+async def test_a_worker_that_never_reports_times_the_pull_out(harness: Harness, driver: MemmoveDriver) -> None:
+    ps, pw, ds, dw, _plane = await _pair(harness)
+    await pw.prefill("silent", {"kv": [1]}, salt=5)
+    req = local_pb2.PullRequest(request_id="silent", remote_addresses=[ps.peer_address], wait=True,
+                                timeout_seconds=0.5, worker_gather=True,
+                                local_blocks=[common_pb2.BlockList(group="kv", block_ids=[2])])  # fmt: skip
+    answer = await dw.client._call(dw.client._stub.Pull, req, 5.0)
+    assert answer.HasField("gather")
+    assert not answer.done
+    spans = np.frombuffer(answer.gather.spans, dtype="<u8").reshape(-1, 5)
+    assert spans[:, 4].sum() == LAY.page_bytes * LAY.num_layers  # one block of every layer
+    assert set(spans[:, 2].tolist()) <= set(range(LAY.num_regions))
+    await eventually(lambda: not core(ds).puller.pulls, timeout=5.0)
+    with pytest.raises(KvxferRpcError) as err:  # too late: the pull has timed out
+        await dw.client.gather_done(local_pb2.GatherDoneRequest(ticket=answer.gather.ticket, ok=True,
+                                                                ended=time.monotonic()))  # fmt: skip
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_without_the_capability_the_sidecar_moves_the_bytes(harness: Harness, driver: MemmoveDriver) -> None:
+    ps, pws, _ds, dws = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await pws[0].prefill("plain", {"kv": [1, 2]}, salt=6)
+    res = await dws[0].pull("plain", ps, {"kv": [3, 4]}, gather=_gather(dws[0]))
+    assert res.done
+    assert dws[0].verify({"kv": [3, 4]}, 6)[1] == 0
+    assert driver.launches == []  # NIXL moved it; the worker launched nothing
+
+
+def test_the_executor_refuses_spans_it_cannot_place(driver: MemmoveDriver) -> None:
+    g = HostWorkerGather(0, [0x1000, 0x2000])
+    src = local_pb2.GatherSource(handle=b"\x01" * cuda_ipc.HANDLE_BYTES, device_uuid="host")
+    far = time.monotonic() + 60
+
+    def plan(rows: list[list[int]], raw: bytes | None = None) -> local_pb2.WorkerGather:
+        spans = raw if raw is not None else np.array(rows, dtype="<u8").tobytes()
+        return local_pb2.WorkerGather(ticket=1, sources=[src], spans=spans, deadline=far, confirmed=True)
+
+    for p, want in ((plan([], b"\0" * 41), "not a whole number of 40-byte spans"),
+                    (plan([[1, 0, 0, 0, 8]]), "source 1 of 1"),
+                    (plan([[0, 0, 2, 0, 8]]), "region 2, but this worker registered 2 regions")):  # fmt: skip
+        out = g.run(p)
+        assert not out.ok, out
+        assert want in out.error, out
+    assert driver.launches == []
