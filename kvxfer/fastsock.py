@@ -18,9 +18,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
+from kvxfer.logs import get_logger
 from kvxfer.wire.frames import ANSWER, CANCEL, HELLO, HELLO_CALL, REQUEST
 
 __all__ = ["BlockingFastConnection", "FastCallError", "FastChannel", "FastHelloRefusedError"]
+
+log = get_logger("kvxfer.fastsock")
 
 
 class FastCallError(ConnectionError):
@@ -176,6 +179,7 @@ class BlockingFastConnection:
         self.max_message_bytes = max_message_bytes
         self._buf = bytearray()
         self._last = HELLO_CALL
+        self._posted: set[int] = set()  # calls sent by post() whose answers were not read yet
         self.closed = False
         # A connection whose thread ended is collected with it: its socket closes then.
         self._finalizer = weakref.finalize(self, sock.close)
@@ -215,6 +219,25 @@ class BlockingFastConnection:
         self._last = self._last % 0xFFFFFFFE + 1
         return self._exchange(self._last, method, payload, timeout)
 
+    def post(self, method: int, payload: bytes, timeout: float) -> None:
+        """Send a call and do not wait for its answer (the next call skips it; a failure is logged then).
+
+        For a report whose outcome the caller does not need now (``GatherDone`` of a gather that
+        settled the pull already): one write, and no other thread woken to wait for the answer.
+        """
+        if self.closed:
+            raise FastCallError("the fast socket's connection is closed", sent=False)
+        if len(payload) > self.max_message_bytes:
+            raise FastCallError("the request is over max_message_bytes", sent=False)
+        self._last = self._last % 0xFFFFFFFE + 1
+        self._posted.add(self._last)
+        try:
+            self._sock.settimeout(max(timeout, 1e-6))
+            self._sock.sendall(REQUEST.pack(len(payload), self._last, method, timeout) + payload)
+        except OSError as exc:
+            self.close()
+            raise FastCallError(f"could not send on the fast socket: {exc}", sent=False) from None
+
     def _exchange(self, call: int, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:
         until = time.monotonic() + timeout
         try:
@@ -235,7 +258,11 @@ class BlockingFastConnection:
                 raise FastCallError(f"the fast socket's connection failed: {exc}", sent=True) from None
             if got == call:
                 return code, body
-            # Else the late answer of a call this thread gave up on: skipped.
+            # Else the late answer of a call this thread gave up on, or of one it posted: skipped.
+            if got in self._posted:
+                self._posted.discard(got)
+                if code != 0:
+                    log.warning("a call posted on the fast socket failed", extra={"code": code})
 
     def _next_answer(self, until: float) -> tuple[int, int, bytes]:
         buf = self._buf

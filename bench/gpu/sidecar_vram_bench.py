@@ -315,6 +315,9 @@ def run_cluster(
                 "verified_bytes": sum(r["checked"] - r["mismatched"] for r in got),
                 "mismatched_bytes": sum(r["mismatched"] for r in got), "reps": len(got),
             }  # fmt: skip
+            if got[0].get("gather_us"):  # the worker's gather: where its time went (median us)
+                row["worker_gather_us"] = {k: statistics.median(r["gather_us"][k] for r in got)
+                                           for k in got[0]["gather_us"]}  # fmt: skip
             row["data_vs_copy"] = row["data_GBps"] / copy
             row["e2e_vs_copy"] = row["e2e_GBps"] / copy
             rows.append(row)
@@ -323,7 +326,8 @@ def run_cluster(
                 f"data {row['data_GBps']:7.1f} GB/s ({row['data_vs_copy']:.3f} of copy, "
                 f"{row['data_ms']:.2f} ms)  e2e {row['e2e_GBps']:6.1f} GB/s ({row['latency_ms']:.2f} ms; sidecar "
                 f"{row['sidecar_ms']:.2f}, lookup {row['fetch_ms']:.2f})  "
-                f"verified {row['verified_bytes']:,} B, bad {row['mismatched_bytes']}",
+                f"verified {row['verified_bytes']:,} B, bad {row['mismatched_bytes']}"
+                + (f"  worker us {row['worker_gather_us']}" if "worker_gather_us" in row else ""),
                 flush=True,
             )
             if time.perf_counter() - t_start > args.budget_s:

@@ -225,6 +225,7 @@ class AsyncClient:
         t0 = time.perf_counter()
         resp = await self._call(self._stub.Pull, req, self.pull_timeout(deadline))
         if resp.HasField("gather") and gather is not None:
+            gather.last["answer"] = (time.perf_counter() - t0) * 1e6
             outcome = gather.run(resp.gather)  # in this thread: the launch follows the answer at once
             final = self.report_gather(resp, outcome, t0)
             if final is not None:

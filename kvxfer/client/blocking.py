@@ -144,10 +144,14 @@ class Client:
 
     def _gathered(self, resp: local_pb2.PullResponse, gather: WorkerGather, t0: float,
                   deadline: float | None) -> PullResult:  # fmt: skip
+        gather.last["answer"] = (time.perf_counter() - t0) * 1e6
         outcome = gather.run(resp.gather)
         report = outcome.report(resp.gather.ticket)
-        if report_in_background(resp, outcome):  # from the client's loop
-            self.submit(self.aio.gather_done(report)).add_done_callback(report_lost)
+        if report_in_background(resp, outcome):
+            # Posted on this thread's connection: one write, no thread woken to wait for the answer.
+            method = METHOD_OF_REQUEST[local_pb2.GatherDoneRequest]
+            if not self._thread_calls.post(method, report, self.aio.call_timeout(report, deadline)):
+                self.submit(self.aio.gather_done(report)).add_done_callback(report_lost)
             return settled(resp, outcome, t0)
         answer = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.GatherDoneRequest], report,
                                          self.aio.call_timeout(report, deadline))  # fmt: skip

@@ -98,6 +98,18 @@ class ThreadCalls:
             raise lost_error(method, exc) from None
         return decode_answer(method, code, payload)
 
+    def post(self, method: FastMethod, req: Message, timeout: float) -> bool:
+        """Send ``req`` on this thread's connection without waiting for the answer; False: not sent."""
+        conn = self._connection()
+        if conn is None:
+            return False
+        try:
+            conn.post(method.number, req.SerializeToString(), timeout)
+        except FastCallError:
+            self._forget(conn)
+            return False
+        return True
+
     def _connection(self) -> BlockingFastConnection | None:
         conn: BlockingFastConnection | None = getattr(self._local, "conn", None)
         if conn is not None and not conn.closed:

@@ -78,6 +78,10 @@ class WorkerGather:
         self.device = int(device)
         self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
         self._opened: dict[bytes, tuple[int, int]] = {}  # handle -> (ordinal, base mapped here)
+        #: Where the last pull's time went, in microseconds (benchmarks): ``answer`` (the Pull call
+        #: until its answer arrived; set by the client), ``plan`` (spans to addresses), ``launch``
+        #: (the launch call), ``wait`` (launched until the end was seen).
+        self.last: dict[str, float] = {}
 
     @classmethod
     def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]]) -> WorkerGather:
@@ -92,9 +96,11 @@ class WorkerGather:
         except (InvalidArgumentError, cuda_ipc.CudaIpcError) as exc:
             return GatherOutcome(False, f"the gather cannot run here: {exc.message}", time.monotonic(), 0.0, 0, 0)
         drv = cuda_ipc.driver()
+        t1 = time.perf_counter()
         try:
             batch = drv.copy_async(self.device, dst, src, sizes, kernel=True)
-            until = time.perf_counter() + SPIN_S
+            t2 = time.perf_counter()
+            until = t2 + SPIN_S
             while not drv.done(batch):
                 if time.perf_counter() > until:
                     drv.wait(batch)
@@ -103,6 +109,8 @@ class WorkerGather:
             return GatherOutcome(False, f"device copies failed: {exc.message}", time.monotonic(),
                                  time.perf_counter() - t0, 0, int(sizes.size))  # fmt: skip
         ended = time.monotonic()
+        t3 = time.perf_counter()
+        self.last.update(plan=(t1 - t0) * 1e6, launch=(t2 - t1) * 1e6, wait=(t3 - t2) * 1e6)
         nbytes = int(sizes.sum())
         if ended > plan.deadline:
             return GatherOutcome(False, f"the copies ended {(ended - plan.deadline) * 1e3:.3g} ms after the deadline",

@@ -370,7 +370,7 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
             "latency_s": latency, "data_s": res.data_seconds, "bytes": res.bytes, "descriptors": res.descriptors,
             "checked": checked, "mismatched": bad, "verify_s": time.perf_counter() - t0 - latency,
             "warnings": list(res.warnings), "fetch_s": res.fetch_seconds, "duration_s": res.duration_seconds,
-            "t_call": t_call, "t_done": t_done,
+            "t_call": t_call, "t_done": t_done, "gather_us": dict(gather.last) if gather is not None else {},
         }  # fmt: skip
     if op == "status":
         return dict(client.status())

@@ -90,6 +90,7 @@ class PullSteps:
         #: Gathers handed to the worker (PullRequest.worker_gather), by ticket, until it reports.
         self.gathers: dict[int, PullEntry] = {}
         self._tickets = itertools.count(1)
+        self._regions: _WorkerRegions | None = None  # of the registration last read into by a worker
 
     async def run(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
@@ -446,7 +447,9 @@ class PullSteps:
         holds; a report that it did not, or none by then, fails the pull.
         """
         assert entry.handoff is not None
-        region, offset = _worker_regions(reg, local)
+        if self._regions is None or self._regions.epoch != reg.epoch:
+            self._regions = _WorkerRegions.of(reg)
+        region, offset = _worker_regions(self._regions, local)
         spans = np.column_stack((gather.source, gather.offset, region, offset, local[:, 1].astype(np.uint64)))
         ticket = next(self._tickets)
         loop = asyncio.get_running_loop()
@@ -507,16 +510,32 @@ class PullSteps:
             ) from None  # fmt: skip
 
 
-def _worker_regions(reg: Registration, local: U64) -> tuple[U64, U64]:
-    """Per local descriptor, the registered region it lies in (groups in registration order, regions
-    in layout order: the order the worker registered its tensors) and its byte offset there."""
-    tables = [g.memory.table for g in reg.groups.values()]
-    bases = np.concatenate([t.base for t in tables]).astype(np.uint64)
-    ends = bases + np.concatenate([t.size for t in tables]).astype(np.uint64)
-    order = np.argsort(bases, kind="stable")
+@dataclass(frozen=True)
+class _WorkerRegions:
+    """A registration's regions in the worker's order (groups in registration order, regions in
+    layout order: the order the worker registered its tensors), searchable by address here."""
+
+    epoch: int
+    bases: U64  # by region index
+    ends: U64
+    order: npt.NDArray[np.intp]  # region indices by address
+    sorted_bases: U64
+
+    @classmethod
+    def of(cls, reg: Registration) -> _WorkerRegions:
+        tables = [g.memory.table for g in reg.groups.values()]
+        bases = np.concatenate([t.base for t in tables]).astype(np.uint64)
+        ends = bases + np.concatenate([t.size for t in tables]).astype(np.uint64)
+        order = np.argsort(bases, kind="stable")
+        return cls(reg.epoch, bases, ends, order, bases[order])
+
+
+def _worker_regions(regions: _WorkerRegions, local: U64) -> tuple[U64, U64]:
+    """Per local descriptor, the worker's region it lies in and its byte offset there."""
+    bases, ends = regions.bases, regions.ends
     addr, size = local[:, 0].astype(np.uint64, copy=False), local[:, 1].astype(np.uint64, copy=False)
-    at = np.searchsorted(bases[order], addr, side="right") - 1
-    region = order[np.maximum(at, 0)]
+    at = np.searchsorted(regions.sorted_bases, addr, side="right") - 1
+    region = regions.order[np.maximum(at, 0)]
     if not ((at >= 0) & (addr < ends[region]) & (size <= ends[region] - addr)).all():
         raise RuntimeError("a local descriptor lies outside the registered regions")  # a planning bug
     return region.astype(np.uint64), addr - bases[region]

@@ -87,9 +87,11 @@ class Puller:
         wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
         if req.worker_gather and not req.push:
             entry.handoff = asyncio.get_running_loop().create_future()
-            wait_for = asyncio.ensure_future(_first(wait_for, entry.handoff))
         try:
-            await asyncio.shield(wait_for)
+            if entry.handoff is None:
+                await asyncio.shield(wait_for)
+            else:  # whichever comes first: the gather to hand out, or the outcome
+                await asyncio.wait((wait_for, entry.handoff), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             # The worker gave up on a waiting Pull (cancelled or its deadline passed): abort it.
             if req.wait and entry.task is not None and not entry.task.done():

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvxfer import cuda_ipc
-from kvxfer.client import KvxferRpcError
+from kvxfer.client import Client, KvxferRpcError
 from kvxfer.client.gather import WorkerGather
 from kvxfer.server.app import Sidecar
 from kvxfer.server.core import SidecarCore
@@ -172,6 +172,30 @@ async def test_the_worker_moves_the_pull_itself_and_the_publisher_is_told(
     # The pull ended on the decode side and the publisher dropped the publish on its notice.
     await eventually(lambda: not core(ds).puller.pulls and not core(ds).puller.steps.gathers)
     await eventually(lambda: "r1" not in core(ps).publisher.publishes)
+
+
+async def test_the_blocking_client_posts_its_report_on_its_own_connection(
+    harness: Harness, driver: MemmoveDriver
+) -> None:
+    ps, pw, ds, dw, plane = await _pair(harness)
+    blocking = Client(ds.local_target, timeout=30.0)
+    gather = _gather(dw)
+    try:
+        for n, (p_ids, d_ids) in enumerate((([1, 2, 3], [4, 5, 6]), ([7], [8]))):
+            rid = f"b{n}"
+            await pw.prefill(rid, {"kv": p_ids}, salt=20 + n)
+            res = await asyncio.to_thread(blocking.pull, rid, [ps.peer_address], {"kv": d_ids}, gather=gather)
+            assert res.done
+            assert dw.verify({"kv": d_ids}, 20 + n) == (len(d_ids) * LAY.page_bytes * LAY.num_layers, 0)
+            assert set(gather.last) == {"answer", "plan", "launch", "wait"}
+            # The report went as a frame of this thread's connection, answered after the call returned:
+            # the pull ends on both sides all the same.
+            await eventually(lambda rid=rid: rid not in core(ps).publisher.publishes)  # type: ignore[misc]
+        assert plane.handed == 2
+        assert plane.reads == 0
+        assert blocking._thread_calls.active
+    finally:
+        await asyncio.to_thread(blocking.close)
 
 
 async def test_a_gather_past_its_deadline_fails_the_pull_on_both_sides(harness: Harness, driver: MemmoveDriver) -> None:
