@@ -74,19 +74,24 @@ class WorkerGather:
     in layout order (one tensor per layer: the order ``CudaIpcRef.from_tensors`` was given them).
     """
 
-    def __init__(self, device: int, regions: Sequence[int]) -> None:
+    def __init__(self, device: int, regions: Sequence[int], *, spin_s: float = 0.0) -> None:
         self.device = int(device)
+        #: The blocking client's thread polls for the Pull's answer this long before sleeping for
+        #: it: on the lent virtual machines, code that runs right after its thread slept runs
+        #: several times slower (docs/notes/gpu.md, run 20), and the launch follows the answer.
+        self.spin_s = float(spin_s)
         self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
         self._opened: dict[bytes, tuple[int, int]] = {}  # handle -> (ordinal, base mapped here)
+        self._sources: dict[bytes, U64] = {}  # a plan's source_handles -> each one's base here
         #: Where the last pull's time went, in microseconds (benchmarks): ``answer`` (the Pull call
         #: until its answer arrived; set by the client), ``plan`` (spans to addresses), ``launch``
         #: (the launch call), ``wait`` (launched until the end was seen).
         self.last: dict[str, float] = {}
 
     @classmethod
-    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]]) -> WorkerGather:
+    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]], *, spin_s: float = 0.0) -> WorkerGather:
         """From the tensors registered per group (torch tensors: ``data_ptr()``), in registration order."""
-        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors])
+        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors], spin_s=spin_s)
 
     def run(self, plan: local_pb2.WorkerGather) -> GatherOutcome:
         """Launch ``plan`` on this worker's GPU and wait until it ended (or failed)."""
@@ -124,16 +129,33 @@ class WorkerGather:
                                        field="gather.spans")  # fmt: skip
         spans = np.frombuffer(plan.spans, dtype="<u8").reshape(-1, 5).astype(np.uint64)
         source, src_off, region, dst_off, sizes = spans.T
-        if spans.shape[0] and int(source.max()) >= len(plan.sources):
-            raise InvalidArgumentError(f"gather.spans: source {int(source.max())} of {len(plan.sources)}",
+        bases = self._bases(plan.source_handles, plan.source_devices)
+        if spans.shape[0] and int(source.max()) >= bases.size:
+            raise InvalidArgumentError(f"gather.spans: source {int(source.max())} of {bases.size}",
                                        field="gather.spans")  # fmt: skip
         if spans.shape[0] and int(region.max()) >= self.regions.size:
             raise InvalidArgumentError(
                 f"gather.spans: region {int(region.max())}, but this worker registered {self.regions.size} regions",
                 field="gather.spans",
             )  # fmt: skip
-        bases = np.array([self._open(s.handle, s.device_uuid) for s in plan.sources], dtype=np.uint64)
         return self.regions[region] + dst_off, bases[source] + src_off, sizes
+
+    def _bases(self, handles: bytes, devices: Sequence[str]) -> U64:
+        """Where each source allocation is mapped here (one publisher's are the same bytes every pull)."""
+        got = self._sources.get(handles)
+        if got is not None:
+            return got
+        n = len(handles) // cuda_ipc.HANDLE_BYTES
+        if len(handles) % cuda_ipc.HANDLE_BYTES or len(devices) != n:
+            raise InvalidArgumentError(
+                f"gather.source_handles: {len(handles)} bytes for {len(devices)} source_devices; each source "
+                f"has a {cuda_ipc.HANDLE_BYTES}-byte handle", field="gather.source_handles",
+            )  # fmt: skip
+        step = cuda_ipc.HANDLE_BYTES
+        bases = np.array([self._open(handles[i * step : (i + 1) * step], devices[i]) for i in range(n)],
+                         dtype=np.uint64)  # fmt: skip
+        self._sources[handles] = bases
+        return bases
 
     def _open(self, handle: bytes, device_uuid: str) -> int:
         """Where the publishing worker's allocation ``handle`` is mapped here (mapped at first use)."""
@@ -155,6 +177,7 @@ class WorkerGather:
     def close(self) -> None:
         """Unmap every allocation opened."""
         opened, self._opened = self._opened, {}
+        self._sources.clear()
         for handle, (ordinal, _base) in opened.items():
             cuda_ipc.mappings.release(ordinal, handle)
 

@@ -458,9 +458,7 @@ class PullSteps:
         try:
             entry.handoff.set_result(local_pb2.WorkerGather(
                 ticket=ticket, spans=np.ascontiguousarray(spans, dtype="<u8").tobytes(), deadline=entry.deadline,
-                confirmed=confirmed,
-                sources=[local_pb2.GatherSource(handle=h, device_uuid=u)
-                         for h, u in zip(gather.handles, gather.device_uuids, strict=True)],
+                confirmed=confirmed, source_handles=gather.handles, source_devices=gather.device_uuids,
             ))  # fmt: skip
             report: local_pb2.GatherDoneRequest = await entry.gathered
         finally:

@@ -99,11 +99,12 @@ class TransferResult:
 class SameHostGather:
     """A READ as a process on the publisher's host could run it itself (:meth:`Transport.same_host_gather`).
 
-    ``handles[i]`` / ``device_uuids[i]``: the publishing worker's GPU allocation ``i`` (CUDA IPC);
-    per descriptor, the allocation it reads (``source``) and the byte offset in it (``offset``).
+    ``handles``: the publishing worker's GPU allocations, their 64-byte CUDA IPC handles one after
+    the other; ``device_uuids[i]``: the GPU holding allocation ``i``; per descriptor, the allocation
+    it reads (``source``) and the byte offset in it (``offset``).
     """
 
-    handles: tuple[bytes, ...]
+    handles: bytes
     device_uuids: tuple[str, ...]
     source: U64
     offset: U64

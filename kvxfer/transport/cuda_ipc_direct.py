@@ -82,9 +82,13 @@ class _Peer:
     shift: U64 = field(init=False)
     mapped: npt.NDArray[np.bool_] = field(init=False)
     offsets: U64 = field(init=False)  # per export, its offset in the worker's allocation
+    handles: bytes = field(init=False)  # every export's handle, one after the other (same_host_gather)
+    uuids: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.offsets = np.array([e.offset for e in self.exports], dtype=np.uint64)
+        self.handles = b"".join(e.handle for e in self.exports)
+        self.uuids = tuple(e.uuid for e in self.exports)
         self.shift = np.zeros(len(self.exports), dtype=np.uint64)
         self.mapped = np.zeros(len(self.exports), dtype=bool)
 
@@ -234,8 +238,7 @@ class CudaIpcDirect(Transport):
         idx = self._inside(peer, p, remote)
         # The offset in the worker's allocation: the descriptor's offset in the export, plus the export's.
         offset = remote[:, 0].astype(np.uint64, copy=False) - p.bases[idx] + p.offsets[idx]
-        return SameHostGather(tuple(e.handle for e in p.exports), tuple(e.uuid for e in p.exports),
-                              idx.astype(np.uint64), offset)  # fmt: skip
+        return SameHostGather(p.handles, p.uuids, idx.astype(np.uint64), offset)
 
     def poll_notifications(self) -> list[Notification]:
         return self._inner.poll_notifications()

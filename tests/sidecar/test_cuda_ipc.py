@@ -545,7 +545,7 @@ def test_a_same_host_read_as_the_publishing_workers_allocations_and_offsets(fake
     fake.opened.clear()
     g = rd.same_host_gather("pub", local, remote, mem_type="VRAM", remote_mem_type="VRAM")
     assert g is not None
-    assert g.handles == (handle(1),) * 4
+    assert g.handles == handle(1) * 4
     assert g.device_uuids == (UUIDS[0],) * 4
     # Region r sits at 0x1000 + r * region_bytes in the worker's allocation (see _planes).
     assert g.source.tolist() == [3, 0]

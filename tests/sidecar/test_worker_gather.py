@@ -82,7 +82,7 @@ class HostGatherPlane(Transport):
     ) -> SameHostGather:
         self.handed += 1
         # One source, "allocation" 0 of this process: the offset is the publisher's own address.
-        return SameHostGather((b"\x01" * cuda_ipc.HANDLE_BYTES,), ("host",), np.zeros(len(remote), U64),
+        return SameHostGather(b"\x01" * cuda_ipc.HANDLE_BYTES, ("host",), np.zeros(len(remote), U64),
                               remote[:, 0].astype(U64))  # fmt: skip
 
     def poll_notifications(self) -> list[Notification]:
@@ -174,12 +174,13 @@ async def test_the_worker_moves_the_pull_itself_and_the_publisher_is_told(
     await eventually(lambda: "r1" not in core(ps).publisher.publishes)
 
 
+@pytest.mark.parametrize("spin_s", [0.0, 0.5], ids=["sleeping", "polling"])
 async def test_the_blocking_client_posts_its_report_on_its_own_connection(
-    harness: Harness, driver: MemmoveDriver
+    harness: Harness, driver: MemmoveDriver, spin_s: float
 ) -> None:
     ps, pw, ds, dw, plane = await _pair(harness)
     blocking = Client(ds.local_target, timeout=30.0)
-    gather = _gather(dw)
+    gather = HostWorkerGather(0, dw.buffers["kv"].addresses, spin_s=spin_s)
     try:
         for n, (p_ids, d_ids) in enumerate((([1, 2, 3], [4, 5, 6]), ([7], [8]))):
             rid = f"b{n}"
@@ -255,16 +256,18 @@ async def test_without_the_capability_the_sidecar_moves_the_bytes(harness: Harne
 
 def test_the_executor_refuses_spans_it_cannot_place(driver: MemmoveDriver) -> None:
     g = HostWorkerGather(0, [0x1000, 0x2000])
-    src = local_pb2.GatherSource(handle=b"\x01" * cuda_ipc.HANDLE_BYTES, device_uuid="host")
+    one = b"\x01" * cuda_ipc.HANDLE_BYTES
     far = time.monotonic() + 60
 
-    def plan(rows: list[list[int]], raw: bytes | None = None) -> local_pb2.WorkerGather:
+    def plan(rows: list[list[int]], raw: bytes | None = None, handles: bytes = one) -> local_pb2.WorkerGather:
         spans = raw if raw is not None else np.array(rows, dtype="<u8").tobytes()
-        return local_pb2.WorkerGather(ticket=1, sources=[src], spans=spans, deadline=far, confirmed=True)
+        return local_pb2.WorkerGather(ticket=1, source_handles=handles, source_devices=["host"], spans=spans,
+                                      deadline=far, confirmed=True)  # fmt: skip
 
     for p, want in ((plan([], b"\0" * 41), "not a whole number of 40-byte spans"),
                     (plan([[1, 0, 0, 0, 8]]), "source 1 of 1"),
-                    (plan([[0, 0, 2, 0, 8]]), "region 2, but this worker registered 2 regions")):  # fmt: skip
+                    (plan([[0, 0, 2, 0, 8]]), "region 2, but this worker registered 2 regions"),
+                    (plan([[0, 0, 0, 0, 8]], handles=one + b"\x02"), "65 bytes for 1 source_devices")):  # fmt: skip
         out = g.run(p)
         assert not out.ok, out
         assert want in out.error, out

@@ -507,44 +507,24 @@ class PullRequest(_message.Message):
 Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
 
 @_typing.final
-class GatherSource(_message.Message):
-    """One allocation of a publishing worker's GPU memory, as a worker on the same host opens it."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    HANDLE_FIELD_NUMBER: _builtins.int
-    DEVICE_UUID_FIELD_NUMBER: _builtins.int
-    handle: _builtins.bytes
-    """CUipcMemHandle of the allocation"""
-    device_uuid: _builtins.str
-    """the GPU that holds it"""
-    def __init__(
-        self,
-        *,
-        handle: _builtins.bytes = ...,
-        device_uuid: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "handle", b"handle"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___GatherSource: _TypeAlias = GatherSource  # noqa: Y015
-
-@_typing.final
 class WorkerGather(_message.Message):
     """A pull's bytes as one gather for the worker to launch (PullRequest.worker_gather)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TICKET_FIELD_NUMBER: _builtins.int
-    SOURCES_FIELD_NUMBER: _builtins.int
+    SOURCE_HANDLES_FIELD_NUMBER: _builtins.int
+    SOURCE_DEVICES_FIELD_NUMBER: _builtins.int
     SPANS_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
     CONFIRMED_FIELD_NUMBER: _builtins.int
     ticket: _builtins.int
     """GatherDone names it"""
+    source_handles: _builtins.bytes
+    """The publishing worker's GPU allocations, by CUDA IPC: their CUipcMemHandles (64 bytes each),
+    one after the other (the same bytes for every pull from one publisher: a worker maps them once),
+    and the GPU ("GPU-..." UUID) that holds each.
+    """
     spans: _builtins.bytes
     """N x 5 little-endian uint64: source index, byte offset in that allocation, destination region
     (the worker's registered regions, groups in registration order), byte offset in it, bytes.
@@ -558,19 +538,20 @@ class WorkerGather(_message.Message):
     the deadline is the pull's success, and GatherDone's answer need not be awaited.
     """
     @_builtins.property
-    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___GatherSource]: ...
+    def source_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         ticket: _builtins.int = ...,
-        sources: _abc.Iterable[Global___GatherSource] | None = ...,
+        source_handles: _builtins.bytes = ...,
+        source_devices: _abc.Iterable[_builtins.str] | None = ...,
         spans: _builtins.bytes = ...,
         deadline: _builtins.float = ...,
         confirmed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirmed", b"confirmed", "deadline", b"deadline", "sources", b"sources", "spans", b"spans", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirmed", b"confirmed", "deadline", b"deadline", "source_devices", b"source_devices", "source_handles", b"source_handles", "spans", b"spans", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
