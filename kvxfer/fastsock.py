@@ -180,7 +180,6 @@ class BlockingFastConnection:
         self._buf = bytearray()
         self._last = HELLO_CALL
         self._posted: set[int] = set()  # calls sent by post() whose answers were not read yet
-        self._spin_until = 0.0  # time.monotonic() until which the current call polls for its answer
         self.closed = False
         # A connection whose thread ended is collected with it: its socket closes then.
         self._finalizer = weakref.finalize(self, sock.close)
@@ -207,15 +206,12 @@ class BlockingFastConnection:
             raise FastHelloRefusedError(code, status)
         return conn
 
-    def call(self, method: int, payload: bytes, timeout: float, *, spin: float = 0.0) -> tuple[int, bytes]:
+    def call(self, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:
         """One call: (status code, response message or serialized google.rpc.Status).
 
         TimeoutError past ``timeout`` seconds (the sidecar is told to abandon the call);
-        FastCallError when the connection failed (``sent`` as for :class:`FastChannel`). ``spin``:
-        poll for the answer this many seconds before sleeping for it, so that what the caller does
-        with it runs on a core that did not idle (see :mod:`kvxfer.client.gather`).
+        FastCallError when the connection failed (``sent`` as for :class:`FastChannel`).
         """
-        self._spin_until = time.monotonic() + spin if spin > 0 else 0.0
         if self.closed:
             raise FastCallError("the fast socket's connection is closed", sent=False)
         if len(payload) > self.max_message_bytes:
@@ -279,18 +275,11 @@ class BlockingFastConnection:
                     body = bytes(buf[ANSWER.size : ANSWER.size + n])
                     del buf[: ANSWER.size + n]
                     return call, code, body
-            now = time.monotonic()
-            left = until - now
+            left = until - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            if now < self._spin_until:
-                try:
-                    chunk = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    continue  # nothing yet: poll again, this thread stays on its core
-            else:
-                self._sock.settimeout(left)
-                chunk = self._sock.recv(1 << 16)  # TimeoutError when ``left`` passes
+            self._sock.settimeout(left)
+            chunk = self._sock.recv(1 << 16)  # TimeoutError when ``left`` passes
             if not chunk:
                 raise ConnectionError("the sidecar closed the fast socket's connection")
             buf += chunk

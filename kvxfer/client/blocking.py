@@ -130,8 +130,7 @@ class Client:
         req.worker_gather = gather is not None
         t0 = time.perf_counter()
         resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PullRequest], req,
-                                       self.aio.call_timeout(req, self.aio.pull_timeout(deadline)),
-                                       spin=gather.spin_s if gather is not None else 0.0)  # fmt: skip
+                                       self.aio.call_timeout(req, self.aio.pull_timeout(deadline)))  # fmt: skip
         if resp is None:
             return self.call(self.aio.pull(
                 request_id, remote_addresses, local_blocks, remote_blocks=remote_blocks,

@@ -82,16 +82,13 @@ class ThreadCalls:
         with self._lock:
             return any(not c.closed for c in self._open)
 
-    def call(self, method: FastMethod, req: Message, timeout: float, *, spin: float = 0.0) -> Message | None:
-        """The call's response over this thread's connection; None: it was not sent, use the usual way.
-
-        ``spin``: seconds to poll for the answer before sleeping (:meth:`BlockingFastConnection.call`).
-        """
+    def call(self, method: FastMethod, req: Message, timeout: float) -> Message | None:
+        """The call's response over this thread's connection; None: it was not sent, use the usual way."""
         conn = self._connection()
         if conn is None:
             return None
         try:
-            code, payload = conn.call(method.number, req.SerializeToString(), timeout, spin=spin)
+            code, payload = conn.call(method.number, req.SerializeToString(), timeout)
         except TimeoutError:
             raise timeout_error(method) from None
         except FastCallError as exc:

@@ -74,12 +74,8 @@ class WorkerGather:
     in layout order (one tensor per layer: the order ``CudaIpcRef.from_tensors`` was given them).
     """
 
-    def __init__(self, device: int, regions: Sequence[int], *, spin_s: float = 0.0) -> None:
+    def __init__(self, device: int, regions: Sequence[int]) -> None:
         self.device = int(device)
-        #: The blocking client's thread polls for the Pull's answer this long before sleeping for
-        #: it: on the lent virtual machines, code that runs right after its thread slept runs
-        #: several times slower (docs/notes/gpu.md, run 20), and the launch follows the answer.
-        self.spin_s = float(spin_s)
         self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
         self._opened: dict[bytes, tuple[int, int]] = {}  # handle -> (ordinal, base mapped here)
         self._sources: dict[bytes, U64] = {}  # a plan's source_handles -> each one's base here
@@ -89,9 +85,9 @@ class WorkerGather:
         self.last: dict[str, float] = {}
 
     @classmethod
-    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]], *, spin_s: float = 0.0) -> WorkerGather:
+    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]]) -> WorkerGather:
         """From the tensors registered per group (torch tensors: ``data_ptr()``), in registration order."""
-        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors], spin_s=spin_s)
+        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors])
 
     def run(self, plan: local_pb2.WorkerGather) -> GatherOutcome:
         """Launch ``plan`` on this worker's GPU and wait until it ended (or failed)."""

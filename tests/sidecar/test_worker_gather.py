@@ -174,13 +174,12 @@ async def test_the_worker_moves_the_pull_itself_and_the_publisher_is_told(
     await eventually(lambda: "r1" not in core(ps).publisher.publishes)
 
 
-@pytest.mark.parametrize("spin_s", [0.0, 0.5], ids=["sleeping", "polling"])
 async def test_the_blocking_client_posts_its_report_on_its_own_connection(
-    harness: Harness, driver: MemmoveDriver, spin_s: float
+    harness: Harness, driver: MemmoveDriver
 ) -> None:
     ps, pw, ds, dw, plane = await _pair(harness)
     blocking = Client(ds.local_target, timeout=30.0)
-    gather = HostWorkerGather(0, dw.buffers["kv"].addresses, spin_s=spin_s)
+    gather = _gather(dw)
     try:
         for n, (p_ids, d_ids) in enumerate((([1, 2, 3], [4, 5, 6]), ([7], [8]))):
             rid = f"b{n}"
