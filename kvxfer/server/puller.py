@@ -75,17 +75,20 @@ class Puller:
 
     # ------------------------------------------------------------------ local API
     async def pull(
-        self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant] | None = None
-    ) -> local_pb2.PullResponse:
+        self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant] | None = None,
+        *, gathers: bool = True,
+    ) -> local_pb2.PullResponse:  # fmt: skip
         """Validate, start the transfer, and answer when posted (or done, with ``wait``).
 
         ``grants``: the publishers' promises from holding the request (kvxfer.server.holds), by address.
+        ``gathers``: whether ``worker_gather`` may be honoured (not within a PullBatch, whose client
+        runs no gathers; and only for a pull the worker waits for).
         """
         entered = time.monotonic()
         entry = self._start(req, client_timeout, grants or {})
         entry.waited = req.wait
         wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
-        if req.worker_gather and not req.push:
+        if gathers and req.worker_gather and req.wait and not req.push:
             entry.handoff = asyncio.get_running_loop().create_future()
         try:
             if entry.handoff is None:
@@ -183,7 +186,8 @@ class Puller:
             with log_context(request_id=p.request_id or None, peer=p.remote_engine_id or None):
                 try:
                     return local_pb2.PullResult(response=await self.pull(p, client_timeout,
-                                                                         (grants or {}).get(p.request_id)))  # fmt: skip
+                                                                         (grants or {}).get(p.request_id),
+                                                                         gathers=False))  # fmt: skip
                 except KvxferError as exc:
                     return local_pb2.PullResult(code=code_of(exc).value[0], message=exc.message,
                                                 reason=exc.reason.value, field=exc.field or "")  # fmt: skip

@@ -217,6 +217,33 @@ async def test_a_gather_past_its_deadline_fails_the_pull_on_both_sides(harness: 
     assert dw.verify({"kv": [8]}, 4)[1] == 0
 
 
+@pytest.mark.parametrize("how", ["batch", "no-wait"])
+async def test_a_pull_nobody_waits_on_is_moved_by_the_sidecar(
+    harness: Harness, driver: MemmoveDriver, how: str
+) -> None:
+    # A PullBatch item, or a Pull without wait, has no caller to hand a gather to: the sidecar
+    # moves its bytes itself, whatever worker_gather says.
+    ps, pw, ds, dw, plane = await _pair(harness)
+    await pw.prefill("q", {"kv": [1, 2]}, salt=8)
+    req = local_pb2.PullRequest(request_id="q", remote_addresses=[ps.peer_address], wait=how == "batch",
+                                worker_gather=True,
+                                local_blocks=[common_pb2.BlockList(group="kv", block_ids=[9, 10])])  # fmt: skip
+    if how == "batch":
+        batch = await dw.client._call(dw.client._stub.PullBatch, local_pb2.PullBatchRequest(pulls=[req]), 10.0)
+        (result,) = batch.results
+        assert result.code == 0, result.message
+        assert result.response.done
+        assert not result.response.HasField("gather")
+    else:
+        answer = await dw.client._call(dw.client._stub.Pull, req, 10.0)
+        assert not answer.HasField("gather")
+        await eventually(lambda: not core(ds).puller.pulls)
+    assert dw.verify({"kv": [9, 10]}, 8) == (2 * LAY.page_bytes * LAY.num_layers, 0)
+    assert plane.handed == 0
+    assert plane.reads == 1
+    assert driver.launches == []
+
+
 async def test_a_report_for_no_waiting_pull_is_not_found(harness: Harness, driver: MemmoveDriver) -> None:
     _ps, _pw, _ds, dw, _plane = await _pair(harness)
     with pytest.raises(KvxferRpcError) as err:

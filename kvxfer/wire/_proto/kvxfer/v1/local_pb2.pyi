@@ -471,9 +471,10 @@ class PullRequest(_message.Message):
     published there; the pull is done once every source rank reported its WRITEs landed.
     """
     worker_gather: _builtins.bool
-    """The worker can move the bytes itself (kvxfer.client.WorkerGather): when the pull comes down to
-    one same-host GPU gather, the sidecar answers with PullResponse.gather instead of copying, and
-    the worker launches it in its own CUDA context and reports with GatherDone. Otherwise ignored.
+    """The worker can move the bytes itself (kvxfer.client.gather.WorkerGather): when the pull comes
+    down to one same-host GPU gather, the sidecar answers with PullResponse.gather instead of
+    copying, and the worker launches it in its own CUDA context and reports with GatherDone.
+    Honoured only by Pull with wait (not PullBatch, not push); otherwise ignored.
     """
     @_builtins.property
     def remote_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
