@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvxfer.errors import KvxferError
 from kvxfer.fastsock import FastCallError, FastChannel, FastHelloRefusedError
 from kvxfer.server import fast_api
 from kvxfer.server.app import Sidecar
@@ -235,3 +236,57 @@ async def test_a_connection_that_does_not_say_hello_is_closed(
         assert asyncio.get_running_loop().time() - t0 < 2
     finally:
         writer.close()
+
+
+def _unavailable() -> grpc.aio.AioRpcError:
+    """FAKE fault: a hot call lost with its connection (what a dropped TCP connection gives a call)."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "the frames connection was lost")  # fmt: skip
+
+
+async def test_a_late_failure_on_a_replaced_connection_does_not_reset_the_replacement(harness: Harness) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await pw[0].prefill("r1", {"kv": [1]}, salt=3)
+    await dw[0].pull("r1", ps, {"kv": [2]})
+    await _framed(ds[0], ps[0])
+    assert ds[0].core is not None
+    peers, address = ds[0].core.peers, ps[0].peer_address
+    old_framed, old_session = peers._frames[address], peers._sessions[address]
+    release = asyncio.Event()
+
+    async def lost_later(stub: object) -> None:
+        assert stub is old_framed  # it went as a frame on the connection of the time
+        await release.wait()
+        raise _unavailable()
+
+    async def lost_now(stub: object) -> None:
+        assert stub is old_framed
+        raise _unavailable()
+
+    slow = asyncio.ensure_future(peers.call(address, "GetPublished", lost_later))
+    await asyncio.sleep(0)
+    with pytest.raises(KvxferError):
+        await peers.call(address, "GetPublished", lost_now)
+    # The first failure reset the peer: its session and connection go, the next use handshakes again.
+    assert address not in peers._sessions
+    assert address not in peers._frames
+    await asyncio.sleep(0.05)
+    assert old_framed.closed
+    await pw[0].prefill("r2", {"kv": [3]}, salt=4)
+    await dw[0].pull("r2", ps, {"kv": [4]})
+    await _framed(ds[0], ps[0])
+    new_session, new_framed = peers._sessions[address], peers._frames[address]
+    assert new_session is not old_session
+    assert new_framed is not old_framed
+    # The call still in flight on the old connection fails now: it must not reset the new one.
+    release.set()
+    with pytest.raises(KvxferError):
+        await slow
+    assert peers._sessions.get(address) is new_session
+    assert peers._frames.get(address) is new_framed
+    assert not new_framed.closed
+    await pw[0].prefill("r3", {"kv": [5]}, salt=5)
+    before = _frames_calls(ps[0])
+    res = await dw[0].pull("r3", ps, {"kv": [6]})
+    assert dw[0].verify({"kv": [6]}, 5) == (res.bytes, 0)
+    assert (_frames_calls(ps[0]) - before)["GetPublished"] == 1  # still as a frame, on the replacement
