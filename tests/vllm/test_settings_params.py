@@ -24,6 +24,7 @@ def test_defaults_match_the_chart() -> None:
     assert s.socket_for(rank=3, tp_rank=1, pp_rank=1) == "/run/kvxfer/kvxfer-3.sock"
     assert s.token() is None
     assert (s.lease_seconds, s.transfer_timeout_seconds, s.kv_cache_layout) == (0.0, 30.0, "HND")
+    assert (s.data_plane, s.gather) == ("sidecar", "sidecar")
 
 
 def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
@@ -57,6 +58,8 @@ def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
         ({"push_layerwise": "maybe"}, "push_layerwise: must be true or false, got 'maybe'"),
         ({"push_layerwise": 1}, "push_layerwise: must be true or false, got 1"),
         ({"idle_wait_ms": -1}, "idle_wait_ms: must be a number >= 0, got -1.0"),
+        ({"gather": "gpu"}, "gather: 'gpu' is not one of sidecar, worker"),
+        ({"gather": "worker", "data_plane": "worker"}, "gather: 'worker' needs data_plane 'sidecar'"),
     ],
 )
 def test_bad_settings_name_the_key(extra: dict[str, Any], fragment: str) -> None:

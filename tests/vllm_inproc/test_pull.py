@@ -10,6 +10,8 @@ but its last token, which it computes itself.
 
 from __future__ import annotations
 
+import logging
+
 import math
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -214,6 +216,25 @@ def test_the_workers_own_agents_move_heterogeneous_tp(pd: PD) -> None:
     agent = dec.workers[0].agent
     assert agent is not None
     assert agent.jobs_run == 2  # one READ per prefill rank, run by the decode worker's own agent
+    for n in LAYERS:
+        assert torch.equal(rows(dec.engines, n, d_table, range(prompt - 1)),
+                           rows(pre.engines, n, p_table, range(prompt - 1)))  # fmt: skip
+
+
+def test_gather_by_the_worker_is_for_gpu_caches_and_host_caches_are_moved_by_the_sidecar(
+    pd: PD, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gather "worker" asks the sidecar to hand same-host GPU pulls to the worker; CPU caches stay the sidecar's."""
+    pre = pd.instance("prefill", engines(tp=1, seed=4, spec_for=kv_spec(16)), sidecars="preg1")
+    with caplog.at_level(logging.INFO, logger="kvxfer.integrations.vllm.worker"):
+        dec = pd.instance("decode", engines(tp=1, seed=14, spec_for=kv_spec(16)), sidecars="decg1", gather="worker")
+    assert all(w.gather is None for w in dec.workers)
+    assert "gather: 'worker' applies to GPU caches" in caplog.text
+    prompt = 40
+    p_table, d_table = blocks_for(prompt, 16, P_POOL), blocks_for(prompt, 16, D_POOL)
+    params = pd.publish(pre, "gw", prompt, [p_table])
+    assert pd.load(dec, "gw-d", prompt, params, [d_table]) == set()
+    pre.finished(sending="gw")
     for n in LAYERS:
         assert torch.equal(rows(dec.engines, n, d_table, range(prompt - 1)),
                            rows(pre.engines, n, p_table, range(prompt - 1)))  # fmt: skip

@@ -56,6 +56,11 @@ class ConnectorSettings:
     data_plane: str = "sidecar"
     #: The library of the worker's agent with ``data_plane: worker`` (a kvxfer backend name).
     worker_backend: str = "nixl"
+    #: Who launches a same-host GPU pull's gather with ``data_plane: sidecar``: ``sidecar`` (its
+    #: own CUDA context), or ``worker``: this decode worker, in its own context, on the client's
+    #: loop thread (``kvxfer.client.gather``; no GPU context switch, the worker's CPU instead).
+    #: GPU caches only; anything the sidecar cannot hand over as one gather it moves itself.
+    gather: str = "sidecar"
     #: Prefill instance, push mode: stream each request's KV layer by layer while the prefill
     #: computes (the sidecar WRITEs a layer as soon as the worker says it is in the cache). Needs
     #: vLLM's per-layer hooks: CUDA graphs run piecewise.
@@ -93,6 +98,13 @@ class ConnectorSettings:
             raise ConnectorSettingsError(
                 f"data_plane: {self.data_plane!r} is not one of sidecar, worker", field="data_plane"
             )
+        if self.gather not in ("sidecar", "worker"):
+            raise ConnectorSettingsError(f"gather: {self.gather!r} is not one of sidecar, worker", field="gather")
+        if self.gather == "worker" and self.data_plane != "sidecar":
+            raise ConnectorSettingsError(
+                f"gather: 'worker' needs data_plane 'sidecar' (the sidecar hands the gather over), got "
+                f"{self.data_plane!r}", field="gather",
+            )  # fmt: skip
         if not self.worker_backend or self.worker_backend == "worker":
             raise ConnectorSettingsError(
                 f"worker_backend: {self.worker_backend!r} is not a library backend (e.g. nixl)", field="worker_backend"

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvxfer.client import Client, KvxferRpcError, PullResult, TokenSpan
+from kvxfer.client.gather import WorkerGather
 from kvxfer.errors import KvxferError, Reason
 from kvxfer.integrations.vllm.kvcache import SharedCaches, own_caches, share_caches
 from kvxfer.integrations.vllm.params import RemotePrefill
@@ -94,6 +95,8 @@ class WorkerSide:
         self._watcher: cf.Future[None] | None = None
         #: data_plane "worker": this process's own agent, and its job loop on the client's thread.
         self.agent: WorkerAgent | None = None
+        #: ``gather: worker`` with GPU caches: this process launches its same-host pulls' gathers.
+        self.gather: WorkerGather | None = None
         self._agent_serving: cf.Future[None] | None = None
         self._closed = False
 
@@ -111,6 +114,7 @@ class WorkerSide:
                     self.agent.register_addresses(g.layout, ref)
         else:
             self.shared = share_caches(groups, kv_caches)
+            self.gather = self._worker_gather(groups, kv_caches)
         self._names = {}
         self._layers = {}
         for g in groups:
@@ -131,6 +135,17 @@ class WorkerSide:
         if self.agent is not None and self._agent_serving is None:
             self._agent_serving = self.sidecar.submit(self.agent.serve(self.sidecar.aio))
         return self.registration
+
+    def _worker_gather(self, groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]) -> WorkerGather | None:
+        """With ``gather: worker`` and GPU caches: what runs the gathers the sidecar hands this worker."""
+        if self.settings.gather != "worker":
+            return None
+        first = kv_caches[groups[0].layer_names[0]]
+        if not first.is_cuda:
+            log.info("gather: 'worker' applies to GPU caches; this worker's are in host memory, the sidecar moves them")
+            return None
+        # The regions in the order they are registered: groups in order, each group's regions in order.
+        return WorkerGather(int(first.device.index or 0), [a for g in groups for a in g.region_addresses])
 
     async def _register(self) -> dict[str, Any]:
         assert self.shared is not None
@@ -280,7 +295,7 @@ class WorkerSide:
             return await self.sidecar.aio.pull(
                 remote.request_id, addresses, local, remote_blocks=remote_blocks or None, spans=spans,
                 remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
-                push=spec.push,
+                push=spec.push, gather=self.gather,
             )  # fmt: skip
 
     def _stage_addresses(self, addresses: tuple[str, ...]) -> list[str]:
@@ -380,6 +395,8 @@ class WorkerSide:
         self.sidecar.close()
         if self.agent is not None:
             self.agent.close()
+        if self.gather is not None:
+            self.gather.close()  # unmaps the publishers' memory this process opened
         if self.shared is not None:
             self.shared.close()
 
