@@ -35,7 +35,9 @@ from kvxfer.harness.cluster import LocalCluster
 from kvxfer.integrations.vllm.plan import StepPlan
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.spec import CacheGroup, TransferGroup
 from kvxfer.integrations.vllm.worker import WorkerSide
+from kvxfer.layout import KVCacheLayout
 from kvxfer.topology import RankInfo
 
 
@@ -69,12 +71,26 @@ def caches(args: argparse.Namespace, device: str, seed: int) -> dict[str, torch.
     return {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(args.layers)}
 
 
+def group(args: argparse.Namespace, kv: dict[str, torch.Tensor]) -> CacheGroup:
+    """What ``describe_caches`` makes of those caches (vLLM's HND attention layout, one region a layer)."""
+    layout = KVCacheLayout.attention(num_layers=args.layers, num_blocks=args.blocks, block_size=args.block_size,
+                                     num_kv_heads=args.heads, head_size=args.head_size, dtype="bf16", order="HND")  # fmt: skip
+    return CacheGroup("attn", 0, layout, tuple(kv), tuple(int(t.data_ptr()) for t in kv.values()))
+
+
+def same(dst: torch.Tensor, d_blocks: list[int], src: torch.Tensor, s_blocks: list[int]) -> bool:
+    """Every moved token equal: all of every block but the last, whose last token slot is the decode side's."""
+    full = torch.equal(dst[d_blocks[:-1]].view(torch.uint8), src[s_blocks[:-1]].view(torch.uint8))
+    last = torch.equal(dst[d_blocks[-1], :, :-1].view(torch.uint8), src[s_blocks[-1], :, :-1].view(torch.uint8))
+    return full and last
+
+
 def wait(worker: WorkerSide, *, sending: str | None = None, recving: str | None = None) -> None:
     got_s: set[str] = set()
     got_r: set[str] = set()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        s, r = worker.finished()
+        s, r, _cached = worker.finished()
         got_s |= s
         got_r |= r
         if (sending is None or sending in got_s) and (recving is None or recving in got_r):
@@ -94,6 +110,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=4096)
     ap.add_argument("--prompt-blocks", default="8,64,512,2048", help="request sizes in blocks")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gather", choices=("sidecar", "worker"), default="sidecar", help="the decode side's gather")
     args = ap.parse_args()
     device = "cpu" if args.cpu_smoke else "cuda:0"
     rng = np.random.default_rng(0)
@@ -106,18 +123,20 @@ def main() -> int:
         p = cluster.start_sidecar("p-0", "prefill", "prefill")
         d = cluster.start_sidecar("d-0", "decode", "decode")
         sp = ConnectorSettings(sidecar_socket=str(Path(p.local_socket).parent / "p-{rank}.sock"))
-        sd = ConnectorSettings(sidecar_socket=str(Path(d.local_socket).parent / "d-{rank}.sock"))
-        pw = WorkerSide(sp, rank=RankInfo(0, 1), local_rank=0, total_kv_heads=args.heads)
-        dw = WorkerSide(sd, rank=RankInfo(0, 1), local_rank=0, total_kv_heads=args.heads)
+        sd = ConnectorSettings(sidecar_socket=str(Path(d.local_socket).parent / "d-{rank}.sock"), gather=args.gather)
+        pw = WorkerSide(sp, rank=RankInfo(0, 1), local_rank=0)
+        dw = WorkerSide(sd, rank=RankInfo(0, 1), local_rank=0)
         pk, dk = caches(args, device, 1), caches(args, device, 2)
         t0 = time.perf_counter()
-        pw.register(pk)
-        dw.register(dk)
+        pw.register([group(args, pk)], pk)
+        dw.register([group(args, dk)], dk)
         report["register_s"] = time.perf_counter() - t0
-        report["memory"] = type(pw.shared.memory).__name__ if pw.shared else ""
-        ps = SchedulerSide(sp, engine_id="vllm-p", block_size=args.block_size)
-        ds = SchedulerSide(sd, engine_id="vllm-d", block_size=args.block_size)
-        page = pw.shared.description.layout.page_bytes if pw.shared else 0
+        report["memory"] = pw.shared.how if pw.shared else ""
+        report["gather"] = "worker" if dw.gather is not None else "sidecar"
+        groups = [TransferGroup(0, "attn", "full", args.block_size)]
+        ps = SchedulerSide(sp, engine_id="vllm-p", groups=groups)
+        ds = SchedulerSide(sd, engine_id="vllm-d", groups=groups)
+        page = group(args, pk).layout.page_bytes
         n_req = 0
         try:
             for nb in [int(x) for x in args.prompt_blocks.split(",")]:
@@ -129,26 +148,25 @@ def main() -> int:
                     rid = f"r{n_req}"
                     t_pub = time.perf_counter()
                     keep, params = ps.request_finished(
-                        Req(rid, tokens, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED", tokens), p_blocks
+                        Req(rid, tokens, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED", tokens), [p_blocks]
                     )
                     assert keep
                     assert params is not None
                     pw.on_step(ps.build_plan())
                     t_pull = time.perf_counter()
                     dreq = Req("d" + rid, tokens, dict(params), "RUNNING")
-                    assert ds.matched_tokens(dreq, 0) == (tokens, True)
-                    ds.after_alloc(dreq, d_blocks, tokens)
+                    # The decode side computes the last prompt token itself: every token but that one moves.
+                    assert ds.matched_tokens(dreq, 0) == (tokens - 1, True)
+                    ds.after_alloc(dreq, [d_blocks], tokens - 1)
                     plan: StepPlan = ds.build_plan()
                     dw.on_step(plan)
                     wait(dw, recving="d" + rid)
                     t_done = time.perf_counter()
                     errors = dw.load_errors()
-                    ok = not errors and all(
-                        torch.equal(dk[n][d_blocks].view(torch.uint8), pk[n][p_blocks].view(torch.uint8)) for n in pk
-                    )
+                    ok = not errors and all(same(dk[n], d_blocks, pk[n], p_blocks) for n in pk)
                     wait(pw, sending=rid)
                     ds.loads_finished({"d" + rid})
-                    nbytes = nb * page * args.layers
+                    nbytes = (nb * args.block_size - 1) * (page // args.block_size) * args.layers
                     row = {"blocks": nb, "bytes": nbytes, "warmup": rep == 0, "verified": ok,
                            "publish_ms": 1000 * (t_pull - t_pub), "pull_ms": 1000 * (t_done - t_pull),
                            "gbps": nbytes / (t_done - t_pull) / 1e9}  # fmt: skip
