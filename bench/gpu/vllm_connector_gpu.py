@@ -73,8 +73,10 @@ def caches(args: argparse.Namespace, device: str, seed: int) -> dict[str, torch.
 
 def group(args: argparse.Namespace, kv: dict[str, torch.Tensor]) -> CacheGroup:
     """What ``describe_caches`` makes of those caches (vLLM's HND attention layout, one region a layer)."""
-    layout = KVCacheLayout.attention(num_layers=args.layers, num_blocks=args.blocks, block_size=args.block_size,
-                                     num_kv_heads=args.heads, head_size=args.head_size, dtype="bf16", order="HND")  # fmt: skip
+    layout = KVCacheLayout.attention(
+        num_layers=args.layers, num_blocks=args.blocks, block_size=args.block_size, num_kv_heads=args.heads,
+        head_size=args.head_size, dtype="bf16", order="HND",
+    )  # fmt: skip
     return CacheGroup("attn", 0, layout, tuple(kv), tuple(int(t.data_ptr()) for t in kv.values()))
 
 
