@@ -221,7 +221,7 @@ class AsyncClient:
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
                         spans, push)  # fmt: skip
         req = _pull_request(item)
-        req.worker_gather = gather is not None
+        req.worker_gather = gather is not None and gather.usable
         t0 = time.perf_counter()
         resp = await self._call(self._stub.Pull, req, self.pull_timeout(deadline))
         if resp.HasField("gather") and gather is not None:

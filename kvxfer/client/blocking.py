@@ -127,7 +127,7 @@ class Client:
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
                         spans, push)  # fmt: skip
         req = _pull_request(item)
-        req.worker_gather = gather is not None
+        req.worker_gather = gather is not None and gather.usable
         t0 = time.perf_counter()
         resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PullRequest], req,
                                        self.aio.call_timeout(req, self.aio.pull_timeout(deadline)))  # fmt: skip

@@ -60,10 +60,12 @@ class GatherOutcome:
     bytes: int
     spans: int
     late: bool = False  # the copies ended, past the deadline
+    launched: bool = True  # False: nothing was copied (the sidecar then moves the bytes)
 
     def report(self, ticket: int) -> local_pb2.GatherDoneRequest:
         """The ``GatherDone`` request that reports it."""
-        return local_pb2.GatherDoneRequest(ticket=ticket, ok=self.ok, error=self.error, ended=self.ended)
+        return local_pb2.GatherDoneRequest(ticket=ticket, ok=self.ok, error=self.error, ended=self.ended,
+                                           launched=self.launched)  # fmt: skip
 
 
 class WorkerGather:
@@ -79,6 +81,9 @@ class WorkerGather:
         self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
         self._opened: dict[bytes, tuple[int, int]] = {}  # handle -> (ordinal, base mapped here)
         self._sources: dict[bytes, U64] = {}  # a plan's source_handles -> each one's base here
+        #: Why a gather could not be started here (an allocation this process cannot map: the
+        #: publisher in this very process, no peer access...); set, no more gathers are asked for.
+        self.unusable = ""
         #: Where the last pull's time went, in microseconds (benchmarks): ``answer`` (the Pull call
         #: until its answer arrived; set by the client), ``plan`` (spans to addresses), ``launch``
         #: (the launch call), ``wait`` (launched until the end was seen).
@@ -95,12 +100,15 @@ class WorkerGather:
         try:
             dst, src, sizes = self._addresses(plan)
         except (InvalidArgumentError, cuda_ipc.CudaIpcError) as exc:
-            return GatherOutcome(False, f"the gather cannot run here: {exc.message}", time.monotonic(), 0.0, 0, 0)
+            return self._not_started(f"the gather cannot run here: {exc.message}")
         drv = cuda_ipc.driver()
         t1 = time.perf_counter()
         try:
             batch = drv.copy_async(self.device, dst, src, sizes, kernel=True)
-            t2 = time.perf_counter()
+        except cuda_ipc.CudaIpcError as exc:
+            return self._not_started(f"the gather did not start: {exc.message}")
+        t2 = time.perf_counter()
+        try:
             until = t2 + SPIN_S
             while not drv.done(batch):
                 if time.perf_counter() > until:
@@ -117,6 +125,18 @@ class WorkerGather:
             return GatherOutcome(False, f"the copies ended {(ended - plan.deadline) * 1e3:.3g} ms after the deadline",
                                  ended, time.perf_counter() - t0, nbytes, int(sizes.size), late=True)  # fmt: skip
         return GatherOutcome(True, "", ended, time.perf_counter() - t0, nbytes, int(sizes.size))
+
+    @property
+    def usable(self) -> bool:
+        """False once a gather could not be started here: pulls then leave the bytes to the sidecar."""
+        return not self.unusable
+
+    def _not_started(self, why: str) -> GatherOutcome:
+        if not self.unusable:
+            log.warning("this worker cannot run the sidecar's gathers; its sidecar moves the bytes from now on",
+                        extra={"error": why})  # fmt: skip
+        self.unusable = why
+        return GatherOutcome(False, why, time.monotonic(), 0.0, 0, 0, launched=False)
 
     def _addresses(self, plan: local_pb2.WorkerGather) -> tuple[U64, U64, U64]:
         """(destinations, sources, sizes) of ``plan`` as addresses in this process."""
@@ -179,8 +199,12 @@ class WorkerGather:
 
 
 def report_in_background(resp: local_pb2.PullResponse, outcome: GatherOutcome) -> bool:
-    """Whether the worker knows the pull's outcome without GatherDone's answer: the gather failed,
-    or it was confirmed and ended by its deadline (its report then goes in the background)."""
+    """Whether the worker knows the pull's outcome without GatherDone's answer: the gather failed
+    after it started, or it was confirmed and ended by its deadline (its report then goes in the
+    background). Not for a gather that never started: the sidecar moves those bytes, and
+    GatherDone answers how that went."""
+    if not outcome.launched:
+        return False
     return not outcome.ok or resp.gather.confirmed
 
 

@@ -45,6 +45,7 @@ from kvxfer.errors import (
     Reason,
 )
 from kvxfer.layout import KVCacheLayout
+from kvxfer.logs import get_logger
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peers import PeerDirectory, PeerSession
 from kvxfer.server.push_steps import PushSteps
@@ -58,6 +59,8 @@ from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import check_block_ids, rank_to_proto, regions_from_proto
 
 __all__ = ["PullSteps"]
+
+log = get_logger("kvxfer.server")
 
 U64 = npt.NDArray[np.uint64]
 #: A grant with less than this left is not read on (a lookup confirms instead): a READ needs time.
@@ -438,8 +441,10 @@ class PullSteps:
     async def _worker_reads(
         self, entry: PullEntry, reg: Registration, s: PeerSession, gather: SameHostGather, local: U64,
         confirmed: bool,
-    ) -> None:  # fmt: skip
+    ) -> bool:  # fmt: skip
         """Hand the READ to the worker as one gather (the Pull call answers with it) and wait for its report.
+
+        False: the worker could not start it (it copied nothing), and the caller READs instead.
 
         The worker launches it in its own CUDA context, as soon as the answer reaches it: no
         sidecar launch, no GPU context switch. It must see the copies end by ``entry.deadline``
@@ -463,6 +468,10 @@ class PullSteps:
             report: local_pb2.GatherDoneRequest = await entry.gathered
         finally:
             self.gathers.pop(ticket, None)
+        if not report.ok and not report.launched:
+            log.warning("the worker could not start a gather; this sidecar moves the bytes",
+                        extra={"peer": s.identity.label, "error": report.error})  # fmt: skip
+            return False
         if not report.ok:
             raise PeerUnavailableError(
                 f"the worker's gather of the READ from {s.identity.label} at {s.address} failed: {report.error}",
@@ -473,6 +482,7 @@ class PullSteps:
                 f"the worker's gather of the READ from {s.identity.label} at {s.address} ended "
                 f"{(report.ended - entry.deadline) * 1e3:.3g} ms after the pull's deadline", field="timeout_seconds",
             )  # fmt: skip
+        return True
 
     async def _read(
         self, entry: PullEntry, reg: Registration, s: PeerSession, local: U64, remote: U64, rmem: str, mem: str, *,
@@ -488,8 +498,8 @@ class PullSteps:
                     f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                     field="remote_addresses", reason=Reason.DATA_PLANE,
                 ) from None  # fmt: skip
-            if gather is not None:
-                await self._worker_reads(entry, reg, s, gather, local, confirmed)
+            # False: the worker could not start it (nothing was copied), so this sidecar moves the bytes.
+            if gather is not None and await self._worker_reads(entry, reg, s, gather, local, confirmed):
                 return
         try:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),

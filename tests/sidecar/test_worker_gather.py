@@ -198,6 +198,34 @@ async def test_the_blocking_client_posts_its_report_on_its_own_connection(
         await asyncio.to_thread(blocking.close)
 
 
+class UnmappableWorkerGather(WorkerGather):
+    """FAKE fault: this process cannot map the publisher's allocation (what the same process, or no
+    peer access, gives cuIpcOpenMemHandle)."""
+
+    def _map(self, handle: bytes, device_uuid: str) -> tuple[int, int]:
+        raise cuda_ipc.CudaIpcError("cuIpcOpenMemHandle: CUDA_ERROR_INVALID_CONTEXT (invalid device context)", code=201)
+
+
+@pytest.mark.parametrize("ids_given", [False, True], ids=["after-lookup", "reading-ahead"])
+async def test_a_gather_the_worker_cannot_start_is_moved_by_the_sidecar(
+    harness: Harness, driver: MemmoveDriver, ids_given: bool
+) -> None:
+    ps, pw, _ds, dw, plane = await _pair(harness)
+    gather = UnmappableWorkerGather(0, dw.buffers["kv"].addresses)
+    for n, (p_ids, d_ids) in enumerate((([1, 2], [3, 4]), ([5], [6]))):
+        rid = f"u{n}"
+        await pw.prefill(rid, {"kv": p_ids}, salt=30 + n)
+        res = await dw.pull(rid, [ps], {"kv": d_ids}, gather=gather, remote_blocks={"kv": p_ids} if ids_given else None)
+        assert res.done
+        assert dw.verify({"kv": d_ids}, 30 + n) == (len(d_ids) * LAY.page_bytes * LAY.num_layers, 0)
+    # The first pull was handed over, the worker could not start it and the sidecar READ it; the
+    # worker asks no more (its gathers would fail the same way), so the second went the usual way.
+    assert (plane.handed, plane.reads) == (1, 2)
+    assert driver.launches == []
+    assert not gather.usable
+    assert "CUDA_ERROR_INVALID_CONTEXT" in gather.unusable
+
+
 async def test_a_gather_past_its_deadline_fails_the_pull_on_both_sides(harness: Harness, driver: MemmoveDriver) -> None:
     ps, pw, ds, dw, _plane = await _pair(harness)
     await pw.prefill("late", {"kv": [1, 2]}, salt=3)

@@ -566,6 +566,7 @@ class GatherDoneRequest(_message.Message):
     OK_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ENDED_FIELD_NUMBER: _builtins.int
+    LAUNCHED_FIELD_NUMBER: _builtins.int
     ticket: _builtins.int
     ok: _builtins.bool
     """every copy ended, by the deadline"""
@@ -573,6 +574,10 @@ class GatherDoneRequest(_message.Message):
     """why not, when not ok"""
     ended: _builtins.float
     """CLOCK_MONOTONIC seconds when the worker saw the copies end"""
+    launched: _builtins.bool
+    """Whether the worker launched any copy. A gather it could not start (an allocation it cannot
+    map, say) is moved by the sidecar instead, and GatherDone answers that pull's outcome.
+    """
     def __init__(
         self,
         *,
@@ -580,10 +585,11 @@ class GatherDoneRequest(_message.Message):
         ok: _builtins.bool = ...,
         error: _builtins.str = ...,
         ended: _builtins.float = ...,
+        launched: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "error", b"error", "ok", b"ok", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "error", b"error", "launched", b"launched", "ok", b"ok", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
