@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -87,6 +88,38 @@ def same(dst: torch.Tensor, d_blocks: list[int], src: torch.Tensor, s_blocks: li
     return full and last
 
 
+def prefill_half(argv: dict[str, Any], socket: str, conn: Any) -> None:
+    """The prefill instance (worker and scheduler halves) in its own process, driven over ``conn``."""
+    args = argparse.Namespace(**argv)
+    device = "cpu" if args.cpu_smoke else "cuda:0"
+    sp = ConnectorSettings(sidecar_socket=socket)
+    pw = WorkerSide(sp, rank=RankInfo(0, 1), local_rank=0)
+    pk = caches(args, device, 1)
+    pw.register([group(args, pk)], pk)
+    ps = SchedulerSide(sp, engine_id="vllm-p", groups=[TransferGroup(0, "attn", "full", args.block_size)])
+    conn.send(pw.shared.how if pw.shared else "")
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "publish":
+                _, rid, tokens, p_blocks = msg
+                keep, params = ps.request_finished(
+                    Req(rid, tokens, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED", tokens), [p_blocks]
+                )
+                assert keep
+                assert params is not None
+                pw.on_step(ps.build_plan())
+                conn.send(params)
+            elif msg[0] == "sent":
+                wait(pw, sending=msg[1])
+                conn.send("ok")
+            else:
+                return
+    finally:
+        pw.close()
+        ps.close()
+
+
 def wait(worker: WorkerSide, *, sending: str | None = None, recving: str | None = None) -> None:
     got_s: set[str] = set()
     got_r: set[str] = set()
@@ -124,21 +157,23 @@ def main() -> int:
     with LocalCluster(log_level="warning") as cluster:
         p = cluster.start_sidecar("p-0", "prefill", "prefill")
         d = cluster.start_sidecar("d-0", "decode", "decode")
-        sp = ConnectorSettings(sidecar_socket=str(Path(p.local_socket).parent / "p-{rank}.sock"))
+        # The prefill instance's worker runs in a process of its own, as vLLM's does: the decode side
+        # maps its memory by CUDA IPC from another process (a process cannot open its own handles).
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        p_socket = str(Path(p.local_socket).parent / "p-{rank}.sock")
+        prefill = ctx.Process(target=prefill_half, args=(vars(args), p_socket, child_conn), daemon=True)
+        prefill.start()
         sd = ConnectorSettings(sidecar_socket=str(Path(d.local_socket).parent / "d-{rank}.sock"), gather=args.gather)
-        pw = WorkerSide(sp, rank=RankInfo(0, 1), local_rank=0)
         dw = WorkerSide(sd, rank=RankInfo(0, 1), local_rank=0)
-        pk, dk = caches(args, device, 1), caches(args, device, 2)
+        pk, dk = caches(args, device, 1), caches(args, device, 2)  # pk: what the prefill process made (same seed)
         t0 = time.perf_counter()
-        pw.register([group(args, pk)], pk)
         dw.register([group(args, dk)], dk)
+        report["memory"] = conn.recv()
         report["register_s"] = time.perf_counter() - t0
-        report["memory"] = pw.shared.how if pw.shared else ""
         report["gather"] = "worker" if dw.gather is not None else "sidecar"
-        groups = [TransferGroup(0, "attn", "full", args.block_size)]
-        ps = SchedulerSide(sp, engine_id="vllm-p", groups=groups)
-        ds = SchedulerSide(sd, engine_id="vllm-d", groups=groups)
-        page = group(args, pk).layout.page_bytes
+        ds = SchedulerSide(sd, engine_id="vllm-d", groups=[TransferGroup(0, "attn", "full", args.block_size)])
+        page = group(args, dk).layout.page_bytes
         n_req = 0
         try:
             for nb in [int(x) for x in args.prompt_blocks.split(",")]:
@@ -149,12 +184,8 @@ def main() -> int:
                     tokens = nb * args.block_size
                     rid = f"r{n_req}"
                     t_pub = time.perf_counter()
-                    keep, params = ps.request_finished(
-                        Req(rid, tokens, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED", tokens), [p_blocks]
-                    )
-                    assert keep
-                    assert params is not None
-                    pw.on_step(ps.build_plan())
+                    conn.send(("publish", rid, tokens, p_blocks))
+                    params = conn.recv()
                     t_pull = time.perf_counter()
                     dreq = Req("d" + rid, tokens, dict(params), "RUNNING")
                     # The decode side computes the last prompt token itself: every token but that one moves.
@@ -166,7 +197,8 @@ def main() -> int:
                     t_done = time.perf_counter()
                     errors = dw.load_errors()
                     ok = not errors and all(same(dk[n], d_blocks, pk[n], p_blocks) for n in pk)
-                    wait(pw, sending=rid)
+                    conn.send(("sent", rid))
+                    assert conn.recv() == "ok"
                     ds.loads_finished({"d" + rid})
                     nbytes = (nb * args.block_size - 1) * (page // args.block_size) * args.layers
                     row = {"blocks": nb, "bytes": nbytes, "warmup": rep == 0, "verified": ok,
@@ -176,8 +208,11 @@ def main() -> int:
                     print(json.dumps(row), flush=True)
                     if not ok:
                         raise SystemExit(f"bytes differ for {rid} (load errors {sorted(errors)[:8]})")
+            report["worker_gather_usable"] = dw.gather.usable if dw.gather is not None else None
         finally:
-            for x in (pw, dw, ps, ds):
+            conn.send(("stop",))
+            prefill.join(timeout=30)
+            for x in (dw, ds):
                 x.close()
     report["rows"] = rows
     summary = {}
