@@ -203,7 +203,8 @@ def main() -> int:
                     nbytes = (nb * args.block_size - 1) * (page // args.block_size) * args.layers
                     row = {"blocks": nb, "bytes": nbytes, "warmup": rep == 0, "verified": ok,
                            "publish_ms": 1000 * (t_pull - t_pub), "pull_ms": 1000 * (t_done - t_pull),
-                           "gbps": nbytes / (t_done - t_pull) / 1e9}  # fmt: skip
+                           "gbps": nbytes / (t_done - t_pull) / 1e9,
+                           "worker_us": dict(dw.gather.last) if dw.gather is not None else {}}  # fmt: skip
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if not ok:
