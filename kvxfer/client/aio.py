@@ -235,7 +235,7 @@ class AsyncClient:
 
     def report_gather(self, resp: local_pb2.PullResponse, outcome: GatherOutcome, t0: float) -> PullResult | None:
         """After this worker ran a pull's gather: the pull's result when the worker knows it now (a
-        confirmed gather that ended in time; raises for a failed one), its report going in the
+        gather that ended in time; raises for a failed one), its report going in the
         background from this loop; else None: the caller awaits :meth:`gather_done`'s answer."""
         if not report_in_background(resp, outcome):
             return None

@@ -10,9 +10,11 @@ answer arrives, in the context that owns the destination. The sidecar keeps ever
 authentication, grants and leases, lookups, descriptors, the publishers' notices.
 
 The gather must end by its ``deadline`` (the host's monotonic clock, which both processes read:
-the publishers hold the blocks until then). A confirmed gather that ended in time is the pull's
-success; its report (``GatherDone``) then goes in the background. An unconfirmed one (the lookups
-were still running) waits for GatherDone's answer, the pull's outcome.
+the publishers hold the blocks until then), and the sidecar hands one out only once the publishers
+confirmed its blocks (a grant, or a lookup's answer): a gather that ended in time is the pull's
+success, and its report (``GatherDone``) goes in the background. A gather the worker could not start
+(an allocation it cannot map) is moved by the sidecar instead; the worker then waits for
+GatherDone's answer, the pull's outcome, and asks for no more gathers.
 
 Use::
 
@@ -199,13 +201,11 @@ class WorkerGather:
 
 
 def report_in_background(resp: local_pb2.PullResponse, outcome: GatherOutcome) -> bool:
-    """Whether the worker knows the pull's outcome without GatherDone's answer: the gather failed
-    after it started, or it was confirmed and ended by its deadline (its report then goes in the
-    background). Not for a gather that never started: the sidecar moves those bytes, and
-    GatherDone answers how that went."""
-    if not outcome.launched:
-        return False
-    return not outcome.ok or resp.gather.confirmed
+    """Whether the worker knows the pull's outcome without GatherDone's answer: yes once its gather
+    started (it ended by the deadline, or failed); no for one that never started, whose bytes the
+    sidecar moves (GatherDone answers how that went)."""
+    del resp  # every gather handed out is confirmed by the publishers
+    return outcome.launched
 
 
 def settled(resp: local_pb2.PullResponse, outcome: GatherOutcome, t0: float) -> PullResult:

@@ -415,7 +415,7 @@ class PullSteps:
         """READ from every remote rank at once; returns (bytes, descriptors, seconds of data movement).
 
         ``confirmed``: the publishers confirmed these blocks already (a grant, a lookup's answer), as
-        opposed to lookups still running beside the READs (a worker's gather then waits for them).
+        opposed to lookups still running beside the READs (only a confirmed READ goes to the worker).
         """
         entry.stage = "reading from " + ", ".join(f"rank {q} ({entry.addresses[q]})" for q in per_rank)
         total_bytes = total_desc = 0
@@ -429,19 +429,19 @@ class PullSteps:
             total_bytes += int(local[:, 1].sum())
             total_desc += int(local.shape[0])
             reads.append((sessions[q], local, remote, published[q].mem_type))
-        # The worker moves a pull that is one same-host gather (one source rank) itself, if it asked to.
-        by_worker = entry.handoff is not None and not entry.handoff.done() and len(reads) == 1
+        # The worker moves a pull that is one same-host gather (one source rank) itself, if it asked
+        # to, once the publishers confirmed the blocks: reading ahead of the lookups, the READ is the
+        # sidecar's, which overlaps them (a worker's gather would add its report's round trip to them).
+        by_worker = confirmed and entry.handoff is not None and not entry.handoff.done() and len(reads) == 1
         t0 = time.monotonic()
         if not entry.posted.done():
             entry.posted.set_result(None)
-        await _gather_or_cancel([self._read(entry, reg, *r, mem_type, by_worker=by_worker, confirmed=confirmed)
-                                 for r in reads])  # fmt: skip
+        await _gather_or_cancel([self._read(entry, reg, *r, mem_type, by_worker=by_worker) for r in reads])
         return total_bytes, total_desc, time.monotonic() - t0
 
     async def _worker_reads(
-        self, entry: PullEntry, reg: Registration, s: PeerSession, gather: SameHostGather, local: U64,
-        confirmed: bool,
-    ) -> bool:  # fmt: skip
+        self, entry: PullEntry, reg: Registration, s: PeerSession, gather: SameHostGather, local: U64
+    ) -> bool:
         """Hand the READ to the worker as one gather (the Pull call answers with it) and wait for its report.
 
         False: the worker could not start it (it copied nothing), and the caller READs instead.
@@ -463,7 +463,7 @@ class PullSteps:
         try:
             entry.handoff.set_result(local_pb2.WorkerGather(
                 ticket=ticket, spans=np.ascontiguousarray(spans, dtype="<u8").tobytes(), deadline=entry.deadline,
-                confirmed=confirmed, source_handles=gather.handles, source_devices=gather.device_uuids,
+                source_handles=gather.handles, source_devices=gather.device_uuids,
             ))  # fmt: skip
             report: local_pb2.GatherDoneRequest = await entry.gathered
         finally:
@@ -486,7 +486,7 @@ class PullSteps:
 
     async def _read(
         self, entry: PullEntry, reg: Registration, s: PeerSession, local: U64, remote: U64, rmem: str, mem: str, *,
-        by_worker: bool = False, confirmed: bool = True,
+        by_worker: bool = False,
     ) -> None:  # fmt: skip
         remaining = max(entry.deadline - time.monotonic(), 0.001)
         if by_worker:
@@ -499,7 +499,7 @@ class PullSteps:
                     field="remote_addresses", reason=Reason.DATA_PLANE,
                 ) from None  # fmt: skip
             # False: the worker could not start it (nothing was copied), so this sidecar moves the bytes.
-            if gather is not None and await self._worker_reads(entry, reg, s, gather, local, confirmed):
+            if gather is not None and await self._worker_reads(entry, reg, s, gather, local):
                 return
         try:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),

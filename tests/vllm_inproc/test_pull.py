@@ -11,7 +11,6 @@ but its last token, which it computes itself.
 from __future__ import annotations
 
 import logging
-
 import math
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace

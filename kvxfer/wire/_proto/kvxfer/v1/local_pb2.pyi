@@ -518,7 +518,6 @@ class WorkerGather(_message.Message):
     SOURCE_DEVICES_FIELD_NUMBER: _builtins.int
     SPANS_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
-    CONFIRMED_FIELD_NUMBER: _builtins.int
     ticket: _builtins.int
     """GatherDone names it"""
     source_handles: _builtins.bytes
@@ -534,10 +533,6 @@ class WorkerGather(_message.Message):
     """CLOCK_MONOTONIC seconds on this host: the copies must have ended by then (the publisher's
     promise on the blocks ends soon after); a gather that ends later has failed.
     """
-    confirmed: _builtins.bool
-    """The publishers confirmed the blocks before this gather was handed out: a gather that ended by
-    the deadline is the pull's success, and GatherDone's answer need not be awaited.
-    """
     @_builtins.property
     def source_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -548,11 +543,10 @@ class WorkerGather(_message.Message):
         source_devices: _abc.Iterable[_builtins.str] | None = ...,
         spans: _builtins.bytes = ...,
         deadline: _builtins.float = ...,
-        confirmed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["confirmed", b"confirmed", "deadline", b"deadline", "source_devices", b"source_devices", "source_handles", b"source_handles", "spans", b"spans", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "source_devices", b"source_devices", "source_handles", b"source_handles", "spans", b"spans", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
