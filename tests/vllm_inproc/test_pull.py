@@ -224,9 +224,9 @@ def test_gather_by_the_worker_is_for_gpu_caches_and_host_caches_are_moved_by_the
     pd: PD, caplog: pytest.LogCaptureFixture
 ) -> None:
     """gather "worker" asks the sidecar to hand same-host GPU pulls to the worker; CPU caches stay the sidecar's."""
-    pre = pd.instance("prefill", engines(tp=1, seed=4, spec_for=kv_spec(16)), sidecars="preg1")
-    with caplog.at_level(logging.INFO, logger="kvxfer.integrations.vllm.worker"):
-        dec = pd.instance("decode", engines(tp=1, seed=14, spec_for=kv_spec(16)), sidecars="decg1", gather="worker")
+    pre = pd.instance("prefill", engines(tp=1, seed=4, spec_for=kv_spec(16)))
+    with caplog.at_level(logging.INFO, logger="kvxfer.vllm.worker"):
+        dec = pd.instance("decode", engines(tp=1, seed=14, spec_for=kv_spec(16)), gather="worker")
     assert all(w.gather is None for w in dec.workers)
     assert "gather: 'worker' applies to GPU caches" in caplog.text
     prompt = 40
