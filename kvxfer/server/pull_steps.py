@@ -488,7 +488,6 @@ class PullSteps:
         self, entry: PullEntry, reg: Registration, s: PeerSession, local: U64, remote: U64, rmem: str, mem: str, *,
         by_worker: bool = False,
     ) -> None:  # fmt: skip
-        remaining = max(entry.deadline - time.monotonic(), 0.001)
         if by_worker:
             try:
                 gather = self.dp.same_host_gather(s.dp_name, local, remote, mem_type=mem_type(mem),
@@ -501,6 +500,8 @@ class PullSteps:
             # False: the worker could not start it (nothing was copied), so this sidecar moves the bytes.
             if gather is not None and await self._worker_reads(entry, reg, s, gather, local):
                 return
+        # Taken now (after any handoff): the READ must end by the deadline, which the grants clamp.
+        remaining = max(entry.deadline - time.monotonic(), 0.001)
         try:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
                                remote_mem_type=mem_type(rmem))  # fmt: skip
