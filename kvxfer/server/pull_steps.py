@@ -27,7 +27,6 @@ outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,6 @@ from kvxfer.errors import (
     Reason,
 )
 from kvxfer.layout import KVCacheLayout
-from kvxfer.logs import get_logger
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peers import PeerDirectory, PeerSession
 from kvxfer.server.push_steps import PushSteps
@@ -53,14 +51,13 @@ from kvxfer.server.registration import Registry
 from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
+from kvxfer.server.worker_gathers import WorkerGathers
 from kvxfer.topology import RegionTable
-from kvxfer.transport import SameHostGather, Transport, mem_type
+from kvxfer.transport import Transport, mem_type
 from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import check_block_ids, rank_to_proto, regions_from_proto
 
 __all__ = ["PullSteps"]
-
-log = get_logger("kvxfer.server")
 
 U64 = npt.NDArray[np.uint64]
 #: A grant with less than this left is not read on (a lookup confirms instead): a READ needs time.
@@ -90,10 +87,8 @@ class PullSteps:
         self.outbox = outbox
         self.topologies = topologies
         self.push = PushSteps(registry, peers)
-        #: Gathers handed to the worker (PullRequest.worker_gather), by ticket, until it reports.
-        self.gathers: dict[int, PullEntry] = {}
-        self._tickets = itertools.count(1)
-        self._regions: _WorkerRegions | None = None  # of the registration last read into by a worker
+        #: READs handed to the worker as gathers (PullRequest.worker_gather).
+        self.worker = WorkerGathers()
 
     async def run(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
@@ -439,51 +434,6 @@ class PullSteps:
         await _gather_or_cancel([self._read(entry, reg, *r, mem_type, by_worker=by_worker) for r in reads])
         return total_bytes, total_desc, time.monotonic() - t0
 
-    async def _worker_reads(
-        self, entry: PullEntry, reg: Registration, s: PeerSession, gather: SameHostGather, local: U64
-    ) -> bool:
-        """Hand the READ to the worker as one gather (the Pull call answers with it) and wait for its report.
-
-        False: the worker could not start it (it copied nothing), and the caller READs instead.
-
-        The worker launches it in its own CUDA context, as soon as the answer reaches it: no
-        sidecar launch, no GPU context switch. It must see the copies end by ``entry.deadline``
-        (on the host's monotonic clock, which both processes read), while the publishers' promise
-        holds; a report that it did not, or none by then, fails the pull.
-        """
-        assert entry.handoff is not None
-        if self._regions is None or self._regions.epoch != reg.epoch:
-            self._regions = _WorkerRegions.of(reg)
-        region, offset = _worker_regions(self._regions, local)
-        spans = np.column_stack((gather.source, gather.offset, region, offset, local[:, 1].astype(np.uint64)))
-        ticket = next(self._tickets)
-        loop = asyncio.get_running_loop()
-        entry.gathered = loop.create_future()
-        self.gathers[ticket] = entry
-        try:
-            entry.handoff.set_result(local_pb2.WorkerGather(
-                ticket=ticket, spans=np.ascontiguousarray(spans, dtype="<u8").tobytes(), deadline=entry.deadline,
-                source_handles=gather.handles, source_devices=gather.device_uuids,
-            ))  # fmt: skip
-            report: local_pb2.GatherDoneRequest = await entry.gathered
-        finally:
-            self.gathers.pop(ticket, None)
-        if not report.ok and not report.launched:
-            log.warning("the worker could not start a gather; this sidecar moves the bytes",
-                        extra={"peer": s.identity.label, "error": report.error})  # fmt: skip
-            return False
-        if not report.ok:
-            raise PeerUnavailableError(
-                f"the worker's gather of the READ from {s.identity.label} at {s.address} failed: {report.error}",
-                field="remote_addresses", reason=Reason.DATA_PLANE,
-            )  # fmt: skip
-        if report.ended > entry.deadline:
-            raise DeadlineError(
-                f"the worker's gather of the READ from {s.identity.label} at {s.address} ended "
-                f"{(report.ended - entry.deadline) * 1e3:.3g} ms after the pull's deadline", field="timeout_seconds",
-            )  # fmt: skip
-        return True
-
     async def _read(
         self, entry: PullEntry, reg: Registration, s: PeerSession, local: U64, remote: U64, rmem: str, mem: str, *,
         by_worker: bool = False,
@@ -498,7 +448,7 @@ class PullSteps:
                     field="remote_addresses", reason=Reason.DATA_PLANE,
                 ) from None  # fmt: skip
             # False: the worker could not start it (nothing was copied), so this sidecar moves the bytes.
-            if gather is not None and await self._worker_reads(entry, reg, s, gather, local):
+            if gather is not None and await self.worker.hand_over(entry, reg, s, gather, local):
                 return
         # Taken now (after any handoff): the READ must end by the deadline, which the grants clamp.
         remaining = max(entry.deadline - time.monotonic(), 0.001)
@@ -517,37 +467,6 @@ class PullSteps:
                 f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                 field="remote_addresses", reason=Reason.DATA_PLANE,
             ) from None  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _WorkerRegions:
-    """A registration's regions in the worker's order (groups in registration order, regions in
-    layout order: the order the worker registered its tensors), searchable by address here."""
-
-    epoch: int
-    bases: U64  # by region index
-    ends: U64
-    order: npt.NDArray[np.intp]  # region indices by address
-    sorted_bases: U64
-
-    @classmethod
-    def of(cls, reg: Registration) -> _WorkerRegions:
-        tables = [g.memory.table for g in reg.groups.values()]
-        bases = np.concatenate([t.base for t in tables]).astype(np.uint64)
-        ends = bases + np.concatenate([t.size for t in tables]).astype(np.uint64)
-        order = np.argsort(bases, kind="stable")
-        return cls(reg.epoch, bases, ends, order, bases[order])
-
-
-def _worker_regions(regions: _WorkerRegions, local: U64) -> tuple[U64, U64]:
-    """Per local descriptor, the worker's region it lies in and its byte offset there."""
-    bases, ends = regions.bases, regions.ends
-    addr, size = local[:, 0].astype(np.uint64, copy=False), local[:, 1].astype(np.uint64, copy=False)
-    at = np.searchsorted(regions.sorted_bases, addr, side="right") - 1
-    region = regions.order[np.maximum(at, 0)]
-    if not ((at >= 0) & (addr < ends[region]) & (size <= ends[region] - addr)).all():
-        raise RuntimeError("a local descriptor lies outside the registered regions")  # a planning bug
-    return region.astype(np.uint64), addr - bases[region]
 
 
 def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) -> bool:

@@ -119,7 +119,7 @@ class Puller:
 
     async def gather_done(self, req: local_pb2.GatherDoneRequest) -> local_pb2.PullResponse:
         """A worker's report on the gather it was handed: the pull's outcome, once the pull has ended."""
-        entry = self.steps.gathers.get(req.ticket)
+        entry = self.steps.worker.waiting.get(req.ticket)
         if entry is None or entry.gathered is None:
             raise NotFoundError(
                 f"ticket: no pull waits for gather {req.ticket} (it ended: timed out, aborted or reported)",

@@ -27,55 +27,27 @@ from kvxfer.server.app import Sidecar
 from kvxfer.server.core import SidecarCore
 from kvxfer.transport import (
     MemType,
-    Notification,
-    Op,
-    Registration,
     SameHostGather,
-    TransferResult,
-    Transport,
-    TransportConfig,
-    create_transport,
 )
 from kvxfer.wire import common_pb2, local_pb2
-from tests.sidecar.helpers import Harness, Worker, attention
+from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention
 
 LAY = attention(layers=3, blocks=16)
 U64 = np.uint64
 
 
-class HostGatherPlane(Transport):
-    """FAKE same-host gather capability around a real NIXL agent: every READ is handed to the worker."""
+class HostGatherPlane(DelayedDataPlane):
+    """FAKE same-host gather capability around a real NIXL agent (the harness's delegating plane,
+    with no delay): every READ it is asked to plan is handed to the worker."""
 
-    name = "host-gather-fake"
-
-    def __init__(self, inner: Transport) -> None:
-        super().__init__(inner.agent_name, inner.config)
-        self.inner = inner
+    def __init__(self) -> None:
+        super().__init__("d-agent", 0.0)
         self.handed = 0
-        self.reads = 0
 
     @property
-    def backend(self) -> str:
-        return self.inner.backend
-
-    def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
-        return self.inner.register(table, mem_type)
-
-    def deregister(self, registration: Registration) -> None:
-        self.inner.deregister(registration)
-
-    def metadata(self) -> bytes:
-        return self.inner.metadata()
-
-    def add_peer(self, metadata: bytes) -> str:
-        return self.inner.add_peer(metadata)
-
-    def remove_peer(self, peer: str) -> None:
-        self.inner.remove_peer(peer)
-
-    async def transfer(self, op: Op, local: Any, remote: Any, peer: str, **kw: Any) -> TransferResult:
-        self.reads += 1
-        return await self.inner.transfer(op, local, remote, peer, **kw)
+    def reads(self) -> int:
+        """READs the sidecar's data plane moved itself."""
+        return len(self.landed_at)
 
     def same_host_gather(
         self, peer: str, local: Any, remote: Any, *, mem_type: MemType, remote_mem_type: MemType
@@ -84,12 +56,6 @@ class HostGatherPlane(Transport):
         # One source, "allocation" 0 of this process: the offset is the publisher's own address.
         return SameHostGather(b"\x01" * cuda_ipc.HANDLE_BYTES, ("host",), np.zeros(len(remote), U64),
                               remote[:, 0].astype(U64))  # fmt: skip
-
-    def poll_notifications(self) -> list[Notification]:
-        return self.inner.poll_notifications()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class MemmoveDriver:
@@ -143,7 +109,7 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> MemmoveDriver:
 
 async def _pair(harness: Harness) -> tuple[Sidecar, Worker, Sidecar, Worker, HostGatherPlane]:
     ps = await harness.sidecar("p", role="prefill", engine_id="prefill")
-    plane = HostGatherPlane(create_transport("nixl", "d-agent", TransportConfig(cuda_ipc_direct=False)))
+    plane = HostGatherPlane()
     ds = await harness.sidecar("d", role="decode", engine_id="decode", data_plane=plane)
     return ps, await harness.worker(ps, {"kv": LAY}), ds, await harness.worker(ds, {"kv": LAY}), plane
 
@@ -174,7 +140,7 @@ async def test_the_worker_moves_the_pull_itself_and_the_publisher_is_told(
         assert (plane.handed, plane.reads, len(driver.launches)) == (1, 0, 1)
         assert driver.launches[0] == res.descriptors
     # The pull ended on the decode side and the publisher dropped the publish on its notice.
-    await eventually(lambda: not core(ds).puller.pulls and not core(ds).puller.steps.gathers)
+    await eventually(lambda: not core(ds).puller.pulls and not core(ds).puller.steps.worker.waiting)
     await eventually(lambda: "r1" not in core(ps).publisher.publishes)
 
 
