@@ -12,7 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvxfer.client.fast import decode_answer, lost_error, timeout_error
-from kvxfer.client.gather import GatherOutcome, WorkerGather, report_in_background, report_lost, settled
+from kvxfer.client.gather import GatherOutcome, WorkerGather, report_lost, settled
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -237,7 +237,7 @@ class AsyncClient:
         """After this worker ran a pull's gather: the pull's result when the worker knows it now (a
         gather that ended in time; raises for a failed one), its report going in the
         background from this loop; else None: the caller awaits :meth:`gather_done`'s answer."""
-        if not report_in_background(resp, outcome):
+        if not outcome.launched:  # the sidecar moves the bytes; its GatherDone answer is the outcome
             return None
         task = asyncio.get_running_loop().create_task(self.gather_done(outcome.report(resp.gather.ticket)))
         self._reports.add(task)

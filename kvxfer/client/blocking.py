@@ -15,7 +15,7 @@ import uvloop
 
 from kvxfer.client.aio import AsyncClient
 from kvxfer.client.fast import ThreadCalls
-from kvxfer.client.gather import WorkerGather, report_in_background, report_lost, settled
+from kvxfer.client.gather import WorkerGather, report_lost, settled
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -147,7 +147,7 @@ class Client:
         gather.last["answer"] = (time.perf_counter() - t0) * 1e6
         outcome = gather.run(resp.gather)
         report = outcome.report(resp.gather.ticket)
-        if report_in_background(resp, outcome):
+        if outcome.launched:  # it settled the pull: its report goes in the background
             # Posted on this thread's connection: one write, no thread woken to wait for the answer.
             method = METHOD_OF_REQUEST[local_pb2.GatherDoneRequest]
             if not self._thread_calls.post(method, report, self.aio.call_timeout(report, deadline)):

@@ -40,7 +40,7 @@ from kvxfer.errors import InvalidArgumentError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.wire import local_pb2
 
-__all__ = ["GatherOutcome", "WorkerGather", "report_in_background", "report_lost", "settled"]
+__all__ = ["GatherOutcome", "WorkerGather", "report_lost", "settled"]
 
 log = get_logger("kvxfer.client.gather")
 
@@ -200,16 +200,8 @@ class WorkerGather:
             cuda_ipc.mappings.release(ordinal, handle)
 
 
-def report_in_background(resp: local_pb2.PullResponse, outcome: GatherOutcome) -> bool:
-    """Whether the worker knows the pull's outcome without GatherDone's answer: yes once its gather
-    started (it ended by the deadline, or failed); no for one that never started, whose bytes the
-    sidecar moves (GatherDone answers how that went)."""
-    del resp  # every gather handed out is confirmed by the publishers
-    return outcome.launched
-
-
 def settled(resp: local_pb2.PullResponse, outcome: GatherOutcome, t0: float) -> PullResult:
-    """The pull's result from the worker's own gather (:func:`report_in_background` said so).
+    """The pull's result from the worker's own gather, once it started (``outcome.launched``).
 
     Raises :class:`KvxferRpcError` for a failed gather: DEADLINE_EXCEEDED (field ``timeout_seconds``)
     when the copies ended past the deadline, else UNAVAILABLE (reason DATA_PLANE). ``t0``:
