@@ -10,17 +10,22 @@ long prompt, one scenario after the other:
 ``push``
     One push request: the pair works (tokens equal, bytes written, nothing read).
 ``decode-abort``
-    The decode instance offers its blocks; while the prefill computes, the client goes away from
+    The decode instance offers its blocks; before the prefill publishes, the client goes away from
     the decode stream. The decode sidecar revokes its offer; the prefill's publish is freed as soon
     as it comes (no lease expiry), nothing is written, both instances' KV caches are empty again.
 ``prefill-kill``
-    While the prefill computes, its vLLM instance is killed (SIGKILL). Its sidecar fails the offer
+    Before the prefill publishes, its vLLM instance is killed (SIGKILL). Its sidecar fails the offer
     at once; the decode instance recomputes (its policy) and answers the reference tokens. A new
     prefill instance, next to the same sidecar, then serves a push.
 ``decode-restart``
-    While the prefill computes, the decode vLLM instance is killed, then started again next to the
+    Before the prefill publishes, the decode vLLM instance is killed, then started again next to the
     same sidecar. Nothing is written anywhere (the offer was revoked before the prefill published);
     the prefill's publish is freed at once; the new decode instance serves a push.
+
+"Before the prefill publishes" is made certain: the prefill instance is held (SIGSTOP on its
+process group) from before it gets the request until the fault has taken effect on the sidecars
+(the decode sidecar holds no transfer), then let go (SIGCONT) or killed. Watching it compute and
+then striking raced a short prefill that could publish first.
 
 "Clean" is checked on what users see and what the processes hold: vLLM's own
 ``vllm:kv_cache_usage_perc`` back to 0 on both instances, no publish left on the prefill sidecar
@@ -124,9 +129,6 @@ class Pair:
     def decode_offered(self) -> bool:
         return self.sidecar("decode").get("kvxfer_transfers_in_flight", 0.0) >= 1
 
-    def prefill_running(self) -> bool:
-        return self.vllm("prefill").get("vllm:num_requests_running", 0.0) >= 1
-
 
 def _ctr(m: dict[str, float], name: str, **labels: str) -> float:
     """One counter of a sidecar_metrics() dict (0 when never incremented)."""
@@ -169,18 +171,27 @@ def one_push(pair: Pair, prompt: list[int], max_tokens: int, timeout_s: float) -
     return got.token_ids, got.ttft_s
 
 
-def mid_push(pair: Pair, prompt: list[int], max_tokens: int, timeout_s: float,
-             ex: cf.ThreadPoolExecutor) -> tuple[cf.Future[dict[str, Any]], http.client.HTTPConnection]:  # fmt: skip
-    """Start a push request; return once the decode side has offered and the prefill computes.
+def held_push(pair: Pair, prompt: list[int], max_tokens: int, timeout_s: float,
+              ex: cf.ThreadPoolExecutor) -> tuple[cf.Future[dict[str, Any]], http.client.HTTPConnection]:  # fmt: skip
+    """Start a push request with the prefill instance held; return once the decode side has offered.
 
-    Returns the prefill's answer (a future) and the decode's stream, not read yet.
+    Returns the prefill's answer (a future: it comes once :func:`let_go` resumes the instance) and
+    the decode's stream, not read yet.
     """
     pre, dec = pair.bodies(prompt, max_tokens)
     conn = _open_stream(pair.decode.port or 0, dec)
     until(pair.decode_offered, 30, "the decode sidecar's offer")
+    os.killpg(pair.prefill.popen.pid, signal.SIGSTOP)
+    # The held instance's listening socket still takes the connection and the request's bytes.
     pre_fut = ex.submit(pd._post, pair.prefill.port or 0, pre, timeout_s)
-    until(pair.prefill_running, 30, "the prefill computing")
     return pre_fut, conn
+
+
+def let_go(pair: Pair) -> None:
+    """Resume the held prefill instance once the decode sidecar holds no transfer (the fault took effect)."""
+    until(lambda: pair.sidecar("decode").get("kvxfer_transfers_in_flight", 0) == 0, 30,
+          "the decode sidecar ending its transfer")  # fmt: skip
+    os.killpg(pair.prefill.popen.pid, signal.SIGCONT)
 
 
 def crash(proc: Proc) -> None:
@@ -236,16 +247,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p0, d0 = pair.sidecar("prefill"), pair.sidecar("decode")
             out: dict[str, Any] = {}
             ok: dict[str, bool] = {}
-            pre_fut, conn = mid_push(pair, prompt, args.max_tokens, timeout_s, ex)
+            pre_fut, conn = held_push(pair, prompt, args.max_tokens, timeout_s, ex)
             t_fault = time.monotonic()
             if name == "decode-abort":
                 # The client goes away: vLLM aborts the request, the connector ends its load.
                 conn.close()
+                let_go(pair)
                 pre = pre_fut.result()
                 out["prefill_answered_after_fault_s"] = time.monotonic() - t_fault
                 ok["prefill_answered"] = bool(pre.get("choices"))
             elif name == "prefill-kill":
-                crash(pair.prefill)
+                crash(pair.prefill)  # SIGKILL ends held processes too
                 dec = _read_stream(conn)
                 out["decode_answered_after_fault_s"] = time.monotonic() - t_fault
                 out["decode"] = {k: v for k, v in dec.items() if k != "tokens"}
@@ -257,6 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 crash(pair.decode)
                 with contextlib.suppress(Exception):
                     _read_stream(conn)  # the connection to the killed instance broke
+                let_go(pair)
                 pre = pre_fut.result()
                 out["prefill_answered_after_fault_s"] = time.monotonic() - t_fault
                 ok["prefill_answered"] = bool(pre.get("choices"))
@@ -290,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line (the instances take bench/vllm_pd.py's defaults for everything else)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}")
-    ap.add_argument("--prompt-tokens", type=int, default=3000, help="long enough that the prefill computes a while")
+    ap.add_argument("--prompt-tokens", type=int, default=1000, help="the prompt's length in tokens")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--settle-timeout", type=float, default=10.0, help="seconds for every hold to be released")
     ap.add_argument("--deadline", type=int, default=900, help="seconds for the whole run")

