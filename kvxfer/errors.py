@@ -27,6 +27,7 @@ __all__ = [
     "PeerUnavailableError",
     "PermissionDeniedError",
     "Reason",
+    "ResourceExhaustedError",
     "TopologyError",
     "UnauthenticatedError",
     "UnavailableError",
@@ -111,6 +112,13 @@ class UnavailableError(KvxferError):
 
     status = "UNAVAILABLE"
     default_reason = Reason.DRAINING
+
+
+class ResourceExhaustedError(KvxferError):
+    """A message longer than a side accepts (``--max-message-bytes``), as gRPC answers one."""
+
+    status = "RESOURCE_EXHAUSTED"
+    default_reason = Reason.INVALID_FIELD
 
 
 class PeerUnavailableError(KvxferError):

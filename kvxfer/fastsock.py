@@ -18,12 +18,23 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
+from kvxfer.errors import ResourceExhaustedError
 from kvxfer.logs import get_logger
 from kvxfer.wire.frames import ANSWER, CANCEL, HELLO, HELLO_CALL, REQUEST
+from kvxfer.wire.status import status_message
 
 __all__ = ["BlockingFastConnection", "FastCallError", "FastChannel", "FastHelloRefusedError"]
 
 log = get_logger("kvxfer.fastsock")
+
+
+def _over_limit(n: int, limit: int) -> tuple[int, bytes]:
+    """The answer a call gets in place of one over this side's limit (as gRPC fails such a call)."""
+    exc = ResourceExhaustedError(
+        f"answer: {n} bytes are over this client's limit of {limit} bytes (max_message_bytes)", field="answer"
+    )
+    status = status_message(exc)
+    return status.code, status.SerializeToString()
 
 
 class FastCallError(ConnectionError):
@@ -56,6 +67,7 @@ class FastChannel(asyncio.Protocol):
     def __init__(self, max_message_bytes: int) -> None:
         self.max_message_bytes = max_message_bytes
         self._buf = bytearray()
+        self._skip = 0  # bytes of an answer over the limit still to drop
         self._waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._last = HELLO_CALL
         self._transport: asyncio.Transport | None = None
@@ -152,11 +164,25 @@ class FastChannel(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._buf += data
         buf = self._buf
-        while len(buf) >= ANSWER.size:
-            n, call, code = ANSWER.unpack_from(buf, 0)
-            if n > self.max_message_bytes:  # not a sidecar speaking this format: give up the connection
-                self.close()
+        while True:
+            if self._skip:
+                dropped = min(self._skip, len(buf))
+                del buf[:dropped]
+                self._skip -= dropped
+            if self._skip or len(buf) < ANSWER.size:
                 return
+            n, call, code = ANSWER.unpack_from(buf, 0)
+            if n > self.max_message_bytes:
+                fut = self._waiting.pop(call, None)
+                if fut is None:  # no call of ours: not a sidecar speaking this format, give up the connection
+                    self.close()
+                    return
+                # A sidecar with a larger limit: only this call fails; the answer's bytes are dropped.
+                if not fut.done():
+                    fut.set_result(_over_limit(n, self.max_message_bytes))
+                del buf[: ANSWER.size]
+                self._skip = n
+                continue
             if len(buf) < ANSWER.size + n:
                 return
             fut = self._waiting.pop(call, None)
@@ -178,6 +204,7 @@ class BlockingFastConnection:
         self._sock = sock
         self.max_message_bytes = max_message_bytes
         self._buf = bytearray()
+        self._skip = 0  # bytes of an answer over the limit still to drop
         self._last = HELLO_CALL
         self._posted: set[int] = set()  # calls sent by post() whose answers were not read yet
         self.closed = False
@@ -249,7 +276,7 @@ class BlockingFastConnection:
             raise FastCallError(f"could not send on the fast socket: {exc}", sent=False) from None
         while True:
             try:
-                got, code, body = self._next_answer(until)
+                got, code, body = self._next_answer(until, call)
             except TimeoutError:
                 self._cancel(call)
                 raise
@@ -264,13 +291,22 @@ class BlockingFastConnection:
                 if code != 0:
                     log.warning("a call posted on the fast socket failed", extra={"code": code})
 
-    def _next_answer(self, until: float) -> tuple[int, int, bytes]:
+    def _next_answer(self, until: float, call_sent: int) -> tuple[int, int, bytes]:
         buf = self._buf
         while True:
-            if len(buf) >= ANSWER.size:
+            if self._skip:
+                dropped = min(self._skip, len(buf))
+                del buf[:dropped]
+                self._skip -= dropped
+            if not self._skip and len(buf) >= ANSWER.size:
                 n, call, code = ANSWER.unpack_from(buf, 0)
                 if n > self.max_message_bytes:
-                    raise ConnectionError(f"an answer of {n} bytes: not a sidecar speaking this format")
+                    if call != call_sent and call not in self._posted:
+                        raise ConnectionError(f"an answer of {n} bytes: not a sidecar speaking this format")
+                    # A sidecar with a larger limit: only this call fails; the answer's bytes are dropped.
+                    del buf[: ANSWER.size]
+                    self._skip = n
+                    return (call, *_over_limit(n, self.max_message_bytes))
                 if len(buf) >= ANSWER.size + n:
                     body = bytes(buf[ANSWER.size : ANSWER.size + n])
                     del buf[: ANSWER.size + n]

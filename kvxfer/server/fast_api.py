@@ -44,6 +44,7 @@ from kvxfer.errors import (
     InvalidArgumentError,
     KvxferError,
     Reason,
+    ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -61,13 +62,6 @@ _SERVICE = local_pb2.DESCRIPTOR.services_by_name["Local"].full_name
 _MAX_HELLO = 16 * 1024
 #: Seconds a connection has to say hello before it is closed (nothing else is read from it before).
 HELLO_WITHIN_S = 10.0
-
-
-class _ResourceExhaustedError(KvxferError):
-    """A frame longer than the sidecar accepts (gRPC answers such a message the same way)."""
-
-    status = "RESOURCE_EXHAUSTED"
-    default_reason = Reason.INVALID_FIELD
 
 
 class _UnimplementedError(KvxferError):
@@ -260,7 +254,7 @@ class _Connection(asyncio.Protocol):
             n, call, method, timeout = REQUEST.unpack_from(buf, 0)
             limit = self.api.max_message_bytes if self.greeted else _MAX_HELLO
             if n > limit:
-                self._refuse(call, _ResourceExhaustedError(
+                self._refuse(call, ResourceExhaustedError(
                     f"frame: a payload of {n} bytes is over this sidecar's limit of {limit} bytes "
                     "(--max-message-bytes)", field="frame",
                 ), close=True)  # fmt: skip
@@ -343,6 +337,14 @@ class _Connection(asyncio.Protocol):
         if isinstance(outcome, KvxferError):
             status = status_message(outcome)
             code, payload = status.code, status.SerializeToString()
+        elif len(payload) > self.api.max_message_bytes:
+            # A client with the same limit would have to give up the whole connection for it (gRPC
+            # fails only the call, the same way).
+            self._answer(call, ResourceExhaustedError(
+                f"answer: {len(payload)} bytes are over this sidecar's limit of {self.api.max_message_bytes} bytes "
+                "(--max-message-bytes)", field="answer",
+            ), b"")  # fmt: skip
+            return
         else:
             code = outcome
         if self.transport is not None and not self.transport.is_closing():
