@@ -24,7 +24,9 @@ Use::
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -49,6 +51,23 @@ U64 = npt.NDArray[np.uint64]
 #: How long the worker's thread polls the gather's event before sleeping in the driver for it: a
 #: same-host gather mostly ends within it (1 GiB at 2 TB/s: 0.5 ms).
 SPIN_S = 0.002
+
+#: Publishers' allocation sets (one per publishing worker and registration) kept mapped between
+#: pulls. Mapping one costs milliseconds; one that is no longer used (its worker re-registered or
+#: exited) must not stay mapped for the life of this worker. Same-host publishers are a node's few.
+MAX_SOURCE_SETS = 16
+
+_Key = tuple[int, bytes]  # (device ordinal, CUDA IPC handle): one use of a mapping in cuda_ipc.mappings
+
+
+@dataclass
+class _SourceSet:
+    """One publisher's allocations as mapped here, and who still needs them."""
+
+    bases: U64  # where each allocation is mapped here
+    keys: tuple[_Key, ...]  # the mappings, each to be given back once
+    gathers: int = 0  # gathers copying from them now
+    kept: bool = True  # among the MAX_SOURCE_SETS most recently used
 
 
 @dataclass(frozen=True)
@@ -81,8 +100,10 @@ class WorkerGather:
     def __init__(self, device: int, regions: Sequence[int]) -> None:
         self.device = int(device)
         self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
-        self._opened: dict[bytes, tuple[int, int]] = {}  # handle -> (ordinal, base mapped here)
-        self._sources: dict[bytes, U64] = {}  # a plan's source_handles -> each one's base here
+        # A plan's source_handles -> (each one's base here, the mappings kept for it), least
+        # recently used first. Guarded by _lock: blocking clients may run gathers from several threads.
+        self._sources: OrderedDict[bytes, _SourceSet] = OrderedDict()
+        self._lock = threading.Lock()
         #: Why a gather could not be started here (an allocation this process cannot map: the
         #: publisher in this very process, no peer access...); set, no more gathers are asked for.
         self.unusable = ""
@@ -100,9 +121,15 @@ class WorkerGather:
         """Launch ``plan`` on this worker's GPU and wait until it ended (or failed)."""
         t0 = time.perf_counter()
         try:
-            dst, src, sizes = self._addresses(plan)
+            dst, src, sizes, sources = self._addresses(plan)
         except (InvalidArgumentError, cuda_ipc.CudaIpcError) as exc:
             return self._not_started(f"the gather cannot run here: {exc.message}")
+        try:
+            return self._launch(plan, dst, src, sizes, t0)
+        finally:  # the copies ended (or never started): the sources may go once no longer kept
+            self._unpin(sources)
+
+    def _launch(self, plan: local_pb2.WorkerGather, dst: U64, src: U64, sizes: U64, t0: float) -> GatherOutcome:
         drv = cuda_ipc.driver()
         t1 = time.perf_counter()
         try:
@@ -140,47 +167,72 @@ class WorkerGather:
         self.unusable = why
         return GatherOutcome(False, why, time.monotonic(), 0.0, 0, 0, launched=False)
 
-    def _addresses(self, plan: local_pb2.WorkerGather) -> tuple[U64, U64, U64]:
-        """(destinations, sources, sizes) of ``plan`` as addresses in this process."""
+    def _addresses(self, plan: local_pb2.WorkerGather) -> tuple[U64, U64, U64, _SourceSet]:
+        """(destinations, sources, sizes) of ``plan`` as addresses in this process, and its sources
+        as mapped here, pinned until the caller's :meth:`_unpin`."""
         if len(plan.spans) % 40:
             raise InvalidArgumentError(f"gather.spans: {len(plan.spans)} bytes is not a whole number of 40-byte spans",
                                        field="gather.spans")  # fmt: skip
         spans = np.frombuffer(plan.spans, dtype="<u8").reshape(-1, 5).astype(np.uint64)
         source, src_off, region, dst_off, sizes = spans.T
-        bases = self._bases(plan.source_handles, plan.source_devices)
-        if spans.shape[0] and int(source.max()) >= bases.size:
-            raise InvalidArgumentError(f"gather.spans: source {int(source.max())} of {bases.size}",
-                                       field="gather.spans")  # fmt: skip
-        if spans.shape[0] and int(region.max()) >= self.regions.size:
-            raise InvalidArgumentError(
-                f"gather.spans: region {int(region.max())}, but this worker registered {self.regions.size} regions",
-                field="gather.spans",
-            )  # fmt: skip
-        return self.regions[region] + dst_off, bases[source] + src_off, sizes
-
-    def _bases(self, handles: bytes, devices: Sequence[str]) -> U64:
-        """Where each source allocation is mapped here (one publisher's are the same bytes every pull)."""
-        got = self._sources.get(handles)
-        if got is not None:
-            return got
+        handles, devices = plan.source_handles, plan.source_devices
         n = len(handles) // cuda_ipc.HANDLE_BYTES
         if len(handles) % cuda_ipc.HANDLE_BYTES or len(devices) != n:
             raise InvalidArgumentError(
                 f"gather.source_handles: {len(handles)} bytes for {len(devices)} source_devices; each source "
                 f"has a {cuda_ipc.HANDLE_BYTES}-byte handle", field="gather.source_handles",
             )  # fmt: skip
-        step = cuda_ipc.HANDLE_BYTES
-        bases = np.array([self._open(handles[i * step : (i + 1) * step], devices[i]) for i in range(n)],
-                         dtype=np.uint64)  # fmt: skip
-        self._sources[handles] = bases
-        return bases
+        if spans.shape[0] and int(source.max()) >= n:
+            raise InvalidArgumentError(f"gather.spans: source {int(source.max())} of {n}",
+                                       field="gather.spans")  # fmt: skip
+        if spans.shape[0] and int(region.max()) >= self.regions.size:
+            raise InvalidArgumentError(
+                f"gather.spans: region {int(region.max())}, but this worker registered {self.regions.size} regions",
+                field="gather.spans",
+            )  # fmt: skip
+        sources = self._pin(handles, devices)
+        return self.regions[region] + dst_off, sources.bases[source] + src_off, sizes, sources
 
-    def _open(self, handle: bytes, device_uuid: str) -> int:
-        """Where the publishing worker's allocation ``handle`` is mapped here (mapped at first use)."""
-        got = self._opened.get(handle)
-        if got is None:
-            got = self._opened[handle] = self._map(handle, device_uuid)
-        return got[1]
+    def _pin(self, handles: bytes, devices: Sequence[str]) -> _SourceSet:
+        """One publisher's allocations as mapped here (mapped at first use), pinned for one gather."""
+        with self._lock:
+            got = self._sources.get(handles)
+            if got is None:
+                got = self._sources[handles] = self._map_all(handles, devices)
+                while len(self._sources) > MAX_SOURCE_SETS:  # least recently used: no longer kept mapped
+                    _, old = self._sources.popitem(last=False)
+                    old.kept = False
+                    self._unmap_idle(old)
+            else:
+                self._sources.move_to_end(handles)
+            got.gathers += 1
+            return got
+
+    def _unpin(self, sources: _SourceSet) -> None:
+        with self._lock:
+            sources.gathers -= 1
+            self._unmap_idle(sources)
+
+    def _unmap_idle(self, sources: _SourceSet) -> None:
+        if not sources.kept and not sources.gathers:
+            for key in sources.keys:
+                self._unmap(key)
+
+    def _map_all(self, handles: bytes, devices: Sequence[str]) -> _SourceSet:
+        step = cuda_ipc.HANDLE_BYTES
+        keys: list[_Key] = []
+        bases: list[int] = []
+        try:
+            for i, device in enumerate(devices):
+                handle = handles[i * step : (i + 1) * step]
+                ordinal, base = self._map(handle, device)
+                keys.append((ordinal, handle))
+                bases.append(base)
+        except cuda_ipc.CudaIpcError:
+            for key in keys:
+                self._unmap(key)
+            raise
+        return _SourceSet(np.array(bases, dtype=np.uint64), tuple(keys))
 
     def _map(self, handle: bytes, device_uuid: str) -> tuple[int, int]:
         try:
@@ -192,12 +244,16 @@ class WorkerGather:
                     return other, cuda_ipc.mappings.acquire(other, handle)[0]
             raise first from None
 
+    def _unmap(self, key: _Key) -> None:
+        cuda_ipc.mappings.release(*key)
+
     def close(self) -> None:
-        """Unmap every allocation opened."""
-        opened, self._opened = self._opened, {}
-        self._sources.clear()
-        for handle, (ordinal, _base) in opened.items():
-            cuda_ipc.mappings.release(ordinal, handle)
+        """Unmap every allocation kept (one a gather still copies from goes once that gather ended)."""
+        with self._lock:
+            kept, self._sources = self._sources, OrderedDict()
+            for sources in kept.values():
+                sources.kept = False
+                self._unmap_idle(sources)
 
 
 def settled(resp: local_pb2.PullResponse, outcome: GatherOutcome, t0: float) -> PullResult:

@@ -22,7 +22,8 @@ import pytest
 
 from kvxfer import cuda_ipc
 from kvxfer.client import Client, KvxferRpcError
-from kvxfer.client.gather import WorkerGather
+from kvxfer.client import gather as gather_module
+from kvxfer.client.gather import MAX_SOURCE_SETS, WorkerGather
 from kvxfer.server.app import Sidecar
 from kvxfer.server.core import SidecarCore
 from kvxfer.transport import (
@@ -295,3 +296,84 @@ def test_the_executor_refuses_spans_it_cannot_place(driver: MemmoveDriver) -> No
         assert not out.ok, out
         assert want in out.error, out
     assert driver.launches == []
+
+
+class CountingWorkerGather(WorkerGather):
+    """The real executor over host memory: each handle's "allocation" is a buffer of its own, and
+    what is mapped and unmapped is recorded (the mappings are cuda_ipc's, which need a GPU)."""
+
+    def __init__(self, regions: list[int]) -> None:
+        super().__init__(0, regions)
+        self.buffers: dict[bytes, ctypes.Array[ctypes.c_char]] = {}
+        self.mapped: list[bytes] = []
+        self.unmapped: list[bytes] = []
+
+    def _map(self, handle: bytes, device_uuid: str) -> tuple[int, int]:
+        self.mapped.append(handle)
+        buf = self.buffers.setdefault(handle, ctypes.create_string_buffer(handle[:1] * 64))
+        return self.device, ctypes.addressof(buf)
+
+    def _unmap(self, key: tuple[int, bytes]) -> None:
+        self.unmapped.append(key[1])
+
+
+def test_the_executor_keeps_only_the_recent_publishers_mapped(driver: MemmoveDriver) -> None:
+    dst = ctypes.create_string_buffer(64)
+    g = CountingWorkerGather([ctypes.addressof(dst)])
+    far = time.monotonic() + 60
+
+    def pull_from(n: int) -> None:
+        handle = bytes([n]) * cuda_ipc.HANDLE_BYTES
+        spans = np.array([[0, 0, 0, 0, 8]], dtype="<u8").tobytes()
+        out = g.run(local_pb2.WorkerGather(ticket=n, source_handles=handle, source_devices=["host"], spans=spans,
+                                           deadline=far))  # fmt: skip
+        assert out.ok, out
+        assert dst.raw[:8] == bytes([n]) * 8  # the bytes came from this publisher's allocation
+
+    def h(n: int) -> bytes:
+        return bytes([n]) * cuda_ipc.HANDLE_BYTES
+
+    for n in range(1, MAX_SOURCE_SETS + 1):
+        pull_from(n)
+    pull_from(1)  # used again: the most recent now, mapped once
+    assert g.mapped == [h(n) for n in range(1, MAX_SOURCE_SETS + 1)]
+    assert g.unmapped == []
+    pull_from(MAX_SOURCE_SETS + 1)  # one more publisher: the least recently used (2) goes
+    assert g.unmapped == [h(2)]
+    pull_from(2)  # a publisher that comes back is mapped again
+    assert g.mapped[-1] == h(2)
+    assert g.unmapped == [h(2), h(3)]
+    g.close()
+    assert sorted(g.unmapped[2:]) == sorted(h(n) for n in [1, 2, *range(4, MAX_SOURCE_SETS + 2)])
+    assert len(g.unmapped) == len(g.mapped)  # every mapping given back exactly once
+
+
+def test_a_publisher_dropped_while_a_gather_copies_from_it_is_unmapped_after(
+    driver: MemmoveDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gather_module, "MAX_SOURCE_SETS", 1)
+    dst = ctypes.create_string_buffer(64)
+    g = CountingWorkerGather([ctypes.addressof(dst)])
+    spans = np.array([[0, 0, 0, 0, 8]], dtype="<u8").tobytes()
+    a, b = b"\x0a" * cuda_ipc.HANDLE_BYTES, b"\x0b" * cuda_ipc.HANDLE_BYTES
+
+    def plan(handle: bytes) -> local_pb2.WorkerGather:
+        return local_pb2.WorkerGather(ticket=1, source_handles=handle, source_devices=["host"], spans=spans,
+                                      deadline=time.monotonic() + 60)  # fmt: skip
+
+    seen: list[list[bytes]] = []
+    copy = driver.copy_async
+
+    def copy_then_another_thread_pulls(*args: Any, **kw: Any) -> Any:
+        batch = copy(*args, **kw)
+        if len(driver.launches) == 1:  # while A's copies run, another gather maps B, which pushes A out
+            assert g.run(plan(b)).ok
+            seen.append(list(g.unmapped))
+        return batch
+
+    monkeypatch.setattr(driver, "copy_async", copy_then_another_thread_pulls)
+    assert g.run(plan(a)).ok
+    assert seen == [[]]  # A was still being copied from: kept mapped
+    assert g.unmapped == [a]  # then given back, once
+    g.close()
+    assert g.unmapped == [a, b]
