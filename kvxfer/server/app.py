@@ -10,13 +10,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import socket
-import stat
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +21,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer import PROTOCOL_VERSION, __version__
-from kvxfer.config import ConfigError, Settings, is_loopback_host, parse_address
+from kvxfer.config import ConfigError, Settings, parse_address
 from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.fast_api import FastApi
-from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
+from kvxfer.server.listeners import (
+    SOCKET_MODE,
+    bind_tcp,
+    channel_credentials,
+    listen_unix,
+    listeners_without_credentials,
+    prepare_socket,
+    server_credentials,
+)
 from kvxfer.server.peer_frames import PeerFramesServer
 from kvxfer.server.rpc import TokenInterceptor, service_handler
+from kvxfer.server.servicers import LocalServicer, PeerServicer
 from kvxfer.transport import Transport, create_transport, transport_class
 from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.frames import fast_socket_path
@@ -49,107 +54,6 @@ LIVENESS = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-class _LocalApi:
-    """Local service methods: unwrap the call and hand it to the core."""
-
-    def __init__(self, core: SidecarCore) -> None:
-        self.core = core
-
-    async def register_caches(
-        self, req: local_pb2.RegisterCachesRequest, _ctx: Context
-    ) -> local_pb2.RegisterCachesResponse:
-        return await self.core.register_caches(req)
-
-    async def publish(self, req: local_pb2.PublishRequest, _ctx: Context) -> local_pb2.PublishResponse:
-        return await self.core.publish(req)
-
-    async def pull(self, req: local_pb2.PullRequest, ctx: Context) -> local_pb2.PullResponse:
-        return await self.core.pull(req, ctx.time_remaining())
-
-    async def gather_done(self, req: local_pb2.GatherDoneRequest, _ctx: Context) -> local_pb2.PullResponse:
-        return await self.core.gather_done(req)
-
-    async def pull_batch(self, req: local_pb2.PullBatchRequest, ctx: Context) -> local_pb2.PullBatchResponse:
-        return await self.core.pull_batch(req, ctx.time_remaining())
-
-    def watch_completions(
-        self, req: local_pb2.WatchCompletionsRequest, _ctx: Context
-    ) -> AsyncIterator[local_pb2.Completion]:
-        return self.core.watch(req)
-
-    async def release(self, req: local_pb2.ReleaseRequest, _ctx: Context) -> local_pb2.ReleaseResponse:
-        return await self.core.release(req)
-
-    async def abort(self, req: local_pb2.AbortRequest, _ctx: Context) -> local_pb2.AbortResponse:
-        return await self.core.abort(req)
-
-    async def drain(self, req: local_pb2.DrainRequest, _ctx: Context) -> local_pb2.DrainResponse:
-        return await self.core.drain(float(req.timeout_seconds) or None)
-
-    async def get_status(self, req: local_pb2.GetStatusRequest, _ctx: Context) -> local_pb2.StatusResponse:
-        return await self.core.status(req)
-
-    async def expect(self, req: local_pb2.ExpectRequest, _ctx: Context) -> local_pb2.ExpectResponse:
-        return await self.core.expect(req)
-
-    async def agent_jobs(self, req: local_pb2.AgentJobsRequest, _ctx: Context) -> local_pb2.AgentJobsResponse:
-        return await self.core.agent_jobs(req)
-
-    async def agent_report(self, req: local_pb2.AgentReportRequest, _ctx: Context) -> local_pb2.AgentReportResponse:
-        return await self.core.agent_report(req)
-
-    async def stream_step(self, req: local_pb2.StreamStepRequest, _ctx: Context) -> local_pb2.StreamStepResponse:
-        return await self.core.stream_step(req)
-
-    async def layer_done(self, req: local_pb2.LayerDoneRequest, _ctx: Context) -> local_pb2.LayerDoneResponse:
-        return await self.core.layer_done(req)
-
-
-class _PeerApi:
-    """Peer service methods: each passes on what the caller's credentials prove (see peer_auth)."""
-
-    def __init__(self, core: SidecarCore, *, client_certs: bool) -> None:
-        self.core = core
-        # Without client certificates (no --tls-ca) a call proves nothing beyond the token: skip
-        # building gRPC's auth context on every call.
-        self._client_certs = client_certs
-
-    def _creds(self, ctx: Context) -> PeerCredentials:
-        return PeerCredentials.of(ctx) if self._client_certs else ANONYMOUS
-
-    async def handshake(self, req: peer_pb2.HandshakeRequest, ctx: Context) -> peer_pb2.HandshakeResponse:
-        return await self.core.peer_handshake(req, self._creds(ctx))
-
-    async def get_published(self, req: peer_pb2.GetPublishedRequest, ctx: Context) -> peer_pb2.GetPublishedResponse:
-        return await self.core.peer_get_published(req, self._creds(ctx))
-
-    async def get_published_batch(
-        self, req: peer_pb2.GetPublishedBatchRequest, ctx: Context
-    ) -> peer_pb2.GetPublishedBatchResponse:
-        return await self.core.peer_get_published_batch(req, self._creds(ctx))
-
-    async def notify(self, req: peer_pb2.NotifyRequest, ctx: Context) -> peer_pb2.NotifyResponse:
-        return await self.core.peer_notify(req, self._creds(ctx))
-
-    async def notify_batch(self, req: peer_pb2.NotifyBatchRequest, ctx: Context) -> peer_pb2.NotifyBatchResponse:
-        return await self.core.peer_notify_batch(req, self._creds(ctx))
-
-    async def abort(self, req: peer_pb2.PeerAbortRequest, ctx: Context) -> peer_pb2.PeerAbortResponse:
-        return await self.core.peer_abort(req, self._creds(ctx))
-
-    async def hold(self, req: peer_pb2.HoldRequest, ctx: Context) -> peer_pb2.HoldResponse:
-        return await self.core.peer_hold(req, self._creds(ctx))
-
-    async def offer(self, req: peer_pb2.OfferRequest, ctx: Context) -> peer_pb2.OfferResponse:
-        return await self.core.peer_offer(req, self._creds(ctx))
-
-    async def landed(self, req: peer_pb2.LandedRequest, ctx: Context) -> peer_pb2.LandedResponse:
-        return await self.core.peer_landed(req, self._creds(ctx))
-
-    async def revoke(self, req: peer_pb2.RevokeRequest, ctx: Context) -> peer_pb2.RevokeResponse:
-        return await self.core.peer_revoke(req, self._creds(ctx))
 
 
 class Sidecar:
@@ -208,21 +112,21 @@ class Sidecar:
         await self.health.set(LIVENESS, SERVING)
 
         peer = self._peer_server = grpc.aio.server(interceptors=interceptors, options=opts)
-        self.peer_port = self._bind(peer, s.peer_listen, "peer_listen", secure=True)
+        self.peer_port = bind_tcp(peer, s.peer_listen, "peer_listen", server_credentials(s))
         if s.local_socket:
             # Descriptors of a worker's memory (CPU workers whose cache no other process can name).
-            self.fd_box = FdBox(fd_socket_path(_prepare_socket(Path(s.local_socket))), token=token, mode=SOCKET_MODE,
+            self.fd_box = FdBox(fd_socket_path(prepare_socket(Path(s.local_socket))), token=token, mode=SOCKET_MODE,
                                 on_gone=self._lease_closed)  # fmt: skip
         self.core = SidecarCore(
             s, data_plane, self.metrics, peer_address=self.peer_address, channel_options=opts,
-            channel_credentials=self._channel_credentials(), on_serving=self._set_serving,
+            channel_credentials=channel_credentials(s), on_serving=self._set_serving,
             fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
         # A pull's lookups and notices never wait on anything (their Publisher methods are plain
         # functions, awaiting nothing; keep them so): a timer per call (the default limit) would only
         # cost the publisher CPU on every pull.
         peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch"))
-        peer_api = _PeerApi(self.core, client_certs=s.tls_ca is not None)
+        peer_api = PeerServicer(self.core, client_certs=s.tls_ca is not None)
         self._serve(peer, PEER_SERVICE, peer_api, peer_limits)
         if s.peer_frames:
             # The hot peer calls as frames beside it: same servicer, limits, TLS and token.
@@ -233,7 +137,7 @@ class Sidecar:
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
         # inside the core; a second timer per call would only cost time on the hot path.
         local_limits = {"Pull": None, "PullBatch": None, "Drain": s.drain_seconds + 30.0, "RegisterCaches": 120.0}
-        local_api = _LocalApi(self.core)
+        local_api = LocalServicer(self.core)
         self._serve(local, LOCAL_SERVICE, local_api, local_limits)
         self._bind_local(local)
         if self._socket_path is not None and s.fast_socket:
@@ -257,7 +161,9 @@ class Sidecar:
                                                                                 "error": str(exc)})  # fmt: skip
                 self.fast_api = None
         self._serve_metrics(self.metrics)
-        self._warn_if_open()
+        for setting, address in listeners_without_credentials(s):
+            log.warning("listening without credentials beyond loopback",
+                        extra={"setting": setting, "address": address, "insecure": s.insecure})  # fmt: skip
         log.info(
             "sidecar started",
             extra={"engine_id": s.engine_id, "peer_address": self.peer_address, "local": self.local_target,
@@ -293,11 +199,11 @@ class Sidecar:
     def _bind_local(self, local: grpc.aio.Server) -> None:
         s = self.settings
         if s.local_socket:
-            path = _prepare_socket(Path(s.local_socket))
-            _listen_unix(local, path)
+            path = prepare_socket(Path(s.local_socket))
+            listen_unix(local, path)
             self._socket_path = path
         if s.local_listen:
-            self.local_port = self._bind(local, s.local_listen, "local_listen", secure=False)
+            self.local_port = bind_tcp(local, s.local_listen, "local_listen", None)
 
     def _serve_metrics(self, metrics: SidecarMetrics) -> None:
         address = self.settings.metrics_listen
@@ -308,64 +214,6 @@ class Sidecar:
             self.metrics_port = metrics.serve(host, port, token=self.settings.metrics_token)
         except OSError as exc:
             raise ConfigError(f"--metrics-listen: cannot listen on {address}: {exc}", field="metrics_listen") from None
-
-    def _warn_if_open(self) -> None:
-        """One line per listener that anyone on the network may use (allowed by --insecure)."""
-        s = self.settings
-        open_ones = []
-        if not s.peers_authenticated and not is_loopback_host(s.peer_host_port[0]):
-            open_ones.append(("peer_listen", s.peer_listen))
-        for setting, address, guarded in (
-            ("local_listen", s.local_listen, s.token_file is not None),
-            ("metrics_listen", s.metrics_listen, s.metrics_token is not None),
-        ):
-            if address and not guarded and not is_loopback_host(parse_address(address, setting=setting)[0]):
-                open_ones.append((setting, address))
-        for setting, address in open_ones:
-            log.warning(
-                "listening without credentials beyond loopback",
-                extra={"setting": setting, "address": address, "insecure": s.insecure},
-            )
-
-    def _bind(self, server: grpc.aio.Server, address: str, setting: str, *, secure: bool) -> int:
-        parse_address(address, setting=setting)
-        creds = self._server_credentials() if secure else None
-        try:
-            port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise ConfigError(f"--{setting.replace('_', '-')}: cannot listen on {address}: {exc}",
-                              field=setting) from None  # fmt: skip
-        if port == 0:
-            raise ConfigError(
-                f"--{setting.replace('_', '-')}: cannot listen on {address} (in use or not a local address)",
-                field=setting,
-            )
-        return int(port)
-
-    def _server_credentials(self) -> grpc.ServerCredentials | None:
-        s = self.settings
-        if not s.tls_enabled:
-            return None
-        assert s.tls_cert is not None
-        assert s.tls_key is not None
-        ca = s.tls_ca.read_bytes() if s.tls_ca else None
-        return grpc.ssl_server_credentials(
-            [(s.tls_key.read_bytes(), s.tls_cert.read_bytes())],
-            root_certificates=ca,
-            require_client_auth=ca is not None,
-        )
-
-    def _channel_credentials(self) -> grpc.ChannelCredentials | None:
-        s = self.settings
-        if not s.tls_enabled:
-            return None
-        assert s.tls_cert is not None
-        assert s.tls_key is not None
-        return grpc.ssl_channel_credentials(
-            root_certificates=s.tls_ca.read_bytes() if s.tls_ca else None,
-            private_key=s.tls_key.read_bytes(),
-            certificate_chain=s.tls_cert.read_bytes(),
-        )
 
     def _lease_closed(self, handle: str) -> None:
         if self.core is not None and not self._stopped.is_set():  # on shutdown every lease closes
@@ -411,66 +259,6 @@ class Sidecar:
     async def wait_stopped(self) -> None:
         """Until :meth:`stop` has run."""
         await self._stopped.wait()
-
-
-#: Mode of the local API's Unix socket: owner and group read/write. The worker runs as another
-#: user in another container: the pod's shared group (fsGroup) may connect, nobody else. The
-#: token, when set, still applies.
-SOCKET_MODE = 0o660
-
-
-def _listen_unix(server: grpc.aio.Server, path: Path) -> None:
-    """Bind ``server`` to the Unix socket ``path``, which appears there already with SOCKET_MODE.
-
-    gRPC binds and listens inside ``add_insecure_port``, with the process umask: a chmod after it
-    leaves a window in which anyone the umask lets in may connect. Setting the umask around the
-    bind would change the mode of whatever any other thread creates meanwhile (in library mode the
-    sidecar runs inside a worker's process). So the socket is bound in a private directory (mode
-    0700, beside ``path`` so that the rename stays on one filesystem and is atomic), given its
-    mode there, where nobody else can reach it, and renamed into place. Connections made before
-    the server starts wait in the listen backlog.
-    """
-    try:
-        private = Path(tempfile.mkdtemp(prefix=".", dir=path.parent))
-    except OSError as exc:
-        raise ConfigError(f"--local-socket: cannot create a directory in {path.parent}: {exc}",
-                          field="local_socket") from None  # fmt: skip
-    staged = private / "s"  # short: a Unix socket path has at most 107 bytes
-    try:
-        try:
-            bound = server.add_insecure_port(f"unix://{staged}")
-        except RuntimeError as exc:
-            raise ConfigError(f"--local-socket: cannot listen on {path}: {exc}", field="local_socket") from None
-        if bound == 0:
-            raise ConfigError(f"--local-socket: cannot listen on {path}", field="local_socket")
-        os.chmod(staged, SOCKET_MODE)
-        os.rename(staged, path)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
-
-
-def _prepare_socket(path: Path) -> Path:
-    """Create the socket's directory and remove a stale socket (refuse a live one)."""
-    path = path.resolve()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"--local-socket: cannot create directory {path.parent}: {exc}", field="local_socket"
-        ) from None
-    if path.exists():
-        if not stat.S_ISSOCK(path.stat().st_mode):
-            raise ConfigError(f"--local-socket: {path} exists and is not a socket", field="local_socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # stale: nobody listens
-        else:
-            raise ConfigError(f"--local-socket: another process is serving on {path}", field="local_socket")
-        finally:
-            probe.close()
-    return path
 
 
 def serve_main(settings: Settings, *, hard_exit: bool = True) -> int:

@@ -2,7 +2,7 @@
 
 A worker's hot calls (:data:`kvxfer.wire.frames.METHODS`: ``Pull``, ``PullBatch``, ``Publish``,
 ``Expect``, ...) arrive here as frames and run through the very
-method the gRPC servicer calls (``_LocalApi`` in :mod:`kvxfer.server.app`) inside
+method the gRPC servicer calls (:class:`kvxfer.server.servicers.LocalServicer`) inside
 :func:`kvxfer.server.rpc.run_unary`, under the same per-method limits: the same validation, request
 id in the logs, deadline and errors (code, message, reason, field) as over gRPC. Only the framing
 differs, which saves the ~0.5 ms per call that gRPC's HTTP/2 costs on a busy two-core host.

@@ -23,7 +23,8 @@ import pytest
 
 from kvxfer.config import ConfigError, is_loopback_host, load_settings
 from kvxfer.errors import Reason
-from kvxfer.server.app import SOCKET_MODE, Sidecar
+from kvxfer.server.app import Sidecar
+from kvxfer.server.listeners import SOCKET_MODE
 from tests.sidecar.conftest import JsonLogs
 from tests.sidecar.helpers import Harness
 
