@@ -216,7 +216,8 @@ class AsyncClient:
         with ``push``). ``push``: the sources WRITE into ``local_blocks`` once the request is published
         there (push mode: the pull may start before the prefill does). ``gather``: this worker moves
         the bytes itself when the sidecar hands it the pull as one same-host GPU gather
-        (:mod:`kvxfer.client.gather`); the call then blocks this thread for the copies.
+        (:mod:`kvxfer.client.gather`): it launches in the loop's thread right after the answer, which
+        polls the end for up to 2 ms; longer copies are waited for on a worker thread.
         """
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, wait, deadline,
                         spans, push)  # fmt: skip
@@ -226,7 +227,7 @@ class AsyncClient:
         resp = await self._call(self._stub.Pull, req, self.pull_timeout(deadline))
         if resp.HasField("gather") and gather is not None:
             gather.last["answer"] = (time.perf_counter() - t0) * 1e6
-            outcome = gather.run(resp.gather)  # in this thread: the launch follows the answer at once
+            outcome = await gather.run_async(resp.gather)  # launched in this thread, right after the answer
             final = self.report_gather(resp, outcome, t0)
             if final is not None:
                 return final

@@ -24,6 +24,7 @@ Use::
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -68,6 +69,22 @@ class _SourceSet:
     keys: tuple[_Key, ...]  # the mappings, each to be given back once
     gathers: int = 0  # gathers copying from them now
     kept: bool = True  # among the MAX_SOURCE_SETS most recently used
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A gather on its way: what to wait on, what it moves, and when each phase began."""
+
+    batch: Any
+    sizes: U64
+    sources: _SourceSet
+    t0: float  # the plan began
+    t1: float  # the launch began
+    t2: float  # launched
+
+    def failed(self, exc: cuda_ipc.CudaIpcError) -> GatherOutcome:
+        return GatherOutcome(False, f"device copies failed: {exc.message}", time.monotonic(),
+                             time.perf_counter() - self.t0, 0, int(self.sizes.size))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,42 +135,70 @@ class WorkerGather:
         return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors])
 
     def run(self, plan: local_pb2.WorkerGather) -> GatherOutcome:
-        """Launch ``plan`` on this worker's GPU and wait until it ended (or failed)."""
+        """Launch ``plan`` on this worker's GPU and wait until it ended (or failed), in this thread."""
+        launched = self._launch(plan)
+        if isinstance(launched, GatherOutcome):
+            return launched
+        try:
+            if not self._spin(launched):
+                cuda_ipc.driver().wait(launched.batch)
+            return self._ended(plan, launched)
+        except cuda_ipc.CudaIpcError as exc:
+            return launched.failed(exc)
+        finally:  # the copies ended (or failed): the sources may go once no longer kept
+            self._unpin(launched.sources)
+
+    async def run_async(self, plan: local_pb2.WorkerGather) -> GatherOutcome:
+        """:meth:`run` for an event loop: the launch follows the answer at once in the loop's thread,
+        which polls the end for up to ``SPIN_S``; copies that take longer are waited for on a worker
+        thread, so that the loop serves other calls meanwhile."""
+        launched = self._launch(plan)
+        if isinstance(launched, GatherOutcome):
+            return launched
+        try:
+            if not self._spin(launched):
+                await asyncio.to_thread(cuda_ipc.driver().wait, launched.batch)
+            return self._ended(plan, launched)
+        except cuda_ipc.CudaIpcError as exc:
+            return launched.failed(exc)
+        finally:
+            self._unpin(launched.sources)
+
+    def _launch(self, plan: local_pb2.WorkerGather) -> _Launched | GatherOutcome:
+        """The gather launched (its sources pinned), or why it could not start (nothing pinned)."""
         t0 = time.perf_counter()
         try:
             dst, src, sizes, sources = self._addresses(plan)
         except (InvalidArgumentError, cuda_ipc.CudaIpcError) as exc:
             return self._not_started(f"the gather cannot run here: {exc.message}")
-        try:
-            return self._launch(plan, dst, src, sizes, t0)
-        finally:  # the copies ended (or never started): the sources may go once no longer kept
-            self._unpin(sources)
-
-    def _launch(self, plan: local_pb2.WorkerGather, dst: U64, src: U64, sizes: U64, t0: float) -> GatherOutcome:
-        drv = cuda_ipc.driver()
         t1 = time.perf_counter()
         try:
-            batch = drv.copy_async(self.device, dst, src, sizes, kernel=True)
+            batch = cuda_ipc.driver().copy_async(self.device, dst, src, sizes, kernel=True)
         except cuda_ipc.CudaIpcError as exc:
+            self._unpin(sources)
             return self._not_started(f"the gather did not start: {exc.message}")
-        t2 = time.perf_counter()
-        try:
-            until = t2 + SPIN_S
-            while not drv.done(batch):
-                if time.perf_counter() > until:
-                    drv.wait(batch)
-                    break
-        except cuda_ipc.CudaIpcError as exc:
-            return GatherOutcome(False, f"device copies failed: {exc.message}", time.monotonic(),
-                                 time.perf_counter() - t0, 0, int(sizes.size))  # fmt: skip
+        return _Launched(batch, sizes, sources, t0, t1, time.perf_counter())
+
+    @staticmethod
+    def _spin(launched: _Launched) -> bool:
+        """Poll the end for up to SPIN_S; True once it ended."""
+        drv = cuda_ipc.driver()
+        until = launched.t2 + SPIN_S
+        while not drv.done(launched.batch):
+            if time.perf_counter() > until:
+                return False
+        return True
+
+    def _ended(self, plan: local_pb2.WorkerGather, launched: _Launched) -> GatherOutcome:
         ended = time.monotonic()
-        t3 = time.perf_counter()
+        t0, t1, t2, t3 = launched.t0, launched.t1, launched.t2, time.perf_counter()
         self.last.update(plan=(t1 - t0) * 1e6, launch=(t2 - t1) * 1e6, wait=(t3 - t2) * 1e6)
+        sizes = launched.sizes
         nbytes = int(sizes.sum())
         if ended > plan.deadline:
             return GatherOutcome(False, f"the copies ended {(ended - plan.deadline) * 1e3:.3g} ms after the deadline",
-                                 ended, time.perf_counter() - t0, nbytes, int(sizes.size), late=True)  # fmt: skip
-        return GatherOutcome(True, "", ended, time.perf_counter() - t0, nbytes, int(sizes.size))
+                                 ended, t3 - t0, nbytes, int(sizes.size), late=True)  # fmt: skip
+        return GatherOutcome(True, "", ended, t3 - t0, nbytes, int(sizes.size))
 
     @property
     def usable(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import threading
 import time
 from typing import Any
 
@@ -377,3 +378,46 @@ def test_a_publisher_dropped_while_a_gather_copies_from_it_is_unmapped_after(
     assert g.unmapped == [a]  # then given back, once
     g.close()
     assert g.unmapped == [a, b]
+
+
+async def test_a_long_gather_is_waited_for_off_the_event_loop(
+    driver: MemmoveDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies that outlast the spin are waited for on a worker thread: the loop serves meanwhile."""
+    waited_on: list[str] = []
+
+    def not_done_yet(batch: Any) -> bool:
+        return False
+
+    def slow_wait(batch: Any) -> None:
+        waited_on.append(threading.current_thread().name)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(driver, "done", not_done_yet)
+    monkeypatch.setattr(driver, "wait", slow_wait)
+    dst = ctypes.create_string_buffer(64)
+    g = CountingWorkerGather([ctypes.addressof(dst)])
+    spans = np.array([[0, 0, 0, 0, 8]], dtype="<u8").tobytes()
+    plan = local_pb2.WorkerGather(ticket=1, source_handles=b"\x07" * cuda_ipc.HANDLE_BYTES, source_devices=["host"],
+                                  spans=spans, deadline=time.monotonic() + 60)  # fmt: skip
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        out = await g.run_async(plan)
+    finally:
+        ticker.cancel()
+    assert out.ok, out
+    assert dst.raw[:8] == b"\x07" * 8
+    assert len(waited_on) == 1
+    assert waited_on[0] != threading.current_thread().name  # not the loop's thread
+    assert ticks >= 10  # the loop ran through the 0.3 s wait
+    assert g.last["wait"] >= 0.3e6
+    g.close()
+    assert g.unmapped == [b"\x07" * cuda_ipc.HANDLE_BYTES]

@@ -57,8 +57,9 @@ class ConnectorSettings:
     #: The library of the worker's agent with ``data_plane: worker`` (a kvxfer backend name).
     worker_backend: str = "nixl"
     #: Who launches a same-host GPU pull's gather with ``data_plane: sidecar``: ``sidecar`` (its
-    #: own CUDA context), or ``worker``: this decode worker, in its own context, on the client's
-    #: loop thread (``kvxfer.client.gather``; no GPU context switch, the worker's CPU instead).
+    #: own CUDA context), or ``worker``: this decode worker, in its own context, launched on the
+    #: client's loop thread, copies over 2 ms waited for off it (``kvxfer.client.gather``; no GPU
+    #: context switch, the worker's CPU instead).
     #: GPU caches only; anything the sidecar cannot hand over as one gather it moves itself.
     gather: str = "sidecar"
     #: Prefill instance, push mode: stream each request's KV layer by layer while the prefill
