@@ -320,6 +320,8 @@ def start_vllm(
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env.setdefault("PYTHONFAULTHANDLER", "1")
+    if args.engine_in_api_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -893,6 +895,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
+    ap.add_argument(
+        "--engine-in-api-process", action="store_true",
+        help="each instance's engine core runs in its API server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
+        "one process fewer to start; the workers keep processes of their own",
+    )  # fmt: skip
     ap.add_argument("--startup-timeout", type=float, default=240.0)
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--deadline", type=int, default=900, help="seconds for the whole run")
