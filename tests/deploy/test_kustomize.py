@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -60,3 +61,28 @@ def test_rdma_overlay_resources() -> None:
 def test_base_is_generated_from_the_chart(helm_render: Path) -> None:
     out = run([sys.executable, "deploy/generate_base.py", "--check", "--renderer", str(helm_render)])
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mps_component_joins_both_containers_to_the_node_daemon(tmp_path: Path) -> None:
+    """components/mps on the base: what the chart's gpu.mps renders (test_chart.py), for kustomize users."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    deploy = ROOT / "deploy"
+    base, mps = (os.path.relpath(deploy / p, overlay) for p in ("base", "components/mps"))
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {base}\ncomponents:\n  - {mps}\n"
+    )
+    docs = load_docs(_kustomize(overlay))
+    validate_manifests(docs, tmp_path)
+    pods = pod_specs(docs)
+    assert set(pods) == {"prefill", "decode"}
+    for role, spec in pods.items():
+        check_worker_pod(role, spec)
+        assert spec["hostIPC"] is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "mps-pipe"]
+        assert volume["hostPath"] == {"path": "/tmp/nvidia-mps", "type": "Directory"}
+        for c in [*sidecars(spec), *spec["containers"]]:
+            env = [e for e in c["env"] if e["name"] == "CUDA_MPS_PIPE_DIRECTORY"]
+            assert env == [{"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/nvidia-mps"}], (role, c["name"])
+            assert {"name": "mps-pipe", "mountPath": "/tmp/nvidia-mps"} in c["volumeMounts"], (role, c["name"])
