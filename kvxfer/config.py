@@ -5,9 +5,7 @@ merges the four sources and validates the result once, at start-up; any problem 
 :class:`ConfigError` whose message names the setting the way the user wrote it (``--lease-seconds``,
 ``KVXFER_LEASE_SECONDS`` or the file key) and the bad value.
 
-The file may be JSON or YAML. PyYAML is used when it is installed; otherwise a small reader for
-the flat ``key: value`` mappings a settings file needs is used, so the sidecar has no YAML
-dependency of its own.
+The file may be JSON or YAML (read with PyYAML's safe loader).
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvxfer.errors import KvxferError, Reason
@@ -443,65 +442,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 def _load_yaml(text: str, path: Path) -> Any:
     try:
-        import yaml  # type: ignore[import-untyped]
-    except ImportError:
-        return _flat_yaml(text, path)
-    try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: {path}: not valid YAML: {exc}", field="config") from None
-
-
-_YAML_LINE = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_\-]*)\s*:\s*(?P<value>.*?)\s*$")
-
-
-def _flat_yaml(text: str, path: Path) -> dict[str, Any]:
-    """The YAML subset a settings file uses: ``key: scalar`` lines, comments, ``[a, b]`` lists."""
-    out: dict[str, Any] = {}
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = _strip_comment(raw).rstrip()
-        if not line.strip() or line.strip() in ("---", "..."):
-            continue
-        m = _YAML_LINE.match(line)
-        if not m or raw[:1].isspace():
-            raise ConfigError(
-                f"config: {path}:{n}: expected 'key: value' (nested YAML needs PyYAML installed), got {raw!r}",
-                field="config",
-            )
-        out[m.group("key")] = _yaml_scalar(m.group("value"))
-    return out
-
-
-def _strip_comment(line: str) -> str:
-    quote = ""
-    for i, c in enumerate(line):
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif c == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i]
-    return line
-
-
-def _yaml_scalar(value: str) -> Any:
-    if value == "" or value in ("~", "null", "Null", "NULL"):
-        return None
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1]
-    if value.startswith("[") and value.endswith("]"):
-        return [_yaml_scalar(p.strip()) for p in value[1:-1].split(",") if p.strip()]
-    low = value.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 # ---------------------------------------------------------------------------- merging
