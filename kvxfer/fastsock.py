@@ -37,6 +37,13 @@ def _over_limit(n: int, limit: int) -> tuple[int, bytes]:
     return status.code, status.SerializeToString()
 
 
+def _drop(buf: bytearray, skip: int) -> int:
+    """Drop up to ``skip`` bytes (the rest of an answer over the limit) from ``buf``; how many remain to drop."""
+    dropped = min(skip, len(buf))
+    del buf[:dropped]
+    return skip - dropped
+
+
 class FastCallError(ConnectionError):
     """The connection failed a call; ``sent`` says whether the request had gone out.
 
@@ -165,10 +172,7 @@ class FastChannel(asyncio.Protocol):
         self._buf += data
         buf = self._buf
         while True:
-            if self._skip:
-                dropped = min(self._skip, len(buf))
-                del buf[:dropped]
-                self._skip -= dropped
+            self._skip = _drop(buf, self._skip)
             if self._skip or len(buf) < ANSWER.size:
                 return
             n, call, code = ANSWER.unpack_from(buf, 0)
@@ -294,10 +298,7 @@ class BlockingFastConnection:
     def _next_answer(self, until: float, call_sent: int) -> tuple[int, int, bytes]:
         buf = self._buf
         while True:
-            if self._skip:
-                dropped = min(self._skip, len(buf))
-                del buf[:dropped]
-                self._skip -= dropped
+            self._skip = _drop(buf, self._skip)
             if not self._skip and len(buf) >= ANSWER.size:
                 n, call, code = ANSWER.unpack_from(buf, 0)
                 if n > self.max_message_bytes:

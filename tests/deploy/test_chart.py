@@ -188,6 +188,19 @@ def kv_transfer_config(role: str) -> dict[str, str]:
     return json.loads(KV_TRANSFER_CONFIG.replace("kv_both", "kv_producer" if role == "prefill" else "kv_consumer"))
 
 
+def check_mps_pod(spec: dict[str, Any], pipe: str) -> None:
+    """A pod whose CUDA containers (vLLM and every sidecar) join the node's MPS daemon at ``pipe``:
+    the host's IPC namespace, the pipe directory mounted once in each, CUDA_MPS_PIPE_DIRECTORY."""
+    assert spec["hostIPC"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "mps-pipe"]
+    assert volume["hostPath"] == {"path": pipe, "type": "Directory"}
+    for c in [*sidecars(spec), *spec["containers"]]:
+        env = [e for e in c["env"] if e["name"] == "CUDA_MPS_PIPE_DIRECTORY"]
+        assert env == [{"name": "CUDA_MPS_PIPE_DIRECTORY", "value": pipe}], c["name"]
+        mounts = [m for m in c["volumeMounts"] if m["name"] == "mps-pipe"]
+        assert mounts == [{"name": "mps-pipe", "mountPath": pipe}], c["name"]
+
+
 def check_worker_pod(role: str, spec: dict[str, Any]) -> None:
     """What every prefill/decode pod must look like, chart or plain manifests: one native sidecar
     per worker rank, each with its own socket, ports, probes and drain."""
@@ -472,16 +485,8 @@ def test_mps_joins_both_containers_to_the_node_daemon(helm_render: Path, tmp_pat
         "enabled": True, "pipeDirectory": "/run/nvidia/mps/pipe"}}})  # fmt: skip
     validate_manifests(docs, tmp_path)
     for spec in pod_specs(docs).values():
-        assert spec["hostIPC"] is True
-        (volume,) = [v for v in spec["volumes"] if v["name"] == "mps-pipe"]
-        assert volume["hostPath"] == {"path": "/run/nvidia/mps/pipe", "type": "Directory"}
-        cuda = [*sidecars(spec), *spec["containers"]]
-        assert [c["name"] for c in cuda] == ["kvxfer-0", "kvxfer-1", "vllm"]
-        for c in cuda:
-            env = [e for e in c["env"] if e["name"] == "CUDA_MPS_PIPE_DIRECTORY"]
-            assert env == [{"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/run/nvidia/mps/pipe"}], c["name"]
-            mounts = [m for m in c["volumeMounts"] if m["name"] == "mps-pipe"]
-            assert mounts == [{"name": "mps-pipe", "mountPath": "/run/nvidia/mps/pipe"}], c["name"]
+        assert [c["name"] for c in [*sidecars(spec), *spec["containers"]]] == ["kvxfer-0", "kvxfer-1", "vllm"]
+        check_mps_pod(spec, "/run/nvidia/mps/pipe")
     docs = _render_values(helm_render, tmp_path, {"gpu": {"mps": {"enabled": True, "hostIPC": False}}})
     for spec in pod_specs(docs).values():
         assert "hostIPC" not in spec

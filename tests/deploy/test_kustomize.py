@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from .conftest import OVERLAYS, ROOT, load_docs, run, tool, validate_manifests
-from .test_chart import check_metrics_objects, check_worker_pod, pod_specs, sidecars
+from .test_chart import check_metrics_objects, check_mps_pod, check_worker_pod, pod_specs, sidecars
 
 
 def _kustomize(overlay: Path) -> str:
@@ -22,14 +23,20 @@ def test_overlays_exist() -> None:
     assert {p.name for p in OVERLAYS} >= {"cpu", "rdma"}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
-def test_overlay_validates(overlay: Path, tmp_path: Path) -> None:
+def _worker_pods(overlay: Path, tmp_path: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The overlay rendered and validated strictly: its objects, and the two roles' checked pod specs."""
     docs = load_docs(_kustomize(overlay))
     validate_manifests(docs, tmp_path)
     pods = pod_specs(docs)
     assert set(pods) == {"prefill", "decode"}
     for role, spec in pods.items():
         check_worker_pod(role, spec)
+    return docs, pods
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[p.name for p in OVERLAYS])
+def test_overlay_validates(overlay: Path, tmp_path: Path) -> None:
+    docs, _ = _worker_pods(overlay, tmp_path)
     check_metrics_objects(docs)
 
 
@@ -73,16 +80,6 @@ def test_mps_component_joins_both_containers_to_the_node_daemon(tmp_path: Path) 
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
         f"resources:\n  - {base}\ncomponents:\n  - {mps}\n"
     )
-    docs = load_docs(_kustomize(overlay))
-    validate_manifests(docs, tmp_path)
-    pods = pod_specs(docs)
-    assert set(pods) == {"prefill", "decode"}
-    for role, spec in pods.items():
-        check_worker_pod(role, spec)
-        assert spec["hostIPC"] is True
-        (volume,) = [v for v in spec["volumes"] if v["name"] == "mps-pipe"]
-        assert volume["hostPath"] == {"path": "/tmp/nvidia-mps", "type": "Directory"}
-        for c in [*sidecars(spec), *spec["containers"]]:
-            env = [e for e in c["env"] if e["name"] == "CUDA_MPS_PIPE_DIRECTORY"]
-            assert env == [{"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/nvidia-mps"}], (role, c["name"])
-            assert {"name": "mps-pipe", "mountPath": "/tmp/nvidia-mps"} in c["volumeMounts"], (role, c["name"])
+    _, pods = _worker_pods(overlay, tmp_path)
+    for spec in pods.values():
+        check_mps_pod(spec, "/tmp/nvidia-mps")
