@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import time
 import uuid as uuid_mod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -155,6 +156,7 @@ class CudaDriver:
             "cuEventDestroy_v2": [ctypes.c_void_p],
             "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
             "cuIpcOpenEventHandle": [ctypes.POINTER(ctypes.c_void_p), _Handle],
+            "cuMemAlloc_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
         }.items():
             fn = getattr(lib, name, None)
             if fn is not None:  # copies are optional: registration works without them
@@ -187,6 +189,7 @@ class CudaDriver:
         self.kernels = GatherKernels(lib, self._check, fast=self._fast)  # one launch per pull (kvxfer.cuda_gather)
         self._streams: dict[int, ctypes.c_void_p] = {}
         self._events: dict[int, list[int]] = {}  # per device: events of finished batches, reused (no create per READ)
+        self._scratch: dict[int, tuple[Any, Any, Any]] = {}  # per device: a rehearsal's (dst, src, sizes)
         uuid_fn = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
         uuid_fn.argtypes = [ctypes.POINTER(_Uuid), ctypes.c_int]
         uuid_fn.restype = ctypes.c_int
@@ -363,6 +366,30 @@ class CudaDriver:
             self._check(self._lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
         self._check(self._fast.cuEventRecord(ev, stream), "cuEventRecord")
         return CopyBatch(ordinal, int(ev.value or 0), calls, how, self.kernels.uploads(ordinal))
+
+    def rehearse(self, ordinal: int) -> None:
+        """Run one gather of 16 bytes between two scratch bytes of device ``ordinal`` and wait for it.
+
+        The same calls as a pull's gather (table, upload, launch, event, poll), moving nothing that
+        matters: a worker runs it while it waits for its sidecar's answer, so that the gather which
+        follows the answer finds the code it runs warm. On the lent machines code that has not run
+        for a millisecond or more runs 3-8x slower (docs/notes/gpu.md, runs 35-38).
+        """
+        scratch = self._scratch.get(ordinal)
+        if scratch is None:
+            ptr = ctypes.c_uint64()
+            with self._current(ordinal):
+                self._check(self._lib.cuMemAlloc_v2(ctypes.byref(ptr), 64), "cuMemAlloc(rehearsal)")
+            scratch = self._scratch[ordinal] = (
+                np.array([ptr.value + 32], dtype=np.uint64), np.array([ptr.value], dtype=np.uint64),
+                np.array([16], dtype=np.uint64),
+            )  # fmt: skip
+        batch = self.copy_async(ordinal, *scratch, kernel=True)
+        until = time.perf_counter() + 0.01
+        while not self.done(batch):
+            if time.perf_counter() > until:
+                self.wait(batch)
+                return
 
     def _finished(self, batch: CopyBatch, rc: int) -> None:
         """Give ``batch``'s event back for the next batch, and the table buffers it covers to the kernels.

@@ -237,18 +237,24 @@ class BlockingFastConnection:
             raise FastHelloRefusedError(code, status)
         return conn
 
-    def call(self, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:
+    def call(
+        self, method: int, payload: bytes, timeout: float, *, while_waiting: Callable[[], None] | None = None,
+        spin_s: float = 0.0,
+    ) -> tuple[int, bytes]:  # fmt: skip
         """One call: (status code, response message or serialized google.rpc.Status).
 
         TimeoutError past ``timeout`` seconds (the sidecar is told to abandon the call);
         FastCallError when the connection failed (``sent`` as for :class:`FastChannel`).
+        ``while_waiting`` runs once the request is sent; then the thread polls the socket without
+        sleeping for up to ``spin_s`` seconds before it blocks (a worker about to launch a gather
+        keeps its code warm so; see :meth:`kvxfer.client.gather.WorkerGather.warm_up`).
         """
         if self.closed:
             raise FastCallError("the fast socket's connection is closed", sent=False)
         if len(payload) > self.max_message_bytes:
             raise FastCallError("the request is over max_message_bytes", sent=False)
         self._last = self._last % 0xFFFFFFFE + 1
-        return self._exchange(self._last, method, payload, timeout)
+        return self._exchange(self._last, method, payload, timeout, while_waiting, spin_s)
 
     def post(self, method: int, payload: bytes, timeout: float) -> None:
         """Send a call and do not wait for its answer (the next call skips it; a failure is logged then).
@@ -269,7 +275,10 @@ class BlockingFastConnection:
             self.close()
             raise FastCallError(f"could not send on the fast socket: {exc}", sent=False) from None
 
-    def _exchange(self, call: int, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:
+    def _exchange(
+        self, call: int, method: int, payload: bytes, timeout: float,
+        while_waiting: Callable[[], None] | None = None, spin_s: float = 0.0,
+    ) -> tuple[int, bytes]:  # fmt: skip
         until = time.monotonic() + timeout
         try:
             self._sock.settimeout(max(timeout, 1e-6))
@@ -278,9 +287,12 @@ class BlockingFastConnection:
             # A frame cut short is no call the sidecar runs: the connection is given up with it.
             self.close()
             raise FastCallError(f"could not send on the fast socket: {exc}", sent=False) from None
+        if while_waiting is not None:
+            while_waiting()
+        spin_until = min(time.monotonic() + spin_s, until) if spin_s > 0 else 0.0
         while True:
             try:
-                got, code, body = self._next_answer(until, call)
+                got, code, body = self._next_answer(until, call, spin_until)
             except TimeoutError:
                 self._cancel(call)
                 raise
@@ -295,7 +307,7 @@ class BlockingFastConnection:
                 if code != 0:
                     log.warning("a call posted on the fast socket failed", extra={"code": code})
 
-    def _next_answer(self, until: float, call_sent: int) -> tuple[int, int, bytes]:
+    def _next_answer(self, until: float, call_sent: int, spin_until: float = 0.0) -> tuple[int, int, bytes]:
         buf = self._buf
         while True:
             self._skip = _drop(buf, self._skip)
@@ -312,11 +324,20 @@ class BlockingFastConnection:
                     body = bytes(buf[ANSWER.size : ANSWER.size + n])
                     del buf[: ANSWER.size + n]
                     return call, code, body
-            left = until - time.monotonic()
+            now = time.monotonic()
+            left = until - now
             if left <= 0:
                 raise TimeoutError
-            self._sock.settimeout(left)
-            chunk = self._sock.recv(1 << 16)  # TimeoutError when ``left`` passes
+            if now < spin_until:  # polled without sleeping (a timeout of 0: no poll() before the recv)
+                if self._sock.gettimeout() != 0.0:
+                    self._sock.settimeout(0.0)
+                try:
+                    chunk = self._sock.recv(1 << 16)
+                except BlockingIOError:
+                    continue
+            else:
+                self._sock.settimeout(left)
+                chunk = self._sock.recv(1 << 16)  # TimeoutError when ``left`` passes
             if not chunk:
                 raise ConnectionError("the sidecar closed the fast socket's connection")
             buf += chunk

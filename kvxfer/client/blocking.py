@@ -15,7 +15,7 @@ import uvloop
 
 from kvxfer.client.aio import AsyncClient
 from kvxfer.client.fast import ThreadCalls
-from kvxfer.client.gather import WorkerGather, report_lost, settled
+from kvxfer.client.gather import ANSWER_SPIN_S, WorkerGather, report_lost, settled
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -128,9 +128,13 @@ class Client:
                         spans, push)  # fmt: skip
         req = _pull_request(item)
         req.worker_gather = gather is not None and gather.usable
+        # A worker that may be handed a gather keeps its code warm until the answer (WorkerGather.warm_up).
+        warm = gather is not None and req.worker_gather and gather.warm
         t0 = time.perf_counter()
         resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PullRequest], req,
-                                       self.aio.call_timeout(req, self.aio.pull_timeout(deadline)))  # fmt: skip
+                                       self.aio.call_timeout(req, self.aio.pull_timeout(deadline)),
+                                       while_waiting=gather.warm_up if warm and gather else None,
+                                       spin_s=ANSWER_SPIN_S if warm else 0.0)  # fmt: skip
         if resp is None:
             return self.call(self.aio.pull(
                 request_id, remote_addresses, local_blocks, remote_blocks=remote_blocks,

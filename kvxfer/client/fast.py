@@ -14,6 +14,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -82,13 +83,20 @@ class ThreadCalls:
         with self._lock:
             return any(not c.closed for c in self._open)
 
-    def call(self, method: FastMethod, req: Message, timeout: float) -> Message | None:
-        """The call's response over this thread's connection; None: it was not sent, use the usual way."""
+    def call(
+        self, method: FastMethod, req: Message, timeout: float, *, while_waiting: Callable[[], None] | None = None,
+        spin_s: float = 0.0,
+    ) -> Message | None:  # fmt: skip
+        """The call's response over this thread's connection; None: it was not sent, use the usual way.
+
+        ``while_waiting`` and ``spin_s``: as for :meth:`BlockingFastConnection.call`.
+        """
         conn = self._connection()
         if conn is None:
             return None
         try:
-            code, payload = conn.call(method.number, req.SerializeToString(), timeout)
+            code, payload = conn.call(method.number, req.SerializeToString(), timeout, while_waiting=while_waiting,
+                                      spin_s=spin_s)  # fmt: skip
         except TimeoutError:
             raise timeout_error(method) from None
         except FastCallError as exc:

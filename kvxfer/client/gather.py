@@ -43,7 +43,7 @@ from kvxfer.errors import InvalidArgumentError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.wire import local_pb2
 
-__all__ = ["GatherOutcome", "WorkerGather", "report_lost", "settled"]
+__all__ = ["ANSWER_SPIN_S", "GatherOutcome", "WorkerGather", "report_lost", "settled"]
 
 log = get_logger("kvxfer.client.gather")
 
@@ -52,6 +52,11 @@ U64 = npt.NDArray[np.uint64]
 #: How long the worker's thread polls the gather's event before sleeping in the driver for it: a
 #: same-host gather mostly ends within it (1 GiB at 2 TB/s: 0.5 ms).
 SPIN_S = 0.002
+
+#: How long a worker that may be handed a gather polls for the sidecar's answer without sleeping,
+#: after its warm-up: the answer mostly comes within it (0.5-2.5 ms on the lent H200), and a thread
+#: that slept meanwhile would run the gather's code cold again (docs/notes/gpu.md, runs 35-38).
+ANSWER_SPIN_S = 0.003
 
 #: Publishers' allocation sets (one per publishing worker and registration) kept mapped between
 #: pulls. Mapping one costs milliseconds; one that is no longer used (its worker re-registered or
@@ -114,8 +119,10 @@ class WorkerGather:
     in layout order (one tensor per layer: the order ``CudaIpcRef.from_tensors`` was given them).
     """
 
-    def __init__(self, device: int, regions: Sequence[int]) -> None:
+    def __init__(self, device: int, regions: Sequence[int], *, warm_up: bool = True) -> None:
         self.device = int(device)
+        #: Run :meth:`warm_up` while a pull waits for its answer (the clients do).
+        self.warm = warm_up
         self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
         # A plan's source_handles -> (each one's base here, the mappings kept for it), least
         # recently used first. Guarded by _lock: blocking clients may run gathers from several threads.
@@ -130,9 +137,30 @@ class WorkerGather:
         self.last: dict[str, float] = {}
 
     @classmethod
-    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]]) -> WorkerGather:
+    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]], *, warm_up: bool = True) -> WorkerGather:
         """From the tensors registered per group (torch tensors: ``data_ptr()``), in registration order."""
-        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors])
+        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors], warm_up=warm_up)
+
+    def warm_up(self) -> None:
+        """Run a gather's code on nothing that matters, while the pull's answer is on its way.
+
+        The answer of a pull that asked for a gather takes the sidecar's planning (0.5-2 ms); the
+        worker's thread would sleep meanwhile, and on the lent machines the code that runs after it
+        woke (reading the plan, the table, the launch) then ran 3-8x slower than warm: 0.3 ms of a
+        pull's fixed cost (docs/notes/gpu.md, runs 35-38). This reads a canned one-span plan the
+        way :meth:`_launch` reads one and runs one 16-byte gather between two scratch bytes of this
+        worker's GPU (:meth:`kvxfer.cuda_ipc.CudaDriver.rehearse`). A failure here is logged once
+        and changes nothing else: the pull's own gather reports its own errors.
+        """
+        if not self.warm or self.unusable:
+            return
+        try:
+            source, _src_off, region, _dst_off, sizes = _spans(_CANNED_SPANS)
+            _ = self.regions[np.minimum(region, np.uint64(max(self.regions.size - 1, 0)))] + sizes + source
+            cuda_ipc.driver().rehearse(self.device)
+        except (cuda_ipc.CudaIpcError, IndexError) as exc:
+            self.warm = False
+            log.warning("a gather's warm-up failed; pulls go on without it", extra={"error": str(exc)})
 
     def run(self, plan: local_pb2.WorkerGather) -> GatherOutcome:
         """Launch ``plan`` on this worker's GPU and wait until it ended (or failed), in this thread."""
@@ -218,8 +246,8 @@ class WorkerGather:
         if len(plan.spans) % 40:
             raise InvalidArgumentError(f"gather.spans: {len(plan.spans)} bytes is not a whole number of 40-byte spans",
                                        field="gather.spans")  # fmt: skip
-        spans = np.frombuffer(plan.spans, dtype="<u8").reshape(-1, 5).astype(np.uint64)
-        source, src_off, region, dst_off, sizes = spans.T
+        spans = _spans(plan.spans)
+        source, src_off, region, dst_off, sizes = spans
         handles, devices = plan.source_handles, plan.source_devices
         n = len(handles) // cuda_ipc.HANDLE_BYTES
         if len(handles) % cuda_ipc.HANDLE_BYTES or len(devices) != n:
@@ -227,10 +255,10 @@ class WorkerGather:
                 f"gather.source_handles: {len(handles)} bytes for {len(devices)} source_devices; each source "
                 f"has a {cuda_ipc.HANDLE_BYTES}-byte handle", field="gather.source_handles",
             )  # fmt: skip
-        if spans.shape[0] and int(source.max()) >= n:
+        if sizes.size and int(source.max()) >= n:
             raise InvalidArgumentError(f"gather.spans: source {int(source.max())} of {n}",
                                        field="gather.spans")  # fmt: skip
-        if spans.shape[0] and int(region.max()) >= self.regions.size:
+        if sizes.size and int(region.max()) >= self.regions.size:
             raise InvalidArgumentError(
                 f"gather.spans: region {int(region.max())}, but this worker registered {self.regions.size} regions",
                 field="gather.spans",
@@ -299,6 +327,14 @@ class WorkerGather:
             for sources in kept.values():
                 sources.kept = False
                 self._unmap_idle(sources)
+
+
+def _spans(raw: bytes) -> npt.NDArray[np.uint64]:
+    """A plan's 40-byte spans as five rows: source, offset in it, region, offset in it, bytes."""
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, 5).astype(np.uint64).T
+
+
+_CANNED_SPANS = np.array([[0, 0, 0, 0, 16]], dtype="<u8").tobytes()  # what warm_up reads
 
 
 def settled(resp: local_pb2.PullResponse, outcome: GatherOutcome, t0: float) -> PullResult:

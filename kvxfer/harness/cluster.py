@@ -191,18 +191,20 @@ class LocalCluster:
     def start_worker(
         self, name: str, sidecar: SidecarProc, layouts: dict[str, KVCacheLayout], rank: tuple[int, int], *,
         watch: bool = False, memory: str = "shm", agent: str = "", worker_gather: bool = False,
+        gather_warm_up: bool = True,
     ) -> WorkerProc:  # fmt: skip
         """Start a synthetic worker process bound to ``sidecar``; its first answer comes when it registered.
 
         ``memory``: ``shm``, or ``cuda:<device>`` for KV tensors on that GPU shared by CUDA IPC.
         ``agent``: a backend name (``nixl``): the worker runs that data plane itself, for a cluster of
         ``backend="worker"`` sidecars (:mod:`kvxfer.worker_agent`; ``nixl`` by default in such a cluster).
-        ``worker_gather``: with GPU memory, the worker runs the same-host gathers its sidecar hands it.
+        ``worker_gather``: with GPU memory, the worker runs the same-host gathers its sidecar hands it
+        (``gather_warm_up``: warming their code while each answer is on its way).
         """
         if not agent and transport_class(self.backend).in_worker:
             agent = "nixl"  # sidecars that drive their worker's agent: each worker runs one
         cfg = WorkerConfig(name, sidecar.local_socket, {g: lay.to_dict() for g, lay in layouts.items()}, rank,
-                           self.token, watch, memory, agent, worker_gather)  # fmt: skip
+                           self.token, watch, memory, agent, worker_gather, gather_warm_up)  # fmt: skip
         log_path = self.dir / f"{name}.log"
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(

@@ -221,6 +221,7 @@ class WorkerConfig:
     memory: str = "shm"  # "shm" (shared memory) or "cuda:<device>" (GPU tensors shared by CUDA IPC)
     agent: str = ""  # a backend name: this process runs the data plane itself (a --backend worker sidecar)
     worker_gather: bool = False  # GPU memory: run the same-host gathers the sidecar hands out (kvxfer.client.gather)
+    gather_warm_up: bool = True  # ... warming the gather's code while each answer is on its way
 
     def to_json(self) -> str:
         """The command-line form."""
@@ -256,7 +257,8 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
     gather: WorkerGather | None = None
     if cfg.worker_gather and cfg.memory.startswith("cuda"):
-        gather = WorkerGather.from_tensors(device, {g: b.regions for g, b in buffers.items()})
+        gather = WorkerGather.from_tensors(device, {g: b.regions for g, b in buffers.items()},
+                                           warm_up=cfg.gather_warm_up)  # fmt: skip
     events: dict[str, int] = {}
     agent: WorkerAgent | None = None
     client = Client(cfg.target, token=cfg.token, timeout=60.0)

@@ -412,3 +412,46 @@ async def test_a_method_an_older_sidecars_fast_socket_lacks_goes_over_grpc(harne
         assert d.fast_api.calls_started == started + 1
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("answer_after_s", [0.0, 0.15], ids=["within-the-spin", "after-the-spin"])
+def test_a_blocking_call_runs_its_hook_once_sent_and_polls_for_the_answer(answer_after_s: float) -> None:
+    """``while_waiting`` runs once the request is on the socket; the answer is read whether it comes
+    while the thread polls (``spin_s``) or later, when it blocks. The peer is the test's own socket."""
+    import socket
+    import threading
+    import time
+
+    from kvxfer.fastsock import BlockingFastConnection
+
+    mine, theirs = socket.socketpair()
+    conn = BlockingFastConnection(mine, 1 << 20)
+    seen: list[bytes] = []
+
+    def answer_later(call: int) -> None:
+        time.sleep(answer_after_s)
+        theirs.sendall(ANSWER.pack(5, call, 0) + b"hello")
+
+    def hook() -> None:
+        theirs.settimeout(1.0)
+        frame = theirs.recv(REQUEST.size + 3)  # the request is there already: sent before the hook ran
+        seen.append(frame)
+        n, call, method, _timeout = REQUEST.unpack_from(frame, 0)
+        assert (n, method, frame[REQUEST.size :]) == (3, PULL, b"req")
+        threading.Thread(target=answer_later, args=(call,)).start()
+
+    try:
+        t0 = time.monotonic()
+        code, body = conn.call(PULL, b"req", 5.0, while_waiting=hook, spin_s=0.05)
+        assert (code, body) == (0, b"hello")
+        assert len(seen) == 1
+        assert time.monotonic() - t0 >= answer_after_s
+        # Read while polling (the socket left non-blocking), or by the blocking wait after the spin.
+        assert (mine.gettimeout() == 0.0) == (answer_after_s == 0.0)
+        # The connection serves the next call as usual (blocking, no hook).
+        threading.Thread(target=lambda: (theirs.recv(REQUEST.size + 2),
+                                         theirs.sendall(ANSWER.pack(2, 2, 0) + b"ok"))).start()  # fmt: skip
+        assert conn.call(PULL, b"r2", 5.0) == (0, b"ok")
+    finally:
+        conn.close()
+        theirs.close()

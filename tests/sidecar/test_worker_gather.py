@@ -66,12 +66,20 @@ class MemmoveDriver:
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
         self.launches: list[int] = []
+        self.events: list[str] = []  # "rehearse" / "launch", in order
+        self.rehearse_error: cuda_ipc.CudaIpcError | None = None
+
+    def rehearse(self, ordinal: int) -> None:
+        self.events.append("rehearse")
+        if self.rehearse_error is not None:
+            raise self.rehearse_error
 
     def copy_async(self, ordinal: int, dst: Any, src: Any, sizes: Any, *, kernel: bool = False) -> Any:
         for d, s, z in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
             ctypes.memmove(d, s, z)
         time.sleep(self.delay)
         self.launches.append(len(sizes))
+        self.events.append("launch")
         return cuda_ipc.CopyBatch(ordinal, len(self.launches), 1, "kernel" if kernel else "copy-engine")
 
     def done(self, batch: Any) -> bool:
@@ -116,8 +124,8 @@ async def _pair(harness: Harness) -> tuple[Sidecar, Worker, Sidecar, Worker, Hos
     return ps, await harness.worker(ps, {"kv": LAY}), ds, await harness.worker(ds, {"kv": LAY}), plane
 
 
-def _gather(w: Worker) -> HostWorkerGather:
-    return HostWorkerGather(0, w.buffers["kv"].addresses)
+def _gather(w: Worker, *, warm_up: bool = True) -> HostWorkerGather:
+    return HostWorkerGather(0, w.buffers["kv"].addresses, warm_up=warm_up)
 
 
 @pytest.mark.parametrize("ids_given", [False, True], ids=["after-lookup", "reading-ahead"])
@@ -421,3 +429,56 @@ async def test_a_long_gather_is_waited_for_off_the_event_loop(
     assert g.last["wait"] >= 0.3e6
     g.close()
     assert g.unmapped == [b"\x07" * cuda_ipc.HANDLE_BYTES]
+
+
+@pytest.mark.parametrize("client", ["aio", "blocking"])
+@pytest.mark.parametrize("warm_up", [True, False], ids=["warm-up", "no-warm-up"])
+async def test_a_worker_warms_its_gather_while_the_answer_is_on_its_way(
+    harness: Harness, driver: MemmoveDriver, client: str, warm_up: bool
+) -> None:
+    """One rehearsal per pull that may be handed a gather, before the gather's launch; none when
+    turned off or for a pull that asks for no gather; the bytes are the same either way."""
+    ps, pw, ds, dw, plane = await _pair(harness)
+    gather = _gather(dw, warm_up=warm_up)
+    blocking = Client(ds.local_target, timeout=30.0)
+    try:
+        for n, (p_ids, d_ids) in enumerate((([1, 2, 3], [4, 5, 6]), ([7], [8]))):
+            rid = f"w{n}"
+            await pw.prefill(rid, {"kv": p_ids}, salt=40 + n)
+            if client == "aio":
+                res = await dw.pull(rid, [ps], {"kv": d_ids}, gather=gather)
+            else:
+                dw.poison({"kv": d_ids})
+                res = await asyncio.to_thread(blocking.pull, rid, [ps.peer_address], {"kv": d_ids}, gather=gather)
+            assert res.done
+            assert dw.verify({"kv": d_ids}, 40 + n) == (len(d_ids) * LAY.page_bytes * LAY.num_layers, 0)
+        assert driver.events == (["rehearse", "launch"] * 2 if warm_up else ["launch"] * 2)
+        assert plane.handed == 2
+        # A pull that asks for no gather warms nothing.
+        await pw.prefill("plain", {"kv": [9]}, salt=50)
+        assert (await dw.pull("plain", [ps], {"kv": [10]})).done
+        assert driver.events == (["rehearse", "launch"] * 2 if warm_up else ["launch"] * 2)
+    finally:
+        await asyncio.to_thread(blocking.close)
+
+
+async def test_a_failed_warm_up_changes_nothing_but_itself(
+    harness: Harness, driver: MemmoveDriver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FAKE fault: the rehearsal's driver call fails. The pull moves its bytes all the same, and the
+    worker warms up no more (one warning)."""
+    ps, pw, _ds, dw, plane = await _pair(harness)
+    driver.rehearse_error = cuda_ipc.CudaIpcError("cuMemAlloc(rehearsal): CUDA_ERROR_OUT_OF_MEMORY", code=2)
+    gather = _gather(dw)
+    for n, (p_ids, d_ids) in enumerate((([1, 2], [3, 4]), ([5], [6]))):
+        await pw.prefill(f"f{n}", {"kv": p_ids}, salt=60 + n)
+        res = await dw.pull(f"f{n}", [ps], {"kv": d_ids}, gather=gather)
+        assert res.done
+        assert dw.verify({"kv": d_ids}, 60 + n) == (len(d_ids) * LAY.page_bytes * LAY.num_layers, 0)
+    assert driver.events == ["rehearse", "launch", "launch"]
+    assert plane.handed == 2
+    assert not gather.warm
+    assert gather.usable
+    assert [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()] == [
+        "a gather's warm-up failed; pulls go on without it"
+    ]
