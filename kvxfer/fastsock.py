@@ -195,31 +195,6 @@ class FastChannel(asyncio.Protocol):
             del buf[: ANSWER.size + n]
 
 
-class _Waiting:
-    """What a blocking call does while its answer is on its way (:meth:`BlockingFastConnection.call`)."""
-
-    def __init__(self, hook: Callable[[], None] | None, spin_s: float, again_s: float) -> None:
-        self.hook, self.spin_s, self.again_s = hook, spin_s, again_s
-        self.spin_until = self.hook_at = 0.0
-
-    def start(self, until: float) -> None:
-        """The request is sent: run the hook, and poll until ``spin_s`` passed (or ``until``)."""
-        if self.hook is not None:
-            self.hook()
-        now = time.monotonic()
-        self.hook_at = now + self.again_s
-        self.spin_until = min(now + self.spin_s, until) if self.spin_s > 0 else 0.0
-
-    def polling(self, now: float) -> bool:
-        """Whether to poll without sleeping at ``now``; runs the hook again when it is due."""
-        if now >= self.spin_until:
-            return False
-        if self.hook is not None and self.again_s > 0 and now >= self.hook_at:
-            self.hook()
-            self.hook_at = time.monotonic() + self.again_s
-        return True
-
-
 class BlockingFastConnection:
     """One connection to a sidecar's fast socket used by one thread, one call at a time, blocking.
 
@@ -264,23 +239,22 @@ class BlockingFastConnection:
 
     def call(
         self, method: int, payload: bytes, timeout: float, *, while_waiting: Callable[[], None] | None = None,
-        spin_s: float = 0.0, again_s: float = 0.0,
+        spin_s: float = 0.0,
     ) -> tuple[int, bytes]:  # fmt: skip
         """One call: (status code, response message or serialized google.rpc.Status).
 
         TimeoutError past ``timeout`` seconds (the sidecar is told to abandon the call);
         FastCallError when the connection failed (``sent`` as for :class:`FastChannel`).
         ``while_waiting`` runs once the request is sent; then the thread polls the socket without
-        sleeping for up to ``spin_s`` seconds, running ``while_waiting`` again every ``again_s``
-        seconds (0: never), before it blocks. A worker about to launch a gather keeps its code warm
-        so (:meth:`kvxfer.client.gather.WorkerGather.warm_up`).
+        sleeping for up to ``spin_s`` seconds before it blocks (a worker about to launch a gather
+        keeps its code warm so; see :meth:`kvxfer.client.gather.WorkerGather.warm_up`).
         """
         if self.closed:
             raise FastCallError("the fast socket's connection is closed", sent=False)
         if len(payload) > self.max_message_bytes:
             raise FastCallError("the request is over max_message_bytes", sent=False)
         self._last = self._last % 0xFFFFFFFE + 1
-        return self._exchange(self._last, method, payload, timeout, _Waiting(while_waiting, spin_s, again_s))
+        return self._exchange(self._last, method, payload, timeout, while_waiting, spin_s)
 
     def post(self, method: int, payload: bytes, timeout: float) -> None:
         """Send a call and do not wait for its answer (the next call skips it; a failure is logged then).
@@ -302,7 +276,8 @@ class BlockingFastConnection:
             raise FastCallError(f"could not send on the fast socket: {exc}", sent=False) from None
 
     def _exchange(
-        self, call: int, method: int, payload: bytes, timeout: float, waiting: _Waiting | None = None
+        self, call: int, method: int, payload: bytes, timeout: float,
+        while_waiting: Callable[[], None] | None = None, spin_s: float = 0.0,
     ) -> tuple[int, bytes]:  # fmt: skip
         until = time.monotonic() + timeout
         try:
@@ -312,11 +287,12 @@ class BlockingFastConnection:
             # A frame cut short is no call the sidecar runs: the connection is given up with it.
             self.close()
             raise FastCallError(f"could not send on the fast socket: {exc}", sent=False) from None
-        if waiting is not None:
-            waiting.start(until)
+        if while_waiting is not None:
+            while_waiting()
+        spin_until = min(time.monotonic() + spin_s, until) if spin_s > 0 else 0.0
         while True:
             try:
-                got, code, body = self._next_answer(until, call, waiting)
+                got, code, body = self._next_answer(until, call, spin_until)
             except TimeoutError:
                 self._cancel(call)
                 raise
@@ -331,7 +307,7 @@ class BlockingFastConnection:
                 if code != 0:
                     log.warning("a call posted on the fast socket failed", extra={"code": code})
 
-    def _next_answer(self, until: float, call_sent: int, waiting: _Waiting | None = None) -> tuple[int, int, bytes]:
+    def _next_answer(self, until: float, call_sent: int, spin_until: float = 0.0) -> tuple[int, int, bytes]:
         buf = self._buf
         while True:
             self._skip = _drop(buf, self._skip)
@@ -352,7 +328,7 @@ class BlockingFastConnection:
             left = until - now
             if left <= 0:
                 raise TimeoutError
-            if waiting is not None and waiting.polling(now):  # a timeout of 0: no poll() before the recv
+            if now < spin_until:  # polled without sleeping (a timeout of 0: no poll() before the recv)
                 if self._sock.gettimeout() != 0.0:
                     self._sock.settimeout(0.0)
                 try:

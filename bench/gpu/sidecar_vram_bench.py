@@ -209,8 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]  # fmt: skip
     if args.worker_gather and not smoke:
         # The same sidecars, the decode worker launching each gather itself (PullRequest.worker_gather).
-        kinds = ["", "-once", "-cold"] if args.worker_gather_warm_ups else [""]
-        plans += [(f"{p[0]}-in-worker{kind}", *p[1:]) for kind in kinds for p in list(plans)]
+        plans += [(f"{p[0]}-in-worker", *p[1:]) for p in list(plans)] + (
+            [(f"{p[0]}-in-worker-cold", *p[1:]) for p in list(plans)] if args.worker_gather_cold else []
+        )  # fmt: skip
     if not smoke and args.nixl_reps:
         # The same sidecars with the same-host shortcut off: what NIXL/UCX does with IPC-opened memory.
         plans.append(("nixl", {"KVXFER_CUDA_IPC_DIRECT": "false"}, block_lists, args.sizes[:1], args.nixl_reps, ""))
@@ -261,8 +262,7 @@ def run_cluster(
         pw = cluster.start_worker("prefill-w0", pre, {"kv": layout}, (0, 1), watch=True, memory=memory[0], agent=agent)
         dw = cluster.start_worker("decode-w0", dec, {"kv": layout}, (0, 1), memory=memory[1], agent=agent,
                                   worker_gather="-in-worker" in path,
-                                  gather_warm_up={"cold": "off", "once": "once"}.get(path.rpartition("-")[2],
-                                                                                     "repeat"))  # fmt: skip
+                                  gather_warm_up=not path.endswith("-in-worker-cold"))  # fmt: skip
         cluster.wait_workers(timeout=300)
         if args.pin_cpus:  # each process on cores of its own: is a READ's CPU side slow from sharing them?
             procs = {"decode-sidecar": dec.proc.pid, "prefill-sidecar": pre.proc.pid, "decode-worker": dw.proc.pid,
@@ -396,9 +396,9 @@ def main() -> int:
         help="each gather path also with the decode worker launching the gathers itself",
     )
     ap.add_argument(
-        "--worker-gather-warm-ups",
+        "--worker-gather-cold",
         action="store_true",
-        help="with --worker-gather: also with the worker warming up once per pull, and not at all (-once, -cold)",
+        help="with --worker-gather: also with the worker's warm-up off (WorkerGather(warm_up=False))",
     )
     ap.add_argument("--with-nixl-agents", action="store_true", help="then nixl_agents_bench.py on the same lists")
     ap.add_argument(

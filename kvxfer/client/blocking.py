@@ -134,8 +134,7 @@ class Client:
         resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PullRequest], req,
                                        self.aio.call_timeout(req, self.aio.pull_timeout(deadline)),
                                        while_waiting=gather.warm_up if warm and gather else None,
-                                       spin_s=ANSWER_SPIN_S if warm else 0.0,
-                                       again_s=gather.warm_again_s if warm and gather else 0.0)  # fmt: skip
+                                       spin_s=ANSWER_SPIN_S if warm else 0.0)  # fmt: skip
         if resp is None:
             return self.call(self.aio.pull(
                 request_id, remote_addresses, local_blocks, remote_blocks=remote_blocks,

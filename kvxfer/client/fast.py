@@ -85,18 +85,18 @@ class ThreadCalls:
 
     def call(
         self, method: FastMethod, req: Message, timeout: float, *, while_waiting: Callable[[], None] | None = None,
-        spin_s: float = 0.0, again_s: float = 0.0,
+        spin_s: float = 0.0,
     ) -> Message | None:  # fmt: skip
         """The call's response over this thread's connection; None: it was not sent, use the usual way.
 
-        ``while_waiting``, ``spin_s`` and ``again_s``: as for :meth:`BlockingFastConnection.call`.
+        ``while_waiting`` and ``spin_s``: as for :meth:`BlockingFastConnection.call`.
         """
         conn = self._connection()
         if conn is None:
             return None
         try:
             code, payload = conn.call(method.number, req.SerializeToString(), timeout, while_waiting=while_waiting,
-                                      spin_s=spin_s, again_s=again_s)  # fmt: skip
+                                      spin_s=spin_s)  # fmt: skip
         except TimeoutError:
             raise timeout_error(method) from None
         except FastCallError as exc:

@@ -43,7 +43,7 @@ from kvxfer.errors import InvalidArgumentError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.wire import local_pb2
 
-__all__ = ["ANSWER_SPIN_S", "WARM_AGAIN_S", "GatherOutcome", "WorkerGather", "report_lost", "settled"]
+__all__ = ["ANSWER_SPIN_S", "GatherOutcome", "WorkerGather", "report_lost", "settled"]
 
 log = get_logger("kvxfer.client.gather")
 
@@ -57,11 +57,6 @@ SPIN_S = 0.002
 #: after its warm-up: the answer mostly comes within it (0.5-2.5 ms on the lent H200), and a thread
 #: that slept meanwhile would run the gather's code cold again (docs/notes/gpu.md, runs 35-38).
 ANSWER_SPIN_S = 0.003
-
-#: While it polls for the answer, the worker warms up again this often: what was warm goes cold
-#: within about a millisecond on the lent machines (a rehearsal then sleep 1 ms: 141-248 us for the
-#: next launch, against 64-108 us after a spin of 0.5 ms; docs/notes/gpu.md, run 38).
-WARM_AGAIN_S = 0.0003
 
 #: Publishers' allocation sets (one per publishing worker and registration) kept mapped between
 #: pulls. Mapping one costs milliseconds; one that is no longer used (its worker re-registered or
@@ -124,15 +119,10 @@ class WorkerGather:
     in layout order (one tensor per layer: the order ``CudaIpcRef.from_tensors`` was given them).
     """
 
-    def __init__(
-        self, device: int, regions: Sequence[int], *, warm_up: bool = True, warm_again_s: float = WARM_AGAIN_S
-    ) -> None:  # fmt: skip
+    def __init__(self, device: int, regions: Sequence[int], *, warm_up: bool = True) -> None:
         self.device = int(device)
-        #: Run :meth:`warm_up` while a pull waits for its answer (the clients do): once the request
-        #: is sent, and (the blocking client, which polls for the answer) every ``warm_again_s``
-        #: seconds after that (0: once).
+        #: Run :meth:`warm_up` while a pull waits for its answer (the clients do).
         self.warm = warm_up
-        self.warm_again_s = warm_again_s
         self.regions: U64 = np.asarray([int(r) for r in regions], dtype=np.uint64)
         # A plan's source_handles -> (each one's base here, the mappings kept for it), least
         # recently used first. Guarded by _lock: blocking clients may run gathers from several threads.
@@ -147,13 +137,9 @@ class WorkerGather:
         self.last: dict[str, float] = {}
 
     @classmethod
-    def from_tensors(
-        cls, device: int, groups: Mapping[str, Sequence[Any]], *, warm_up: bool = True,
-        warm_again_s: float = WARM_AGAIN_S,
-    ) -> WorkerGather:  # fmt: skip
+    def from_tensors(cls, device: int, groups: Mapping[str, Sequence[Any]], *, warm_up: bool = True) -> WorkerGather:
         """From the tensors registered per group (torch tensors: ``data_ptr()``), in registration order."""
-        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors], warm_up=warm_up,
-                   warm_again_s=warm_again_s)  # fmt: skip
+        return cls(device, [int(t.data_ptr()) for tensors in groups.values() for t in tensors], warm_up=warm_up)
 
     def warm_up(self) -> None:
         """Run a gather's code on nothing that matters, while the pull's answer is on its way.

@@ -191,7 +191,7 @@ class LocalCluster:
     def start_worker(
         self, name: str, sidecar: SidecarProc, layouts: dict[str, KVCacheLayout], rank: tuple[int, int], *,
         watch: bool = False, memory: str = "shm", agent: str = "", worker_gather: bool = False,
-        gather_warm_up: str = "repeat",
+        gather_warm_up: bool = True,
     ) -> WorkerProc:  # fmt: skip
         """Start a synthetic worker process bound to ``sidecar``; its first answer comes when it registered.
 
@@ -199,8 +199,7 @@ class LocalCluster:
         ``agent``: a backend name (``nixl``): the worker runs that data plane itself, for a cluster of
         ``backend="worker"`` sidecars (:mod:`kvxfer.worker_agent`; ``nixl`` by default in such a cluster).
         ``worker_gather``: with GPU memory, the worker runs the same-host gathers its sidecar hands it
-        (``gather_warm_up``: warming their code while each answer is on its way, ``repeat`` while it
-        polls, ``once``, or ``off``).
+        (``gather_warm_up``: warming their code while each answer is on its way).
         """
         if not agent and transport_class(self.backend).in_worker:
             agent = "nixl"  # sidecars that drive their worker's agent: each worker runs one

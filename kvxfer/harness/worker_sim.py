@@ -221,7 +221,7 @@ class WorkerConfig:
     memory: str = "shm"  # "shm" (shared memory) or "cuda:<device>" (GPU tensors shared by CUDA IPC)
     agent: str = ""  # a backend name: this process runs the data plane itself (a --backend worker sidecar)
     worker_gather: bool = False  # GPU memory: run the same-host gathers the sidecar hands out (kvxfer.client.gather)
-    gather_warm_up: str = "repeat"  # ... warming their code while each answer is on its way: repeat, once, off
+    gather_warm_up: bool = True  # ... warming the gather's code while each answer is on its way
 
     def to_json(self) -> str:
         """The command-line form."""
@@ -238,7 +238,7 @@ class WorkerConfig:
 def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
     """Serve JSON-line commands from ``inp`` until ``["stop"]``; answers ``{"ok": result}`` or ``{"error": text}``."""
     from kvxfer.client import Client
-    from kvxfer.client.gather import WARM_AGAIN_S, WorkerGather
+    from kvxfer.client.gather import WorkerGather
     from kvxfer.fdpass import FdLease, fd_socket_path, send_fds
     from kvxfer.memory import SharedKVBuffer
     from kvxfer.worker_agent import WorkerAgent
@@ -257,9 +257,8 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         buffers = {g: SharedKVBuffer.create(lay) for g, lay in layouts.items()}
     gather: WorkerGather | None = None
     if cfg.worker_gather and cfg.memory.startswith("cuda"):
-        again = WARM_AGAIN_S if cfg.gather_warm_up == "repeat" else 0.0
         gather = WorkerGather.from_tensors(device, {g: b.regions for g, b in buffers.items()},
-                                           warm_up=cfg.gather_warm_up != "off", warm_again_s=again)  # fmt: skip
+                                           warm_up=cfg.gather_warm_up)  # fmt: skip
     events: dict[str, int] = {}
     agent: WorkerAgent | None = None
     client = Client(cfg.target, token=cfg.token, timeout=60.0)

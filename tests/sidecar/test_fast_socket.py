@@ -455,38 +455,3 @@ def test_a_blocking_call_runs_its_hook_once_sent_and_polls_for_the_answer(answer
     finally:
         conn.close()
         theirs.close()
-
-
-@pytest.mark.parametrize("again_s", [0.0, 0.01], ids=["once", "again"])
-def test_a_blocking_call_runs_its_hook_again_only_while_it_polls(again_s: float) -> None:
-    """With ``again_s``, the hook runs again while the thread polls for the answer (``spin_s``),
-    and never once it blocks; without, once."""
-    import socket
-    import threading
-    import time
-
-    from kvxfer.fastsock import BlockingFastConnection
-
-    mine, theirs = socket.socketpair()
-    conn = BlockingFastConnection(mine, 1 << 20)
-    runs: list[float] = []
-
-    def answer_later() -> None:
-        frame = theirs.recv(REQUEST.size + 3)
-        call = REQUEST.unpack_from(frame, 0)[1]
-        time.sleep(0.2)  # well after the spin ended
-        theirs.sendall(ANSWER.pack(2, call, 0) + b"ok")
-
-    threading.Thread(target=answer_later).start()
-    try:
-        t0 = time.monotonic()
-        assert conn.call(PULL, b"req", 5.0, while_waiting=lambda: runs.append(time.monotonic() - t0),
-                         spin_s=0.05, again_s=again_s) == (0, b"ok")  # fmt: skip
-        if again_s == 0:
-            assert len(runs) == 1
-        else:
-            assert 3 <= len(runs) <= 7  # about every 10 ms of the 50 ms spin
-            assert max(runs) < 0.05 + 0.01
-    finally:
-        conn.close()
-        theirs.close()
