@@ -24,9 +24,13 @@ pulls alone), three ways, one after the other in one run:
    at that load.
 
 ``--hop`` picks how the decode worker reaches its sidecar: ``fast`` (the default, as
-``kvxfer.client`` does: the fast socket ``<socket>.fast``, else gRPC), ``grpc`` (gRPC only: the hop
-before the fast socket), or ``both``: the serial and open-loop phases run once per hop, one hop
-after the other within each phase kind, and a side-by-side table follows (``by_hop`` in the JSON).
+``kvxfer.client``'s async client does: the fast socket ``<socket>.fast``, else gRPC), ``grpc``
+(gRPC only: the hop before the fast socket), ``blocking`` (the blocking ``kvxfer.client.Client``
+called from a thread of its own, over that thread's own fast-socket connection, timed in that
+thread: what a synchronous worker gets; serial phases only), a comma-separated list of these, or
+``both`` (``grpc,fast``): the serial and open-loop phases run once per hop, one hop after the other
+within each phase kind, and a side-by-side table follows (``by_hop`` in the JSON). The concurrent
+and batched phases use the last async hop.
 
 Every pulled byte is compared with its source. What is measured, per pull (``wait=True``):
 
@@ -44,7 +48,8 @@ spends about concurrency / throughput in the system; that queueing is part of ``
 concurrent phase. The serial phase has no queueing: its overhead is the control plane's cost of a
 pull. CPU time per pull of each process (concurrent phase) is the cost that bounds throughput.
 
-    python bench/load.py [--pulls 4000] [--concurrency 200] [--batch 20] [--serial 300] [--hop fast|grpc|both] [--json]
+    python bench/load.py [--pulls 4000] [--concurrency 200] [--batch 20] [--serial 300]
+        [--hop fast,grpc,blocking|both] [--json]
 """
 
 from __future__ import annotations
@@ -57,16 +62,52 @@ import os
 import sys
 import time
 from collections import Counter
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvxfer.client import AsyncClient, KvxferRpcError, PullItem
+from kvxfer.client import AsyncClient, Client, KvxferRpcError, PullItem, PullResult
 from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
 from kvxfer.topology import RankInfo
+
+#: How the decode worker may reach its sidecar (--hop).
+HOPS = ("fast", "grpc", "blocking")
+
+
+class _Timed(NamedTuple):
+    """A pull's result and its latency as timed where the call ran."""
+
+    result: PullResult
+    latency: float
+
+
+class _BlockingHop:
+    """The blocking client from a thread of its own (its calls go over that thread's own fast-socket
+    connection); each pull is timed in that thread, so that handing the call to it is not counted."""
+
+    def __init__(self, target: str) -> None:
+        self.client = Client(target, timeout=60.0)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-blocking")
+
+    async def pull(self, rid: str, peers: list[str], blocks: Any, remote_blocks: Any = None) -> _Timed:
+        def timed() -> _Timed:
+            t = time.perf_counter()
+            res = self.client.pull(rid, peers, blocks, remote_blocks=remote_blocks)
+            return _Timed(res, time.perf_counter() - t)
+
+        return await asyncio.get_running_loop().run_in_executor(self._thread, timed)
+
+    async def expect(self, rid: str, peers: list[str]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.client.expect, rid, peers)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.client.close)
+        self._thread.shutdown()
+
 
 #: The sidecars hold expected requests every min(--lease-seconds / 3, 5) s: wait one round and a bit.
 HOLD_WAIT_S = 5.5
@@ -101,12 +142,19 @@ async def run(
         p = cluster.start_sidecar("prefill", "prefill", "prefill")
         d = cluster.start_sidecar("decode", "decode", "decode")
         pbuf, dbuf = SharedKVBuffer.create(lay), SharedKVBuffer.create(lay)
-        pc = AsyncClient(p.local_socket, fast="fast" in hops)
-        dcs = {hop: AsyncClient(d.local_socket, fast=hop == "fast") for hop in hops}
-        dc = dcs[hops[-1]]
+        pc = AsyncClient(p.local_socket, fast="grpc" not in hops or "fast" in hops)
+        dcs: dict[str, Any] = {
+            hop: _BlockingHop(d.local_socket) if hop == "blocking" else AsyncClient(d.local_socket, fast=hop == "fast")
+            for hop in hops
+        }  # fmt: skip
+        async_hops = [hop for hop in hops if hop != "blocking"]
+        dc: AsyncClient = dcs[async_hops[-1]] if async_hops else AsyncClient(d.local_socket)
         try:
             await pc.wait_ready(90)
             await dc.wait_ready(90)
+            for c in dcs.values():
+                if isinstance(c, AsyncClient):
+                    await c.wait_ready(90)
             await pc.register_caches({"kv": (lay, pbuf.ref())}, rank=rank)
             await dc.register_caches({"kv": (lay, dbuf.ref())}, rank=rank)
             # Every request reads the same source blocks (filled once) into its own destination blocks.
@@ -133,18 +181,20 @@ async def run(
                                                                 expect=expect)  # fmt: skip
             if open_rate > 0:
                 for path in open_paths:
-                    for hop, c in dcs.items():
-                        by_hop[hop][OPEN_LOOP_KEYS[path]] = await _open_loop(
+                    for hop in async_hops or ["fast"]:
+                        c = dcs.get(hop, dc)
+                        by_hop.setdefault(hop, {})[OPEN_LOOP_KEYS[path]] = await _open_loop(
                             pc, c, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng, procs,
                             f"o{path[0]}-{hop}", name_remote=path in ("named", "granted"),
                             expect_lead=EXPECT_LEAD_S if path == "granted" else None)  # fmt: skip
         finally:
             await pc.close()
-            for c in dcs.values():
+            for c in {*dcs.values(), dc}:
                 await c.close()
             pbuf.close()
             dbuf.close()
     last = by_hop[hops[-1]]
+    last_async = by_hop.get(async_hops[-1] if async_hops else "fast", last)
     one, ahead, granted = last["serial"], last["serial_ahead"], last["serial_granted"]
     every = [r for h in by_hop.values() for k in ("serial", "serial_ahead", "serial_granted") for r in h[k]]
     every += [r for h in by_hop.values() for k in OPEN_LOOP_KEYS.values() for r in h.get(k, {}).get("rows", [])]
@@ -162,7 +212,7 @@ async def run(
         "serial_granted": _stats(granted),
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
-        **{key: _summary(last[key]) for key in OPEN_LOOP_KEYS.values() if key in last},
+        **{key: _summary(last_async[key]) for key in OPEN_LOOP_KEYS.values() if key in last_async},
         "hop": hops[-1],
         "by_hop": {hop: {k: _summary(v) for k, v in h.items()} for hop, h in by_hop.items()},
         "verified_pulls": 2 * pulls + len(every),
@@ -209,6 +259,8 @@ async def _pull_phase(
                     remote = {"kv": src} if name_remote else None
                     results = [await dc.pull(f"{tag}{first}", [peer], {"kv": dsts[0]}, remote_blocks=remote)]
                 lat = time.perf_counter() - t
+                if isinstance(results[0], _Timed):  # timed in the thread that made the call
+                    results, lat = [results[0].result], results[0].latency
                 for res, dst in zip(results, dsts, strict=True):
                     if isinstance(res, Exception):
                         raise res
@@ -354,6 +406,7 @@ def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
         "sidecar_overhead": ms["sidecar"] - ms["data"],
     }
     out = {
+        "measured": len(rows),  # pulls in these figures
         "latency_p50_ms": float(np.percentile(ms["latency"], 50)),
         "latency_p99_ms": float(np.percentile(ms["latency"], 99)),
         "data_p50_ms": float(np.percentile(ms["data"], 50)),
@@ -384,9 +437,11 @@ def main(argv: list[str] | None = None) -> int:
                          "connector's do: the READ starts at once, the lookup confirms it off the critical "
                          "path), granted (each request is also expected 20 ms before its pull and read on its "
                          "grant, no lookup)")  # fmt: skip
-    ap.add_argument("--hop", choices=("fast", "grpc", "both"), default="fast",
-                    help="worker -> sidecar: the fast socket (falls back to gRPC), gRPC only, or both side by side "
-                         "(serial and open-loop phases; the others use the fast socket)")  # fmt: skip
+    ap.add_argument("--hop", default="fast",
+                    help="worker -> sidecar, comma-separated to run side by side (serial and open-loop phases): "
+                         "fast (the async client over the fast socket, falling back to gRPC), grpc (gRPC only), "
+                         "blocking (the blocking client from a thread of its own; serial phases only); both: "
+                         "grpc,fast")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     for flag, value in (("--open-loop-rate", a.open_loop_rate), ("--open-loop-seconds", a.open_loop_seconds)):
@@ -399,7 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not paths:
         known = ", ".join(OPEN_LOOP_KEYS)
         ap.error(f"--open-loop-paths: {bad[0] if bad else a.open_loop_paths!r} is not one of {known}")
-    hops = ("grpc", "fast") if a.hop == "both" else (a.hop,)
+    hops = ("grpc", "fast") if a.hop == "both" else tuple(x for x in a.hop.split(",") if x)
+    wrong = [x for x in hops if x not in HOPS]
+    if wrong or not hops or len(set(hops)) != len(hops):
+        ap.error(f"--hop: {a.hop!r}: name each of {', '.join(HOPS)} at most once, comma-separated (or both)")
     r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch, a.open_loop_rate,
                        a.open_loop_seconds, hops, paths))  # fmt: skip
     if a.json:
@@ -435,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                       + f"; sidecars together {cpu['prefill'] + cpu['decode']:.2f} ms")  # fmt: skip
         if len(r["by_hop"]) > 1:
             print("side by side, by worker -> sidecar hop (ms):")
-            print(f"  {'phase':16s} {'hop':5s} {'latency p50':>11s} {'p99':>7s} {'overhead p50':>12s} {'p99':>7s} "
+            print(f"  {'phase':16s} {'hop':8s} {'latency p50':>11s} {'p99':>7s} {'overhead p50':>12s} {'p99':>7s} "
                   f"{'local_hop p50':>13s}")  # fmt: skip
             for kind in ("serial", "serial_ahead", "serial_granted", *OPEN_LOOP_KEYS.values()):
                 for hop, h in r["by_hop"].items():
@@ -445,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                         if kind in OPEN_LOOP_KEYS.values():
                             extra = (f"  achieved {st['achieved_per_s']:.0f}/s, at most {st['max_in_flight']} in "
                                      f"flight, {st['failed']} failed {st['failed_by_code'] or ''}")  # fmt: skip
-                        print(f"  {kind:16s} {hop:5s} {st['latency_p50_ms']:11.3f} {st['latency_p99_ms']:7.3f} "
+                        print(f"  {kind:16s} {hop:8s} {st['latency_p50_ms']:11.3f} {st['latency_p99_ms']:7.3f} "
                               f"{st['overhead_p50_ms']:12.3f} {st['overhead_p99_ms']:7.3f} "
                               f"{st['local_hop_p50_ms']:13.3f}{extra}")  # fmt: skip
         print(f"verified pulls: {r['verified_pulls']}, mismatched bytes: {r['mismatched_bytes']}")

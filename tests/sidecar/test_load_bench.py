@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,3 +35,34 @@ def test_load_refuses_an_unknown_open_loop_path() -> None:
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2
     assert "--open-loop-paths: 'bogus' is not one of plain, named, granted" in out.stderr
+
+
+def test_load_runs_the_serial_phases_over_each_hop_side_by_side() -> None:
+    """``--hop fast,blocking``: the serial phases once over the async client and once over the
+    blocking client from a thread of its own; the open loop over the async one only."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "load.py"), "--pulls", "8", "--concurrency", "2", "--serial", "4",
+         "--open-loop-rate", "40", "--open-loop-seconds", "0.25", "--open-loop-paths", "granted",
+         "--hop", "fast,blocking", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["mismatched_bytes"] == 0
+    assert set(r["by_hop"]) == {"fast", "blocking"}
+    for hop in ("fast", "blocking"):
+        for kind in ("serial", "serial_ahead", "serial_granted"):
+            assert r["by_hop"][hop][kind]["measured"] == 4, (hop, kind)
+    assert r["by_hop"]["blocking"]["serial_granted"]["peer_fetch_p50_ms"] == 0  # read on its grant
+    assert "open_loop_granted" not in r["by_hop"]["blocking"]
+    assert r["open_loop_granted"]["pulls"] == 10
+    # 8 concurrent + 8 batched + 2 hops x 3 x 4 serial + 10 open-loop
+    assert r["verified_pulls"] == 8 + 8 + 24 + 10
+
+
+@pytest.mark.parametrize("hop", ["fast,bogus", "fast,fast", ""])
+def test_load_refuses_a_hop_it_does_not_know(hop: str) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "load.py"), "--hop", hop],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2
+    assert f"--hop: {hop!r}: name each of fast, grpc, blocking at most once" in out.stderr
