@@ -523,17 +523,17 @@ def comparison(rows: list[dict[str, Any]]) -> str:
         *(f"sidecar {p}" for p in sidecar),
         *(p.replace("nixl-agents ", "agents: ") for p in agents),
     ]
-    if sidecar and agents:
-        head.append(f"sidecar {sidecar[0]} >= every agents row")
+    if agents:  # one verdict column per kvxfer path
+        head += [f"{p} >= every agents row" for p in sidecar]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for blocks, tokens in cases:
         vals = [cell.get((blocks, tokens, p)) for p in sidecar + agents]
         out = [blocks, str(tokens)]
         out += [f"{r['data_GBps']:.2f} ({r['data_vs_copy']:.3f})" if r else "-" for r in vals]
-        if sidecar and agents:
-            main_row, others = vals[0], [r for r in vals[len(sidecar) :] if r]
-            if main_row and others:
-                out.append("yes" if all(main_row["data_GBps"] >= r["data_GBps"] for r in others) else "no")
+        others = [r for r in vals[len(sidecar) :] if r]
+        for mine in vals[: len(sidecar)] if agents else []:
+            if mine and others:
+                out.append("yes" if all(mine["data_GBps"] >= r["data_GBps"] for r in others) else "no")
             else:
                 out.append("-")
         lines.append("| " + " | ".join(out) + " |")

@@ -85,3 +85,19 @@ def test_sidecar_bench_with_agents_rows_use_the_same_lists(tmp_path: Path) -> No
     assert set(by_path) == {"default+lookup", "nixl-agents kvxfer coalesced", "nixl-agents per block+layer, NIXL merge",
                             "nixl-agents per block+layer, no merge"}  # fmt: skip
     assert by_path["nixl-agents kvxfer coalesced"] == by_path["default+lookup"]  # the sidecar's lists and descriptors
+
+
+def test_the_side_by_side_table_gives_each_kvxfer_path_its_verdict() -> None:
+    """One "yes/no" column per kvxfer path: faster than every agents row of the same request."""
+    mod = _bench_module()
+
+    def row(path: str, tokens: int, gbps: float) -> dict[str, Any]:
+        return {"path": path, "blocks": "contiguous", "tokens": tokens, "data_GBps": gbps, "data_vs_copy": gbps / 2000}
+
+    rows = [row("sidecar", 128, 50.0), row("in-worker", 128, 70.0), row("sidecar", 1024, 500.0),
+            row("in-worker", 1024, 400.0), row("nixl-agents a", 128, 60.0), row("nixl-agents b", 128, 10.0),
+            row("nixl-agents a", 1024, 450.0)]  # fmt: skip
+    lines = mod.comparison(rows).splitlines()
+    assert lines[0].endswith("| sidecar >= every agents row | in-worker >= every agents row |")
+    assert lines[2].endswith("| no | yes |")  # 128: 50 < 60 <= 70
+    assert lines[3].endswith("| yes | no |")  # 1024: 400 < 450 <= 500
