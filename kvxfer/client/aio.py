@@ -12,7 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvxfer.client.fast import decode_answer, lost_error, timeout_error
-from kvxfer.client.gather import ANSWER_SPIN_S, GatherOutcome, WorkerGather, report_lost, settled
+from kvxfer.client.gather import GatherOutcome, WorkerGather, report_lost, settled
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -226,16 +226,11 @@ class AsyncClient:
         t0 = time.perf_counter()
         if gather is not None and req.worker_gather and gather.warm:
             # The call's first step sends the request; the loop's thread warms the gather's code
-            # meanwhile (WorkerGather.warm_up).
+            # meanwhile (WorkerGather.warm_up) and then awaits the answer.
             call = asyncio.ensure_future(self._call(self._stub.Pull, req, self.pull_timeout(deadline)))
             try:
                 await asyncio.sleep(0)
                 gather.warm_up()
-                # Then the loop polls its sockets without sleeping until the answer (or ANSWER_SPIN_S):
-                # a loop asleep in epoll would run the gather's code cold again.
-                until = time.monotonic() + ANSWER_SPIN_S
-                while not call.done() and time.monotonic() < until:  # noqa: ASYNC110 (polling is the point)
-                    await asyncio.sleep(0)
                 resp = await call
             except BaseException:
                 call.cancel()
