@@ -210,6 +210,17 @@ def torch_equal(x: Any, y: Any) -> bool:
     return bool(torch.equal(x, y))
 
 
+def _buffers(torch: Any, drv: Driver) -> tuple[Any, Any, Any, ctypes.c_void_p, Any, tuple[int, Any]]:
+    """Source and destination caches (one Llama-3-8B cache of 4,096 blocks each, 8 GiB), torch's
+    stream and its handle, a device buffer for span tables and a pinned host one."""
+    region = 32 * 64 * 1024 * 4096
+    a = torch.randint(0, 256, (region,), dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(region, dtype=torch.uint8, device="cuda:0")
+    stream = torch.cuda.current_stream()
+    table_dev = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
+    return a, b, stream, ctypes.c_void_p(stream.cuda_stream), table_dev, drv.pinned(1 << 20)
+
+
 def gpu_times(args: argparse.Namespace, torch: Any, drv: Driver, result: dict[str, Any]) -> None:
     from kvxfer.cuda_gather import KERNEL_SOURCE, Nvrtc, fill_span_table
 
@@ -222,13 +233,7 @@ def gpu_times(args: argparse.Namespace, torch: Any, drv: Driver, result: dict[st
         src = KERNEL_SOURCE if name == "shipped" else "".join(f"#define {k} {v}\n" for k, v in defines.items())
         src = src if name == "shipped" else src + VARIANT_SOURCE
         funcs[name] = drv.function(nv.ptx(src, arch))
-    region = 32 * 64 * 1024 * 4096  # one Llama-3-8B cache of 4096 blocks
-    a = torch.randint(0, 256, (region,), dtype=torch.uint8, device="cuda:0")
-    b = torch.empty(region, dtype=torch.uint8, device="cuda:0")
-    stream = torch.cuda.current_stream()
-    hstream = ctypes.c_void_p(stream.cuda_stream)
-    table_dev = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
-    host, words = drv.pinned(1 << 20)
+    a, b, stream, hstream, table_dev, (host, words) = _buffers(torch, drv)
     rows = []
 
     def timed(fn: Any) -> float:
@@ -375,13 +380,8 @@ def launch_costs(args: argparse.Namespace, torch: Any, drv: Driver, result: dict
     plain = drv.function(nv.ptx(src, arch))
     small = drv.function(nv.ptx("#define PARAM_WORDS 509\n" + src, arch))  # 4 KiB of parameters in all
     large = drv.function(nv.ptx("#define PARAM_WORDS 4090\n" + src, arch))  # 32 KiB (CUDA >= 12.1, sm_70+)
-    region = 32 * 64 * 1024 * 4096
-    a = torch.randint(0, 256, (region,), dtype=torch.uint8, device="cuda:0")
-    b = torch.empty(region, dtype=torch.uint8, device="cuda:0")
-    stream = torch.cuda.current_stream()
-    hstream = ctypes.c_void_p(stream.cuda_stream)
-    table_dev = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
-    host, words = drv.pinned(1 << 20)
+    a, b, _stream, hstream, table_dev, (host, words) = _buffers(torch, drv)
+    region = a.numel()
     rng = np.random.default_rng(args.seed)
     out: list[dict[str, Any]] = []
     for label, tokens, max_run in (("2 GiB contiguous", 16384, 4096), ("1 GiB fragmented", 8192, 64)):
