@@ -151,10 +151,8 @@ async def run(
         dc: AsyncClient = dcs[async_hops[-1]] if async_hops else AsyncClient(d.local_socket)
         try:
             await pc.wait_ready(90)
-            await dc.wait_ready(90)
-            for c in dcs.values():
-                if isinstance(c, AsyncClient):
-                    await c.wait_ready(90)
+            for c in {dc, *(c for c in dcs.values() if isinstance(c, AsyncClient))}:
+                await c.wait_ready(90)
             await pc.register_caches({"kv": (lay, pbuf.ref())}, rank=rank)
             await dc.register_caches({"kv": (lay, dbuf.ref())}, rank=rank)
             # Every request reads the same source blocks (filled once) into its own destination blocks.

@@ -224,10 +224,11 @@ class AsyncClient:
         req = _pull_request(item)
         req.worker_gather = gather is not None and gather.usable
         t0 = time.perf_counter()
+        answer = self._call(self._stub.Pull, req, self.pull_timeout(deadline))
         if gather is not None and req.worker_gather and gather.warm:
             # The call's first step sends the request; the loop's thread warms the gather's code
             # meanwhile (WorkerGather.warm_up) and then awaits the answer.
-            call = asyncio.ensure_future(self._call(self._stub.Pull, req, self.pull_timeout(deadline)))
+            call = asyncio.ensure_future(answer)
             try:
                 await asyncio.sleep(0)
                 gather.warm_up()
@@ -236,7 +237,7 @@ class AsyncClient:
                 call.cancel()
                 raise
         else:
-            resp = await self._call(self._stub.Pull, req, self.pull_timeout(deadline))
+            resp = await answer
         if resp.HasField("gather") and gather is not None:
             gather.last["answer"] = (time.perf_counter() - t0) * 1e6
             outcome = await gather.run_async(resp.gather)  # launched in this thread, right after the answer

@@ -129,12 +129,11 @@ class Client:
         req = _pull_request(item)
         req.worker_gather = gather is not None and gather.usable
         # A worker that may be handed a gather keeps its code warm until the answer (WorkerGather.warm_up).
-        warm = gather is not None and req.worker_gather and gather.warm
+        warm_up = gather.warm_up if gather is not None and req.worker_gather and gather.warm else None
         t0 = time.perf_counter()
         resp = self._thread_calls.call(METHOD_OF_REQUEST[local_pb2.PullRequest], req,
                                        self.aio.call_timeout(req, self.aio.pull_timeout(deadline)),
-                                       while_waiting=gather.warm_up if warm and gather else None,
-                                       spin_s=ANSWER_SPIN_S if warm else 0.0)  # fmt: skip
+                                       while_waiting=warm_up, spin_s=ANSWER_SPIN_S if warm_up else 0.0)  # fmt: skip
         if resp is None:
             return self.call(self.aio.pull(
                 request_id, remote_addresses, local_blocks, remote_blocks=remote_blocks,

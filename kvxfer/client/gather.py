@@ -155,8 +155,8 @@ class WorkerGather:
         if not self.warm or self.unusable:
             return
         try:
-            source, _src_off, region, _dst_off, sizes = _spans(_CANNED_SPANS)
-            _ = self.regions[np.minimum(region, np.uint64(max(self.regions.size - 1, 0)))] + sizes + source
+            _source, _src_off, region, dst_off, _sizes = _spans(_CANNED_SPANS)
+            _ = self.regions[region] + dst_off  # as _addresses places a span (IndexError: no regions)
             cuda_ipc.driver().rehearse(self.device)
         except (cuda_ipc.CudaIpcError, IndexError) as exc:
             self.warm = False
