@@ -178,6 +178,12 @@ class Settings(BaseModel):
         0, ge=0, le=65535, description="TCP port of the peer frames listener (0: any free port, told to peers in "
         "the handshake)",
     )  # fmt: skip
+    busy_poll_seconds: float = Field(
+        0.0, ge=0.0, le=60.0,
+        description="keep the event loop polling, never sleeping, this many seconds after each call on the fast "
+        "socket or the peer frames listener: saves waking up on the next pull and costs a core while it polls "
+        "(0: off)",
+    )  # fmt: skip
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
     metrics_auth: Literal["token", "none"] | None = Field(
         None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"

@@ -26,6 +26,7 @@ from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
+from kvxfer.server.busy_poll import BusyPoll
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.fast_api import FastApi
 from kvxfer.server.listeners import (
@@ -75,6 +76,7 @@ class Sidecar:
         self.fd_box: FdBox | None = None
         self.fast_api: FastApi | None = None
         self.peer_frames: PeerFramesServer | None = None
+        self.busy_poll: BusyPoll | None = None
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -127,11 +129,13 @@ class Sidecar:
         # cost the publisher CPU on every pull.
         peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch"))
         peer_api = PeerServicer(self.core, client_certs=s.tls_ca is not None)
+        # Off (window 0) unless --busy-poll-seconds: polling costs a core while it lasts.
+        busy = self.busy_poll = BusyPoll(asyncio.get_running_loop(), s.busy_poll_seconds)
         self._serve(peer, PEER_SERVICE, peer_api, peer_limits)
         if s.peer_frames:
             # The hot peer calls as frames beside it: same servicer, limits, TLS and token.
             self.peer_frames = PeerFramesServer(s, peer_api, limits=peer_limits, token=token,
-                                                instance_id=self.core.instance_id)  # fmt: skip
+                                                instance_id=self.core.instance_id, on_frame=busy.poke)  # fmt: skip
             self.core.registry.frames_address = self.peer_frames.address
         local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
@@ -144,7 +148,7 @@ class Sidecar:
             # The hot calls as frames beside the local socket: same servicer, limits, mode and token.
             self.fast_api = FastApi(fast_socket_path(self._socket_path), local_api,
                                     limits=local_limits, token=token, mode=SOCKET_MODE,
-                                    max_message_bytes=s.max_message_bytes)  # fmt: skip
+                                    max_message_bytes=s.max_message_bytes, on_frame=busy.poke)  # fmt: skip
 
         await peer.start()
         if self.peer_frames is not None:

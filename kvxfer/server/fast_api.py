@@ -36,7 +36,7 @@ import ssl
 import stat
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -117,8 +117,11 @@ class FastApi:
         self, path: Path | None, api: object, *, limits: Mapping[str, float | None], token: str | None, mode: int,
         max_message_bytes: int, default_limit: float = 30.0, methods: Mapping[int, FastMethod] = METHODS,
         service: str = _SERVICE, hello: bytes = HELLO, name: str = "fast socket", hello_answer: bytes = b"",
+        on_frame: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.path = path
+        #: Called as frames arrive, before they are read (kvxfer.server.busy_poll.BusyPoll.poke).
+        self.on_frame = on_frame
         self.name = name
         self._token = token.encode() if token else None
         self._mode = mode
@@ -248,6 +251,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         arrived = time.monotonic()
+        if self.api.on_frame is not None:
+            self.api.on_frame()
         self.buf += data
         buf = self.buf
         while self.transport is not None and not self.transport.is_closing() and len(buf) >= REQUEST.size:

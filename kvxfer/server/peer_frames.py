@@ -82,7 +82,7 @@ class PeerFramesServer:
 
     def __init__(
         self, settings: Settings, api: object, *, limits: Mapping[str, float | None], token: str | None,
-        instance_id: str,
+        instance_id: str, on_frame: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         host, _ = settings.peer_host_port
         try:  # before binding: a bad certificate leaks no socket
@@ -105,7 +105,7 @@ class PeerFramesServer:
         self.api = FastApi(
             None, api, limits=limits, token=token, mode=0, max_message_bytes=settings.max_message_bytes,
             methods=PEER_METHODS, service=_SERVICE, hello=PEER_HELLO, name="peer frames listener",
-            hello_answer=instance_id.encode(),
+            hello_answer=instance_id.encode(), on_frame=on_frame,
         )  # fmt: skip
 
     async def start(self) -> None:

@@ -94,7 +94,10 @@ class Puller:
             if entry.handoff is None:
                 await asyncio.shield(wait_for)
             else:  # whichever comes first: the gather to hand out, or the outcome
-                await asyncio.wait((wait_for, entry.handoff), return_when=asyncio.FIRST_COMPLETED)
+                # One future for both, not asyncio.wait: the gather's answer leaves a loop turn earlier.
+                handoff = entry.handoff
+                entry.done.add_done_callback(lambda _: handoff.done() or handoff.set_result(None))
+                await handoff
         except asyncio.CancelledError:
             # The worker gave up on a waiting Pull (cancelled or its deadline passed): abort it.
             if req.wait and entry.task is not None and not entry.task.done():
@@ -105,13 +108,14 @@ class Puller:
         if entry.handoff is not None and entry.handoff.done() and not entry.done.done():
             # The worker moves the bytes and reports with GatherDone; this pull's bookkeeping is _run's.
             entry.waited = False
-            return local_pb2.PullResponse(transfer_id=entry.transfer_id, request_id=entry.request_id,
+            resp = local_pb2.PullResponse(transfer_id=entry.transfer_id, request_id=entry.request_id,
                                           gather=entry.handoff.result())  # fmt: skip
-        resp = self._answer(entry)
-        if req.wait:
-            # Runs once this task step has returned the answer (the fast socket writes it in the
-            # same step): the bookkeeping stays off the worker's critical path.
-            asyncio.get_running_loop().call_soon(self._book, entry)
+        else:
+            resp = self._answer(entry)
+            if req.wait:
+                # Runs once this task step has returned the answer (the fast socket writes it in the
+                # same step): the bookkeeping stays off the worker's critical path.
+                asyncio.get_running_loop().call_soon(self._book, entry)
         if log.isEnabledFor(logging.DEBUG):  # where a pull's time goes, on monotonic clocks every process shares
             log.debug("pull answered", extra={"entered": entered, "started": entry.started,
                                               "answering": time.monotonic()})  # fmt: skip
