@@ -152,17 +152,23 @@ def main() -> int:
         default=0.0,
         help="between the decode scheduler's match (its Expect) and the blocks: a request's queueing",
     )
+    ap.add_argument(
+        "--sidecar-env", default="", metavar="K=V[,K=V]",
+        help="KVXFER_* settings for both sidecars (e.g. KVXFER_BUSY_POLL_SECONDS=0.1)",
+    )  # fmt: skip
     args = ap.parse_args()
+    sidecar_env = dict(kv.split("=", 1) for kv in args.sidecar_env.split(",")) if args.sidecar_env else {}
     device = "cpu" if args.cpu_smoke else "cuda:0"
     rng = np.random.default_rng(0)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu"}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu",
+                              "sidecar_env": sidecar_env}  # fmt: skip
     gpu = None if args.cpu_smoke else 0
     report["copy_gbps"] = copy_rate((256 << 20) if args.cpu_smoke else (1 << 30), gpu, gpu)
     print(f"device copy: {report['copy_gbps']:.0f} GB/s", flush=True)
     rows = []
     with LocalCluster(log_level="warning") as cluster:
-        p = cluster.start_sidecar("p-0", "prefill", "prefill")
-        d = cluster.start_sidecar("d-0", "decode", "decode")
+        p = cluster.start_sidecar("p-0", "prefill", "prefill", env=sidecar_env)
+        d = cluster.start_sidecar("d-0", "decode", "decode", env=sidecar_env)
         # The prefill instance's worker runs in a process of its own, as vLLM's does: the decode side
         # maps its memory by CUDA IPC from another process (a process cannot open its own handles).
         ctx = mp.get_context("spawn")
