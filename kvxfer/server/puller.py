@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import grpc
@@ -95,9 +96,8 @@ class Puller:
                 await asyncio.shield(wait_for)
             else:  # whichever comes first: the gather to hand out, or the outcome
                 # One future for both, not asyncio.wait: the gather's answer leaves a loop turn earlier.
-                handoff = entry.handoff
-                entry.done.add_done_callback(lambda _: handoff.done() or handoff.set_result(None))
-                await handoff
+                entry.done.add_done_callback(partial(_settle, entry.handoff))
+                await entry.handoff
         except asyncio.CancelledError:
             # The worker gave up on a waiting Pull (cancelled or its deadline passed): abort it.
             if req.wait and entry.task is not None and not entry.task.done():
@@ -376,3 +376,9 @@ def _metric_reason(err: KvxferError, outcome: str) -> str:
 
 async def _first(a: asyncio.Future[Any], b: asyncio.Future[Any]) -> None:
     await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)
+
+
+def _settle(handoff: asyncio.Future[Any], _done: object) -> None:
+    """The pull ended before a gather was handed out: wake its Pull call with no gather."""
+    if not handoff.done():
+        handoff.set_result(None)

@@ -661,6 +661,7 @@ SCHEMA_BOUNDS = {
     "transferTimeoutSeconds": "transfer_timeout_seconds",
     "drainSeconds": "drain_seconds",
     "maxMessageBytes": "max_message_bytes",
+    "busyPollSeconds": "busy_poll_seconds",
 }
 
 
@@ -687,3 +688,13 @@ def test_worker_backend_tells_the_connector(helm_render: Path, tmp_path: Path) -
     for spec in pod_specs(_render(helm_render, CHART / "values.yaml")).values():
         (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
         assert all(e["name"] != "KVXFER_VLLM_DATA_PLANE" for e in vllm["env"])
+
+
+def test_busy_poll_is_off_unless_asked(helm_render: Path, tmp_path: Path) -> None:
+    """sidecar.busyPollSeconds: no flag by default (the sidecar's own default, off), the value when set."""
+    for values, want in (({}, None), ({"sidecar": {"busyPollSeconds": 0.05}}, 0.05)):
+        for spec in pod_specs(_render_values(helm_render, tmp_path, values)).values():
+            for sidecar, settings in zip(sidecars(spec), sidecar_settings(spec, tmp_path), strict=True):
+                flags = [a for a in sidecar["args"] if a.startswith("--busy-poll-seconds")]
+                assert flags == ([] if want is None else [f"--busy-poll-seconds={want}"])
+                assert settings.busy_poll_seconds == (want or 0.0)
