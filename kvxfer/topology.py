@@ -153,8 +153,8 @@ class RankPlan:
     pattern_length: I64
 
     def __post_init__(self) -> None:
-        for f in fields(self)[2:]:
-            object.__setattr__(self, f.name, _frozen(getattr(self, f.name)))
+        for name in _RANK_PLAN_ARRAYS:
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     @property
     def remote_rank(self) -> int:
@@ -207,6 +207,11 @@ class RankPlan:
             _resolve(remote, self.group_remote_region, self.group_remote_offset, self.pattern_remote_offset,
                      self.pattern_length, "remote"),
         )  # fmt: skip
+
+
+#: RankPlan's array fields (every field after ``source`` and ``raw_spans``), looked up once: a plan is
+#: built on every pull's critical path.
+_RANK_PLAN_ARRAYS = tuple(f.name for f in fields(RankPlan)[2:])
 
 
 @dataclass(frozen=True, eq=False)
@@ -405,8 +410,14 @@ class TransferTopology:
                     f"first block take exactly {need}",
                     field=name,
                 )
-        c = np.arange(chunks, dtype=np.int64)
         per_l, per_r = nl // g, nr // g
+        if per_l == per_r == 1 and chunks == lb.size:
+            # Equal block sizes, every block whole (skips are then 0): chunk c is block c on both
+            # sides. The common case, kept to two numpy calls.
+            l_start, r_start = lb * self.local.block_stride, rb * self.remote.block_stride
+            plans = tuple(self._plan_source(src, l_start, r_start, None) for src in self._sources)
+            return TransferPlan(plans, chunks, self.local.num_layers, self._warnings)
+        c = np.arange(chunks, dtype=np.int64)
         # Chunk c is the (skip/g + c)-th g-token slice of each side's list; its phase (which slice of the
         # larger block it is) picks the unit pattern.
         li, ri = c + local_skip // g, c + remote_skip // g
@@ -655,11 +666,15 @@ def _merge_runs(l_start: I64, r_start: I64, unit: int) -> tuple[I64, I64, I64]:
     """Merge consecutive chunks whose single unit continues on both sides; returns starts and lengths."""
     if l_start.size <= 1:
         return l_start, r_start, np.full(l_start.size, unit, np.int64)
-    brk = np.ones(l_start.size, dtype=bool)
-    brk[1:] = (l_start[1:] != l_start[:-1] + unit) | (r_start[1:] != r_start[:-1] + unit)
-    starts = np.flatnonzero(brk)
-    counts = np.diff(np.append(starts, l_start.size))
-    return l_start[starts], r_start[starts], counts * unit
+    brk = np.empty(l_start.size + 1, dtype=bool)
+    brk[0] = brk[-1] = True  # the first chunk starts a run; the sentinel ends the last one
+    np.not_equal(l_start[1:], l_start[:-1] + unit, out=brk[1:-1])
+    brk[1:-1] |= r_start[1:] != r_start[:-1] + unit
+    bounds = brk.nonzero()[0]
+    if bounds.size == l_start.size + 1:  # nothing merges (scattered blocks): keep the arrays
+        return l_start, r_start, np.full(l_start.size, unit, np.int64)
+    starts = bounds[:-1]
+    return l_start[starts], r_start[starts], (bounds[1:] - starts) * unit
 
 
 def _coalesce(lo: I64, ro: I64, ln: I64) -> tuple[I64, I64, I64]:
@@ -685,7 +700,9 @@ def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
     if arr.dtype.kind not in "iu":
         raise BlockIdError(f"{name}: block ids must be integers, got dtype {arr.dtype}", field=name)
     arr = arr.astype(np.int64, copy=False)
-    if arr.min() < 0 or arr.max() >= num_blocks:
+    # One sort answers both checks (its ends are the extremes); the details only once one fails.
+    srt = np.sort(arr) if arr.size > 1 else arr
+    if srt[0] < 0 or srt[-1] >= num_blocks:
         bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
         i = int(bad[0])
         raise BlockIdError(
@@ -693,11 +710,9 @@ def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
             + (f" ({bad.size} ids out of range)" if bad.size > 1 else ""),
             field=name,
         )
-    if arr.size > 1:
-        srt = np.sort(arr)
+    if arr.size > 1 and (srt[1:] == srt[:-1]).any():
         dup = np.flatnonzero(srt[1:] == srt[:-1])
-        if dup.size:
-            raise BlockIdError(f"{name}: block id {int(srt[dup[0]])} appears more than once", field=name)
+        raise BlockIdError(f"{name}: block id {int(srt[dup[0]])} appears more than once", field=name)
     return arr
 
 
