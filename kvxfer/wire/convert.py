@@ -123,18 +123,19 @@ def check_block_ids(ids: I64, num_blocks: int, field: str) -> I64:
     """Non-empty, in ``[0, num_blocks)``, no repeats; the message names the first bad id and its position."""
     if ids.size == 0:
         raise InvalidArgumentError(f"{field}: empty block list", field=field)
-    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
-    if bad.size:
+    # One sort answers both checks (its ends are the extremes); the details only once one fails:
+    # this runs on every pull's critical path.
+    srt = np.sort(ids) if ids.size > 1 else ids
+    if srt[0] < 0 or srt[-1] >= num_blocks:
+        bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
         i = int(bad[0])
         more = f" ({bad.size} ids out of range)" if bad.size > 1 else ""
         raise InvalidArgumentError(
             f"{field}: block id {int(ids[i])} at position {i} is out of range [0, {num_blocks}){more}", field=field
         )
-    if ids.size > 1:
-        srt = np.sort(ids)
+    if ids.size > 1 and (srt[1:] == srt[:-1]).any():
         dup = np.flatnonzero(srt[1:] == srt[:-1])
-        if dup.size:
-            raise InvalidArgumentError(f"{field}: block id {int(srt[dup[0]])} appears more than once", field=field)
+        raise InvalidArgumentError(f"{field}: block id {int(srt[dup[0]])} appears more than once", field=field)
     return ids
 
 
