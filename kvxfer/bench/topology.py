@@ -70,11 +70,10 @@ def _case(topo: TransferTopology, lb: np.ndarray, rb: np.ndarray, local_t: Regio
 
     lbl, rbl = lb.tolist(), rb.tolist()
     t_np = _best(build, repeat)
-    built = topo.plan(lb, rb)
-    t_plan = _best(lambda: topo.plan(lb, rb), repeat)
-    t_desc = _best(lambda: [rp.descriptors(local_t, remote_t) for rp in built.per_rank], repeat)
-    t_loop = _best(lambda: per_block_loop(topo, lbl, rbl, local_t, remote_t), loop_repeat)
     plan = topo.plan(lb, rb)
+    t_plan = _best(lambda: topo.plan(lb, rb), repeat)
+    t_desc = _best(lambda: [rp.descriptors(local_t, remote_t) for rp in plan.per_rank], repeat)
+    t_loop = _best(lambda: per_block_loop(topo, lbl, rbl, local_t, remote_t), loop_repeat)
     coalesced = plan.num_descriptors <= topo.local.num_layers * len(plan.per_rank)
     target_ms = 1.0 if coalesced else 20.0
     return {
