@@ -123,7 +123,7 @@ EXPECT_LEAD_S = 0.02
 async def run(
     pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int,
     open_rate: float = 0.0, open_seconds: float = 10.0, hops: tuple[str, ...] = ("fast",),
-    open_paths: tuple[str, ...] = ("plain",),
+    open_paths: tuple[str, ...] = ("plain",), sidecar_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Start the sidecars, publish, pull concurrently and serially; return the figures.
 
@@ -139,8 +139,9 @@ async def run(
     rng = np.random.default_rng(seed)
     os.environ.setdefault("UCX_MODULES", "^efa")  # see tests/sidecar/conftest.py
     with LocalCluster(extra_flags=["--lease-seconds", "600"]) as cluster:
-        p = cluster.start_sidecar("prefill", "prefill", "prefill")
-        d = cluster.start_sidecar("decode", "decode", "decode")
+        p = cluster.start_sidecar("prefill", "prefill", "prefill", env=sidecar_env)
+        d = cluster.start_sidecar("decode", "decode", "decode", env=sidecar_env)
+        cluster.wait_sidecars()  # a sidecar that exits (a setting it refuses) fails here, with its log
         pbuf, dbuf = SharedKVBuffer.create(lay), SharedKVBuffer.create(lay)
         pc = AsyncClient(p.local_socket, fast="grpc" not in hops or "fast" in hops)
         dcs: dict[str, Any] = {
@@ -212,6 +213,7 @@ async def run(
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
         **{key: _summary(last_async[key]) for key in OPEN_LOOP_KEYS.values() if key in last_async},
         "hop": hops[-1],
+        "sidecar_env": dict(sidecar_env or {}),
         "by_hop": {hop: {k: _summary(v) for k, v in h.items()} for hop, h in by_hop.items()},
         "verified_pulls": 2 * pulls + len(every),
         "mismatched_bytes": int(sum(r["bad"] for r in conc + many + every)),
@@ -440,8 +442,17 @@ def main(argv: list[str] | None = None) -> int:
                          "fast (the async client over the fast socket, falling back to gRPC), grpc (gRPC only), "
                          "blocking (the blocking client from a thread of its own; serial phases only); both: "
                          "grpc,fast")  # fmt: skip
+    ap.add_argument("--sidecar-env", default="", metavar="KVXFER_K=V[,...]",
+                    help="settings for both sidecars, e.g. KVXFER_BUSY_POLL_SECONDS=0.1 (the cluster passes on no "
+                         "KVXFER_* variable of this process)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    sidecar_env: dict[str, str] = {}
+    for item in filter(None, a.sidecar_env.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("KVXFER_"):
+            ap.error(f"--sidecar-env: {item!r} is not KVXFER_<SETTING>=<value>")
+        sidecar_env[key] = value
     for flag, value in (("--open-loop-rate", a.open_loop_rate), ("--open-loop-seconds", a.open_loop_seconds)):
         if not np.isfinite(value) or value < 0:
             ap.error(f"{flag}: must be a finite number >= 0, got {value}")
@@ -457,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if wrong or not hops or len(set(hops)) != len(hops):
         ap.error(f"--hop: {a.hop!r}: name each of {', '.join(HOPS)} at most once, comma-separated (or both)")
     r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch, a.open_loop_rate,
-                       a.open_loop_seconds, hops, paths))  # fmt: skip
+                       a.open_loop_seconds, hops, paths, sidecar_env))  # fmt: skip
     if a.json:
         print(json.dumps(r))
     else:

@@ -66,3 +66,26 @@ def test_load_refuses_a_hop_it_does_not_know(hop: str) -> None:
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2
     assert f"--hop: {hop!r}: name each of fast, grpc, blocking at most once" in out.stderr
+
+
+def test_load_passes_settings_to_both_sidecars() -> None:
+    """``--sidecar-env``: the sidecars start with them (a value they refuse stops the run, naming it)."""
+    base = [sys.executable, str(ROOT / "bench" / "load.py"), "--pulls", "4", "--concurrency", "2", "--serial", "2"]
+    out = subprocess.run([*base, "--sidecar-env", "KVXFER_BUSY_POLL_SECONDS=0.05", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["sidecar_env"] == {"KVXFER_BUSY_POLL_SECONDS": "0.05"}
+    assert r["mismatched_bytes"] == 0
+    refused = subprocess.run([*base, "--sidecar-env", "KVXFER_BUSY_POLL_SECONDS=-1"],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert refused.returncode != 0
+    assert "busy_poll_seconds" in (refused.stdout + refused.stderr).lower().replace("-", "_")
+
+
+@pytest.mark.parametrize("item", ["BUSY_POLL_SECONDS=1", "KVXFER_BUSY_POLL_SECONDS"])
+def test_load_refuses_a_setting_it_cannot_pass(item: str) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "load.py"), "--sidecar-env", item],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2
+    assert f"--sidecar-env: {item!r} is not KVXFER_<SETTING>=<value>" in out.stderr
