@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvxfer.client import AsyncClient, Client, KvxferRpcError, PullItem, PullResult
-from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
+from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster, parse_sidecar_env
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
@@ -447,12 +447,10 @@ def main(argv: list[str] | None = None) -> int:
                          "KVXFER_* variable of this process)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    sidecar_env: dict[str, str] = {}
-    for item in filter(None, a.sidecar_env.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.startswith("KVXFER_"):
-            ap.error(f"--sidecar-env: {item!r} is not KVXFER_<SETTING>=<value>")
-        sidecar_env[key] = value
+    try:
+        sidecar_env = parse_sidecar_env(a.sidecar_env)
+    except ValueError as exc:
+        ap.error(f"--sidecar-env: {exc}")
     for flag, value in (("--open-loop-rate", a.open_loop_rate), ("--open-loop-seconds", a.open_loop_seconds)):
         if not np.isfinite(value) or value < 0:
             ap.error(f"{flag}: must be a finite number >= 0, got {value}")

@@ -414,9 +414,13 @@ def main() -> int:
     args.gathers = args.gathers.split(",")
     args.modes = args.modes.split(",")
     # One (tag, env) per sidecar pair: the defaults, then each --sidecar-env.
-    args.sidecar_env = [("", {})] + [
-        (e.replace("KVXFER_", "").lower(), dict(kv.split("=", 1) for kv in e.split(","))) for e in args.sidecar_env
-    ]
+    from kvxfer.harness.cluster import parse_sidecar_env
+
+    try:
+        args.sidecar_env = [("", {})] + [(e.replace("KVXFER_", "").lower(), parse_sidecar_env(e))
+                                         for e in args.sidecar_env]  # fmt: skip
+    except ValueError as exc:
+        ap.error(f"--sidecar-env: {exc}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     try:
         result = run(args)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from sidecar_vram_bench import copy_rate  # this directory: the device-copy reference of bench/gpu
 
-from kvxfer.harness.cluster import LocalCluster
+from kvxfer.harness.cluster import LocalCluster, parse_sidecar_env
 from kvxfer.integrations.vllm.plan import StepPlan
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
@@ -157,7 +157,10 @@ def main() -> int:
         help="KVXFER_* settings for both sidecars (e.g. KVXFER_BUSY_POLL_SECONDS=0.1)",
     )  # fmt: skip
     args = ap.parse_args()
-    sidecar_env = dict(kv.split("=", 1) for kv in args.sidecar_env.split(",")) if args.sidecar_env else {}
+    try:
+        sidecar_env = parse_sidecar_env(args.sidecar_env)
+    except ValueError as exc:
+        ap.error(f"--sidecar-env: {exc}")
     device = "cpu" if args.cpu_smoke else "cuda:0"
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu",

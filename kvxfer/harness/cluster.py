@@ -32,13 +32,25 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.ports import free_port
 from kvxfer.transport import transport_class
 
-__all__ = ["BlockAllocator", "ClusterError", "LocalCluster", "SidecarProc", "WorkerProc"]
+__all__ = ["BlockAllocator", "ClusterError", "LocalCluster", "SidecarProc", "WorkerProc", "parse_sidecar_env"]
 
 I64 = npt.NDArray[np.int64]
 
 
 class ClusterError(KvxferError):
     """A process of the local cluster failed or did not answer in time."""
+
+
+def parse_sidecar_env(spec: str) -> dict[str, str]:
+    """``KVXFER_A=1,KVXFER_B=x`` (a benchmark's ``--sidecar-env``) as the ``env`` of
+    :meth:`LocalCluster.start_sidecar`; ValueError naming the item that is not ``KVXFER_<SETTING>=<value>``."""
+    env: dict[str, str] = {}
+    for item in filter(None, spec.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("KVXFER_"):
+            raise ValueError(f"{item!r} is not KVXFER_<SETTING>=<value>")
+        env[key] = value
+    return env
 
 
 def _jsonable(obj: Any) -> Any:
