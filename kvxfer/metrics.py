@@ -34,6 +34,9 @@ __all__ = ["Direction", "Outcome", "SidecarMetrics", "bearer_auth"]
 
 Direction = Literal["read", "write", "push"]
 Outcome = Literal["ok", "failed", "aborted", "timeout"]
+#: kvxfer_prepared_pulls_total: planned by a Prepare; a Pull read on the plan; a Pull found it stale
+#: (another pull, or a publisher or this worker registered again since) and planned anew.
+PREPARED_OUTCOMES = ("prepared", "used", "replanned")
 
 # Transfer durations on loopback are sub-millisecond for small pulls and seconds for long
 # prompts over TCP; the buckets cover both ends in roughly 2.5x steps.
@@ -72,6 +75,10 @@ class SidecarMetrics:
         self.leases_active = Gauge("kvxfer_leases_active", "Published requests held under a lease", registry=r)
         self.lease_expirations = Counter("kvxfer_lease_expirations_total", "Leases that expired", registry=r)
         self.handshakes = Counter("kvxfer_handshakes_total", "Peer handshakes by outcome", ["outcome"], registry=r)
+        self.prepared_pulls = Counter(
+            "kvxfer_prepared_pulls_total", "Pulls planned ahead by Prepare, and what their Pulls made of the plan",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.peers = Gauge("kvxfer_peers", "Peers with a live handshake", registry=r)
         self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
         # Pre-create the label sets a dashboard plots, so they read 0 instead of being absent.
@@ -81,6 +88,8 @@ class SidecarMetrics:
                 self.transfers.labels(direction=d, outcome=o)
         for o in ("ok", "refused", "failed"):
             self.handshakes.labels(outcome=o)
+        for o in PREPARED_OUTCOMES:
+            self.prepared_pulls.labels(outcome=o)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -287,6 +287,12 @@ def run_cluster(
                 else:  # granted: expected on arrival (its Hold returns a grant), ids from kv_transfer_params
                     dw.call("expect", rid, [pre.peer_address], timeout=60)
                     time.sleep(args.expect_lead_ms / 1e3)  # the scheduler's queueing before blocks exist
+                    if mode == "prepared":  # the scheduler, as vLLM allocates the blocks: the pull to come
+                        got = dw.call("prepare", rid, [pre.peer_address], {"kv": d_ids}, "prefill", {"kv": p_ids},
+                                      timeout=60)  # fmt: skip
+                        if not got["prepared"]:
+                            raise ClusterError(f"{rid}: the decode sidecar did not plan the pull ahead")
+                        time.sleep(args.prepare_lead_ms / 1e3)  # from allocation to the worker's start_load_kv
                     res = dw.call("pull", rid, [pre.peer_address], {"kv": d_ids}, 1000 + n, "prefill",
                                   {"kv": p_ids}, timeout=600)  # fmt: skip
             except ClusterError as exc:
@@ -372,8 +378,16 @@ def main() -> int:
     ap.add_argument("--nixl-reps", type=int, default=2, help="pulls per case with the shortcut off (0: skip)")
     ap.add_argument("--gathers", default="kernel", help="--cuda-gather values to run, each a pair of sidecars "
                     "(kernel,copy-engine)")  # fmt: skip
-    ap.add_argument("--modes", default="lookup,granted", help="lookup: pull with no publisher ids (GetPublished "
-                    "first); granted: expect, then pull with the ids (READ on the grant)")  # fmt: skip
+    ap.add_argument(
+        "--modes", default="lookup,granted",
+        help="lookup: pull with no publisher ids (GetPublished first); granted: expect, then pull with the ids "
+        "(READ on the grant); prepared: granted, and the pull is prepared (Prepare, as the vLLM scheduler sends "
+        "it) --prepare-lead-ms before it",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prepare-lead-ms", type=float, default=1.0,
+        help="prepared: between the Prepare's answer and the Pull (vLLM: from allocation to start_load_kv)",
+    )  # fmt: skip
     ap.add_argument("--expect-lead-ms", type=float, default=20.0, help="granted: between Expect and Pull")
     ap.add_argument(
         "--sidecar-env",
@@ -413,6 +427,9 @@ def main() -> int:
     args.reps = args.reps or (2 if smoke else 4)
     args.gathers = args.gathers.split(",")
     args.modes = args.modes.split(",")
+    unknown = sorted(set(args.modes) - {"lookup", "granted", "prepared"})
+    if unknown:
+        ap.error(f"--modes: unknown {unknown[0]!r}; known: lookup, granted, prepared")
     # One (tag, env) per sidecar pair: the defaults, then each --sidecar-env.
     from kvxfer.harness.cluster import parse_sidecar_env
 

@@ -153,6 +153,12 @@ def main() -> int:
         help="between the decode scheduler's match (its Expect) and the blocks: a request's queueing",
     )
     ap.add_argument(
+        "--step-lead-ms", type=float, default=0.0,
+        help="between vLLM allocating the blocks (the scheduler's Prepare) and the workers' step (their pulls); "
+        "the pull is timed from the step",
+    )  # fmt: skip
+    ap.add_argument("--no-prepare", action="store_true", help="the connector's prepare_pulls off")
+    ap.add_argument(
         "--sidecar-env", default="", metavar="K=V[,K=V]",
         help="KVXFER_* settings for both sidecars (e.g. KVXFER_BUSY_POLL_SECONDS=0.1)",
     )  # fmt: skip
@@ -164,7 +170,8 @@ def main() -> int:
     device = "cpu" if args.cpu_smoke else "cuda:0"
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu",
-                              "sidecar_env": sidecar_env}  # fmt: skip
+                              "sidecar_env": sidecar_env, "prepare_pulls": not args.no_prepare,
+                              "step_lead_ms": args.step_lead_ms}  # fmt: skip
     gpu = None if args.cpu_smoke else 0
     report["copy_gbps"] = copy_rate((256 << 20) if args.cpu_smoke else (1 << 30), gpu, gpu)
     print(f"device copy: {report['copy_gbps']:.0f} GB/s", flush=True)
@@ -179,7 +186,8 @@ def main() -> int:
         p_socket = str(Path(p.local_socket).parent / "p-{rank}.sock")
         prefill = ctx.Process(target=prefill_half, args=(vars(args), p_socket, child_conn), daemon=True)
         prefill.start()
-        sd = ConnectorSettings(sidecar_socket=str(Path(d.local_socket).parent / "d-{rank}.sock"), gather=args.gather)
+        sd = ConnectorSettings(sidecar_socket=str(Path(d.local_socket).parent / "d-{rank}.sock"), gather=args.gather,
+                               prepare_pulls=not args.no_prepare)  # fmt: skip
         dw = WorkerSide(sd, rank=RankInfo(0, 1), local_rank=0)
         pk, dk = caches(args, device, 1), caches(args, device, 2)  # pk: what the prefill process made (same seed)
         t0 = time.perf_counter()
@@ -207,9 +215,11 @@ def main() -> int:
                     assert ds.matched_tokens(dreq, 0) == (tokens - 1, True)  # Expect: its publish is held
                     if args.expect_lead_ms:  # the request waits in vLLM's queue before it gets blocks
                         time.sleep(args.expect_lead_ms / 1e3)
-                    t_alloc = time.perf_counter()
                     ds.after_alloc(dreq, [d_blocks], tokens - 1)
                     plan: StepPlan = ds.build_plan()
+                    if args.step_lead_ms:  # the rest of vLLM's step before the workers' start_load_kv
+                        time.sleep(args.step_lead_ms / 1e3)
+                    t_alloc = time.perf_counter()
                     dw.on_step(plan)
                     wait(dw, recving="d" + rid)
                     t_done = time.perf_counter()

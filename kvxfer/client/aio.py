@@ -336,6 +336,23 @@ class AsyncClient:
         resp: local_pb2.ExpectResponse = await self._call(self._stub.Expect, req, deadline)
         return bool(resp.held)
 
+    async def prepare(
+        self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,
+        remote_blocks: BlockMap | None = None, remote_engine_id: str = "", spans: Mapping[str, TokenSpan] | None = None,
+        deadline: float | None = None,
+    ) -> bool:  # fmt: skip
+        """Hand the sidecar the pull a worker is about to make, to check and plan now (decode side; see ``Prepare``).
+
+        The arguments are :meth:`pull`'s: the pull that follows with the same ones reads on this plan.
+        Moves and holds nothing. True when planned; False when the pull will plan as usual (for
+        instance without ``remote_blocks``); bad arguments raise as :meth:`pull` would.
+        """
+        item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, True, deadline,
+                        spans, False)  # fmt: skip
+        req = local_pb2.PrepareRequest(pull=_pull_request(item))
+        resp: local_pb2.PrepareResponse = await self._call(self._stub.Prepare, req, deadline)
+        return bool(resp.prepared)
+
     async def drain(self, timeout_seconds: float = 0.0, *, deadline: float | None = None) -> dict[str, Any]:
         """Start the graceful drain and wait for it."""
         resp = await self._call(self._stub.Drain, local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline)

@@ -348,6 +348,9 @@ def _handle(cmd: list[Any], client: Any, buffers: dict[str, Any], rank: RankInfo
     if op == "expect":  # what the decode scheduler says when a request arrives, before its blocks exist
         _, rid, addresses = cmd
         return {"held": client.expect(rid, addresses)}
+    if op == "prepare":  # what the decode scheduler says as it allocates a request's blocks: the pull to come
+        _, rid, addresses, blocks, engine, remote = cmd
+        return {"prepared": client.prepare(rid, addresses, blocks, remote_blocks=remote, remote_engine_id=engine)}
     if op == "pull":
         # remote_blocks (optional): the publisher's block ids, as vLLM's kv_transfer_params carry them:
         # the sidecar may then READ on a grant or ahead of its lookup.

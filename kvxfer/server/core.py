@@ -23,7 +23,7 @@ import grpc
 
 from kvxfer import PROTOCOL_VERSION
 from kvxfer.config import Settings
-from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, Reason, UnavailableError
+from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, KvxferError, Reason, UnavailableError
 from kvxfer.logs import get_logger
 from kvxfer.memory import FdLookup
 from kvxfer.metrics import SidecarMetrics
@@ -135,6 +135,7 @@ class SidecarCore:
         busy = f"{publishes} requests are published and {pulls} pulls are in flight" if publishes or pulls else ""
         resp = self.registry.register(req, busy=busy)
         self.topologies.clear()
+        self.puller.prepared.clear()  # planned against the registration this one replaces
         if not self.draining:
             self._on_serving(True)
         return resp
@@ -178,6 +179,17 @@ class SidecarCore:
         self.registry.require()  # holding needs a handshake, which needs a registration
         return local_pb2.ExpectResponse(held=self.holds.expect(rid, addresses))
 
+    async def prepare(self, req: local_pb2.PrepareRequest, client_timeout: float | None) -> local_pb2.PrepareResponse:
+        """Prepare: check the Pull a worker is about to send and plan it now (see kvxfer.server.prepared)."""
+        self._refuse_if_draining("Prepare")
+        self._require_role("decode", "Prepare")
+        try:
+            return await self.puller.prepare(req, client_timeout)
+        except KvxferError as exc:  # the same check as the Pull's, about the field inside PrepareRequest.pull
+            if exc.field is None or exc.message.startswith("pull."):
+                raise
+            raise type(exc)(f"pull.{exc.message}", field=f"pull.{exc.field}", reason=exc.reason) from None
+
     async def release(self, req: local_pb2.ReleaseRequest) -> local_pb2.ReleaseResponse:
         """Release: drop a publish (the worker frees the blocks itself)."""
         rid = check_id(req.request_id, "request_id")
@@ -187,6 +199,7 @@ class SidecarCore:
         """Abort: stop a request here and on its peers; frees blocks on both sides."""
         rid = check_id(req.request_id, "request_id")
         self.holds.discard(rid)
+        self.puller.prepared.discard(rid)
         reason = req.reason or "aborted by the worker"
         addresses: list[str] = []
         if req.remote_addresses:  # checked before anything is stopped
@@ -357,6 +370,7 @@ class SidecarCore:
                     "leases": len(self.publisher.publishes), "pulls": len(self.puller.pulls)})  # fmt: skip
         self._on_serving(False)
         self.holds.clear()
+        self.puller.prepared.clear()
         for rid in list(self.publisher.publishes):
             self.publisher.abort(rid, why)
         await self.puller.cancel_all(why, wait=2.0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ class PullSteps:
 
     def __init__(
         self, registry: Registry, data_plane: Transport, peers: PeerDirectory, outbox: Outbox,
-        topologies: TopologyCache,
+        topologies: TopologyCache, on_plan: Callable[[str], None] = lambda _outcome: None,
     ) -> None:  # fmt: skip
         self.registry = registry
         self.dp = data_plane
@@ -89,6 +90,8 @@ class PullSteps:
         self.push = PushSteps(registry, peers)
         #: READs handed to the worker as gathers (PullRequest.worker_gather).
         self.worker = WorkerGathers()
+        #: Told "used" when a pull reads on its Prepare's plan, "replanned" when it found the plan stale.
+        self.on_plan = on_plan
 
     async def run(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
@@ -152,7 +155,7 @@ class PullSteps:
             used[q] = session
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
-        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, sessions)
+        per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
         for q in ranks:
             entry.asked.append(entry.addresses[q])
             entry.contacted.append(entry.addresses[q])  # they are told DONE or FAILED, as after a lookup
@@ -176,7 +179,7 @@ class PullSteps:
             used[q] = session
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
-        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, sessions)
+        per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
         published, moved, fetch_seconds = await self._read_while_looking_up(entry, reg, ranks, per_rank, guess,
                                                                             used, sessions)  # fmt: skip
         if not self._confirm(entry, reg, remote_given, used, published, sessions):
@@ -186,6 +189,45 @@ class PullSteps:
             moved = await self._read_all(entry, reg, per_rank, published, sessions)
         assert moved is not None
         return _done(entry, ranks, moved, warnings, fetch_seconds)
+
+    # ------------------------------------------------------------------ planning ahead (Prepare)
+    async def prepare(
+        self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64]
+    ) -> tuple[dict[int, PeerSession], dict[int, list[tuple[U64, U64]]], list[str]] | str:
+        """Plan a pull before it comes (kvxfer.server.prepared): (sessions, descriptors per rank, warnings).
+
+        What a pull that reads without waiting for lookups (on a grant, or ahead of them) would plan,
+        from the publishers' handshakes. A string: why it cannot be planned ahead (the Pull plans then).
+        Bad input raises as the Pull would.
+        """
+        if entry.push:
+            return "push: the publishers WRITE, nothing is read"
+        missing = [name for name in reg.groups if name not in remote_given]
+        if missing:
+            return f"remote_blocks: no publisher block ids for group {missing[0]!r} (the Pull looks them up)"
+        ranks = self._plan_sources(entry, reg)
+        used: dict[int, PeerSession] = {}
+        for q in ranks:
+            session = await self._readable_session(entry, reg, q)
+            if session is None:
+                return f"remote_addresses[{q}]: the handshake with {entry.addresses[q]} carries no regions to plan with"
+            used[q] = session
+        guess = _from_handshakes(used, remote_given, reg)
+        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
+        return used, per_rank, warnings
+
+    def _planned(
+        self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
+        guess: dict[int, _Fetched], used: dict[int, PeerSession],
+    ) -> tuple[dict[int, list[tuple[U64, U64]]], list[str]]:  # fmt: skip
+        """The descriptors of a pull read on the handshakes' regions: its Prepare's, when they still hold."""
+        plan, entry.prepared = entry.prepared, None
+        if plan is not None:
+            if plan.fits(reg, used):
+                self.on_plan("used")
+                return dict(plan.per_rank), list(plan.warnings)
+            self.on_plan("replanned")  # a publisher or this worker registered again since
+        return self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
 
     async def _readable_session(self, entry: PullEntry, reg: Registration, q: int) -> PeerSession | None:
         """Rank ``q``'s handshake (cached), when it can be read from without a lookup's answer (else None)."""

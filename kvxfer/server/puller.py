@@ -38,6 +38,7 @@ from kvxfer.server.events import CompletionHub, Kind
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.prepared import PreparedPull, PreparedPulls, plan_key
 from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.pull_steps import PullSteps
 from kvxfer.server.push_steps import landed_matches
@@ -53,6 +54,8 @@ from kvxfer.wire.status import code_of
 __all__ = ["Puller"]
 
 log = get_logger("kvxfer.server")
+#: Ended pulls whose request ids are remembered (see Puller._ended).
+ENDED_KEPT = 4096
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
@@ -70,8 +73,13 @@ class Puller:
         self.outbox = outbox
         self.hub = hub
         self.metrics = metrics
-        self.steps = PullSteps(registry, data_plane, peers, outbox, topologies)
+        self.steps = PullSteps(registry, data_plane, peers, outbox, topologies, on_plan=self._planned)
         self.pulls: dict[str, PullEntry] = {}
+        #: Plans of Pulls to come (Prepare), by request id.
+        self.prepared = PreparedPulls()
+        #: The request ids of the last pulls that ended, oldest first: a Prepare that comes after its
+        #: Pull (it raced it over another connection) is not kept.
+        self._ended: dict[str, None] = {}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ local API
@@ -149,6 +157,33 @@ class Puller:
     def _start(self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant]) -> PullEntry:
         reg = self.registry.require()
         rid = check_id(req.request_id, "request_id")
+        plan = None
+        if rid in self.prepared:
+            plan = self.prepared.take(rid, plan_key(req))
+            if plan is None or plan.epoch != reg.epoch:
+                plan = None
+                self._planned("replanned")
+        if plan is None:
+            entry, local_blocks, remote_given, timeout = self._parse(req, reg, client_timeout)
+        else:  # the Prepare checked these very fields
+            timeout = self._timeout(req, client_timeout)
+            entry = self._entry(req, list(req.remote_addresses), timeout)
+            local_blocks, remote_given = dict(plan.local_blocks), dict(plan.remote_given)
+            entry.prepared = plan
+        if rid in self.pulls:
+            raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
+        entry.grants = grants
+        if req.push:
+            entry.offer = (list(req.local_blocks), list(req.remote_blocks))
+        self.pulls[rid] = entry
+        entry.task = asyncio.get_running_loop().create_task(self._run(entry, reg, local_blocks, remote_given, timeout))
+        entry.task.add_done_callback(lambda task: self._never_ran(entry, task))
+        return entry
+
+    def _parse(
+        self, req: local_pb2.PullRequest, reg: Registration, client_timeout: float | None
+    ) -> tuple[PullEntry, dict[str, I64], dict[str, I64], float]:
+        """Check a Pull's fields (raising an error that names the field): its entry, block ids and seconds."""
         if req.remote_engine_id:
             check_id(req.remote_engine_id, "remote_engine_id")
         if not req.remote_addresses:
@@ -159,23 +194,49 @@ class Puller:
         addresses = check_addresses(req.remote_addresses)
         local_blocks = blocks_from_proto(req.local_blocks, reg.layouts, "local_blocks")
         remote_given = remote_blocks(req.remote_blocks, reg.layouts, push=req.push)
+        timeout = self._timeout(req, client_timeout)
+        return self._entry(req, addresses, timeout), local_blocks, remote_given, timeout
+
+    def _timeout(self, req: local_pb2.PullRequest, client_timeout: float | None) -> float:
         limit = self.settings.transfer_timeout_seconds
         timeout = min(check_timeout(float(req.timeout_seconds)) or limit, limit)
         if client_timeout is not None:
             timeout = min(timeout, max(client_timeout - 0.05, 0.01))
-        if rid in self.pulls:
-            raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
+        return timeout
+
+    def _entry(self, req: local_pb2.PullRequest, addresses: list[str], timeout: float) -> PullEntry:
         now = time.monotonic()
-        entry = PullEntry(
-            f"{self.registry.instance_id[:8]}-{next(self._ids)}", rid, req.remote_engine_id, addresses,
-            now + timeout, now, spans=token_spans(req.local_blocks, req.remote_blocks), grants=grants, push=req.push,
+        return PullEntry(
+            f"{self.registry.instance_id[:8]}-{next(self._ids)}", req.request_id, req.remote_engine_id, addresses,
+            now + timeout, now, spans=token_spans(req.local_blocks, req.remote_blocks), push=req.push,
         )  # fmt: skip
-        if req.push:
-            entry.offer = (list(req.local_blocks), list(req.remote_blocks))
-        self.pulls[rid] = entry
-        entry.task = asyncio.get_running_loop().create_task(self._run(entry, reg, local_blocks, remote_given, timeout))
-        entry.task.add_done_callback(lambda task: self._never_ran(entry, task))
-        return entry
+
+    async def prepare(self, req: local_pb2.PrepareRequest, client_timeout: float | None) -> local_pb2.PrepareResponse:
+        """Check the Pull to come and plan its READs now (kvxfer.server.prepared); moves and holds nothing."""
+        pull = req.pull
+        reg = self.registry.require()
+        rid = check_id(pull.request_id, "pull.request_id")
+        entry, local_blocks, remote_given, _ = self._parse(pull, reg, client_timeout)
+        key = plan_key(pull)
+        if rid in self.pulls or rid in self._ended:
+            return local_pb2.PrepareResponse(why_not=f"request_id: the pull of {rid!r} has started")
+        with log_context(request_id=rid, peer=_peer_label(entry)):
+            got = await self.steps.prepare(entry, reg, local_blocks, remote_given)
+            if isinstance(got, str):
+                log.debug("pull not prepared", extra={"why": got})
+                return local_pb2.PrepareResponse(why_not=got)
+            if rid in self.pulls or rid in self._ended or reg is not self.registry.registration:
+                return local_pb2.PrepareResponse(why_not="the pull started, or this worker registered again, meanwhile")
+            sessions, per_rank, warnings = got
+            self.prepared.put(rid, PreparedPull(
+                key, reg.epoch, local_blocks, remote_given, sessions, per_rank, tuple(warnings),
+                time.monotonic() + self.settings.max_hold_seconds,
+            ))  # fmt: skip
+        self._planned("prepared")
+        return local_pb2.PrepareResponse(prepared=True)
+
+    def _planned(self, outcome: str) -> None:
+        self.metrics.prepared_pulls.labels(outcome=outcome).inc()
 
     async def pull_batch(
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None,
@@ -267,6 +328,9 @@ class Puller:
                 failure = self._failure(entry, exc, budget, sessions)
             finally:
                 self.pulls.pop(entry.request_id, None)
+                self._ended[entry.request_id] = None
+                if len(self._ended) > ENDED_KEPT:
+                    del self._ended[next(iter(self._ended))]
             if failure is not None:
                 self._failed(entry, *failure)
                 return

@@ -37,6 +37,9 @@ class LocalServicer:
     async def pull(self, req: local_pb2.PullRequest, ctx: Context) -> local_pb2.PullResponse:
         return await self.core.pull(req, ctx.time_remaining())
 
+    async def prepare(self, req: local_pb2.PrepareRequest, ctx: Context) -> local_pb2.PrepareResponse:
+        return await self.core.prepare(req, ctx.time_remaining())
+
     async def gather_done(self, req: local_pb2.GatherDoneRequest, _ctx: Context) -> local_pb2.PullResponse:
         return await self.core.gather_done(req)
 

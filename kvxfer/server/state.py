@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -13,6 +13,9 @@ import numpy.typing as npt
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import AttachedMemory
 from kvxfer.topology import RankInfo
+
+if TYPE_CHECKING:  # prepared.py reads Registration from here
+    from kvxfer.server.prepared import PreparedPull
 
 __all__ = ["Grant", "Group", "PublishEntry", "PullEntry", "ReaderKey", "Registration"]
 
@@ -130,3 +133,5 @@ class PullEntry:
     #: answer with, ``gathered`` the worker's report (local_pb2.GatherDoneRequest).
     handoff: asyncio.Future[Any] | None = None
     gathered: asyncio.Future[Any] | None = None
+    #: The plan a Prepare made for this Pull (kvxfer.server.prepared), until the READs take it.
+    prepared: PreparedPull | None = None

@@ -1,6 +1,6 @@
 """The local fast socket's format: length-prefixed protobuf frames for a worker's hot calls.
 
-A worker's ``Pull``, ``PullBatch``, ``Publish`` and ``Expect`` (and the layer-wise push's
+A worker's ``Pull``, ``PullBatch``, ``Publish``, ``Expect`` and ``Prepare`` (and the layer-wise push's
 ``StreamStep`` and ``LayerDone``; with ``--backend worker``, its agent's ``AgentJobs`` and
 ``AgentReport``) may go to its sidecar as frames on a Unix
 stream socket beside the local API's (:func:`fast_socket_path`) instead of as gRPC calls: the same
@@ -96,6 +96,8 @@ METHODS: dict[int, FastMethod] = _by_number(
     FastMethod(8, "Expect", local_pb2.ExpectRequest, local_pb2.ExpectResponse),
     # A worker's report on a pull whose bytes it moved itself (PullRequest.worker_gather).
     FastMethod(9, "GatherDone", local_pb2.GatherDoneRequest, local_pb2.PullResponse),
+    # The Pull a worker is about to send, from the vLLM scheduler as it allocates the request's blocks.
+    FastMethod(10, "Prepare", local_pb2.PrepareRequest, local_pb2.PrepareResponse),
 )
 #: The method a request message type is sent as.
 METHOD_OF_REQUEST: dict[type[Message], FastMethod] = {m.request: m for m in METHODS.values()}

@@ -48,6 +48,7 @@ CONTRACT_METRICS = {
     "kvxfer_leases_active": set(),
     "kvxfer_lease_expirations_total": set(),
     "kvxfer_handshakes_total": {"outcome"},
+    "kvxfer_prepared_pulls_total": {"outcome"},
     "kvxfer_peers": set(),
     "kvxfer_registered_bytes": set(),
 }

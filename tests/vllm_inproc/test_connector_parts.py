@@ -387,3 +387,39 @@ def test_heterogeneous_tp_prefill2_decode1_through_both_halves(pd: PD) -> None:
             assert torch.equal(got[:, :, head], want), (n, head)
     # The decode rank read both prefill ranks: each frees its blocks.
     pre.finished(sending="p-tp")
+
+
+def test_each_decode_rank_reads_on_the_plan_its_scheduler_prepared(pd: PD) -> None:
+    """As vLLM allocates a request's blocks, the scheduler sends each rank's sidecar the Pull its worker
+    then makes (Prepare); the workers' Pulls read on those plans, and the bytes are the same."""
+    pre = pd.instance("prefill", [engine(1)], engine_id="vllm-p")
+    dec = pd.instance("decode", [engine(2, tp=2, rank=0), engine(3, tp=2, rank=1)], engine_id="vllm-d")
+
+    def count(outcome: str) -> float:
+        return pd.sidecars.counter("dec2", "kvxfer_prepared_pulls_total", outcome=outcome)
+
+    before = {o: count(o) for o in ("prepared", "used", "replanned")}
+    for n, (p_blocks, d_blocks) in enumerate((([4, 5, 6], [20, 21, 22]), ([7, 8, 30], [23, 24, 25]))):
+        tokens = 2 * BS + 9
+        params = publish(pd, pre, f"p-prep{n}", p_blocks, tokens)
+        req = decode_request(f"d-prep{n}", tokens, params)
+        assert dec.scheduler.matched_tokens(req, 0) == (tokens - 1, True)  # the first asks the sidecars' groups
+        deadline = time.monotonic() + 10
+        while n == 0 and dec.scheduler._decode_groups() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dec.scheduler.after_alloc(req, [d_blocks], tokens - 1)
+        # The Prepares go on the scheduler's own connections; a Pull that overtook one would plan anew.
+        while count("prepared") < before["prepared"] + 2 * (n + 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dec.step()
+        _, recving, failed = dec.finished(recving=f"d-prep{n}")
+        assert (recving, failed) == ({f"d-prep{n}"}, set())
+        for name in LAYERS:  # decode rank r holds head r of the prefill's two
+            want = torch.stack([block_rows(pre.engines[0], name, b) for b in p_blocks])
+            for r in range(2):
+                got = torch.stack([block_rows(dec.engines[r], name, b) for b in d_blocks])
+                assert torch.equal(got[:, :, 0], want[:, :, r]), (name, r)
+        dec.scheduler.loads_finished(recving)
+        assert pre.finished(sending=f"p-prep{n}")[0] == {f"p-prep{n}"}
+    assert count("prepared") - before["prepared"] == 4  # two requests, two ranks
+    assert (count("used") - before["used"], count("replanned") - before["replanned"]) == (4, 0)

@@ -8,21 +8,26 @@ reads into which of its own blocks - are tested on their own.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvxfer.client.types import TokenSpan
+from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.params import RemoteGroup, RemotePrefill
 from kvxfer.integrations.vllm.spec import TransferGroup
 
 __all__ = [
     "NULL_BLOCK",
     "GroupPull",
+    "PullArguments",
     "PullSpec",
     "StepPlan",
     "StreamSpec",
     "group_offer",
     "group_pull",
     "published_blocks",
+    "pull_arguments",
+    "stage_addresses",
 ]
 
 #: vLLM's null block: a table entry that holds nothing (a sliding window's skipped blocks).
@@ -181,3 +186,44 @@ def group_offer(group: TransferGroup, table: Sequence[int], start: int, end: int
         return got
     at = got.remote_blocks[0] * group.block_size + got.remote_skip
     return GroupPull(got.group, got.local_blocks, (), got.num_tokens, got.local_skip, at)
+
+
+@dataclass(frozen=True)
+class PullArguments:
+    """A pull's blocks and token spans by sidecar group, as one rank's worker names them in its Pull."""
+
+    local_blocks: dict[str, tuple[int, ...]]
+    remote_blocks: dict[str, tuple[int, ...]] | None  # None in push mode: the writer's ids are its publish
+    spans: dict[str, TokenSpan]
+
+
+def pull_arguments(spec: PullSpec, names_of: Callable[[int], Sequence[str]]) -> PullArguments:
+    """What a rank's worker sends for ``spec``; ``names_of``: the sidecar groups of a vLLM transfer group.
+
+    The decode scheduler's Prepare names the same (kvxfer.server.prepared), so both come from here.
+    """
+    local: dict[str, tuple[int, ...]] = {}
+    remote: dict[str, tuple[int, ...]] = {}
+    spans: dict[str, TokenSpan] = {}
+    for gp in spec.groups:
+        for name in names_of(gp.group):
+            local[name] = gp.local_blocks
+            if not spec.push:
+                remote[name] = gp.remote_blocks
+            if gp.num_tokens:
+                spans[name] = TokenSpan(gp.num_tokens, gp.local_skip, gp.remote_skip)
+    return PullArguments(local, remote or None, spans)
+
+
+def stage_addresses(addresses: Sequence[str], pp_rank: int, pp_size: int) -> list[str]:
+    """The prefill sidecars a rank of pipeline stage ``pp_rank`` reads: its stage's tensor-parallel ranks.
+
+    ``kvxfer_addresses`` lists every prefill rank, pipeline stage by stage.
+    """
+    if len(addresses) % pp_size:
+        raise KvxferError(
+            f"kvxfer_addresses: {len(addresses)} prefill sidecars do not split into {pp_size} pipeline stages",
+            field="kvxfer_addresses",
+        )
+    per = len(addresses) // pp_size
+    return list(addresses[pp_rank * per : (pp_rank + 1) * per])

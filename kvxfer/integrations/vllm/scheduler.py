@@ -19,7 +19,9 @@ prefill instance stops one token short (``prefill_backoff``) and the decode inst
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +47,8 @@ from kvxfer.integrations.vllm.plan import (
     group_offer,
     group_pull,
     published_blocks,
+    pull_arguments,
+    stage_addresses,
 )
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import TransferGroup
@@ -85,6 +89,7 @@ class SchedulerSide:
         self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
         self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
         self._waker: LoadWaker | None = None  # started at the first nap (decode side)
+        self._asked_groups: cf.Future[None] | None = None  # the sidecars' group names, for Prepare
 
     @property
     def block_size(self) -> int:
@@ -119,8 +124,7 @@ class SchedulerSide:
 
     def _sidecar_names(self, group: TransferGroup) -> list[str]:
         """The sidecar groups that hold vLLM group ``group`` (``g<i>``, or ``g<i>.<k>`` per layout)."""
-        names = [n for n in self._sidecar_groups if n == group.name or n.startswith(group.name + ".")]
-        return names or [group.name]
+        return _names_of(self._sidecar_groups, group)
 
     # ------------------------------------------------------------------ prefill side
     def on_new_request(self, request: Any) -> None:
@@ -275,6 +279,8 @@ class SchedulerSide:
     def _expect(self, rid: str, remote: RemotePrefill) -> None:
         """Have this engine's first sidecar hold the request's publishes while vLLM queues it (not waiting)."""
         c = self._sidecars()[0]
+        if self.settings.prepare_pulls:
+            self._decode_groups()  # known by the time vLLM allocates the request's blocks
 
         def done(fut: Any) -> None:
             exc = fut.exception()
@@ -322,8 +328,51 @@ class SchedulerSide:
                 self._plan.drops.append(_remote(params))
             log.info(f"request {rid}: remote KV not needed; the prefill side frees its copy")
             return
-        self._plan.pulls.append(self._pull_spec(request, params, tables, num_external_tokens))
+        spec = self._pull_spec(request, params, tables, num_external_tokens)
+        self._plan.pulls.append(spec)
         self._loading.add(rid)
+        self._prepare(spec)
+
+    def _prepare(self, spec: PullSpec) -> None:
+        """Send every rank's sidecar the Pull its worker is about to make (``Prepare``; not waited for).
+
+        The workers' Pulls follow with this step's plan: a sidecar that planned the pull already
+        answers them without planning. A Prepare that fails or comes late costs nothing but its
+        own work: the Pull plans as it would have. Needs the sidecars' group names, which the first
+        decode request asks for (the pulls before then plan as usual).
+        """
+        remote = spec.remote
+        if not self.settings.prepare_pulls or remote is None or spec.error or spec.push:
+            return
+        names = self._decode_groups()
+        if names is None:
+            return
+        args = pull_arguments(spec, lambda i: _names_of(names, self.groups[i]))
+        for r, c in enumerate(self._sidecars()):
+            try:
+                addresses = stage_addresses(remote.addresses, r // self.tp_size, self.pp_size)
+            except KvxferError:
+                return  # the workers' pulls fail on it, by name
+            fut = c.submit(c.aio.prepare(
+                remote.request_id, addresses, args.local_blocks, remote_blocks=args.remote_blocks, spans=args.spans,
+                remote_engine_id=remote.sidecar_engine_id,
+            ))  # fmt: skip
+            fut.add_done_callback(functools.partial(_prepared, spec.request_id, r))
+
+    def _decode_groups(self) -> tuple[str, ...] | None:
+        """The sidecars' group names (the first rank's), once known; the first call asks for them."""
+        if self._sidecar_groups:
+            return self._sidecar_groups
+        if self._asked_groups is None:
+            c = self._sidecars()[0]
+
+            async def ask() -> None:
+                status = await c.aio.status()
+                self._sidecar_groups = tuple(status.get("groups", ()))
+
+            self._asked_groups = c.submit(ask())
+            self._asked_groups.add_done_callback(_groups_asked)
+        return None
 
     def _pull_spec(
         self, request: Any, params: dict[str, Any], tables: Sequence[Sequence[int]], num_external_tokens: int
@@ -404,6 +453,25 @@ class SchedulerSide:
             self._waker.close()
         for c in self._clients or ():
             c.close()
+
+
+def _names_of(sidecar_groups: Sequence[str], group: TransferGroup) -> list[str]:
+    """The sidecar groups that hold vLLM group ``group`` (``g<i>``, or ``g<i>.<k>`` per layout)."""
+    names = [n for n in sidecar_groups if n == group.name or n.startswith(group.name + ".")]
+    return names or [group.name]
+
+
+def _prepared(request_id: str, rank: int, fut: cf.Future[bool]) -> None:
+    """Log a Prepare that failed (the Pull plans as usual and reports any real problem itself)."""
+    if fut.cancelled() or fut.exception() is None:
+        return
+    log.debug(f"request {request_id}: rank {rank}'s sidecar did not plan the pull ahead: {fut.exception()}")
+
+
+def _groups_asked(fut: cf.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning(f"could not ask the sidecar for its KV-cache groups (pulls are not planned ahead): "
+                    f"{fut.exception()}")  # fmt: skip
 
 
 def _remote(params: dict[str, Any]) -> RemotePrefill:

@@ -71,6 +71,10 @@ class ConnectorSettings:
     #: request waits for remote KV, which in push mode lasts the whole remote prefill). A load that
     #: ends ends the nap at once; a request that arrives meanwhile waits for its end. 0: no nap.
     idle_wait_ms: float = 20.0
+    #: Decode instance: as vLLM allocates a request's blocks, the scheduler sends every rank's
+    #: sidecar the Pull its worker is about to make (``Prepare``), so the sidecar checks and plans it
+    #: before the worker asks, off the pull's critical path. Nothing moves until the Pull.
+    prepare_pulls: bool = True
 
     def __post_init__(self) -> None:
         if not self.sidecar_socket.strip():

@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvxfer.client import Client, KvxferRpcError, PullResult, TokenSpan
+from kvxfer.client import Client, KvxferRpcError, PullResult
 from kvxfer.client.gather import WorkerGather
 from kvxfer.errors import KvxferError, Reason
 from kvxfer.integrations.vllm.kvcache import SharedCaches, own_caches, share_caches
 from kvxfer.integrations.vllm.params import RemotePrefill
-from kvxfer.integrations.vllm.plan import PullSpec, StepPlan, StreamSpec
+from kvxfer.integrations.vllm.plan import PullSpec, StepPlan, StreamSpec, pull_arguments, stage_addresses
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import CacheGroup
 from kvxfer.logs import get_logger, log_context
@@ -280,35 +280,17 @@ class WorkerSide:
         remote = spec.remote
         if remote is None or spec.error:
             raise KvxferError(f"cannot load the KV of {spec.request_id!r}: {spec.error}", field="kv_transfer_params")
-        local: dict[str, tuple[int, ...]] = {}
-        remote_blocks: dict[str, tuple[int, ...]] = {}
-        spans: dict[str, TokenSpan] = {}
-        for gp in spec.groups:
-            for name in self._names.get(gp.group, ()):
-                local[name] = gp.local_blocks
-                if not spec.push:
-                    remote_blocks[name] = gp.remote_blocks
-                if gp.num_tokens:
-                    spans[name] = TokenSpan(gp.num_tokens, gp.local_skip, gp.remote_skip)
+        args = pull_arguments(spec, lambda group: self._names.get(group, ()))
         with log_context(request_id=spec.request_id, peer=remote.sidecar_engine_id or remote.engine_id or None):
             addresses = self._stage_addresses(remote.addresses)
             return await self.sidecar.aio.pull(
-                remote.request_id, addresses, local, remote_blocks=remote_blocks or None, spans=spans,
+                remote.request_id, addresses, args.local_blocks, remote_blocks=args.remote_blocks, spans=args.spans,
                 remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
                 push=spec.push, gather=self.gather,
             )  # fmt: skip
 
     def _stage_addresses(self, addresses: tuple[str, ...]) -> list[str]:
-        # kvxfer_addresses lists every prefill rank, pipeline stage by stage; this rank reads the
-        # tensor-parallel ranks of its own stage.
-        pp = self.rank.pp_size
-        if len(addresses) % pp:
-            raise KvxferError(
-                f"kvxfer_addresses: {len(addresses)} prefill sidecars do not split into {pp} pipeline stages",
-                field="kvxfer_addresses",
-            )
-        per = len(addresses) // pp
-        return list(addresses[self.rank.pp_rank * per : (self.rank.pp_rank + 1) * per])
+        return stage_addresses(addresses, self.rank.pp_rank, self.rank.pp_size)
 
     async def _drop(self, remote: RemotePrefill) -> None:
         try:

@@ -965,6 +965,53 @@ class ExpectResponse(_message.Message):
 Global___ExpectResponse: _TypeAlias = ExpectResponse  # noqa: Y015
 
 @_typing.final
+class PrepareRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PULL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pull(self) -> Global___PullRequest:
+        """The Pull as the worker will send it. Compared with the Pull: every field but wait,
+        timeout_seconds and worker_gather. A push pull is not prepared.
+        """
+
+    def __init__(
+        self,
+        *,
+        pull: Global___PullRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pull", b"pull"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pull", b"pull"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareRequest: _TypeAlias = PrepareRequest  # noqa: Y015
+
+@_typing.final
+class PrepareResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREPARED_FIELD_NUMBER: _builtins.int
+    WHY_NOT_FIELD_NUMBER: _builtins.int
+    prepared: _builtins.bool
+    """false: the Pull plans as usual; why_not says why"""
+    why_not: _builtins.str
+    def __init__(
+        self,
+        *,
+        prepared: _builtins.bool = ...,
+        why_not: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prepared", b"prepared", "why_not", b"why_not"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareResponse: _TypeAlias = PrepareResponse  # noqa: Y015
+
+@_typing.final
 class AbortResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

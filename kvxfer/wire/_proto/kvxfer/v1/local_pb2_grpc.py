@@ -74,6 +74,11 @@ class LocalStub:
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.ExpectRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_local__pb2.ExpectResponse.FromString,
                 _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/kvxfer.v1.Local/Prepare',
+                request_serializer=kvxfer_dot_v1_dot_local__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_local__pb2.PrepareResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/kvxfer.v1.Local/Drain',
                 request_serializer=kvxfer_dot_v1_dot_local__pb2.DrainRequest.SerializeToString,
@@ -174,6 +179,16 @@ class LocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prepare(self, request, context):
+        """Decode side: the Pull a worker is about to send (the vLLM scheduler sends it as it allocates the
+        request's blocks). The sidecar checks it and plans its READs now, so that the Pull that follows
+        finds its descriptors made. It moves nothing and holds nothing: a Pull that differs in any
+        compared field, or that comes after this worker or a publisher registered again, plans anew.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Start the graceful drain (what SIGTERM does) and wait for it.
         """
@@ -269,6 +284,11 @@ def add_LocalServicer_to_server(servicer, server):
                     servicer.Expect,
                     request_deserializer=kvxfer_dot_v1_dot_local__pb2.ExpectRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_local__pb2.ExpectResponse.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=kvxfer_dot_v1_dot_local__pb2.PrepareRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_local__pb2.PrepareResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -522,6 +542,33 @@ class Local:
             '/kvxfer.v1.Local/Expect',
             kvxfer_dot_v1_dot_local__pb2.ExpectRequest.SerializeToString,
             kvxfer_dot_v1_dot_local__pb2.ExpectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Local/Prepare',
+            kvxfer_dot_v1_dot_local__pb2.PrepareRequest.SerializeToString,
+            kvxfer_dot_v1_dot_local__pb2.PrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,

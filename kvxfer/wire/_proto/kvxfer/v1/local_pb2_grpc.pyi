@@ -57,6 +57,12 @@ class LocalStub:
     keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
     --max-hold-seconds have passed since the Expect.
     """
+    Prepare: _grpc.UnaryUnaryMultiCallable[_local_pb2.PrepareRequest, _local_pb2.PrepareResponse]
+    """Decode side: the Pull a worker is about to send (the vLLM scheduler sends it as it allocates the
+    request's blocks). The sidecar checks it and plans its READs now, so that the Pull that follows
+    finds its descriptors made. It moves nothing and holds nothing: a Pull that differs in any
+    compared field, or that comes after this worker or a publisher registered again, plans anew.
+    """
     Drain: _grpc.UnaryUnaryMultiCallable[_local_pb2.DrainRequest, _local_pb2.DrainResponse]
     """Start the graceful drain (what SIGTERM does) and wait for it."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_local_pb2.GetStatusRequest, _local_pb2.StatusResponse]
@@ -105,6 +111,12 @@ class LocalAsyncStub(LocalStub):
     """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
     keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
     --max-hold-seconds have passed since the Expect.
+    """
+    Prepare: _aio.UnaryUnaryMultiCallable[_local_pb2.PrepareRequest, _local_pb2.PrepareResponse]  # type: ignore[assignment]
+    """Decode side: the Pull a worker is about to send (the vLLM scheduler sends it as it allocates the
+    request's blocks). The sidecar checks it and plans its READs now, so that the Pull that follows
+    finds its descriptors made. It moves nothing and holds nothing: a Pull that differs in any
+    compared field, or that comes after this worker or a publisher registered again, plans anew.
     """
     Drain: _aio.UnaryUnaryMultiCallable[_local_pb2.DrainRequest, _local_pb2.DrainResponse]  # type: ignore[assignment]
     """Start the graceful drain (what SIGTERM does) and wait for it."""
@@ -199,6 +211,18 @@ class LocalServicer(metaclass=_abc_1.ABCMeta):
         """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
         keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
         --max-hold-seconds have passed since the Expect.
+        """
+
+    @_abc_1.abstractmethod
+    def Prepare(
+        self,
+        request: _local_pb2.PrepareRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_local_pb2.PrepareResponse, _abc.Awaitable[_local_pb2.PrepareResponse]]:
+        """Decode side: the Pull a worker is about to send (the vLLM scheduler sends it as it allocates the
+        request's blocks). The sidecar checks it and plans its READs now, so that the Pull that follows
+        finds its descriptors made. It moves nothing and holds nothing: a Pull that differs in any
+        compared field, or that comes after this worker or a publisher registered again, plans anew.
         """
 
     @_abc_1.abstractmethod
