@@ -13,7 +13,10 @@ pulls alone), three ways, one after the other in one run:
    block ids (``serial_ahead``: as the vLLM connector pulls, so the decode sidecar READs while its
    GetPublished runs, see kvxfer.server.pull_steps), and as many again expected first
    (``serial_granted``: the decode sidecar holds them and holds the publishers' grants, so it
-   READs without any lookup, as for a vLLM request that waited in the decode queue);
+   READs without any lookup, as for a vLLM request that waited in the decode queue), and as many
+   again expected and then prepared (``serial_prepared``: the pull is handed to the decode sidecar
+   with ``Prepare`` 1 ms before the worker's Pull, as the vLLM scheduler does when it allocates the
+   blocks, so the sidecar has checked and planned it when the Pull comes);
 4. ``open_loop`` (with ``--open-loop-rate R``; ``--open-loop-paths plain,named,granted`` adds
    ``open_loop_named``, whose pulls name the publisher's ids, and ``open_loop_granted``, whose
    requests are also expected 20 ms before their pull, so the pull reads on a grant with no
@@ -118,6 +121,16 @@ OPEN_LOOP_KEYS = {"plain": "open_loop", "named": "open_loop_named", "granted": "
 #: granted: how long before its pull a request is expected (vLLM: it waits in the decode queue
 #: while its prefill runs); held at once, its pull reads on the grant.
 EXPECT_LEAD_S = 0.02
+#: serial_prepared: from the Prepare's answer to the worker's Pull (vLLM: from allocating the blocks
+#: to the workers' start_load_kv, the rest of the engine step).
+PREPARE_LEAD_S = 0.001
+#: The serial phases, one after the other: (key, request id tag, name the publisher's ids, expect, prepare).
+SERIAL_KINDS = (
+    ("serial", "s", False, False, False),
+    ("serial_ahead", "sa", True, False, False),
+    ("serial_granted", "sg", True, True, False),
+    ("serial_prepared", "sp", True, True, True),
+)
 
 
 async def run(
@@ -172,12 +185,12 @@ async def run(
                                                        bufs, procs, batch)  # fmt: skip
             # One phase kind at a time, every hop in turn, so that both see the same machine.
             by_hop: dict[str, dict[str, Any]] = {hop: {} for hop in hops}
-            for kind, tag, named, expect in (("serial", "s", False, False), ("serial_ahead", "sa", True, False),
-                                             ("serial_granted", "sg", True, True)):  # fmt: skip
+            for kind, tag, named, expect, prepare in SERIAL_KINDS:
+                scheduler = dc if prepare else None  # the vLLM scheduler's client sends the Prepare
                 for hop, c in dcs.items():
                     by_hop[hop][kind], _, _ = await _pull_phase(pc, c, p.peer_address, src, d_alloc, serial, 1,
                                                                 f"{tag}-{hop}", bufs, name_remote=named,
-                                                                expect=expect)  # fmt: skip
+                                                                expect=expect, prepare=scheduler)  # fmt: skip
             if open_rate > 0:
                 for path in open_paths:
                     for hop in async_hops or ["fast"]:
@@ -194,8 +207,7 @@ async def run(
             dbuf.close()
     last = by_hop[hops[-1]]
     last_async = by_hop.get(async_hops[-1] if async_hops else "fast", last)
-    one, ahead, granted = last["serial"], last["serial_ahead"], last["serial_granted"]
-    every = [r for h in by_hop.values() for k in ("serial", "serial_ahead", "serial_granted") for r in h[k]]
+    every = [r for h in by_hop.values() for k, *_ in SERIAL_KINDS for r in h[k]]
     every += [r for h in by_hop.values() for k in OPEN_LOOP_KEYS.values() for r in h.get(k, {}).get("rows", [])]
     return {
         "pulls": pulls,
@@ -206,9 +218,7 @@ async def run(
         "batched_requests_per_s": pulls / many_s,
         "concurrent": _stats(conc),
         "batched": _stats(many),
-        "serial": _stats(one),
-        "serial_ahead": _stats(ahead),
-        "serial_granted": _stats(granted),
+        **{k: _stats(last[k]) for k, *_ in SERIAL_KINDS},
         "cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in cpu.items()},
         "batched_cpu_ms_per_pull": {k: v * 1e3 / pulls for k, v in many_cpu.items()},
         **{key: _summary(last_async[key]) for key in OPEN_LOOP_KEYS.values() if key in last_async},
@@ -223,9 +233,13 @@ async def run(
 async def _pull_phase(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, n: int, concurrency: int,
     tag: str, bufs: tuple[SharedKVBuffer, SharedKVBuffer], procs: dict[str, int] | None = None, batch: int = 1,
-    name_remote: bool = False, expect: bool = False,
+    name_remote: bool = False, expect: bool = False, prepare: AsyncClient | None = None,
 ) -> tuple[list[dict[str, float]], float, dict[str, float]]:  # fmt: skip
-    """Publish ``n`` requests, then pull them ``concurrency`` at a time: (rows, pull-phase seconds, CPU seconds)."""
+    """Publish ``n`` requests, then pull them ``concurrency`` at a time: (rows, pull-phase seconds, CPU seconds).
+
+    ``prepare``: each pull is first handed to the decode sidecar with ``Prepare`` through this client
+    (the vLLM scheduler's), :data:`PREPARE_LEAD_S` before the timed Pull.
+    """
     # Publish everything first (leases of 600 s): what is measured is the pulls alone.
     sem = asyncio.Semaphore(64)
 
@@ -251,6 +265,11 @@ async def _pull_phase(
                 for pages in dst_pages:  # stale contents: a pull that moved nothing cannot pass
                     for dst in dsts:
                         pages[dst] ^= 0xFF
+                if prepare is not None:
+                    planned = await prepare.prepare(f"{tag}{first}", [peer], {"kv": dsts[0]}, remote_blocks={"kv": src})
+                    if not planned:
+                        raise RuntimeError(f"{tag}{first}: the decode sidecar did not plan the pull ahead")
+                    await asyncio.sleep(PREPARE_LEAD_S)
                 t = time.perf_counter()
                 if batch > 1:
                     items = [PullItem(f"{tag}{i}", [peer], {"kv": d}) for i, d in zip(ids, dsts, strict=True)]
@@ -479,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             (f"one at a time ({a.serial})", r["serial"], None, None),
             (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None),
             (f"one at a time, held while queued: read on grants ({a.serial})", r["serial_granted"], None, None),
+            (f"one at a time, on grants, prepared {PREPARE_LEAD_S * 1e3:g} ms ahead ({a.serial})", r["serial_prepared"],
+             None, None),
         )  # fmt: skip
         for path, key in OPEN_LOOP_KEYS.items():
             if key not in r:
@@ -502,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             print("side by side, by worker -> sidecar hop (ms):")
             print(f"  {'phase':16s} {'hop':8s} {'latency p50':>11s} {'p99':>7s} {'overhead p50':>12s} {'p99':>7s} "
                   f"{'local_hop p50':>13s}")  # fmt: skip
-            for kind in ("serial", "serial_ahead", "serial_granted", *OPEN_LOOP_KEYS.values()):
+            for kind in (*(k for k, *_ in SERIAL_KINDS), *OPEN_LOOP_KEYS.values()):
                 for hop, h in r["by_hop"].items():
                     if kind in h:
                         st = h[kind]

@@ -26,8 +26,9 @@ def test_load_runs_every_phase_and_every_open_loop_path() -> None:
         assert r[key]["failed"] == 0
     assert r["open_loop"]["peer_fetch_p50_ms"] > 0  # each pull looked its publish up
     assert r["open_loop_granted"]["peer_fetch_p50_ms"] == 0  # pulls read on their grants (a slow hold may miss one)
-    # 40 concurrent + 40 batched + 3 x 5 serial + 3 x 50 open-loop (the warm-up pulls are not counted)
-    assert r["verified_pulls"] == 40 + 40 + 15 + 150
+    assert r["serial_prepared"]["peer_fetch_p50_ms"] == 0  # prepared, then read on its grant
+    # 40 concurrent + 40 batched + 4 x 5 serial + 3 x 50 open-loop (the warm-up pulls are not counted)
+    assert r["verified_pulls"] == 40 + 40 + 20 + 150
 
 
 def test_load_refuses_an_unknown_open_loop_path() -> None:
@@ -52,13 +53,13 @@ def test_load_runs_the_serial_phases_over_each_hop_side_by_side() -> None:
     assert r["sidecar_env"] == {"KVXFER_BUSY_POLL_SECONDS": "0.05"}  # both sidecars polling: the same bytes
     assert set(r["by_hop"]) == {"fast", "blocking"}
     for hop in ("fast", "blocking"):
-        for kind in ("serial", "serial_ahead", "serial_granted"):
+        for kind in ("serial", "serial_ahead", "serial_granted", "serial_prepared"):
             assert r["by_hop"][hop][kind]["measured"] == 4, (hop, kind)
     assert r["by_hop"]["blocking"]["serial_granted"]["peer_fetch_p50_ms"] == 0  # read on its grant
     assert "open_loop_granted" not in r["by_hop"]["blocking"]
     assert r["open_loop_granted"]["pulls"] == 10
-    # 8 concurrent + 8 batched + 2 hops x 3 x 4 serial + 10 open-loop
-    assert r["verified_pulls"] == 8 + 8 + 24 + 10
+    # 8 concurrent + 8 batched + 2 hops x 4 x 4 serial + 10 open-loop
+    assert r["verified_pulls"] == 8 + 8 + 32 + 10
 
 
 @pytest.mark.parametrize("hop", ["fast,bogus", "fast,fast", ""])
