@@ -101,3 +101,16 @@ def test_the_side_by_side_table_gives_each_kvxfer_path_its_verdict() -> None:
     assert lines[0].endswith("| sidecar >= every agents row | in-worker >= every agents row |")
     assert lines[2].endswith("| no | yes |")  # 128: 50 < 60 <= 70
     assert lines[3].endswith("| yes | no |")  # 1024: 400 < 450 <= 500
+
+
+def test_sidecar_bench_times_pulls_prepared_ahead(tmp_path: Path) -> None:
+    """``--modes prepared``: each pull is prepared (Prepare, as the vLLM scheduler sends it) before the timed Pull."""
+    _run("sidecar_vram_bench.py", tmp_path, "--cpu-smoke", "--blocks", "64", "--sizes", "16,128", "--reps", "2",
+         "--modes", "granted,prepared", "--expect-lead-ms", "1", "--prepare-lead-ms", "1")  # fmt: skip
+    result = json.loads((tmp_path / "sidecar_bench.json").read_text())
+    assert result["ok"] is True
+    rows = {(r["path"], r["blocks"], r["tokens"]): r for r in result["rows"]}
+    assert {p for p, _, _ in rows} == {"default+granted", "default+prepared"}
+    for (_, blocks, tokens), r in rows.items():
+        assert (r["reps"], r["mismatched_bytes"], r["verified_bytes"]) == (2, 0, 2 * r["MiB"] * 2**20), (blocks, tokens)
+    assert len(rows) == 8  # two modes x two sizes x fragmented and contiguous
