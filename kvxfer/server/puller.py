@@ -214,12 +214,19 @@ class Puller:
     async def prepare(self, req: local_pb2.PrepareRequest, client_timeout: float | None) -> local_pb2.PrepareResponse:
         """Check the Pull to come and plan its READs now (kvxfer.server.prepared); moves and holds nothing."""
         pull = req.pull
-        reg = self.registry.require()
         rid = check_id(pull.request_id, "pull.request_id")
+        # The scheduler's Prepare and the worker's Pull may arrive together (a step with little else
+        # to do): planning ahead must never hold up the Pull. A Pull that came first, or that is
+        # ready to run now, goes first (one loop turn), and this Prepare stops without its checks.
+        started = local_pb2.PrepareResponse(why_not=f"request_id: the pull of {rid!r} has started")
+        if rid in self.pulls or rid in self._ended:
+            return started
+        await asyncio.sleep(0)
+        if rid in self.pulls or rid in self._ended:
+            return started
+        reg = self.registry.require()
         entry, local_blocks, remote_given, _ = self._parse(pull, reg, client_timeout)
         key = plan_key(pull)
-        if rid in self.pulls or rid in self._ended:
-            return local_pb2.PrepareResponse(why_not=f"request_id: the pull of {rid!r} has started")
         with log_context(request_id=rid, peer=_peer_label(entry)):
             got = await self.steps.prepare(entry, reg, local_blocks, remote_given)
             if isinstance(got, str):

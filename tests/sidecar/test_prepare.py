@@ -77,6 +77,28 @@ async def test_a_pull_that_differs_from_its_prepare_plans_anew(harness: Harness)
     assert (plans(ds[0], "prepared"), plans(ds[0], "used"), plans(ds[0], "replanned")) == (1, 0, 1)
 
 
+async def test_a_prepare_that_races_its_pull_never_holds_it_up_nor_stays_behind(harness: Harness) -> None:
+    # The scheduler and the worker send them at about the same time, on two connections.
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    scheduler = await harness.worker(ds[0], {"kv": lay}, register=False)
+    address = ps[0].peer_address
+    assert ds[0].core is not None
+    for i in range(6):
+        rid = f"race{i}"
+        await pw[0].prefill(rid, {"kv": [1, 2, 3]}, salt=i)
+        await dw[0].client.expect(rid, [address])
+        await granted(ds[0], rid)
+        local, remote = {"kv": [4 + i, 20, 30 + i]}, {"kv": [1, 2, 3]}
+        prep = scheduler.client.prepare(rid, [address], local, remote_blocks=remote)
+        planned, res = await asyncio.gather(prep, dw[0].pull(rid, ps, local, remote_blocks=remote))
+        assert dw[0].verify(local, i) == (res.bytes, 0)
+        assert len(ds[0].core.puller.prepared) == 0  # used by its pull, or not kept once the pull had started
+        # Every plan kept was read on; a Prepare that came second planned nothing.
+        assert (plans(ds[0], "used"), plans(ds[0], "replanned")) == (plans(ds[0], "prepared"), 0)
+        assert isinstance(planned, bool)
+
+
 async def test_a_plan_is_dropped_by_an_abort_and_by_a_new_registration(harness: Harness) -> None:
     lay = attention()
     ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
