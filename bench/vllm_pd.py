@@ -277,7 +277,7 @@ def sidecar_metrics(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith(("kvxfer_transfers_total", "kvxfer_transfer_bytes_total", "kvxfer_lease_expirations_total",
                             "kvxfer_transfer_failures_total", "kvxfer_leases_active",
-                            "kvxfer_transfers_in_flight")):  # fmt: skip
+                            "kvxfer_transfers_in_flight", "kvxfer_prepared_pulls_total")):  # fmt: skip
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
@@ -620,33 +620,65 @@ def metrics_since(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {k: v if k.startswith(GAUGES) else v - before.get(k, 0.0) for k, v in after.items()}
 
 
-def run_pd(
-    runs: list[PDRun], args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path,
-    prompts: dict[str, list[int]],
-) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """One prefill and one decode instance joined by a connector; every prompt routed P -> D per run.
+@dataclass
+class StartedPair:
+    """A prefill and a decode instance started for a pair of runs (their sidecars too), maybe not ready yet."""
 
-    ``runs`` share the pair (the same :attr:`PDRun.pair`) and go one after the other; each gets its
-    own warm-up, and its sidecar counters are what grew during it.
-    """
+    p_spec: InstanceSpec
+    d_spec: InstanceSpec
+    prefill: Proc
+    decode: Proc
+    procs: list[Proc]  # everything started for the pair, sidecars included
+    started: float  # time.monotonic()
+
+
+def start_pair(
+    runs: list[PDRun], args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path
+) -> StartedPair:
+    """Start the pair of instances (and the connector's helpers) that ``runs`` share; does not wait."""
     first = runs[0]
     assert all(r.pair == first.pair for r in runs), [r.name for r in runs]
     setup = CONNECTORS[first.connector]
     if first.mode == "push-layerwise":  # the prefill instance streams each layer as it is computed
         setup = functools.partial(setup, layerwise=True)
+    n0 = len(_PROCS)
+    t0 = time.monotonic()
+    # The pair's own sockets and sidecar logs: with --overlap-startup two pairs' sidecars run at once.
+    own = first.name.replace(":", "-")
+    (run_dir / own).mkdir(exist_ok=True)
+    (log_dir / own).mkdir(exist_ok=True)
+    p_spec = setup("prefill", run_dir / own, log_dir / own)
+    d_spec = setup("decode", run_dir / own, log_dir / own)
+    prefill = start_vllm(f"{first.name}-prefill", args, model_dir, log_dir, p_spec, first.prefill_block_size)
+    decode = start_vllm(f"{first.name}-decode", args, model_dir, log_dir, d_spec, first.decode_block_size)
+    return StartedPair(p_spec, d_spec, prefill, decode, _PROCS[n0:], t0)
+
+
+def run_pd(
+    runs: list[PDRun], args: argparse.Namespace, model_dir: Path, run_dir: Path, log_dir: Path,
+    prompts: dict[str, list[int]], started: StartedPair | None = None, on_ready: Callable[[], None] | None = None,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """One prefill and one decode instance joined by a connector; every prompt routed P -> D per run.
+
+    ``runs`` share the pair (the same :attr:`PDRun.pair`) and go one after the other; each gets its
+    own warm-up, and its sidecar counters are what grew during it. ``started``: the pair, already
+    started (``--overlap-startup``); else it is started here. ``on_ready``: called once the pair is
+    ready, before its requests (``--overlap-startup`` starts the next pair then).
+    """
+    first = runs[0]
     seq_names = [k for k in prompts if k.startswith("len")]
     conc_names = [k for k in prompts if k.startswith("conc")]
     outs: dict[str, dict[str, Any]] = {}
-    procs: list[Proc] = []
+    procs: list[Proc] = started.procs if started is not None else []
     try:
         with _phase(f"prefill/decode pair for {', '.join(r.name for r in runs)}"):
-            n0 = len(_PROCS)
-            p_spec = setup("prefill", run_dir, log_dir)
-            d_spec = setup("decode", run_dir, log_dir)
-            prefill = start_vllm(f"{first.name}-prefill", args, model_dir, log_dir, p_spec, first.prefill_block_size)
-            decode = start_vllm(f"{first.name}-decode", args, model_dir, log_dir, d_spec, first.decode_block_size)
-            procs = _PROCS[n0:]
-            startup_s = wait_ready([prefill, decode], args.startup_timeout)
+            pair = started or start_pair(runs, args, model_dir, run_dir, log_dir)
+            procs = pair.procs
+            p_spec, d_spec, prefill, decode = pair.p_spec, pair.d_spec, pair.prefill, pair.decode
+            wait_ready([prefill, decode], args.startup_timeout)
+            startup_s = time.monotonic() - pair.started
+            if on_ready is not None:
+                on_ready()
             pp, dp = prefill.port or 0, decode.port or 0
 
             def all_metrics() -> dict[str, dict[str, float]]:
@@ -722,6 +754,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "logs": str(log_dir),
     }
 
+    pairs: dict[tuple[str, int, int, bool], list[PDRun]] = {}
+    for one in runs:
+        pairs.setdefault(one.pair, []).append(one)
+    early: StartedPair | None = None
+    if args.overlap_startup:
+        # The first pair starts with the reference instance, and each next pair while the one before
+        # serves its requests: fewer idle cores while vLLM starts, and no timing is comparable (the
+        # tests use it; a timing run does not).
+        early = start_pair(next(iter(pairs.values())), args, model_dir, run_dir, log_dir)
+    report["overlap_startup"] = early is not None
+
     # 1. reference: one ordinary instance
     ref: dict[str, StreamResult] = {}
     report["single_startup_s"] = report["single_concurrent_wall_s"] = float("nan")
@@ -751,12 +794,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 2. disaggregated, once per connector, one after the other on the same prompts
     report["runs"] = {}
-    pairs: dict[tuple[str, int, int, bool], list[PDRun]] = {}
-    for one in runs:
-        pairs.setdefault(one.pair, []).append(one)
     done: dict[str, dict[str, Any]] = {}
-    for sharing in pairs.values():
-        done.update(run_pd(sharing, args, model_dir, run_dir, log_dir, prompts))
+    queue = list(pairs.values())
+    for i, sharing in enumerate(queue):
+        nxt: list[StartedPair] = []
+
+        def start_next(i: int = i, nxt: list[StartedPair] = nxt) -> None:
+            # --overlap-startup: the next pair starts while this one serves its requests.
+            if args.overlap_startup and i + 1 < len(queue):
+                nxt.append(start_pair(queue[i + 1], args, model_dir, run_dir, log_dir))
+
+        try:
+            done.update(run_pd(sharing, args, model_dir, run_dir, log_dir, prompts, started=early,
+                               on_ready=start_next))  # fmt: skip
+        except BaseException:
+            for started in nxt:
+                for proc in reversed(started.procs):
+                    stop(proc)
+            raise
+        early = nxt[0] if nxt else None
     for one in runs:
         name = one.name
         got = done[name]
@@ -899,6 +955,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine-in-api-process", action="store_true",
         help="each instance's engine core runs in its API server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
         "one process fewer to start; the workers keep processes of their own",
+    )  # fmt: skip
+    ap.add_argument(
+        "--overlap-startup", action="store_true",
+        help="start the first prefill/decode pair with the reference instance, and each next pair while the one "
+        "before serves its requests (quicker on few cores; the timings then share the CPU with start-ups: for "
+        "tests, not for timing)",
     )  # fmt: skip
     ap.add_argument("--startup-timeout", type=float, default=240.0)
     ap.add_argument("--request-timeout", type=float, default=120.0)

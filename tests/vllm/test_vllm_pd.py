@@ -27,7 +27,8 @@ processes an instance). The other model kinds run each engine core inside its AP
 (``--engine-in-api-process``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the connector's two halves
 still run in two processes (the scheduler's with the engine core, the worker's in its own), and an
 instance starts in ~35 s instead of ~55 s on the 2-core machine, which keeps the suite within its
-30 minutes; what they check is each cache layout's bytes.
+30 minutes; what they check is each cache layout's bytes. Every run starts its first prefill/decode
+pair together with the reference instance (``--overlap-startup``): the tests take no timings.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ VLLM_PYTHON = Path(os.environ.get("KVXFER_VLLM_PYTHON", REPO / ".venv-vllm" / "b
 LAYERS = 4
 READS_OK = 'kvxfer_transfers_total{direction="read",outcome="ok"}'
 READ_BYTES = 'kvxfer_transfer_bytes_total{backend="nixl",direction="read"}'
+PREPARED = 'kvxfer_prepared_pulls_total{{outcome="{}"}}'
 #: The model-kind tests: one process fewer per instance (see the module's docs).
 ENGINE_IN_API = "--engine-in-api-process"
 
@@ -64,7 +66,7 @@ def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
     cmd = [
         str(VLLM_PYTHON), str(REPO / "bench" / "vllm_pd.py"), "--connector", "kvxfer", "--dtype", "float16",
         "--log-dir", str(tmp_path / "logs"), "--json-out", str(report), "--model-dir", str(tmp_path / "model"),
-        "--deadline", "1200", *args,
+        "--deadline", "1200", "--overlap-startup", *args,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVXFER_", "VLLM_"))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1300, check=False)
@@ -101,6 +103,9 @@ def check_run(
     if direction == "push":
         assert m["decode"][READS_OK] == 0  # nothing was READ
         assert m["prefill"][counted.replace('"read"', '"write"')] == expected_bytes
+    # The scheduler's Prepare named the very pull its workers then made: no plan was found stale.
+    assert m["decode"][PREPARED.format("replanned")] == 0
+    assert m["decode"][PREPARED.format("used")] <= m["decode"][PREPARED.format("prepared")]
     # The prefill side freed every publish because the decode side confirmed it, not by expiry.
     assert m["prefill"]["kvxfer_leases_active"] == 0
     assert m["prefill"]["kvxfer_lease_expirations_total"] == 0

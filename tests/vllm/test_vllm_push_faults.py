@@ -7,7 +7,9 @@ the decode instance is killed and started again. Each must end with nothing held
 own KV cache usage back to 0 on both instances, no publish left or expired, no transfer in flight),
 nothing written that nobody would use, the decode's answer equal to the reference where it answers
 (it recomputes after the prefill died: ``kv_load_failure_policy: recompute``), and the next push
-request whole again.
+request whole again. The instances run their engine core in the API server's process
+(``--engine-in-api-process``, as tests/vllm/test_vllm_pd.py's model-kind tests do): each of the
+three starts takes ~15 s less, and the faults strike the same processes (the API server's group).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.test_vllm_pd import REPO, VLLM_PYTHON
+from tests.vllm.test_vllm_pd import ENGINE_IN_API, REPO, VLLM_PYTHON
 
 pytestmark = pytest.mark.vllm
 
@@ -29,7 +31,7 @@ def test_push_faults_end_cleanly(tmp_path: Path) -> None:
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-setup` (make test does)")
     report = tmp_path / "report.json"
     cmd = [str(VLLM_PYTHON), str(REPO / "bench" / "vllm_push_faults.py"), "--log-dir", str(tmp_path / "logs"),
-           "--json-out", str(report), "--model-dir", str(tmp_path / "model")]  # fmt: skip
+           "--json-out", str(report), "--model-dir", str(tmp_path / "model"), ENGINE_IN_API]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1000, check=False)
     sys.stdout.write(proc.stdout[-8000:])
     if proc.returncode not in (0, 1) or not report.exists():
