@@ -25,6 +25,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+
 from kvxfer.client import Client, KvxferRpcError
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.idle import LoadWaker
@@ -90,6 +92,7 @@ class SchedulerSide:
         self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
         self._waker: LoadWaker | None = None  # started at the first nap (decode side)
         self._asked_groups: cf.Future[None] | None = None  # the sidecars' group names, for Prepare
+        self._prepare_supported = True  # until a sidecar answers UNIMPLEMENTED (an older one)
 
     @property
     def block_size(self) -> int:
@@ -342,7 +345,7 @@ class SchedulerSide:
         decode request asks for (the pulls before then plan as usual).
         """
         remote = spec.remote
-        if not self.settings.prepare_pulls or remote is None or spec.error or spec.push:
+        if not (self.settings.prepare_pulls and self._prepare_supported) or remote is None or spec.error or spec.push:
             return
         names = self._decode_groups()
         if names is None:
@@ -357,7 +360,22 @@ class SchedulerSide:
                 remote.request_id, addresses, args.local_blocks, remote_blocks=args.remote_blocks, spans=args.spans,
                 remote_engine_id=remote.sidecar_engine_id,
             ))  # fmt: skip
-            fut.add_done_callback(functools.partial(_prepared, spec.request_id, r))
+            fut.add_done_callback(functools.partial(self._prepared, spec.request_id, r))
+
+    def _prepared(self, request_id: str, rank: int, fut: cf.Future[bool]) -> None:
+        """A Prepare's end: a failure is logged (the Pull plans as usual and reports any real problem).
+
+        A sidecar that does not know the call (an older one) is not asked again.
+        """
+        if fut.cancelled() or fut.exception() is None:
+            return
+        exc = fut.exception()
+        if isinstance(exc, KvxferRpcError) and exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            if self._prepare_supported:
+                log.info(f"rank {rank}'s sidecar does not plan pulls ahead (no Prepare); the pulls plan as they come")
+            self._prepare_supported = False
+            return
+        log.debug(f"request {request_id}: rank {rank}'s sidecar did not plan the pull ahead: {exc}")
 
     def _decode_groups(self) -> tuple[str, ...] | None:
         """The sidecars' group names (the first rank's), once known; the first call asks for them."""
@@ -459,13 +477,6 @@ def _names_of(sidecar_groups: Sequence[str], group: TransferGroup) -> list[str]:
     """The sidecar groups that hold vLLM group ``group`` (``g<i>``, or ``g<i>.<k>`` per layout)."""
     names = [n for n in sidecar_groups if n == group.name or n.startswith(group.name + ".")]
     return names or [group.name]
-
-
-def _prepared(request_id: str, rank: int, fut: cf.Future[bool]) -> None:
-    """Log a Prepare that failed (the Pull plans as usual and reports any real problem itself)."""
-    if fut.cancelled() or fut.exception() is None:
-        return
-    log.debug(f"request {request_id}: rank {rank}'s sidecar did not plan the pull ahead: {fut.exception()}")
 
 
 def _groups_asked(fut: cf.Future[None]) -> None:
