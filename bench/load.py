@@ -17,10 +17,11 @@ pulls alone), three ways, one after the other in one run:
    again expected and then prepared (``serial_prepared``: the pull is handed to the decode sidecar
    with ``Prepare`` 1 ms before the worker's Pull, as the vLLM scheduler does when it allocates the
    blocks, so the sidecar has checked and planned it when the Pull comes);
-4. ``open_loop`` (with ``--open-loop-rate R``; ``--open-loop-paths plain,named,granted`` adds
-   ``open_loop_named``, whose pulls name the publisher's ids, and ``open_loop_granted``, whose
+4. ``open_loop`` (with ``--open-loop-rate R``; ``--open-loop-paths plain,named,granted,prepared``
+   adds ``open_loop_named``, whose pulls name the publisher's ids, ``open_loop_granted``, whose
    requests are also expected 20 ms before their pull, so the pull reads on a grant with no
-   lookup; the Expect calls and the holds they cause run inside the phase and count in its CPU):
+   lookup, and ``open_loop_prepared``, whose pulls are also prepared 1 ms ahead; the Expect and
+   Prepare calls and the holds they cause run inside the phase and count in its CPU):
    pulls arriving as a Poisson process at ``R`` per second for ``--open-loop-seconds``, each
    started when it arrives whatever is in flight. A closed loop of N in flight measures mostly its
    own queue (Little's law); an open loop at a rate the sidecars sustain measures what a pull costs
@@ -117,7 +118,8 @@ HOLD_WAIT_S = 5.5
 
 
 #: The open-loop phases' keys in the report, by ``--open-loop-paths`` entry.
-OPEN_LOOP_KEYS = {"plain": "open_loop", "named": "open_loop_named", "granted": "open_loop_granted"}
+OPEN_LOOP_KEYS = {"plain": "open_loop", "named": "open_loop_named", "granted": "open_loop_granted",
+                  "prepared": "open_loop_prepared"}  # fmt: skip
 #: granted: how long before its pull a request is expected (vLLM: it waits in the decode queue
 #: while its prefill runs); held at once, its pull reads on the grant.
 EXPECT_LEAD_S = 0.02
@@ -197,8 +199,9 @@ async def run(
                         c = dcs.get(hop, dc)
                         by_hop.setdefault(hop, {})[OPEN_LOOP_KEYS[path]] = await _open_loop(
                             pc, c, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng, procs,
-                            f"o{path[0]}-{hop}", name_remote=path in ("named", "granted"),
-                            expect_lead=EXPECT_LEAD_S if path == "granted" else None)  # fmt: skip
+                            f"o{path[:2]}-{hop}", name_remote=path in ("named", "granted", "prepared"),
+                            expect_lead=EXPECT_LEAD_S if path in ("granted", "prepared") else None,
+                            prepare=path == "prepared")  # fmt: skip
         finally:
             await pc.close()
             for c in {*dcs.values(), dc}:
@@ -305,12 +308,14 @@ async def _pull_phase(
 async def _open_loop(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, rate: float, seconds: float,
     bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int], tag: str = "o",
-    name_remote: bool = False, expect_lead: float | None = None,
+    name_remote: bool = False, expect_lead: float | None = None, prepare: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival.
 
     ``name_remote``: each pull names the publisher's block ids, as the vLLM connector's pulls do.
     ``expect_lead``: each request is expected on arrival and pulled that many seconds later.
+    ``prepare``: its blocks allocated, each pull is handed to the decode sidecar with ``Prepare``
+    :data:`PREPARE_LEAD_S` before the timed Pull (the vLLM scheduler's call as it allocates them).
     """
     n = max(int(rate * seconds), 1)
     sem = asyncio.Semaphore(64)
@@ -348,6 +353,13 @@ async def _open_loop(
         try:
             for pages in dst_pages:
                 pages[dst] ^= 0xFF
+            if prepare:
+                try:
+                    await dc.prepare(f"{tag}{i}", [peer], {"kv": dst}, remote_blocks={"kv": src})
+                except KvxferRpcError as exc:
+                    failed[f"PREPARE_{exc.code.name}"] += 1
+                    return
+                await asyncio.sleep(PREPARE_LEAD_S)
             t = time.perf_counter()
             try:
                 res = await dc.pull(
@@ -455,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                          "with GetPublished), named (each pull names the publisher's block ids, as the vLLM "
                          "connector's do: the READ starts at once, the lookup confirms it off the critical "
                          "path), granted (each request is also expected 20 ms before its pull and read on its "
-                         "grant, no lookup)")  # fmt: skip
+                         "grant, no lookup), prepared (granted, and each pull is also handed to the sidecar with "
+                         "Prepare 1 ms before it)")  # fmt: skip
     ap.add_argument("--hop", default="fast",
                     help="worker -> sidecar, comma-separated to run side by side (serial and open-loop phases): "
                          "fast (the async client over the fast socket, falling back to gRPC), grpc (gRPC only), "

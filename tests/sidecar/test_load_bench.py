@@ -15,27 +15,29 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_load_runs_every_phase_and_every_open_loop_path() -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "load.py"), "--pulls", "40", "--concurrency", "4", "--serial", "5",
-         "--open-loop-rate", "100", "--open-loop-seconds", "0.5", "--open-loop-paths", "plain,named,granted", "--json"],
+         "--open-loop-rate", "100", "--open-loop-seconds", "0.5", "--open-loop-paths", "plain,named,granted,prepared",
+         "--json"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["mismatched_bytes"] == 0
-    for key in ("open_loop", "open_loop_named", "open_loop_granted"):
+    for key in ("open_loop", "open_loop_named", "open_loop_granted", "open_loop_prepared"):
         assert r[key]["pulls"] == 50
         assert r[key]["failed"] == 0
     assert r["open_loop"]["peer_fetch_p50_ms"] > 0  # each pull looked its publish up
     assert r["open_loop_granted"]["peer_fetch_p50_ms"] == 0  # pulls read on their grants (a slow hold may miss one)
     assert r["serial_prepared"]["peer_fetch_p50_ms"] == 0  # prepared, then read on its grant
-    # 40 concurrent + 40 batched + 4 x 5 serial + 3 x 50 open-loop (the warm-up pulls are not counted)
-    assert r["verified_pulls"] == 40 + 40 + 20 + 150
+    assert r["open_loop_prepared"]["peer_fetch_p50_ms"] == 0
+    # 40 concurrent + 40 batched + 4 x 5 serial + 4 x 50 open-loop (the warm-up pulls are not counted)
+    assert r["verified_pulls"] == 40 + 40 + 20 + 200
 
 
 def test_load_refuses_an_unknown_open_loop_path() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "load.py"), "--open-loop-paths", "plain,bogus"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2
-    assert "--open-loop-paths: 'bogus' is not one of plain, named, granted" in out.stderr
+    assert "--open-loop-paths: 'bogus' is not one of plain, named, granted, prepared" in out.stderr
 
 
 def test_load_runs_the_serial_phases_over_each_hop_side_by_side() -> None:
