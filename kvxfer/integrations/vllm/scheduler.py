@@ -350,7 +350,8 @@ class SchedulerSide:
         names = self._decode_groups()
         if names is None:
             return
-        args = pull_arguments(spec, lambda i: _names_of(names, self.groups[i]))
+        by_index = {g.index: g for g in self.groups}
+        args = pull_arguments(spec, lambda i: _names_of(names, by_index[i]))
         for r, c in enumerate(self._sidecars()):
             try:
                 addresses = stage_addresses(remote.addresses, r // self.tp_size, self.pp_size)
