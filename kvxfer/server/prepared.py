@@ -16,6 +16,7 @@ plans or :data:`MAX_PREPARED_DESCRIPTORS` descriptors.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,9 +68,9 @@ class PreparedPull:
     warnings: tuple[str, ...]
     until: float  # time.monotonic(): dropped after
 
-    @property
+    @functools.cached_property
     def descriptors(self) -> int:
-        """Descriptors the plan holds (what it costs to keep)."""
+        """Descriptors the plan holds (what it costs to keep; counted once, as it is kept and as it goes)."""
         return sum(local.shape[0] for parts in self.per_rank.values() for local, _ in parts)
 
     def fits(self, reg: Registration, used: Mapping[int, PeerSession]) -> bool:
