@@ -171,12 +171,9 @@ class PullSteps:
     ) -> local_pb2.TransferStats | None:  # fmt: skip
         """READ with the given ids and the handshakes' regions while the lookups run (None: cannot, wait for them)."""
         entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
-        used: dict[int, PeerSession] = {}
-        for q in ranks:
-            session = await self._readable_session(entry, reg, q)
-            if session is None:
-                return None
-            used[q] = session
+        used = await self._readable_sessions(entry, reg, ranks)
+        if isinstance(used, int):
+            return None
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
@@ -206,12 +203,10 @@ class PullSteps:
         if missing:
             return f"remote_blocks: no publisher block ids for group {missing[0]!r} (the Pull looks them up)"
         ranks = self._plan_sources(entry, reg)
-        used: dict[int, PeerSession] = {}
-        for q in ranks:
-            session = await self._readable_session(entry, reg, q)
-            if session is None:
-                return f"remote_addresses[{q}]: the handshake with {entry.addresses[q]} carries no regions to plan with"
-            used[q] = session
+        used = await self._readable_sessions(entry, reg, ranks)
+        if isinstance(used, int):
+            q = used
+            return f"remote_addresses[{q}]: the handshake with {entry.addresses[q]} carries no regions to plan with"
         guess = _from_handshakes(used, remote_given, reg)
         per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
         return used, per_rank, warnings
@@ -228,6 +223,18 @@ class PullSteps:
                 return dict(plan.per_rank), list(plan.warnings)
             self.on_plan("replanned")  # a publisher or this worker registered again since
         return self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
+
+    async def _readable_sessions(
+        self, entry: PullEntry, reg: Registration, ranks: list[int]
+    ) -> dict[int, PeerSession] | int:
+        """Every rank's readable handshake (see :meth:`_readable_session`), or the first rank without one."""
+        used: dict[int, PeerSession] = {}
+        for q in ranks:
+            session = await self._readable_session(entry, reg, q)
+            if session is None:
+                return q
+            used[q] = session
+        return used
 
     async def _readable_session(self, entry: PullEntry, reg: Registration, q: int) -> PeerSession | None:
         """Rank ``q``'s handshake (cached), when it can be read from without a lookup's answer (else None)."""
