@@ -62,9 +62,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import sys
 import time
+import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -180,6 +182,7 @@ async def run(
             for hop, c in dcs.items():  # handshake, UCX warm-up, the fast socket's connection
                 await _pull_phase(pc, c, p.peer_address, src, d_alloc, 20, 4, f"warm-{hop}", bufs)
             procs = {"prefill": p.proc.pid, "decode": d.proc.pid, "driver": os.getpid()}
+            scrapes = {"prefill": p.metrics_port, "decode": d.metrics_port}
             conc, conc_s, cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "c", bufs,
                                                   procs)  # fmt: skip
             # The same load again, the worker sending its pulls ``batch`` at a time (PullBatch).
@@ -198,7 +201,7 @@ async def run(
                     for hop in async_hops or ["fast"]:
                         c = dcs.get(hop, dc)
                         by_hop.setdefault(hop, {})[OPEN_LOOP_KEYS[path]] = await _open_loop(
-                            pc, c, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng, procs,
+                            pc, c, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng, procs, scrapes,
                             f"o{path[:2]}-{hop}", name_remote=path in ("named", "granted", "prepared"),
                             expect_lead=EXPECT_LEAD_S if path in ("granted", "prepared") else None,
                             prepare=path == "prepared")  # fmt: skip
@@ -265,9 +268,8 @@ async def _pull_phase(
             ids = range(first, min(first + batch, n))
             dsts = [alloc.allocate(len(src)) for _ in ids]
             try:
-                for pages in dst_pages:  # stale contents: a pull that moved nothing cannot pass
-                    for dst in dsts:
-                        pages[dst] ^= 0xFF
+                for dst in dsts:
+                    _poison(dst_pages, dst)
                 if prepare is not None:
                     planned = await prepare.prepare(f"{tag}{first}", [peer], {"kv": dsts[0]}, remote_blocks={"kv": src})
                     if not planned:
@@ -307,7 +309,8 @@ async def _pull_phase(
 
 async def _open_loop(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, rate: float, seconds: float,
-    bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int], tag: str = "o",
+    bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int],
+    scrapes: dict[str, int], tag: str = "o",
     name_remote: bool = False, expect_lead: float | None = None, prepare: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival.
@@ -328,10 +331,10 @@ async def _open_loop(
     dst_pages, want = _views(bufs, src)
     rows: list[dict[str, float]] = []
     failed: Counter[str] = Counter()  # status code -> pulls that failed with it (an overloaded hop), not in the figures
-    in_flight = peak = 0
+    in_flight = peak = unprepared = 0
 
     async def pull(i: int) -> None:
-        nonlocal in_flight, peak
+        nonlocal in_flight, peak, unprepared
         if expect_lead is not None:
             try:
                 await dc.expect(f"{tag}{i}", [peer])
@@ -351,11 +354,11 @@ async def _open_loop(
         in_flight += 1
         peak = max(peak, in_flight)
         try:
-            for pages in dst_pages:
-                pages[dst] ^= 0xFF
+            _poison(dst_pages, dst)
             if prepare:
                 try:
-                    await dc.prepare(f"{tag}{i}", [peer], {"kv": dst}, remote_blocks={"kv": src})
+                    if not await dc.prepare(f"{tag}{i}", [peer], {"kv": dst}, remote_blocks={"kv": src}):
+                        unprepared += 1  # the sidecar declined to plan it: the Pull plans, as unprepared
                 except KvxferRpcError as exc:
                     failed[f"PREPARE_{exc.code.name}"] += 1
                     return
@@ -378,6 +381,7 @@ async def _open_loop(
 
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     tasks = []
+    gc0 = {k: await asyncio.to_thread(_gc_buckets, port) for k, port in scrapes.items()}
     cpu0 = {k: _cpu(pid) for k, pid in procs.items()}
     t0 = time.perf_counter()
     late = 0  # arrivals the driver started more than 1 ms after their time (it could not keep up)
@@ -393,8 +397,35 @@ async def _open_loop(
     return {
         "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
         "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": dict(failed), **_stats(rows),
+        "not_prepared": unprepared,
         "cpu_ms_per_pull": {k: (_cpu(pid) - cpu0[k]) * 1e3 / n for k, pid in procs.items()}, "rows": rows,
+        "gc_pauses": {k: _gc_pauses(gc0[k], await asyncio.to_thread(_gc_buckets, port)) for k, port in scrapes.items()},
     }  # fmt: skip
+
+
+def _gc_buckets(port: int) -> dict[str, float]:
+    """A sidecar's kvxfer_gc_pause_seconds as it stands: cumulative count per bucket bound, and the sum.
+
+    The generations are added up: a pause holds up every pull in flight, whichever generation it was.
+    """
+    out: Counter[str] = Counter()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        body = resp.read().decode()
+    for line in body.splitlines():
+        if line.startswith("kvxfer_gc_pause_seconds_bucket{"):
+            out[line.split('le="', 1)[1].split('"', 1)[0]] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvxfer_gc_pause_seconds_sum{"):
+            out["sum"] += float(line.rsplit(" ", 1)[1])
+    return dict(out)
+
+
+def _gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The pauses between two scrapes: how many, their seconds in all, and the bound the longest stayed under."""
+    count = after.get("+Inf", 0.0) - before.get("+Inf", 0.0)
+    bounds = sorted(float(k) for k in after if k not in ("sum", "+Inf"))
+    longest = next((b for b in bounds if after[repr(b)] - before.get(repr(b), 0.0) == count), math.inf)
+    return {"count": count, "seconds": after.get("sum", 0.0) - before.get("sum", 0.0),
+            "longest_at_most_s": longest if count else 0.0}  # fmt: skip
 
 
 def _summary(phase: list[dict[str, float]] | dict[str, Any]) -> dict[str, Any]:
@@ -422,9 +453,29 @@ def _views(bufs: tuple[SharedKVBuffer, SharedKVBuffer], src: Any) -> tuple[list[
     return [dbuf.pages(k) for k in layers], [pbuf.pages(k)[src].copy() for k in layers]
 
 
+def _pages_of(dst: Any) -> Any:
+    """``dst`` as an index into a page array: a slice when the ids are consecutive (a view, not a copy).
+
+    The driver shares its loop with every pull's answer: indexing by a slice spares it a copy per layer
+    and per pull when it poisons and checks the blocks.
+    """
+    first, n = int(dst[0]), len(dst)
+    if n == 1 or (int(dst[-1]) - first == n - 1 and bool((np.diff(dst) == 1).all())):
+        return slice(first, first + n)
+    return dst
+
+
+def _poison(dst_pages: list[Any], dst: Any) -> None:
+    """Flip every byte of the blocks ``dst``: a pull that moved nothing cannot pass the check."""
+    at = _pages_of(dst)
+    for pages in dst_pages:
+        pages[at] ^= 0xFF
+
+
 def _mismatched(dst_pages: list[Any], dst: Any, want: list[Any]) -> int:
     """Bytes of the pulled pages ``dst`` that differ from the source's."""
-    return sum(int(np.count_nonzero(pages[dst] != w)) for pages, w in zip(dst_pages, want, strict=True))
+    at = _pages_of(dst)
+    return sum(int(np.count_nonzero(pages[at] != w)) for pages, w in zip(dst_pages, want, strict=True))
 
 
 def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -505,14 +556,14 @@ def main(argv: list[str] | None = None) -> int:
         n, conc = r["pulls"], r["concurrency"]
         print(f"{n} pulls of {r['bytes_per_pull']} B, {conc} in flight")
         phases = (
-            (f"{conc} in flight, one Pull call each", r["concurrent"], r["requests_per_s"], r["cpu_ms_per_pull"]),
+            (f"{conc} in flight, one Pull call each", r["concurrent"], r["requests_per_s"], r["cpu_ms_per_pull"], None),
             (f"{conc} in flight, PullBatch of {r['batch']}", r["batched"], r["batched_requests_per_s"],
-             r["batched_cpu_ms_per_pull"]),
-            (f"one at a time ({a.serial})", r["serial"], None, None),
-            (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None),
-            (f"one at a time, held while queued: read on grants ({a.serial})", r["serial_granted"], None, None),
+             r["batched_cpu_ms_per_pull"], None),
+            (f"one at a time ({a.serial})", r["serial"], None, None, None),
+            (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None, None),
+            (f"one at a time, held while queued: read on grants ({a.serial})", r["serial_granted"], None, None, None),
             (f"one at a time, on grants, prepared {PREPARE_LEAD_S * 1e3:g} ms ahead ({a.serial})", r["serial_prepared"],
-             None, None),
+             None, None, None),
         )  # fmt: skip
         for path, key in OPEN_LOOP_KEYS.items():
             if key not in r:
@@ -521,8 +572,9 @@ def main(argv: list[str] | None = None) -> int:
             phases += ((f"open loop ({path}), Poisson arrivals at {ol['rate_per_s']:.0f}/s for {ol['pulls']} pulls "
                         f"(achieved {ol['achieved_per_s']:.0f}/s, at most {ol['max_in_flight']} in flight, "
                         f"{ol['late_arrivals']} arrivals started late, {ol['failed']} failed "
-                        f"{ol['failed_by_code'] or ''})", ol, None, ol["cpu_ms_per_pull"]),)  # fmt: skip
-        for label, st, rate, cpu in phases:
+                        f"{ol['failed_by_code'] or ''})", ol, None, ol["cpu_ms_per_pull"],
+                        ol["gc_pauses"]),)  # fmt: skip
+        for label, st, rate, cpu, gcs in phases:
             head = f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms"
             if rate is not None:
                 head += f", {rate:.0f} pulls/s (Little's law: {conc / rate * 1e3:.1f} ms in the system per pull)"
@@ -532,6 +584,11 @@ def main(argv: list[str] | None = None) -> int:
             if cpu is not None:
                 print("    CPU per pull: " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu.items())
                       + f"; sidecars together {cpu['prefill'] + cpu['decode']:.2f} ms")  # fmt: skip
+            if gcs is not None:
+                print("    GC pauses: " + ", ".join(
+                    f"{k} {g['count']:.0f} ({g['seconds'] * 1e3:.1f} ms in all, longest <= "
+                    f"{g['longest_at_most_s'] * 1e3:g} ms)" for k, g in gcs.items()
+                ))  # fmt: skip
         if len(r["by_hop"]) > 1:
             print("side by side, by worker -> sidecar hop (ms):")
             print(f"  {'phase':16s} {'hop':8s} {'latency p50':>11s} {'p99':>7s} {'overhead p50':>12s} {'p99':>7s} "

@@ -10,10 +10,13 @@ app behind an optional bearer-token check, served by wsgiref in a daemon thread.
 
 from __future__ import annotations
 
+import bisect
+import gc
 import hmac
 import socket
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any, Literal
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -27,10 +30,11 @@ from prometheus_client import (
     generate_latest,
     make_wsgi_app,
 )
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 from kvxfer import PROTOCOL_VERSION, __version__
 
-__all__ = ["Direction", "Outcome", "SidecarMetrics", "bearer_auth"]
+__all__ = ["Direction", "GcPauses", "Outcome", "SidecarMetrics", "bearer_auth"]
 
 Direction = Literal["read", "write", "push"]
 Outcome = Literal["ok", "failed", "aborted", "timeout"]
@@ -81,6 +85,9 @@ class SidecarMetrics:
         )  # fmt: skip
         self.peers = Gauge("kvxfer_peers", "Peers with a live handshake", registry=r)
         self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
+        #: kvxfer_gc_pause_seconds; the sidecar starts and stops its timing (the collector is the process's).
+        self.gc_pauses = GcPauses()
+        r.register(self.gc_pauses)
         # Pre-create the label sets a dashboard plots, so they read 0 instead of being absent.
         for d in ("read", "write", "push"):
             self.transfer_bytes.labels(direction=d, backend=backend)
@@ -190,3 +197,61 @@ def bearer_auth(app: _WsgiApp, token: str) -> _WsgiApp:
         return [body]
 
     return guarded
+
+
+GC_PAUSE_NAME = "kvxfer_gc_pause_seconds"
+GC_PAUSE_HELP = "Pauses of the sidecar process's Python garbage collector, by generation"
+#: Upper bounds (seconds) of kvxfer_gc_pause_seconds' buckets: 0.1 ms (a young generation) to 0.25 s.
+PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+GENERATIONS = (0, 1, 2)
+
+
+class GcPauses:
+    """Times each collection while started, and is the collector of ``kvxfer_gc_pause_seconds{generation}``.
+
+    Register it on a metrics registry. The callback only adds to plain lists: it runs inside the
+    collection, in whatever thread allocated, and must not take a lock that thread may hold (a
+    prometheus_client metric's).
+    """
+
+    LABELS = ("generation",)
+
+    def __init__(self) -> None:
+        self._began = 0.0
+        self._counts = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in GENERATIONS]  # per bucket, +Inf last
+        self._sums = [0.0 for _ in GENERATIONS]
+
+    def start(self) -> None:
+        """Time collections from now on."""
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> None:
+        """Stop timing them."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._began
+        gen = min(int(info["generation"]), len(GENERATIONS) - 1)
+        self._counts[gen][bisect.bisect_left(PAUSE_BUCKETS, seconds)] += 1
+        self._sums[gen] += seconds
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric's name and type (without reading the counts)."""
+        yield HistogramMetricFamily(GC_PAUSE_NAME, GC_PAUSE_HELP, labels=list(GcPauses.LABELS))
+
+    def collect(self) -> Iterator[Metric]:
+        """The histogram as it stands (prometheus_client calls this at every scrape)."""
+        family = HistogramMetricFamily(GC_PAUSE_NAME, GC_PAUSE_HELP, labels=list(GcPauses.LABELS))
+        for gen in GENERATIONS:
+            counts, running = list(self._counts[gen]), 0
+            buckets = []
+            for le, n in zip((*(repr(b) for b in PAUSE_BUCKETS), "+Inf"), counts, strict=True):
+                running += n
+                buckets.append((le, float(running)))
+            family.add_metric([str(gen)], buckets, self._sums[gen])
+        yield family

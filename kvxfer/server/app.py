@@ -29,6 +29,7 @@ from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.busy_poll import BusyPoll
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.fast_api import FastApi
+from kvxfer.server.heap import freeze_startup_heap
 from kvxfer.server.listeners import (
     SOCKET_MODE,
     bind_tcp,
@@ -107,6 +108,7 @@ class Sidecar:
         token = s.token()
         interceptors = [TokenInterceptor(token)] if token else []
         self.metrics = SidecarMetrics(s.backend)
+        self.metrics.gc_pauses.start()
         data_plane = self._dp if self._dp is not None else self._start_data_plane()
         self._dp = data_plane
         for svc in HEALTH_SERVICES:
@@ -255,6 +257,7 @@ class Sidecar:
         if self.fd_box is not None:
             await self.fd_box.close()
         if self.metrics is not None:
+            self.metrics.gc_pauses.stop()
             self.metrics.stop()
         if self._socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -305,6 +308,7 @@ async def _serve(settings: Settings) -> int:
         await sidecar.stop(0)
         raise
     assert sidecar.core is not None
+    log.debug("start-up heap frozen", extra={"objects": freeze_startup_heap()})
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -71,11 +71,14 @@ def _registry_metrics() -> dict[str, Metric]:
     """The same, read from the sidecar's own metric objects (kvxfer.metrics.SidecarMetrics)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from kvxfer.metrics import SidecarMetrics
+    from kvxfer.metrics import GcPauses, SidecarMetrics
 
     out: dict[str, Metric] = {}
     for obj in vars(SidecarMetrics(backend="nixl")).values():
-        if isinstance(obj, MetricWrapperBase):
+        if isinstance(obj, GcPauses):  # a collector of its own, not a metric object
+            for family in obj.describe():
+                out[family.name] = Metric(family.name, family.type, frozenset(obj.LABELS))
+        elif isinstance(obj, MetricWrapperBase):
             # prometheus_client keeps a counter's name without "_total" and adds it on export.
             name = obj._name + ("_total" if obj._type == "counter" else "")
             out[name] = Metric(name, obj._type, frozenset(obj._labelnames))

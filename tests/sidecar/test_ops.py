@@ -50,6 +50,7 @@ CONTRACT_METRICS = {
     "kvxfer_handshakes_total": {"outcome"},
     "kvxfer_prepared_pulls_total": {"outcome"},
     "kvxfer_peers": set(),
+    "kvxfer_gc_pause_seconds": {"generation"},
     "kvxfer_registered_bytes": set(),
 }
 
