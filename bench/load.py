@@ -408,19 +408,25 @@ def _gc_buckets(port: int) -> dict[str, float]:
 
     The generations are added up: a pause holds up every pull in flight, whichever generation it was.
     """
-    out: Counter[str] = Counter()
+    out: dict[str, float] = {}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         body = resp.read().decode()
     for line in body.splitlines():
         if line.startswith("kvxfer_gc_pause_seconds_bucket{"):
-            out[line.split('le="', 1)[1].split('"', 1)[0]] += float(line.rsplit(" ", 1)[1])
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("kvxfer_gc_pause_seconds_sum{"):
-            out["sum"] += float(line.rsplit(" ", 1)[1])
-    return dict(out)
+            out["sum"] = out.get("sum", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The pauses between two scrapes: how many, their seconds in all, and the bound the longest stayed under."""
+    """The pauses between two scrapes: how many, their seconds in all, and the bound the longest stayed under.
+
+    Empty for a sidecar that does not export them (one older than kvxfer_gc_pause_seconds).
+    """
+    if not after:
+        return {}
     count = after.get("+Inf", 0.0) - before.get("+Inf", 0.0)
     bounds = sorted(float(k) for k in after if k not in ("sum", "+Inf"))
     longest = next((b for b in bounds if after[repr(b)] - before.get(repr(b), 0.0) == count), math.inf)
@@ -587,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             if gcs is not None:
                 print("    GC pauses: " + ", ".join(
                     f"{k} {g['count']:.0f} ({g['seconds'] * 1e3:.1f} ms in all, longest <= "
-                    f"{g['longest_at_most_s'] * 1e3:g} ms)" for k, g in gcs.items()
+                    f"{g['longest_at_most_s'] * 1e3:g} ms)" if g else f"{k} not exported" for k, g in gcs.items()
                 ))  # fmt: skip
         if len(r["by_hop"]) > 1:
             print("side by side, by worker -> sidecar hop (ms):")
