@@ -23,7 +23,9 @@ pulls alone), three ways, one after the other in one run:
    lookup, and ``open_loop_prepared``, whose pulls are also prepared 1 ms ahead; the Expect and
    Prepare calls and the holds they cause run inside the phase and count in its CPU):
    pulls arriving as a Poisson process at ``R`` per second for ``--open-loop-seconds``, each
-   started when it arrives whatever is in flight. A closed loop of N in flight measures mostly its
+   started when it arrives whatever is in flight. Each phase also reports the sidecars' garbage
+   collector pauses during it (``gc_pauses``, from their ``kvxfer_gc_pause_seconds``) and, on the
+   prepared path, the Prepares the sidecar declined (``not_prepared``). A closed loop of N in flight measures mostly its
    own queue (Little's law); an open loop at a rate the sidecars sustain measures what a pull costs
    at that load.
 
