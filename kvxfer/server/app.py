@@ -108,7 +108,6 @@ class Sidecar:
         token = s.token()
         interceptors = [TokenInterceptor(token)] if token else []
         self.metrics = SidecarMetrics(s.backend)
-        self.metrics.gc_pauses.start()
         data_plane = self._dp if self._dp is not None else self._start_data_plane()
         self._dp = data_plane
         for svc in HEALTH_SERVICES:
@@ -167,6 +166,7 @@ class Sidecar:
                                                                                 "error": str(exc)})  # fmt: skip
                 self.fast_api = None
         self._serve_metrics(self.metrics)
+        self.metrics.gc_pauses.start()  # last: a start that fails leaves no callback in the collector
         for setting, address in listeners_without_credentials(s):
             log.warning("listening without credentials beyond loopback",
                         extra={"setting": setting, "address": address, "insecure": s.insecure})  # fmt: skip
