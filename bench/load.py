@@ -23,8 +23,9 @@ pulls alone), three ways, one after the other in one run:
    lookup, and ``open_loop_prepared``, whose pulls are also prepared 1 ms ahead; the Expect and
    Prepare calls and the holds they cause run inside the phase and count in its CPU):
    pulls arriving as a Poisson process at ``R`` per second for ``--open-loop-seconds``, each
-   started when it arrives whatever is in flight. Each phase also reports the sidecars' garbage
-   collector pauses during it (``gc_pauses``, from their ``kvxfer_gc_pause_seconds``) and, on the
+   started when it arrives whatever is in flight. Each phase also reports the garbage collector's
+   pauses during it (``gc_pauses``: the sidecars' from their ``kvxfer_gc_pause_seconds``, the
+   driver's own; the driver freezes its start-up heap as ``kvxfer serve`` does) and, on the
    prepared path, the Prepares the sidecar declined (``not_prepared``). A closed loop of N in flight measures mostly its
    own queue (Little's law); an open loop at a rate the sidecars sustain measures what a pull costs
    at that load.
@@ -80,6 +81,8 @@ from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster, p
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
+from kvxfer.metrics import GcPauses
+from kvxfer.server.heap import freeze_startup_heap
 from kvxfer.topology import RankInfo
 
 #: How the decode worker may reach its sidecar (--hop).
@@ -157,6 +160,7 @@ async def run(
     rank = RankInfo(0, 1)
     rng = np.random.default_rng(seed)
     os.environ.setdefault("UCX_MODULES", "^efa")  # see tests/sidecar/conftest.py
+    driver_gc = GcPauses()
     with LocalCluster(extra_flags=["--lease-seconds", "600"]) as cluster:
         p = cluster.start_sidecar("prefill", "prefill", "prefill", env=sidecar_env)
         d = cluster.start_sidecar("decode", "decode", "decode", env=sidecar_env)
@@ -183,8 +187,14 @@ async def run(
             bufs = (pbuf, dbuf)
             for hop, c in dcs.items():  # handshake, UCX warm-up, the fast socket's connection
                 await _pull_phase(pc, c, p.peer_address, src, d_alloc, 20, 4, f"warm-{hop}", bufs)
+            # The driver is a long-running worker process too: its start-up heap (torch, numpy, grpc)
+            # leaves its collector as the sidecars' does, and its own pauses are reported beside theirs
+            # (a pause of the driver holds up every answer it has not read yet).
+            freeze_startup_heap()
+            driver_gc.start()
             procs = {"prefill": p.proc.pid, "decode": d.proc.pid, "driver": os.getpid()}
-            scrapes = {"prefill": p.metrics_port, "decode": d.metrics_port}
+            scrapes: dict[str, int | GcPauses] = {"prefill": p.metrics_port, "decode": d.metrics_port,
+                                                  "driver": driver_gc}  # fmt: skip
             conc, conc_s, cpu = await _pull_phase(pc, dc, p.peer_address, src, d_alloc, pulls, concurrency, "c", bufs,
                                                   procs)  # fmt: skip
             # The same load again, the worker sending its pulls ``batch`` at a time (PullBatch).
@@ -208,6 +218,7 @@ async def run(
                             expect_lead=EXPECT_LEAD_S if path in ("granted", "prepared") else None,
                             prepare=path == "prepared")  # fmt: skip
         finally:
+            driver_gc.stop()
             await pc.close()
             for c in {*dcs.values(), dc}:
                 await c.close()
@@ -312,7 +323,7 @@ async def _pull_phase(
 async def _open_loop(
     pc: AsyncClient, dc: AsyncClient, peer: str, src: Any, alloc: BlockAllocator, rate: float, seconds: float,
     bufs: tuple[SharedKVBuffer, SharedKVBuffer], rng: np.random.Generator, procs: dict[str, int],
-    scrapes: dict[str, int], tag: str = "o",
+    scrapes: dict[str, int | GcPauses], tag: str = "o",
     name_remote: bool = False, expect_lead: float | None = None, prepare: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Pulls arriving as a Poisson process at ``rate``/s for ``seconds``, each started on arrival.
@@ -405,20 +416,25 @@ async def _open_loop(
     }  # fmt: skip
 
 
-def _gc_buckets(port: int) -> dict[str, float]:
-    """A sidecar's kvxfer_gc_pause_seconds as it stands: cumulative count per bucket bound, and the sum.
+def _gc_buckets(source: int | GcPauses) -> dict[str, float]:
+    """kvxfer_gc_pause_seconds as it stands: cumulative count per bucket bound, and the sum.
 
-    The generations are added up: a pause holds up every pull in flight, whichever generation it was.
+    ``source``: a sidecar's metrics port, or this process's own timer. The generations are added
+    up: a pause holds up every pull in flight, whichever generation it was.
     """
+    if isinstance(source, GcPauses):
+        samples = [(s.name, s.labels.get("le"), s.value) for fam in source.collect() for s in fam.samples]
+    else:
+        with urllib.request.urlopen(f"http://127.0.0.1:{source}/metrics", timeout=10) as resp:
+            body = resp.read().decode()
+        samples = [(ln.split("{", 1)[0], ln.split('le="', 1)[1].split('"', 1)[0] if 'le="' in ln else None,
+                    float(ln.rsplit(" ", 1)[1]))
+                   for ln in body.splitlines() if ln.startswith("kvxfer_gc_pause_seconds_")]  # fmt: skip
     out: dict[str, float] = {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        body = resp.read().decode()
-    for line in body.splitlines():
-        if line.startswith("kvxfer_gc_pause_seconds_bucket{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
-        elif line.startswith("kvxfer_gc_pause_seconds_sum{"):
-            out["sum"] = out.get("sum", 0.0) + float(line.rsplit(" ", 1)[1])
+    for name, le, value in samples:
+        key = le if name.endswith("_bucket") and le is not None else "sum" if name.endswith("_sum") else None
+        if key is not None:
+            out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -30,8 +30,8 @@ def test_load_runs_every_phase_and_every_open_loop_path() -> None:
     assert r["serial_prepared"]["peer_fetch_p50_ms"] == 0  # prepared, then read on its grant
     assert r["open_loop_prepared"]["peer_fetch_p50_ms"] == 0
     assert r["open_loop_prepared"]["not_prepared"] == 0  # every Prepare planned its pull
-    for key in ("open_loop", "open_loop_prepared"):  # the sidecars' collector pauses during the phase
-        for side in ("prefill", "decode"):
+    for key in ("open_loop", "open_loop_prepared"):  # the collector pauses during the phase
+        for side in ("prefill", "decode", "driver"):
             pauses = r[key]["gc_pauses"][side]
             # the longest pause's bucket bound exists exactly when there was a pause
             assert (pauses["longest_at_most_s"] > 0) == (pauses["count"] > 0)
