@@ -26,9 +26,9 @@ pulls alone), three ways, one after the other in one run:
    started when it arrives whatever is in flight. Each phase also reports the garbage collector's
    pauses during it (``gc_pauses``: the sidecars' from their ``kvxfer_gc_pause_seconds``, the
    driver's own; the driver freezes its start-up heap as ``kvxfer serve`` does) and, on the
-   prepared path, the Prepares the sidecar declined (``not_prepared``). A closed loop of N in flight measures mostly its
-   own queue (Little's law); an open loop at a rate the sidecars sustain measures what a pull costs
-   at that load.
+   prepared path, the Prepares the sidecar declined (``not_prepared``). A closed loop of N in
+   flight measures mostly its own queue (Little's law); an open loop at a rate the sidecars sustain
+   measures what a pull costs at that load.
 
 ``--hop`` picks how the decode worker reaches its sidecar: ``fast`` (the default, as
 ``kvxfer.client``'s async client does: the fast socket ``<socket>.fast``, else gRPC), ``grpc``
