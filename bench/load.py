@@ -75,13 +75,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer.client import AsyncClient, Client, KvxferRpcError, PullItem, PullResult
 from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster, parse_sidecar_env
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
-from kvxfer.metrics import GcPauses
+from kvxfer.metrics import GC_PAUSE_NAME, GcPauses
 from kvxfer.server.heap import freeze_startup_heap
 from kvxfer.topology import RankInfo
 
@@ -423,13 +424,11 @@ def _gc_buckets(source: int | GcPauses) -> dict[str, float]:
     up: a pause holds up every pull in flight, whichever generation it was.
     """
     if isinstance(source, GcPauses):
-        samples = [(s.name, s.labels.get("le"), s.value) for fam in source.collect() for s in fam.samples]
+        families = list(source.collect())
     else:
         with urllib.request.urlopen(f"http://127.0.0.1:{source}/metrics", timeout=10) as resp:
-            body = resp.read().decode()
-        samples = [(ln.split("{", 1)[0], ln.split('le="', 1)[1].split('"', 1)[0] if 'le="' in ln else None,
-                    float(ln.rsplit(" ", 1)[1]))
-                   for ln in body.splitlines() if ln.startswith("kvxfer_gc_pause_seconds_")]  # fmt: skip
+            families = list(text_string_to_metric_families(resp.read().decode()))
+    samples = [(s.name, s.labels.get("le"), s.value) for f in families if f.name == GC_PAUSE_NAME for s in f.samples]
     out: dict[str, float] = {}
     for name, le, value in samples:
         key = le if name.endswith("_bucket") and le is not None else "sum" if name.endswith("_sum") else None

@@ -308,7 +308,8 @@ async def _serve(settings: Settings) -> int:
         await sidecar.stop(0)
         raise
     assert sidecar.core is not None
-    log.debug("start-up heap frozen", extra={"objects": freeze_startup_heap()})
+    frozen = freeze_startup_heap()
+    log.debug("start-up heap frozen", extra={"objects": frozen})
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
