@@ -184,6 +184,12 @@ class Settings(BaseModel):
         "socket or the peer frames listener: saves waking up on the next pull and costs a core while it polls "
         "(0: off)",
     )  # fmt: skip
+    busy_poll_above_rate: float = Field(
+        500.0, ge=0.0, le=1e6,
+        description="keep the event loop polling, never sleeping, while calls on the fast socket or the peer frames "
+        "listener come faster than this many a second (a running mean): at such a rate the loop is busy most of the "
+        "time anyway, and the wake-ups it spares are the tail of a loaded sidecar's latency (0: off)",
+    )  # fmt: skip
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
     metrics_auth: Literal["token", "none"] | None = Field(
         None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"

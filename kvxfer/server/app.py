@@ -130,8 +130,9 @@ class Sidecar:
         # cost the publisher CPU on every pull.
         peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch"))
         peer_api = PeerServicer(self.core, client_certs=s.tls_ca is not None)
-        # Off (window 0) unless --busy-poll-seconds: polling costs a core while it lasts.
-        busy = self.busy_poll = BusyPoll(asyncio.get_running_loop(), s.busy_poll_seconds)
+        # Polls while the hot calls come fast (--busy-poll-above-rate); a window after every call only
+        # with --busy-poll-seconds: polling costs a core while it lasts.
+        busy = self.busy_poll = BusyPoll(asyncio.get_running_loop(), s.busy_poll_seconds, s.busy_poll_above_rate)
         self._serve(peer, PEER_SERVICE, peer_api, peer_limits)
         if s.peer_frames:
             # The hot peer calls as frames beside it: same servicer, limits, TLS and token.

@@ -1,4 +1,4 @@
-"""Busy polling: the event loop never sleeps for a while after each hot call (``--busy-poll-seconds``).
+"""Busy polling: the event loop does not sleep between hot calls while they come fast, or for a while after each.
 
 A sidecar whose event loop sleeps in ``epoll_wait`` between calls pays for waking up on the next
 one: on the lent VMs a thread that slept takes 100-200 us to run again (docs/notes/gpu.md, runs 10
@@ -6,11 +6,19 @@ and 11), on every pull's way in. Kept polling, the loop sees the frame as soon a
 
 :class:`BusyPoll` keeps one callback scheduled while it is on, so the loop polls its sockets with a
 zero timeout on every turn; each frame on the fast socket or the peer frames listener
-(:mod:`kvxfer.server.fast_api`) calls :meth:`BusyPoll.poke`, which keeps it on for ``window``
-seconds more. The decode scheduler's Expect comes before its workers' pulls, and a prefill
-sidecar's Hold before its lookups and notices, so a window of tens of milliseconds covers the pull
-that follows while an idle sidecar still sleeps. It costs a core for as long as it polls, which is
-why it is off by default: for hosts that give each sidecar a core of its own.
+(:mod:`kvxfer.server.fast_api`) calls :meth:`BusyPoll.poke`. Two things keep it on:
+
+- **the rate** (``--busy-poll-above-rate``, on by default): while the hot calls come faster than
+  that many a second (a running mean over about the last eight gaps between them), each keeps
+  the loop polling for :data:`RATE_WINDOW_GAPS` gaps at that rate. At such a rate the loop is
+  busy most of the time anyway, so polling its short idle gaps costs little of a core, and the
+  wake-ups it spares are what the tail of a loaded sidecar's latency is made of. Once the calls
+  slow down, the loop sleeps again within a few milliseconds;
+- **a window** (``--busy-poll-seconds``, off by default): each call keeps it polling that many
+  seconds more whatever the rate. The decode scheduler's Expect comes before its workers' pulls,
+  and a prefill sidecar's Hold before its lookups and notices, so a window of tens of
+  milliseconds covers the pull that follows even when pulls are rare. It costs a core for as long
+  as it polls: for hosts that give each sidecar a core of its own.
 """
 
 from __future__ import annotations
@@ -18,19 +26,33 @@ from __future__ import annotations
 import asyncio
 import time
 
-__all__ = ["BusyPoll"]
+__all__ = ["GAP_WEIGHT", "RATE_WINDOW_GAPS", "BusyPoll"]
+
+#: Weight of the newest gap in the running mean of the gaps between hot calls (about the last eight).
+GAP_WEIGHT = 0.125
+#: While the calls come faster than the rate, each keeps the loop polling this many gaps at that rate.
+#: A gap longer than this counts as this long in the mean: an idle spell must not take the mean so
+#: high that a burst of calls needs hundreds of them to bring it back.
+RATE_WINDOW_GAPS = 4.0
 
 
 class BusyPoll:
-    """Keeps ``loop`` polling, never sleeping, until ``window`` seconds after the last :meth:`poke`."""
+    """Keeps ``loop`` polling, never sleeping, while hot calls come faster than ``rate`` a second, and
+    until ``window`` seconds after the last :meth:`poke` (0 turns either off)."""
 
-    __slots__ = ("_loop", "_on", "_until", "polls", "window")
+    __slots__ = ("_last", "_loop", "_mean_gap", "_on", "_rate_gap", "_until", "polls", "rate", "window")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, window: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, window: float, rate: float = 0.0) -> None:
         if window < 0:
             raise ValueError(f"window: must be >= 0 seconds, got {window}")
+        if rate < 0:
+            raise ValueError(f"rate: must be >= 0 calls a second, got {rate}")
         self._loop = loop
         self.window = window
+        self.rate = rate
+        self._rate_gap = 1.0 / rate if rate > 0 else 0.0  # the mean gap below which the loop polls
+        self._mean_gap = RATE_WINDOW_GAPS * self._rate_gap  # as after an idle spell
+        self._last = -1.0  # time.monotonic() of the last poke (none yet)
         self._until = 0.0
         self._on = False
         #: Loop turns taken while polling (tests, and a check that it stops).
@@ -41,11 +63,25 @@ class BusyPoll:
         """Whether the loop is kept polling now."""
         return self._on
 
+    @property
+    def mean_gap(self) -> float:
+        """The running mean of the seconds between hot calls (capped; meaningful only with a rate)."""
+        return self._mean_gap
+
     def poke(self) -> None:
-        """A hot call arrived: keep polling for ``window`` seconds from now (nothing when 0)."""
-        if self.window <= 0:
+        """A hot call arrived: keep polling while the calls come fast, and for ``window`` seconds from now."""
+        now = time.monotonic()
+        until = now + self.window if self.window > 0 else 0.0
+        if self._rate_gap > 0:
+            cap = RATE_WINDOW_GAPS * self._rate_gap
+            if self._last >= 0:
+                self._mean_gap += GAP_WEIGHT * (min(now - self._last, cap) - self._mean_gap)
+            self._last = now
+            if self._mean_gap < self._rate_gap:
+                until = max(until, now + cap)
+        if until <= self._until:
             return
-        self._until = time.monotonic() + self.window
+        self._until = until
         if not self._on:
             self._on = True
             self._loop.call_soon(self._turn)

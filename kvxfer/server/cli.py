@@ -39,7 +39,7 @@ def _metavar(name: str, f: FieldInfo) -> str:
     if inner is int:
         return "PORT" if name.endswith("_port") else "N"
     if inner is float:
-        return "SECONDS"
+        return "PER_SECOND" if name.endswith("_rate") else "SECONDS"
     if name.endswith("_listen"):
         return "HOST:PORT"
     if name.endswith("_host"):

@@ -662,6 +662,7 @@ SCHEMA_BOUNDS = {
     "drainSeconds": "drain_seconds",
     "maxMessageBytes": "max_message_bytes",
     "busyPollSeconds": "busy_poll_seconds",
+    "busyPollAboveRate": "busy_poll_above_rate",
 }
 
 
@@ -698,3 +699,13 @@ def test_busy_poll_is_off_unless_asked(helm_render: Path, tmp_path: Path) -> Non
                 flags = [a for a in sidecar["args"] if a.startswith("--busy-poll-seconds")]
                 assert flags == ([] if want is None else [f"--busy-poll-seconds={want}"])
                 assert settings.busy_poll_seconds == (want or 0.0)
+
+
+def test_busy_poll_above_a_rate_by_default(helm_render: Path, tmp_path: Path) -> None:
+    """sidecar.busyPollAboveRate: 500 calls a second by default, as the sidecar's own; 0 turns it off."""
+    for values, want in (({}, 500.0), ({"sidecar": {"busyPollAboveRate": 0}}, 0.0)):
+        for spec in pod_specs(_render_values(helm_render, tmp_path, values)).values():
+            for sidecar, settings in zip(sidecars(spec), sidecar_settings(spec, tmp_path), strict=True):
+                flags = [a for a in sidecar["args"] if a.startswith("--busy-poll-above-rate")]
+                assert flags == [f"--busy-poll-above-rate={want:g}"]
+                assert settings.busy_poll_above_rate == want

@@ -1,8 +1,11 @@
-"""``--busy-poll-seconds``: the sidecar's event loop keeps polling for a while after each hot call.
+"""Busy polling: the sidecar's event loop keeps polling while hot calls come fast, or for a while after each.
 
-Off by default (an idle sidecar sleeps); on, a frame on the fast socket or the peer frames listener
-keeps the loop turning without sleeping for the window, then it sleeps again. How much that saves
-is measured by ``bench/gpu/sidecar_vram_bench.py --sidecar-env KVXFER_BUSY_POLL_SECONDS=...``, not here.
+``--busy-poll-above-rate`` (500 calls a second by default): while the calls on the fast socket or
+the peer frames listener come faster than that, the loop keeps turning without sleeping, and
+sleeps again once they slow down. ``--busy-poll-seconds`` (off by default): each call keeps it
+polling for that window, whatever the rate. How much that saves is measured by
+``bench/load.py --sidecar-env KVXFER_BUSY_POLL_ABOVE_RATE=...`` and
+``bench/gpu/sidecar_vram_bench.py --sidecar-env KVXFER_BUSY_POLL_SECONDS=...``, not here.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import pytest
 
 from kvxfer.config import ConfigError, load_settings
-from kvxfer.server.busy_poll import BusyPoll
+from kvxfer.server.busy_poll import RATE_WINDOW_GAPS, BusyPoll
 from tests.sidecar.helpers import Harness, attention, transfer
 
 LAY = attention()
@@ -52,6 +55,70 @@ def test_a_negative_window_is_refused_by_name() -> None:
     assert load_settings({}, env={}).busy_poll_seconds == 0.0  # off by default
 
 
+async def test_calls_faster_than_the_rate_keep_it_polling_until_they_slow_down() -> None:
+    poll = BusyPoll(asyncio.get_running_loop(), 0.0, rate=100.0)  # polls while the mean gap is under 10 ms
+    assert poll.mean_gap == pytest.approx(RATE_WINDOW_GAPS / 100.0)  # as after an idle spell
+    for _ in range(5):  # fast, but too few to bring the mean under 10 ms: a handful of calls is no rate
+        poll.poke()
+    assert (poll.on, poll.polls) == (False, 0)
+    for _ in range(10):
+        poll.poke()
+    assert poll.mean_gap < 0.01
+    assert poll.on
+    await asyncio.sleep(0.02)  # within RATE_WINDOW_GAPS gaps at the rate (40 ms) of the last call
+    assert poll.on
+    assert poll.polls > 5
+    await asyncio.sleep(0.1)
+    assert not poll.on  # no call for longer than the window: it sleeps again
+    stopped = poll.polls
+    # Calls slower than the rate (a gap of 15 ms each) never turn it on, however many.
+    slow = BusyPoll(asyncio.get_running_loop(), 0.0, rate=100.0)
+    for _ in range(8):
+        slow.poke()
+        await asyncio.sleep(0.015)
+    assert (slow.on, slow.polls) == (False, 0)
+    assert slow.mean_gap > 0.01
+    assert poll.polls == stopped
+
+
+async def test_a_zero_rate_never_polls() -> None:
+    poll = BusyPoll(asyncio.get_running_loop(), 0.0, rate=0.0)
+    for _ in range(100):
+        poll.poke()
+    await asyncio.sleep(0.01)
+    assert (poll.on, poll.polls) == (False, 0)
+
+
+def test_a_negative_rate_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="rate: must be >= 0 calls a second, got -5"):
+        BusyPoll(asyncio.new_event_loop(), 0.0, rate=-5.0)
+    with pytest.raises(ConfigError) as info:
+        load_settings({"busy_poll_above_rate": -1}, env={})
+    assert info.value.field == "busy_poll_above_rate"
+    assert "-1" in info.value.message
+    assert load_settings({}, env={}).busy_poll_above_rate == 500.0  # on by default
+
+
+async def test_a_burst_of_expects_turns_it_on_and_the_sidecar_sleeps_after(harness: Harness) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, busy_poll_above_rate=50.0)
+    decode = ds[0].busy_poll
+    assert decode is not None
+    assert (decode.window, decode.rate) == (0.0, 50.0)
+    await asyncio.sleep(0.3)
+    assert not decode.on
+    for i in range(30):  # one after the other on the fast socket: each a round trip well under 20 ms
+        await pw[0].prefill(f"b{i}", {"kv": [1]}, salt=i)
+        assert await dw[0].client.expect(f"b{i}", [ps[0].peer_address])
+    assert decode.on
+    assert decode.mean_gap < 0.02
+    await asyncio.sleep(0.3)  # past RATE_WINDOW_GAPS gaps at 50 a second (80 ms) after the last
+    assert not decode.on
+    polled = decode.polls
+    assert polled > 0
+    await asyncio.sleep(0.05)
+    assert decode.polls == polled
+
+
 async def test_hot_calls_turn_it_on_and_an_idle_sidecar_sleeps(harness: Harness) -> None:
     ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, busy_poll_seconds=0.5)
     decode, prefill = ds[0].busy_poll, ps[0].busy_poll
@@ -77,9 +144,10 @@ async def test_hot_calls_turn_it_on_and_an_idle_sidecar_sleeps(harness: Harness)
 
 
 async def test_off_by_default(harness: Harness) -> None:
+    """No window by default, and a pull now and then is no rate: the sidecar sleeps between them."""
     sc = await harness.sidecar()
     assert sc.busy_poll is not None
-    assert sc.busy_poll.window == 0.0
+    assert (sc.busy_poll.window, sc.busy_poll.rate) == (0.0, 500.0)
     (_ps, pw, ds, dw) = await harness.deployment({"kv": LAY}, {"kv": LAY})
     await transfer(pw, _ps, dw, "r1", {"kv": [1]}, {"kv": [2]}, salt=1)
     assert ds[0].busy_poll is not None
