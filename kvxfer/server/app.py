@@ -125,10 +125,10 @@ class Sidecar:
             channel_credentials=channel_credentials(s), on_serving=self._set_serving,
             fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
-        # A pull's lookups and notices never wait on anything (their Publisher methods are plain
+        # A pull's lookups, notices and holds never wait on anything (their Publisher methods are plain
         # functions, awaiting nothing; keep them so): a timer per call (the default limit) would only
         # cost the publisher CPU on every pull.
-        peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch"))
+        peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch", "Hold"))
         peer_api = PeerServicer(self.core, client_certs=s.tls_ca is not None)
         # Polls while the hot calls come fast (--busy-poll-above-rate); a window after every call only
         # with --busy-poll-seconds: polling costs a core while it lasts.
@@ -142,7 +142,9 @@ class Sidecar:
         local = self._local_server = grpc.aio.server(interceptors=interceptors, options=opts)
         # A pull runs under min(timeout_seconds, --transfer-timeout-seconds, the caller's deadline)
         # inside the core; a second timer per call would only cost time on the hot path.
-        local_limits = {"Pull": None, "PullBatch": None, "Drain": s.drain_seconds + 30.0, "RegisterCaches": 120.0}
+        # Expect and Publish await nothing (as the peer calls above): a timer could never fire.
+        local_limits = {"Pull": None, "PullBatch": None, "Expect": None, "Publish": None,
+                        "Drain": s.drain_seconds + 30.0, "RegisterCaches": 120.0}  # fmt: skip
         local_api = LocalServicer(self.core)
         self._serve(local, LOCAL_SERVICE, local_api, local_limits)
         self._bind_local(local)

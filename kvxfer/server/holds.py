@@ -4,8 +4,9 @@ vLLM queues a decode request before it allocates the blocks its KV goes into, an
 just-started decode instance may keep it queued longer than the prefill side's lease. The worker
 says so with ``Expect(request_id, remote_addresses)`` when the request arrives; this sidecar then
 sends each publisher one peer ``Hold`` for every request it expects from it, at once (a request
-expected between two rounds is held right away, with any others expected while that Hold is out
-going together in the next: its pull may start within milliseconds and should read on a grant) and
+expected between two rounds is held right away, with any others expected while that Hold is out,
+or within :data:`FRESH_HOLD_SPACING_S` of it, going together in the next: its pull may start
+within milliseconds and should read on a grant) and
 every :func:`hold_period` seconds, until the request's Pull starts, it is aborted, a publisher
 answers that it no longer holds it, or ``--max-hold-seconds`` have passed. The publisher extends
 each lease by its own ``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
@@ -35,6 +36,11 @@ __all__ = ["Holds", "hold_period"]
 log = get_logger("kvxfer.server")
 
 HOLD_BATCH = MAX_BATCH  # request ids in one peer Hold (the publisher refuses more)
+#: Newly expected requests are held at once, but at most one such Hold leaves per this many seconds:
+#: under load (a request expected every millisecond or so) the ones expected meanwhile go together,
+#: halving the Holds both sidecars handle, while a request expected now and then is held at once.
+#: Its pull follows after vLLM has queued and allocated it, which takes longer than this.
+FRESH_HOLD_SPACING_S = 0.002
 
 
 def hold_period(settings: Settings) -> float:
@@ -63,6 +69,9 @@ class Holds:
         self._task: asyncio.Task[None] | None = None
         self._fresh: dict[str, list[str]] = {}  # newly expected requests by address, not held yet
         self._fresh_task: asyncio.Task[None] | None = None  # sends them (see _hold_fresh)
+        self._fresh_sent = -FRESH_HOLD_SPACING_S  # time.monotonic() the last of them left
+        #: Holds of newly expected requests sent (tests: how many went together).
+        self.fresh_holds = 0
 
     def expect(self, request_id: str, addresses: list[str]) -> bool:
         """Hold ``request_id`` at ``addresses`` from now on; False when it was already expected."""
@@ -80,9 +89,15 @@ class Holds:
         return new
 
     async def _hold_fresh(self) -> None:
-        """Hold the newly expected requests now; those expected meanwhile go in the next Holds (batched)."""
+        """Hold the newly expected requests now, or FRESH_HOLD_SPACING_S after the last such Hold left;
+        those expected meanwhile go in the next Holds (batched)."""
         while self._fresh:
+            wait = self._fresh_sent + FRESH_HOLD_SPACING_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
             fresh, self._fresh = self._fresh, {}
+            self._fresh_sent = time.monotonic()
+            self.fresh_holds += 1
             still = {a: [r for r in rids if r in self.expected] for a, rids in fresh.items()}
             await self._hold_all({a: rids for a, rids in still.items() if rids})
 

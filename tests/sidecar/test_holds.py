@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
+import pytest
 
+from kvxfer.server import holds as holds_module
 from tests.sidecar.helpers import Harness, attention, expect_error
 
 LEASE = 1.0  # seconds; holds go out every LEASE / 3
@@ -137,3 +140,41 @@ async def test_requests_expected_together_share_their_first_holds(harness: Harne
         await asyncio.sleep(0.01)
     assert set(rids) <= grants.keys()
     assert holds == [1, 12]  # one Hold for the twelve, not one each
+
+
+async def test_fresh_holds_leave_at_most_one_per_spacing(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request expected now and then is held at once; those expected soon after go together."""
+    monkeypatch.setattr(holds_module, "FRESH_HOLD_SPACING_S", 0.3)  # wide, so that no host is too slow for it
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    assert ps[0].core is not None
+    assert ds[0].core is not None
+    sizes: list[int] = []
+    answer = ps[0].core.peer_hold
+
+    async def counted(req: Any, *args: Any) -> Any:
+        sizes.append(len(req.request_ids))
+        return await answer(req, *args)
+
+    ps[0].core.peer_hold = counted  # type: ignore[method-assign]
+    for i, rid in enumerate(("first", "a", "b", "c")):
+        await pw[0].prefill(rid, {"kv": [i]}, salt=i)
+    holds, grants = ds[0].core.holds, ds[0].core.holds.grants
+
+    async def granted(*rids: str) -> float:
+        t0 = time.monotonic()
+        for _ in range(300):
+            if set(rids) <= grants.keys():
+                return time.monotonic() - t0
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"no grants for {rids} within 1.5 s")
+
+    await dw[0].client.expect("first", [ps[0].peer_address])  # starts the rounds
+    await granted("first")
+    await dw[0].client.expect("a", [ps[0].peer_address])  # the first fresh Hold: at once
+    assert await granted("a") < 0.25
+    for rid in ("b", "c"):  # within the spacing of a's Hold: they wait for it, and go together
+        await dw[0].client.expect(rid, [ps[0].peer_address])
+    await granted("b", "c")
+    assert sizes == [1, 1, 2]
+    assert holds.fresh_holds == 2
