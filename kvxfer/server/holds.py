@@ -39,7 +39,7 @@ HOLD_BATCH = MAX_BATCH  # request ids in one peer Hold (the publisher refuses mo
 #: Newly expected requests are held at once, but at most one such Hold leaves per this many seconds:
 #: under load (a request expected every millisecond or so) the ones expected meanwhile go together,
 #: halving the Holds both sidecars handle, while a request expected now and then is held at once.
-#: Its pull follows after vLLM has queued and allocated it, which takes longer than this.
+#: A pull that comes before its grant reads ahead of its lookup instead (kvxfer.server.pull_steps).
 FRESH_HOLD_SPACING_S = 0.002
 
 

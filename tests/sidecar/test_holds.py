@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from kvxfer.server import holds as holds_module
+from kvxfer.server.app import Sidecar
 from tests.sidecar.helpers import Harness, attention, expect_error
 
 LEASE = 1.0  # seconds; holds go out every LEASE / 3
@@ -113,16 +114,8 @@ async def test_a_request_expected_between_rounds_is_held_at_once(harness: Harnes
 async def test_requests_expected_together_share_their_first_holds(harness: Harness) -> None:
     lay = attention()
     ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
-    assert ps[0].core is not None
     assert ds[0].core is not None
-    holds: list[int] = []
-    answer = ps[0].core.peer_hold
-
-    async def counted(req: Any, *args: Any) -> Any:
-        holds.append(len(req.request_ids))
-        return await answer(req, *args)
-
-    ps[0].core.peer_hold = counted  # type: ignore[method-assign]
+    holds = _hold_sizes(ps[0])
     rids = [f"r{i}" for i in range(12)]
     for i, rid in enumerate(rids):
         await pw[0].prefill(rid, {"kv": [i]}, salt=i)
@@ -147,16 +140,8 @@ async def test_fresh_holds_leave_at_most_one_per_spacing(harness: Harness, monke
     monkeypatch.setattr(holds_module, "FRESH_HOLD_SPACING_S", 0.3)  # wide, so that no host is too slow for it
     lay = attention()
     ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
-    assert ps[0].core is not None
     assert ds[0].core is not None
-    sizes: list[int] = []
-    answer = ps[0].core.peer_hold
-
-    async def counted(req: Any, *args: Any) -> Any:
-        sizes.append(len(req.request_ids))
-        return await answer(req, *args)
-
-    ps[0].core.peer_hold = counted  # type: ignore[method-assign]
+    sizes = _hold_sizes(ps[0])
     for i, rid in enumerate(("first", "a", "b", "c")):
         await pw[0].prefill(rid, {"kv": [i]}, salt=i)
     holds, grants = ds[0].core.holds, ds[0].core.holds.grants
@@ -178,3 +163,17 @@ async def test_fresh_holds_leave_at_most_one_per_spacing(harness: Harness, monke
     await granted("b", "c")
     assert sizes == [1, 1, 2]
     assert holds.fresh_holds == 2
+
+
+def _hold_sizes(prefill: Sidecar) -> list[int]:
+    """How many request ids each peer Hold that reaches ``prefill`` carries, in order (filled as they come)."""
+    assert prefill.core is not None
+    sizes: list[int] = []
+    answer = prefill.core.peer_hold
+
+    async def counted(req: Any, *args: Any) -> Any:
+        sizes.append(len(req.request_ids))
+        return await answer(req, *args)
+
+    prefill.core.peer_hold = counted  # type: ignore[method-assign]
+    return sizes
