@@ -39,10 +39,7 @@ thread: what a synchronous worker gets; serial phases only), a comma-separated l
 within each phase kind, and a side-by-side table follows (``by_hop`` in the JSON). The concurrent
 and batched phases use the last async hop.
 
-Every pulled byte is compared with its source: in the open loop for all the pulls that landed in
-the last 10 ms at once, off each pull's path (``kvxfer.harness.landing``; a worker does not read its
-blocks back, and the driver's loop also reads every other pull's answer), one pull after another
-in the other phases. What is measured, per pull (``wait=True``):
+Every pulled byte is compared with its source. What is measured, per pull (``wait=True``):
 
 * ``latency``: the decode worker's wall time for its Pull (or PullBatch) call;
 * ``data``: the data movement itself, as the decode sidecar measured it: from handing the
@@ -82,7 +79,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer.client import AsyncClient, Client, KvxferRpcError, PullItem, PullResult
 from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster, parse_sidecar_env
-from kvxfer.harness.landing import BatchLanding
 from kvxfer.harness.worker_sim import fill_blocks, verify_blocks
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import SharedKVBuffer
@@ -138,8 +134,6 @@ EXPECT_LEAD_S = 0.02
 #: serial_prepared: from the Prepare's answer to the worker's Pull (vLLM: from allocating the blocks
 #: to the workers' start_load_kv, the rest of the engine step).
 PREPARE_LEAD_S = 0.001
-#: How often the open loop checks the pulls that landed since (kvxfer.harness.landing.BatchLanding).
-CHECK_EVERY_S = 0.01
 #: The serial phases, one after the other: (key, request id tag, name the publisher's ids, expect, prepare).
 SERIAL_KINDS = (
     ("serial", "s", False, False, False),
@@ -348,9 +342,7 @@ async def _open_loop(
             await pc.publish(f"{tag}{i}", {"kv": src})
 
     await asyncio.gather(*(publish(i) for i in range(n)))
-    # Every byte is checked, but for all the pulls that landed in the last CHECK_EVERY_S at once, off
-    # their path: a worker does not read its blocks back, and the driver's loop reads every answer.
-    landing = BatchLanding(*_views(bufs, src), alloc)
+    dst_pages, want = _views(bufs, src)
     rows: list[dict[str, float]] = []
     failed: Counter[str] = Counter()  # status code -> pulls that failed with it (an overloaded hop), not in the figures
     in_flight = peak = unprepared = 0
@@ -375,8 +367,8 @@ async def _open_loop(
             return
         in_flight += 1
         peak = max(peak, in_flight)
-        row: dict[str, float] | None = None  # its blocks came poisoned (BatchLanding)
         try:
+            _poison(dst_pages, dst)
             if prepare:
                 try:
                     if not await dc.prepare(f"{tag}{i}", [peer], {"kv": dst}, remote_blocks={"kv": src}):
@@ -394,19 +386,13 @@ async def _open_loop(
                 failed[exc.code.name] += 1
                 return
             lat = time.perf_counter() - t
-            row = {"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
-                   "fetch": res.fetch_seconds, "bad": -1}  # fmt: skip
-            rows.append(row)
+            bad = _mismatched(dst_pages, dst, want)
+            rows.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
+                         "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
         finally:
             in_flight -= 1
-            landing.add(dst, row)  # checked (if it landed), poisoned again and released at the next check
+            alloc.release(dst)
 
-    async def check() -> None:
-        while True:
-            await asyncio.sleep(CHECK_EVERY_S)
-            landing.check()
-
-    checker = asyncio.ensure_future(check())
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     tasks = []
     gc0 = {k: await asyncio.to_thread(_gc_buckets, port) for k, port in scrapes.items()}
@@ -422,11 +408,6 @@ async def _open_loop(
         tasks.append(asyncio.ensure_future(pull(i)))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
-    checker.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await checker
-    landing.check()
-    assert landing.checked == len(rows), (landing.checked, len(rows))
     return {
         "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
         "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": dict(failed), **_stats(rows),

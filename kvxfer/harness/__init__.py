@@ -4,7 +4,5 @@
   synthetic worker processes on loopback.
 * :mod:`kvxfer.harness.worker_sim`: a synthetic worker (``python -m kvxfer.harness.worker_sim``)
   that registers caches, fills, publishes, pulls and verifies blocks byte for byte.
-* :mod:`kvxfer.harness.landing`: :class:`~kvxfer.harness.landing.BatchLanding`, the load bench's
-  byte checks of pulled pages, batched off each pull's path.
 * :mod:`kvxfer.harness.demo`: ``kvxfer demo``.
 """

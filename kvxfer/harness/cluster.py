@@ -151,10 +151,6 @@ class BlockAllocator:
         """Return blocks."""
         self._free[ids] = True
 
-    def free_ids(self) -> I64:
-        """The free blocks' ids, ascending."""
-        return np.flatnonzero(self._free).astype(np.int64)
-
 
 class LocalCluster:
     """Sidecar and worker processes on this machine, torn down by :meth:`close`."""
