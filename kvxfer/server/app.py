@@ -26,7 +26,7 @@ from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.server.busy_poll import BusyPoll
+from kvxfer.server.busy_poll import BusyPoll, cpu_limit_cores, rate_under_limit
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.fast_api import FastApi
 from kvxfer.server.heap import freeze_startup_heap
@@ -130,9 +130,17 @@ class Sidecar:
         # cost the publisher CPU on every pull.
         peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch", "Hold"))
         peer_api = PeerServicer(self.core, client_certs=s.tls_ca is not None)
-        # Polls while the hot calls come fast (--busy-poll-above-rate); a window after every call only
-        # with --busy-poll-seconds: polling costs a core while it lasts.
-        busy = self.busy_poll = BusyPoll(asyncio.get_running_loop(), s.busy_poll_seconds, s.busy_poll_above_rate)
+        # Polls while the hot calls come fast (--busy-poll-above-rate; by default not under a CPU limit
+        # below 1.5 cores); a window after every call only with --busy-poll-seconds: polling costs a
+        # core while it lasts.
+        asked = "busy_poll_above_rate" in s.model_fields_set
+        rate, why = rate_under_limit(s.busy_poll_above_rate, cpu_limit_cores(), asked=asked)
+        if why:
+            if asked:
+                log.warning("busy polling above a rate under a tight CPU limit", extra={"why": why, "rate": rate})
+            else:
+                log.info("busy polling above a rate is off", extra={"why": why, "hint": "--busy-poll-above-rate"})
+        busy = self.busy_poll = BusyPoll(asyncio.get_running_loop(), s.busy_poll_seconds, rate)
         self._serve(peer, PEER_SERVICE, peer_api, peer_limits)
         if s.peer_frames:
             # The hot peer calls as frames beside it: same servicer, limits, TLS and token.

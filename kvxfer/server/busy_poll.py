@@ -19,14 +19,21 @@ zero timeout on every turn; each frame on the fast socket or the peer frames lis
   and a prefill sidecar's Hold before its lookups and notices, so a window of tens of
   milliseconds covers the pull that follows even when pulls are rare. It costs a core for as long
   as it polls: for hosts that give each sidecar a core of its own.
+
+Under a CPU limit (a container's cgroup quota, e.g. Kubernetes ``resources.limits.cpu``) a loop
+that polls spends its quota and the kernel then stops the whole container until the next period
+(tens of milliseconds): :func:`rate_under_limit` keeps the rate's polling off by default where the
+limit is below :data:`MIN_POLL_CPU_CORES`, and says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from pathlib import Path
 
-__all__ = ["GAP_WEIGHT", "RATE_WINDOW_GAPS", "BusyPoll"]
+__all__ = ["GAP_WEIGHT", "MIN_POLL_CPU_CORES", "RATE_WINDOW_GAPS", "BusyPoll", "cpu_limit_cores", "rate_under_limit"]
 
 #: Weight of the newest gap in the running mean of the gaps between hot calls (about the last eight).
 GAP_WEIGHT = 0.125
@@ -34,6 +41,70 @@ GAP_WEIGHT = 0.125
 #: A gap longer than this counts as this long in the mean: an idle spell must not take the mean so
 #: high that a burst of calls needs hundreds of them to bring it back.
 RATE_WINDOW_GAPS = 4.0
+#: The CPU limit (cores) below which polling above the rate stays off unless asked for: the polling
+#: loop takes a core, and the sidecar's other threads (NIXL's progress thread, gRPC's poller) some more.
+MIN_POLL_CPU_CORES = 1.5
+
+
+def cpu_limit_cores(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """This process's CPU limit in cores (the tightest cgroup quota on its path), or None without one.
+
+    cgroup v2: ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``) of the process's cgroup and
+    of each parent up to ``root``. cgroup v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` of the
+    ``cpu`` controller's cgroup (-1: none). Anything unreadable counts as no limit.
+    """
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    limits: list[float] = []
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        rel = path.lstrip("/")
+        if hier == "0" and not controllers:  # v2: the unified hierarchy
+            here = root / rel if rel else root
+            while True:
+                limits.extend(_v2_limit(here / "cpu.max"))
+                if here == root or root not in here.parents:
+                    break
+                here = here.parent
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
+            for base in (root / "cpu,cpuacct", root / "cpu"):
+                limits.extend(_v1_limit(base / rel if (base / rel).is_dir() else base))
+    return min(limits) if limits else None
+
+
+def _v2_limit(cpu_max: Path) -> list[float]:
+    try:
+        quota, _, period = cpu_max.read_text().strip().partition(" ")
+        return [] if quota == "max" else [int(quota) / int(period or 100000)]
+    except (OSError, ValueError, ZeroDivisionError):
+        return []
+
+
+def _v1_limit(cgroup: Path) -> list[float]:
+    try:
+        quota = int((cgroup / "cpu.cfs_quota_us").read_text())
+        period = int((cgroup / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return []
+    return [quota / period] if quota > 0 and period > 0 else []
+
+
+def rate_under_limit(rate: float, limit_cores: float | None, *, asked: bool) -> tuple[float, str]:
+    """The rate to poll above under a CPU limit of ``limit_cores``, and why it differs ('' when it does not).
+
+    ``asked``: the rate was set explicitly (a flag, the environment, a config file); it is kept, and
+    the reason becomes a warning. By default polling stays off below :data:`MIN_POLL_CPU_CORES`.
+    """
+    if rate <= 0 or limit_cores is None or math.isnan(limit_cores) or limit_cores >= MIN_POLL_CPU_CORES:
+        return rate, ""
+    why = (
+        f"this container's CPU limit is {limit_cores:g} cores, below {MIN_POLL_CPU_CORES:g}: a loop that polls "
+        "spends the quota and the kernel then stops the whole container until the next period"
+    )
+    return (rate, why) if asked else (0.0, why)
 
 
 class BusyPoll:

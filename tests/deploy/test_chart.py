@@ -701,11 +701,14 @@ def test_busy_poll_is_off_unless_asked(helm_render: Path, tmp_path: Path) -> Non
                 assert settings.busy_poll_seconds == (want or 0.0)
 
 
-def test_busy_poll_above_a_rate_by_default(helm_render: Path, tmp_path: Path) -> None:
-    """sidecar.busyPollAboveRate: 500 calls a second by default, as the sidecar's own; 0 turns it off."""
-    for values, want in (({}, 500.0), ({"sidecar": {"busyPollAboveRate": 0}}, 0.0)):
+def test_busy_poll_above_a_rate_is_the_sidecars_default_unless_set(helm_render: Path, tmp_path: Path) -> None:
+    """sidecar.busyPollAboveRate: no flag by default (the sidecar's 500 a second, off under a tight CPU
+    limit); a value, 0 included, is passed as is."""
+    for values, want in (({}, None), ({"sidecar": {"busyPollAboveRate": 0}}, 0.0),
+                         ({"sidecar": {"busyPollAboveRate": 2000}}, 2000.0)):  # fmt: skip
         for spec in pod_specs(_render_values(helm_render, tmp_path, values)).values():
             for sidecar, settings in zip(sidecars(spec), sidecar_settings(spec, tmp_path), strict=True):
                 flags = [a for a in sidecar["args"] if a.startswith("--busy-poll-above-rate")]
-                assert flags == [f"--busy-poll-above-rate={want:g}"]
-                assert settings.busy_poll_above_rate == want
+                assert flags == ([] if want is None else [f"--busy-poll-above-rate={want:g}"])
+                assert settings.busy_poll_above_rate == (500.0 if want is None else want)
+                assert ("busy_poll_above_rate" in settings.model_fields_set) == (want is not None)

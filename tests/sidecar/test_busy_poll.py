@@ -11,11 +11,12 @@ polling for that window, whatever the rate. How much that saves is measured by
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from kvxfer.config import ConfigError, load_settings
-from kvxfer.server.busy_poll import RATE_WINDOW_GAPS, BusyPoll
+from kvxfer.server.busy_poll import MIN_POLL_CPU_CORES, RATE_WINDOW_GAPS, BusyPoll, cpu_limit_cores, rate_under_limit
 from tests.sidecar.helpers import Harness, attention, transfer
 
 LAY = attention()
@@ -152,3 +153,48 @@ async def test_off_by_default(harness: Harness) -> None:
     await transfer(pw, _ps, dw, "r1", {"kv": [1]}, {"kv": [2]}, salt=1)
     assert ds[0].busy_poll is not None
     assert ds[0].busy_poll.polls == 0
+
+
+def _cgroups(tmp_path: Path, self_cgroup: str, files: dict[str, str]) -> tuple[Path, Path]:
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    root.mkdir(exist_ok=True)
+    proc = tmp_path / "self_cgroup"
+    proc.write_text(self_cgroup)
+    return root, proc
+
+
+def test_the_cpu_limit_is_the_tightest_quota_on_the_cgroup_path(tmp_path: Path) -> None:
+    # cgroup v2: the pod's limit (1.5 cores) is tighter than the container's own (max) and the node's (8).
+    root, proc = _cgroups(tmp_path, "0::/kubepods/pod1/ctr\n", {
+        "cpu.max": "800000 100000\n",
+        "kubepods/pod1/cpu.max": "150000 100000\n",
+        "kubepods/pod1/ctr/cpu.max": "max 100000\n",
+    })  # fmt: skip
+    assert cpu_limit_cores(root, proc) == 1.5
+    root, proc = _cgroups(tmp_path / "none", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert cpu_limit_cores(root, proc) is None
+    # cgroup v1, as a container sees it: its own cgroup is the cpu controller's mount.
+    root, proc = _cgroups(tmp_path / "v1", "3:cpu,cpuacct:/kubepods/pod1/ctr\n0::/\n", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+    })  # fmt: skip
+    assert cpu_limit_cores(root, proc) == 0.5
+    root, proc = _cgroups(tmp_path / "v1none", "3:cpu,cpuacct:/\n", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+    })  # fmt: skip
+    assert cpu_limit_cores(root, proc) is None
+    assert cpu_limit_cores(tmp_path / "missing", tmp_path / "missing-self") is None  # nothing to read: no limit
+
+
+def test_polling_above_the_rate_stays_off_by_default_under_a_tight_cpu_limit() -> None:
+    assert rate_under_limit(500.0, None, asked=False) == (500.0, "")
+    assert rate_under_limit(500.0, 2.0, asked=False) == (500.0, "")
+    assert rate_under_limit(0.0, 0.5, asked=False) == (0.0, "")
+    rate, why = rate_under_limit(500.0, 1.0, asked=False)
+    assert rate == 0.0
+    assert why.startswith("this container's CPU limit is 1 cores, below 1.5")
+    rate, why = rate_under_limit(800.0, 1.0, asked=True)  # asked for: kept, with the reason as a warning
+    assert (rate, bool(why)) == (800.0, True)
+    assert MIN_POLL_CPU_CORES == 1.5
