@@ -26,7 +26,7 @@ from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.server.busy_poll import BusyPoll, cpu_limit_cores, rate_under_limit
+from kvxfer.server.busy_poll import BusyPoll, cpu_limit_cores, host_cores, rate_under_limit
 from kvxfer.server.core import SidecarCore
 from kvxfer.server.fast_api import FastApi
 from kvxfer.server.heap import freeze_startup_heap
@@ -131,10 +131,10 @@ class Sidecar:
         peer_limits = dict.fromkeys(("GetPublished", "GetPublishedBatch", "Notify", "NotifyBatch", "Hold"))
         peer_api = PeerServicer(self.core, client_certs=s.tls_ca is not None)
         # Polls while the hot calls come fast (--busy-poll-above-rate; by default not under a CPU limit
-        # below 1.5 cores); a window after every call only with --busy-poll-seconds: polling costs a
-        # core while it lasts.
+        # below 1.5 cores nor on fewer than 4 CPUs); a window after every call only with
+        # --busy-poll-seconds: polling costs a core while it lasts.
         asked = "busy_poll_above_rate" in s.model_fields_set
-        rate, why = rate_under_limit(s.busy_poll_above_rate, cpu_limit_cores(), asked=asked)
+        rate, why = rate_under_limit(s.busy_poll_above_rate, cpu_limit_cores(), host_cores(), asked=asked)
         if why:
             if asked:
                 log.warning("busy polling above a rate under a tight CPU limit", extra={"why": why, "rate": rate})

@@ -20,20 +20,27 @@ zero timeout on every turn; each frame on the fast socket or the peer frames lis
   milliseconds covers the pull that follows even when pulls are rare. It costs a core for as long
   as it polls: for hosts that give each sidecar a core of its own.
 
-Under a CPU limit (a container's cgroup quota, e.g. Kubernetes ``resources.limits.cpu``) a loop
-that polls spends its quota and the kernel then stops the whole container until the next period
-(tens of milliseconds): :func:`rate_under_limit` keeps the rate's polling off by default where the
-limit is below :data:`MIN_POLL_CPU_CORES`, and says why.
+Polling takes a core, so by default :func:`rate_under_limit` keeps the rate's polling off, and
+says why, where there is no core to spare: under a CPU limit (a container's cgroup quota, e.g.
+Kubernetes ``resources.limits.cpu``) below :data:`MIN_POLL_CPU_CORES`, where a loop that polls
+spends the quota and the kernel then stops the whole container until the next period, and on a
+host (the CPUs this process may run on) of fewer than :data:`MIN_POLL_HOST_CORES`, shared with the
+inference workers and the other ranks' sidecars (on the 2-core CPU machine both sidecars polling
+left the worker too little: docs/sidecar.md, "Busy polling above a rate").
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from pathlib import Path
 
-__all__ = ["GAP_WEIGHT", "MIN_POLL_CPU_CORES", "RATE_WINDOW_GAPS", "BusyPoll", "cpu_limit_cores", "rate_under_limit"]
+__all__ = [
+    "GAP_WEIGHT", "MIN_POLL_CPU_CORES", "MIN_POLL_HOST_CORES", "RATE_WINDOW_GAPS", "BusyPoll", "cpu_limit_cores",
+    "host_cores", "rate_under_limit",
+]  # fmt: skip
 
 #: Weight of the newest gap in the running mean of the gaps between hot calls (about the last eight).
 GAP_WEIGHT = 0.125
@@ -44,6 +51,8 @@ RATE_WINDOW_GAPS = 4.0
 #: The CPU limit (cores) below which polling above the rate stays off unless asked for: the polling
 #: loop takes a core, and the sidecar's other threads (NIXL's progress thread, gRPC's poller) some more.
 MIN_POLL_CPU_CORES = 1.5
+#: The CPUs this process may run on below which polling above the rate stays off unless asked for.
+MIN_POLL_HOST_CORES = 4
 
 
 def cpu_limit_cores(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
@@ -92,18 +101,32 @@ def _v1_limit(cgroup: Path) -> list[float]:
     return [quota / period] if quota > 0 and period > 0 else []
 
 
-def rate_under_limit(rate: float, limit_cores: float | None, *, asked: bool) -> tuple[float, str]:
-    """The rate to poll above under a CPU limit of ``limit_cores``, and why it differs ('' when it does not).
+def host_cores() -> int:
+    """The CPUs this process may run on (its affinity mask)."""
+    return len(os.sched_getaffinity(0))
+
+
+def rate_under_limit(rate: float, limit_cores: float | None, cores: int, *, asked: bool) -> tuple[float, str]:
+    """The rate to poll above under a CPU limit of ``limit_cores`` on ``cores`` CPUs, and why it differs ('' when not).
 
     ``asked``: the rate was set explicitly (a flag, the environment, a config file); it is kept, and
-    the reason becomes a warning. By default polling stays off below :data:`MIN_POLL_CPU_CORES`.
+    the reason becomes a warning. By default polling stays off under a limit below
+    :data:`MIN_POLL_CPU_CORES` and on fewer than :data:`MIN_POLL_HOST_CORES` CPUs.
     """
-    if rate <= 0 or limit_cores is None or math.isnan(limit_cores) or limit_cores >= MIN_POLL_CPU_CORES:
+    if rate <= 0:
         return rate, ""
-    why = (
-        f"this container's CPU limit is {limit_cores:g} cores, below {MIN_POLL_CPU_CORES:g}: a loop that polls "
-        "spends the quota and the kernel then stops the whole container until the next period"
-    )
+    if limit_cores is not None and not math.isnan(limit_cores) and limit_cores < MIN_POLL_CPU_CORES:
+        why = (
+            f"this container's CPU limit is {limit_cores:g} cores, below {MIN_POLL_CPU_CORES:g}: a loop that polls "
+            "spends the quota and the kernel then stops the whole container until the next period"
+        )
+    elif cores < MIN_POLL_HOST_CORES:
+        why = (
+            f"this process may run on {cores} CPUs, fewer than {MIN_POLL_HOST_CORES}: a loop that polls takes a core "
+            "the inference workers and the other sidecars need"
+        )
+    else:
+        return rate, ""
     return (rate, why) if asked else (0.0, why)
 
 

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from kvxfer.config import ConfigError, load_settings
-from kvxfer.server.busy_poll import MIN_POLL_CPU_CORES, RATE_WINDOW_GAPS, BusyPoll, cpu_limit_cores, rate_under_limit
+from kvxfer.server.busy_poll import (
+    MIN_POLL_CPU_CORES,
+    MIN_POLL_HOST_CORES,
+    RATE_WINDOW_GAPS,
+    BusyPoll,
+    cpu_limit_cores,
+    host_cores,
+    rate_under_limit,
+)
 from tests.sidecar.helpers import Harness, attention, transfer
 
 LAY = attention()
@@ -145,10 +153,16 @@ async def test_hot_calls_turn_it_on_and_an_idle_sidecar_sleeps(harness: Harness)
 
 
 async def test_off_by_default(harness: Harness) -> None:
-    """No window by default, and a pull now and then is no rate: the sidecar sleeps between them."""
+    """No window by default, and a pull now and then is no rate: the sidecar sleeps between them.
+
+    The rate is 500 a second, or 0 where this machine has no core to spare (the 2-core CI machine)."""
     sc = await harness.sidecar()
     assert sc.busy_poll is not None
-    assert (sc.busy_poll.window, sc.busy_poll.rate) == (0.0, 500.0)
+    want = rate_under_limit(500.0, cpu_limit_cores(), host_cores(), asked=False)[0]
+    assert (sc.busy_poll.window, sc.busy_poll.rate) == (0.0, want)
+    asked = await harness.sidecar(busy_poll_above_rate=500.0)  # set explicitly: kept on any machine
+    assert asked.busy_poll is not None
+    assert asked.busy_poll.rate == 500.0
     (_ps, pw, ds, dw) = await harness.deployment({"kv": LAY}, {"kv": LAY})
     await transfer(pw, _ps, dw, "r1", {"kv": [1]}, {"kv": [2]}, salt=1)
     assert ds[0].busy_poll is not None
@@ -188,13 +202,17 @@ def test_the_cpu_limit_is_the_tightest_quota_on_the_cgroup_path(tmp_path: Path) 
     assert cpu_limit_cores(tmp_path / "missing", tmp_path / "missing-self") is None  # nothing to read: no limit
 
 
-def test_polling_above_the_rate_stays_off_by_default_under_a_tight_cpu_limit() -> None:
-    assert rate_under_limit(500.0, None, asked=False) == (500.0, "")
-    assert rate_under_limit(500.0, 2.0, asked=False) == (500.0, "")
-    assert rate_under_limit(0.0, 0.5, asked=False) == (0.0, "")
-    rate, why = rate_under_limit(500.0, 1.0, asked=False)
+def test_polling_above_the_rate_stays_off_by_default_without_a_core_to_spare() -> None:
+    assert rate_under_limit(500.0, None, 16, asked=False) == (500.0, "")
+    assert rate_under_limit(500.0, 2.0, 16, asked=False) == (500.0, "")
+    assert rate_under_limit(0.0, 0.5, 2, asked=False) == (0.0, "")
+    rate, why = rate_under_limit(500.0, 1.0, 16, asked=False)
     assert rate == 0.0
     assert why.startswith("this container's CPU limit is 1 cores, below 1.5")
-    rate, why = rate_under_limit(800.0, 1.0, asked=True)  # asked for: kept, with the reason as a warning
+    rate, why = rate_under_limit(500.0, None, 2, asked=False)  # a small host, shared with the workers
+    assert rate == 0.0
+    assert why.startswith("this process may run on 2 CPUs, fewer than 4")
+    rate, why = rate_under_limit(800.0, 1.0, 16, asked=True)  # asked for: kept, with the reason as a warning
     assert (rate, bool(why)) == (800.0, True)
-    assert MIN_POLL_CPU_CORES == 1.5
+    assert (MIN_POLL_CPU_CORES, MIN_POLL_HOST_CORES) == (1.5, 4)
+    assert host_cores() >= 1
