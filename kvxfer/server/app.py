@@ -26,8 +26,9 @@ from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.server.busy_poll import BusyPoll, cpu_limit_cores, host_cores, rate_under_limit
+from kvxfer.server.busy_poll import BusyPoll, rate_under_limit
 from kvxfer.server.core import SidecarCore
+from kvxfer.server.cpu_room import cpu_limit_cores, host_cores
 from kvxfer.server.fast_api import FastApi
 from kvxfer.server.heap import freeze_startup_heap
 from kvxfer.server.listeners import (
@@ -137,7 +138,7 @@ class Sidecar:
         rate, why = rate_under_limit(s.busy_poll_above_rate, cpu_limit_cores(), host_cores(), asked=asked)
         if why:
             if asked:
-                log.warning("busy polling above a rate under a tight CPU limit", extra={"why": why, "rate": rate})
+                log.warning("busy polling above a rate without a core to spare", extra={"why": why, "rate": rate})
             else:
                 log.info("busy polling above a rate is off", extra={"why": why, "hint": "--busy-poll-above-rate"})
         busy = self.busy_poll = BusyPoll(asyncio.get_running_loop(), s.busy_poll_seconds, rate)

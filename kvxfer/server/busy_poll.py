@@ -20,7 +20,8 @@ zero timeout on every turn; each frame on the fast socket or the peer frames lis
   milliseconds covers the pull that follows even when pulls are rare. It costs a core for as long
   as it polls: for hosts that give each sidecar a core of its own.
 
-Polling takes a core, so by default :func:`rate_under_limit` keeps the rate's polling off, and
+Polling takes a core, so by default :func:`rate_under_limit` keeps the rate's polling off (from
+what :mod:`kvxfer.server.cpu_room` reads of the machine), and
 says why, where there is no core to spare: under a CPU limit (a container's cgroup quota, e.g.
 Kubernetes ``resources.limits.cpu``) below :data:`MIN_POLL_CPU_CORES`, where a loop that polls
 spends the quota and the kernel then stops the whole container until the next period, and on a
@@ -33,13 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
-from pathlib import Path
 
 __all__ = [
-    "GAP_WEIGHT", "MIN_POLL_CPU_CORES", "MIN_POLL_HOST_CORES", "RATE_WINDOW_GAPS", "BusyPoll", "cpu_limit_cores",
-    "host_cores", "rate_under_limit",
+    "GAP_WEIGHT", "MIN_POLL_CPU_CORES", "MIN_POLL_HOST_CORES", "RATE_WINDOW_GAPS", "BusyPoll", "rate_under_limit",
 ]  # fmt: skip
 
 #: Weight of the newest gap in the running mean of the gaps between hot calls (about the last eight).
@@ -53,57 +51,6 @@ RATE_WINDOW_GAPS = 4.0
 MIN_POLL_CPU_CORES = 1.5
 #: The CPUs this process may run on below which polling above the rate stays off unless asked for.
 MIN_POLL_HOST_CORES = 4
-
-
-def cpu_limit_cores(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
-    """This process's CPU limit in cores (the tightest cgroup quota on its path), or None without one.
-
-    cgroup v2: ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``) of the process's cgroup and
-    of each parent up to ``root``. cgroup v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` of the
-    ``cpu`` controller's cgroup (-1: none). Anything unreadable counts as no limit.
-    """
-    try:
-        lines = self_cgroup.read_text().splitlines()
-    except OSError:
-        lines = []
-    limits: list[float] = []
-    for line in lines:
-        hier, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        rel = path.lstrip("/")
-        if hier == "0" and not controllers:  # v2: the unified hierarchy
-            here = root / rel if rel else root
-            while True:
-                limits.extend(_v2_limit(here / "cpu.max"))
-                if here == root or root not in here.parents:
-                    break
-                here = here.parent
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
-            for base in (root / "cpu,cpuacct", root / "cpu"):
-                limits.extend(_v1_limit(base / rel if (base / rel).is_dir() else base))
-    return min(limits) if limits else None
-
-
-def _v2_limit(cpu_max: Path) -> list[float]:
-    try:
-        quota, _, period = cpu_max.read_text().strip().partition(" ")
-        return [] if quota == "max" else [int(quota) / int(period or 100000)]
-    except (OSError, ValueError, ZeroDivisionError):
-        return []
-
-
-def _v1_limit(cgroup: Path) -> list[float]:
-    try:
-        quota = int((cgroup / "cpu.cfs_quota_us").read_text())
-        period = int((cgroup / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return []
-    return [quota / period] if quota > 0 and period > 0 else []
-
-
-def host_cores() -> int:
-    """The CPUs this process may run on (its affinity mask)."""
-    return len(os.sched_getaffinity(0))
 
 
 def rate_under_limit(rate: float, limit_cores: float | None, cores: int, *, asked: bool) -> tuple[float, str]:

@@ -21,10 +21,9 @@ from kvxfer.server.busy_poll import (
     MIN_POLL_HOST_CORES,
     RATE_WINDOW_GAPS,
     BusyPoll,
-    cpu_limit_cores,
-    host_cores,
     rate_under_limit,
 )
+from kvxfer.server.cpu_room import cpu_limit_cores, host_cores
 from tests.sidecar.helpers import Harness, attention, transfer
 
 LAY = attention()
