@@ -81,7 +81,7 @@ class BusyPoll:
     """Keeps ``loop`` polling, never sleeping, while hot calls come faster than ``rate`` a second, and
     until ``window`` seconds after the last :meth:`poke` (0 turns either off)."""
 
-    __slots__ = ("_last", "_loop", "_mean_gap", "_on", "_rate_gap", "_until", "polls", "rate", "window")
+    __slots__ = ("_cap", "_last", "_loop", "_mean_gap", "_on", "_rate_gap", "_until", "polls", "rate", "window")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window: float, rate: float = 0.0) -> None:
         if window < 0:
@@ -92,7 +92,8 @@ class BusyPoll:
         self.window = window
         self.rate = rate
         self._rate_gap = 1.0 / rate if rate > 0 else 0.0  # the mean gap below which the loop polls
-        self._mean_gap = RATE_WINDOW_GAPS * self._rate_gap  # as after an idle spell
+        self._cap = RATE_WINDOW_GAPS * self._rate_gap  # the longest gap the mean counts, and the window
+        self._mean_gap = self._cap  # as after an idle spell
         self._last = -1.0  # time.monotonic() of the last poke (none yet)
         self._until = 0.0
         self._on = False
@@ -114,12 +115,11 @@ class BusyPoll:
         now = time.monotonic()
         until = now + self.window if self.window > 0 else 0.0
         if self._rate_gap > 0:
-            cap = RATE_WINDOW_GAPS * self._rate_gap
             if self._last >= 0:
-                self._mean_gap += GAP_WEIGHT * (min(now - self._last, cap) - self._mean_gap)
+                self._mean_gap += GAP_WEIGHT * (min(now - self._last, self._cap) - self._mean_gap)
             self._last = now
             if self._mean_gap < self._rate_gap:
-                until = max(until, now + cap)
+                until = max(until, now + self._cap)
         if until <= self._until:
             return
         self._until = until
