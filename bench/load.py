@@ -21,7 +21,9 @@ pulls alone), three ways, one after the other in one run:
    adds ``open_loop_named``, whose pulls name the publisher's ids, ``open_loop_granted``, whose
    requests are also expected 20 ms before their pull, so the pull reads on a grant with no
    lookup, and ``open_loop_prepared``, whose pulls are also prepared 1 ms ahead; the Expect and
-   Prepare calls and the holds they cause run inside the phase and count in its CPU):
+   Prepare calls and the holds they cause run inside the phase and count in its CPU. The open
+   loop's Expects are quiet, as the vLLM scheduler sends them: not waited for, answered only when
+   they fail, counted in ``expects_failed``):
    pulls arriving as a Poisson process at ``R`` per second for ``--open-loop-seconds``, each
    started when it arrives whatever is in flight. Each phase also reports the garbage collector's
    pauses during it (``gc_pauses``: the sidecars' from their ``kvxfer_gc_pause_seconds``, the
@@ -351,8 +353,10 @@ async def _open_loop(
         nonlocal in_flight, peak, unprepared
         if expect_lead is not None:
             try:
-                await dc.expect(f"{tag}{i}", [peer])
-            except KvxferRpcError as exc:  # an overloaded hop: counted like a pull that failed
+                # As the vLLM scheduler sends it: not waited for, answered only if it fails (counted
+                # below; such a pull reads after a lookup instead of on a grant).
+                await dc.expect_quietly(f"{tag}{i}", [peer])
+            except KvxferRpcError as exc:  # over gRPC, awaited: an overloaded hop, counted like a failed pull
                 failed[f"EXPECT_{exc.code.name}"] += 1
                 return
             await asyncio.sleep(expect_lead)
@@ -399,6 +403,7 @@ async def _open_loop(
     cpu0 = {k: _cpu(pid) for k, pid in procs.items()}
     t0 = time.perf_counter()
     late = 0  # arrivals the driver started more than 1 ms after their time (it could not keep up)
+    quiet0 = dc.quiet_failures
     for i, at in enumerate(arrivals):
         delay = t0 + float(at) - time.perf_counter()
         if delay > 0:
@@ -411,7 +416,7 @@ async def _open_loop(
     return {
         "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
         "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": dict(failed), **_stats(rows),
-        "not_prepared": unprepared,
+        "not_prepared": unprepared, "expects_failed": dc.quiet_failures - quiet0,
         "cpu_ms_per_pull": {k: (_cpu(pid) - cpu0[k]) * 1e3 / n for k, pid in procs.items()}, "rows": rows,
         "gc_pauses": {k: _gc_pauses(gc0[k], await asyncio.to_thread(_gc_buckets, port)) for k, port in scrapes.items()},
     }  # fmt: skip
@@ -592,10 +597,11 @@ def main(argv: list[str] | None = None) -> int:
             if key not in r:
                 continue
             ol = r[key]
+            quiet = f", {ol['expects_failed']} quiet Expects failed" if ol["expects_failed"] else ""
             phases += ((f"open loop ({path}), Poisson arrivals at {ol['rate_per_s']:.0f}/s for {ol['pulls']} pulls "
                         f"(achieved {ol['achieved_per_s']:.0f}/s, at most {ol['max_in_flight']} in flight, "
                         f"{ol['late_arrivals']} arrivals started late, {ol['failed']} failed "
-                        f"{ol['failed_by_code'] or ''})", ol, None, ol["cpu_ms_per_pull"],
+                        f"{ol['failed_by_code'] or ''}{quiet})", ol, None, ol["cpu_ms_per_pull"],
                         ol["gc_pauses"]),)  # fmt: skip
         for label, st, rate, cpu, gcs in phases:
             head = f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms"

@@ -14,6 +14,7 @@ import socket
 import ssl
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
@@ -26,6 +27,8 @@ from kvxfer.wire.status import status_message
 __all__ = ["BlockingFastConnection", "FastCallError", "FastChannel", "FastHelloRefusedError"]
 
 log = get_logger("kvxfer.fastsock")
+#: Quiet calls (:meth:`FastChannel.tell`) a connection remembers, to report the failure of one.
+QUIET_KEPT = 4096
 
 
 def _over_limit(n: int, limit: int) -> tuple[int, bytes]:
@@ -35,6 +38,14 @@ def _over_limit(n: int, limit: int) -> tuple[int, bytes]:
     )
     status = status_message(exc)
     return status.code, status.SerializeToString()
+
+
+def _report(on_failure: Callable[[int, bytes], None], code: int, status: bytes) -> None:
+    """Tell a quiet call's caller of its failure; a hook that raises must not break the connection's reading."""
+    try:
+        on_failure(code, status)
+    except Exception:
+        log.exception("a quiet call's failure hook raised")
 
 
 def _drop(buf: bytearray, skip: int) -> int:
@@ -76,6 +87,8 @@ class FastChannel(asyncio.Protocol):
         self._buf = bytearray()
         self._skip = 0  # bytes of an answer over the limit still to drop
         self._waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        #: Quiet calls sent (:meth:`tell`), the newest QUIET_KEPT: what to run if one's failure comes.
+        self._quiet: OrderedDict[int, Callable[[int, bytes], None]] = OrderedDict()
         self._last = HELLO_CALL
         self._transport: asyncio.Transport | None = None
         self.closed = False
@@ -137,6 +150,24 @@ class FastChannel(asyncio.Protocol):
         self._last = self._last % 0xFFFFFFFE + 1  # ids 1..2^32-2, never HELLO_CALL
         return await self._exchange(self._last, method, payload, timeout)
 
+    def tell(self, method: int, payload: bytes, timeout: float, on_failure: Callable[[int, bytes], None]) -> None:
+        """Send a call of a quiet method (answered only when it fails) without waiting for it.
+
+        ``on_failure(code, status)`` runs if its failure comes (a serialized google.rpc.Status). A
+        quiet call that succeeds is never heard of again, so only the newest :data:`QUIET_KEPT` are
+        remembered: the failure of an older one, or of one whose connection closed, goes unreported
+        here (the sidecar logs it).
+        """
+        if self.closed or self._transport is None or self._transport.is_closing():
+            raise FastCallError("the fast socket's connection is closed", sent=False)
+        if len(payload) > self.max_message_bytes:
+            raise FastCallError("the request is over max_message_bytes", sent=False)
+        self._last = self._last % 0xFFFFFFFE + 1
+        self._quiet[self._last] = on_failure
+        if len(self._quiet) > QUIET_KEPT:
+            self._quiet.popitem(last=False)
+        self._transport.write(REQUEST.pack(len(payload), self._last, method, timeout) + payload)
+
     async def _exchange(self, call: int, method: int, payload: bytes, timeout: float) -> tuple[int, bytes]:
         assert self._transport is not None
         fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
@@ -178,11 +209,15 @@ class FastChannel(asyncio.Protocol):
             n, call, code = ANSWER.unpack_from(buf, 0)
             if n > self.max_message_bytes:
                 fut = self._waiting.pop(call, None)
-                if fut is None:  # no call of ours: not a sidecar speaking this format, give up the connection
+                quiet = self._quiet.pop(call, None) if fut is None else None
+                if fut is None and quiet is None:
+                    # no call of ours: not a sidecar speaking this format, give up the connection
                     self.close()
                     return
                 # A sidecar with a larger limit: only this call fails; the answer's bytes are dropped.
-                if not fut.done():
+                if quiet is not None:
+                    _report(quiet, *_over_limit(n, self.max_message_bytes))
+                elif fut is not None and not fut.done():
                     fut.set_result(_over_limit(n, self.max_message_bytes))
                 del buf[: ANSWER.size]
                 self._skip = n
@@ -190,8 +225,13 @@ class FastChannel(asyncio.Protocol):
             if len(buf) < ANSWER.size + n:
                 return
             fut = self._waiting.pop(call, None)
-            if fut is not None and not fut.done():
-                fut.set_result((code, bytes(buf[ANSWER.size : ANSWER.size + n])))
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result((code, bytes(buf[ANSWER.size : ANSWER.size + n])))
+            else:
+                quiet = self._quiet.pop(call, None)
+                if quiet is not None:
+                    _report(quiet, code, bytes(buf[ANSWER.size : ANSWER.size + n]))
             del buf[: ANSWER.size + n]
 
 

@@ -6,6 +6,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -42,7 +43,7 @@ from kvxfer.wire.convert import (
     rank_to_proto,
     worker_agent_to_proto,
 )
-from kvxfer.wire.frames import METHOD_OF_REQUEST, FastMethod, fast_socket_path
+from kvxfer.wire.frames import METHOD_OF_REQUEST, QUIET_METHOD_OF_REQUEST, FastMethod, fast_socket_path
 from kvxfer.wire.status import error_from_status_message
 
 __all__ = ["AsyncClient"]
@@ -92,7 +93,10 @@ class AsyncClient:
             else grpc.aio.insecure_channel(self.target, options=opts)
         )
         self._stub = local_pb2_grpc.LocalStub(self._channel)
-        self._reports: set[asyncio.Task[local_pb2.PullResponse]] = set()  # GatherDone sent in the background
+        self._reports: set[asyncio.Task[Any]] = set()  # GatherDone (and Expect) sent in the background
+        #: Quiet calls (:meth:`expect_quietly`) that failed, and the last such failure.
+        self.quiet_failures = 0
+        self.last_quiet_failure: KvxferRpcError | None = None
 
     async def _call(self, rpc: grpc.aio.UnaryUnaryMultiCallable[Q, R], req: Q, deadline: float | None) -> R:
         timeout = self.call_timeout(req, deadline)
@@ -335,6 +339,60 @@ class AsyncClient:
         req = local_pb2.ExpectRequest(request_id=request_id, remote_addresses=list(remote_addresses))
         resp: local_pb2.ExpectResponse = await self._call(self._stub.Expect, req, deadline)
         return bool(resp.held)
+
+    async def expect_quietly(
+        self, request_id: str, remote_addresses: Sequence[str], *, deadline: float | None = None
+    ) -> None:
+        """:meth:`expect` without waiting for its answer (the vLLM scheduler's way: it never waits for one).
+
+        Over the fast socket the sidecar answers only a failure, which is then logged here (a warning
+        with the request id, status, reason and field) and counted in :attr:`quiet_failures`; a
+        success costs neither side an answer. Where the fast socket cannot carry it (gRPC only, a
+        sidecar too old for quiet calls), this is :meth:`expect`, awaited, and raises as it does.
+        """
+        req = local_pb2.ExpectRequest(request_id=request_id, remote_addresses=list(remote_addresses))
+        timeout = self.call_timeout(req, deadline)
+        method = QUIET_METHOD_OF_REQUEST[local_pb2.ExpectRequest]
+        if self.fast_socket is not None and method.number not in self._fast_refused:
+            channel = self._fast if self._fast is not None and not self._fast.closed else await self._fast_channel()
+            if channel is not None:
+                try:
+                    channel.tell(method.number, req.SerializeToString(), timeout,
+                                 partial(self._quiet_failed, method, req))  # fmt: skip
+                    return
+                except FastCallError:
+                    pass  # not sent: the awaited way below
+        await self.expect(request_id, remote_addresses, deadline=deadline)
+
+    def _quiet_failed(self, method: FastMethod, req: local_pb2.ExpectRequest, code: int, status: bytes) -> None:
+        """A quiet call's failure arrived: log and count it (an older sidecar's refusal: send it awaited)."""
+        try:
+            decode_answer(method, code, status)
+            return  # an OK answer to a quiet call: nothing failed
+        except KvxferRpcError as exc:
+            error = exc
+        if error.code == grpc.StatusCode.UNIMPLEMENTED and error.field == "method":
+            # A sidecar from before quiet calls refused the frame before running anything: this
+            # Expect goes awaited, now, and so does every one after it.
+            self._fast_refused.add(method.number)
+            task = asyncio.get_running_loop().create_task(self._expect_again(req))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+            return
+        self.quiet_failures += 1
+        self.last_quiet_failure = error
+        log.warning(f"{method.name} of request {req.request_id!r} failed: {error.message}", extra={
+            "request_id": req.request_id, "status": error.code.name, "reason": error.reason, "field": error.field,
+        })  # fmt: skip
+
+    async def _expect_again(self, req: local_pb2.ExpectRequest) -> Any:
+        try:
+            await self.expect(req.request_id, list(req.remote_addresses))
+        except KvxferRpcError as exc:
+            self.quiet_failures += 1
+            self.last_quiet_failure = exc
+            log.warning(f"Expect of request {req.request_id!r} failed: {exc.message}",
+                        extra={"request_id": req.request_id, "status": exc.code.name})  # fmt: skip
 
     async def prepare(
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,

@@ -168,6 +168,7 @@ class Client:
     abort = _blocking(AsyncClient.abort)
     drop_remote = _blocking(AsyncClient.drop_remote)
     expect = _blocking(AsyncClient.expect)
+    expect_quietly = _blocking(AsyncClient.expect_quietly)
     prepare = _blocking(AsyncClient.prepare)
     drain = _blocking(AsyncClient.drain)
     status = _blocking(AsyncClient.status)

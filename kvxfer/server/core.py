@@ -177,6 +177,10 @@ class SidecarCore:
             )
         addresses = check_addresses(req.remote_addresses)
         self.registry.require()  # holding needs a handshake, which needs a registration
+        if self.puller.started(rid):
+            # An Expect that comes after its Pull (the scheduler's connection is not the worker's):
+            # holding now would only keep the publish alive after the pull has freed it.
+            return local_pb2.ExpectResponse(held=False)
         return local_pb2.ExpectResponse(held=self.holds.expect(rid, addresses))
 
     async def prepare(self, req: local_pb2.PrepareRequest, client_timeout: float | None) -> local_pb2.PrepareResponse:

@@ -48,7 +48,7 @@ from kvxfer.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from kvxfer.logs import get_logger
+from kvxfer.logs import get_logger, log_context
 from kvxfer.server.peer_auth import URIS_PROPERTY
 from kvxfer.server.rpc import Unary, parse_request, run_unary, snake_case
 from kvxfer.wire import local_pb2
@@ -99,10 +99,10 @@ def tls_auth_context(peercert: Any) -> AuthContext:
 
 
 class _Method:
-    __slots__ = ("fn", "full", "limit", "name", "request")
+    __slots__ = ("fn", "full", "limit", "name", "quiet", "request")
 
-    def __init__(self, fn: Unary, full: str, limit: float | None, request: Any) -> None:
-        self.fn, self.full, self.limit, self.request = fn, full, limit, request
+    def __init__(self, fn: Unary, full: str, limit: float | None, request: Any, quiet: bool) -> None:
+        self.fn, self.full, self.limit, self.request, self.quiet = fn, full, limit, request, quiet
         self.name = full.rsplit("/", 1)[1]
 
 
@@ -130,7 +130,11 @@ class FastApi:
         self.max_message_bytes = max_message_bytes
         self.methods = {
             n: _Method(
-                getattr(api, snake_case(m.name)), f"/{service}/{m.name}", limits.get(m.name, default_limit), m.request
+                getattr(api, snake_case(m.name)),
+                f"/{service}/{m.name}",
+                limits.get(m.name, default_limit),
+                m.request,
+                m.quiet,
             )
             for n, m in methods.items()
         }
@@ -319,11 +323,17 @@ class _Connection(asyncio.Protocol):
         try:
             resp = await run_unary(m.fn, req, deadline, m.full, m.limit)
         except KvxferError as exc:
+            if m.quiet:  # its caller did not wait: this log may be the only place the failure shows
+                with log_context(request_id=getattr(req, "request_id", "") or None):
+                    log.warning("quiet call failed", extra={
+                        "method": m.full, "error": exc.message, "reason": exc.reason.value, "field": exc.field,
+                    })  # fmt: skip
             self._answer(call, exc, b"")
         except asyncio.CancelledError:
             pass  # the client abandoned the call: nobody waits for an answer
         else:
-            self._answer(call, 0, resp.SerializeToString())
+            if not m.quiet:
+                self._answer(call, 0, resp.SerializeToString())
         finally:
             self.calls.pop(call, None)
         if log.isEnabledFor(logging.DEBUG):  # the hop's share of a call (bench/gpu/sidecar_vram_bench.py --phases)

@@ -129,6 +129,10 @@ class Puller:
                                               "answering": time.monotonic()})  # fmt: skip
         return resp
 
+    def started(self, rid: str) -> bool:
+        """Whether a pull of ``rid`` is in flight or among the last :data:`ENDED_KEPT` that ended."""
+        return rid in self.pulls or rid in self._ended
+
     async def gather_done(self, req: local_pb2.GatherDoneRequest) -> local_pb2.PullResponse:
         """A worker's report on the gather it was handed: the pull's outcome, once the pull has ended."""
         entry = self.steps.worker.waiting.get(req.ticket)

@@ -16,7 +16,9 @@ its answer; then, in either order and with any number in flight:
   gRPC client's cancellation or passed deadline does;
 * an answer: :data:`ANSWER` (payload length, call id, status code) then, for code 0, the response
   message, else a serialized ``google.rpc.Status`` holding the same ``ErrorInfo`` (reason, field)
-  a failed gRPC call carries (:func:`kvxfer.wire.status.status_message`).
+  a failed gRPC call carries (:func:`kvxfer.wire.status.status_message`). A *quiet* method
+  (:attr:`FastMethod.quiet`: ``Expect`` as method 11) is answered only when it fails; its caller
+  does not wait, and hears of a failure by the answer to its call id.
 
 All integers are little-endian. The client is :mod:`kvxfer.fastsock`, the sidecar's side
 :mod:`kvxfer.server.fast_api`.
@@ -48,6 +50,7 @@ __all__ = [
     "METHOD_OF_REQUEST",
     "PEER_HELLO",
     "PEER_METHODS",
+    "QUIET_METHOD_OF_REQUEST",
     "REQUEST",
     "FastMethod",
     "fast_socket_path",
@@ -68,13 +71,20 @@ ANSWER = struct.Struct("<IIB")
 
 
 class FastMethod:
-    """One RPC of ``kvxfer.v1.Local`` that the fast socket carries: its number and message types."""
+    """One RPC of ``kvxfer.v1.Local`` that the fast socket carries: its number and message types.
 
-    def __init__(self, number: int, name: str, request: type[Message], response: type[Message]) -> None:
+    ``quiet``: this number runs the RPC but answers only when it fails (the caller does not wait; see
+    :data:`QUIET_METHOD_OF_REQUEST`).
+    """
+
+    def __init__(
+        self, number: int, name: str, request: type[Message], response: type[Message], *, quiet: bool = False
+    ) -> None:
         self.number = number
         self.name = name
         self.request = request
         self.response = response
+        self.quiet = quiet
 
 
 def _by_number(*methods: FastMethod) -> dict[int, FastMethod]:
@@ -98,9 +108,14 @@ METHODS: dict[int, FastMethod] = _by_number(
     FastMethod(9, "GatherDone", local_pb2.GatherDoneRequest, local_pb2.PullResponse),
     # The Pull a worker is about to send, from the vLLM scheduler as it allocates the request's blocks.
     FastMethod(10, "Prepare", local_pb2.PrepareRequest, local_pb2.PrepareResponse),
+    # Expect, answered only when it fails: the vLLM scheduler does not wait for an Expect, so its
+    # success costs neither side an answer (a write, a wake-up, a parse).
+    FastMethod(11, "Expect", local_pb2.ExpectRequest, local_pb2.ExpectResponse, quiet=True),
 )
-#: The method a request message type is sent as.
-METHOD_OF_REQUEST: dict[type[Message], FastMethod] = {m.request: m for m in METHODS.values()}
+#: The method a request message type is sent as (a call that waits for its answer).
+METHOD_OF_REQUEST: dict[type[Message], FastMethod] = {m.request: m for m in METHODS.values() if not m.quiet}
+#: The method a request message type is sent as when its caller does not wait: answered only on failure.
+QUIET_METHOD_OF_REQUEST: dict[type[Message], FastMethod] = {m.request: m for m in METHODS.values() if m.quiet}
 
 #: First bytes of a peer connection's hello (the bearer token follows, if the cluster has one).
 PEER_HELLO = b"kvxfer-peer-frames/1\n"

@@ -8,6 +8,7 @@ served over gRPC; a frame the sidecar cannot use fails only its own call.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import stat
@@ -390,6 +391,110 @@ async def test_expect_goes_over_the_fast_socket_and_its_pull_reads_on_the_grant(
     assert (info.value.code, info.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "request_id")
     assert d.fast_api.calls_started == started + 4
     assert await dw[0].client.expect("e2", [ps[0].peer_address]) is True
+
+
+async def _until(done: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within 5 s: {what}")
+
+
+async def test_a_quiet_expect_is_answered_only_when_it_fails(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    d, client, peer = ds[0], dw[0].client, ps[0].peer_address
+    assert d.fast_api is not None
+    assert d.core is not None
+    await pw[0].prefill("q1", {"kv": [1, 2]}, salt=5)
+    await pw[0].prefill("q3", {"kv": [3]}, salt=6)
+    await client.status()
+    started = d.fast_api.calls_started
+    await client.expect_quietly("q1", [peer])  # returns once written: nothing to wait for
+    channel = client._fast
+    assert channel is not None
+    (call,) = channel._quiet  # remembered, in case its failure comes
+    await _until(lambda: "q1" in d.core.holds.grants, "the quiet Expect's hold brought a grant")
+    assert d.fast_api.calls_started == started + 1  # one frame, method 11
+    # An answered call after it: answers leave in the order calls end, so had the quiet one been
+    # answered, its answer would have been read by now.
+    assert await client.expect("q0", [peer]) is True
+    assert call in channel._quiet
+    assert client.quiet_failures == 0
+    res = await dw[0].pull("q1", ps, {"kv": [5, 6]}, remote_blocks={"kv": [1, 2]})
+    assert dw[0].verify({"kv": [5, 6]}, 5) == (res.bytes, 0)
+    assert res.fetch_seconds == 0.0  # read on the grant, as after an answered Expect
+    # Bad input: the failure is answered; the client logs and counts it, naming the field.
+    with caplog.at_level(logging.WARNING):
+        await client.expect_quietly("", [peer])
+        await _until(lambda: client.quiet_failures == 1, "the quiet failure was heard")
+    failure = client.last_quiet_failure
+    assert failure is not None
+    assert (failure.code, failure.field, failure.reason) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "request_id",
+        Reason.INVALID_FIELD.value,
+    )
+    assert list(channel._quiet) == [call]  # the failed one was reported; the one that succeeded is never answered
+    client_logs = [r for r in caplog.records if r.name == "kvxfer.client" and "Expect of request ''" in r.getMessage()]
+    assert len(client_logs) == 1
+    sidecar_logs = [r for r in caplog.records if r.getMessage() == "quiet call failed"]
+    assert [getattr(r, "field", None) for r in sidecar_logs] == ["request_id"]
+    # The connection and the next calls are unharmed.
+    assert await client.expect("q2", [peer]) is True
+    await client.expect_quietly("q3", [peer])
+    await _until(lambda: "q3" in d.core.holds.grants, "the next quiet Expect held its request")
+    assert client.quiet_failures == 1
+
+
+async def test_an_expect_that_comes_after_its_pull_holds_nothing(harness: Harness) -> None:
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    d = ds[0]
+    assert d.core is not None
+    (res,) = await transfer(pw, ps, dw, "late", {"kv": [1]}, {"kv": [2]}, salt=4)
+    assert res.done
+    # The scheduler's connection is not the worker's: its Expect may arrive after the pull ended.
+    assert await dw[0].client.expect("late", [ps[0].peer_address]) is False
+    assert "late" not in d.core.holds.expected
+
+
+async def test_a_quiet_expect_to_an_older_sidecar_is_sent_awaited(harness: Harness) -> None:
+    ps, pw, ds, _dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    d = ds[0]
+    assert d.fast_api is not None
+    assert d.core is not None
+    d.fast_api.methods.pop(11)  # FAULT INJECTOR: a sidecar from before quiet calls
+    await pw[0].prefill("o1", {"kv": [1]}, salt=1)
+    await pw[0].prefill("o2", {"kv": [2]}, salt=1)
+    client = AsyncClient(d.local_target)
+    try:
+        await client.expect_quietly("o1", [ps[0].peer_address])  # refused as method 11, then Expect awaited
+        await _until(lambda: "o1" in d.core.holds.expected, "the refused quiet Expect went again, awaited")
+        assert client._fast_refused == {11}
+        assert client.quiet_failures == 0  # nothing failed: the refusal is not the Expect's failure
+        started = d.fast_api.calls_started
+        await client.expect_quietly("o2", [ps[0].peer_address])  # awaited at once, as method 8
+        assert "o2" in d.core.holds.expected
+        assert d.fast_api.calls_started == started + 1
+    finally:
+        await client.close()
+
+
+async def test_a_quiet_expect_without_the_fast_socket_is_awaited_and_raises(harness: Harness) -> None:
+    ps, pw, ds, _dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    d = ds[0]
+    assert d.core is not None
+    await pw[0].prefill("g1", {"kv": [1]}, salt=1)
+    client = AsyncClient(d.local_target, fast=False)
+    try:
+        await client.expect_quietly("g1", [ps[0].peer_address])
+        assert "g1" in d.core.holds.expected  # awaited: held by the time it returns
+        failure = await _failure(client.expect_quietly("g2", []))
+        assert (failure.code, failure.field) == (grpc.StatusCode.INVALID_ARGUMENT, "remote_addresses")
+    finally:
+        await client.close()
 
 
 async def test_a_method_an_older_sidecars_fast_socket_lacks_goes_over_grpc(harness: Harness) -> None:

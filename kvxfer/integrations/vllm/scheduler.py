@@ -290,7 +290,8 @@ class SchedulerSide:
             if exc is not None:  # the lease still covers a short wait
                 log.warning(f"request {rid}: could not hold the prefill side's blocks while queued: {exc}")
 
-        c.submit(c.aio.expect(rid, remote.addresses)).add_done_callback(done)
+        # Quiet: answered only if it fails (the client logs that); on gRPC, awaited and checked above.
+        c.submit(c.aio.expect_quietly(rid, remote.addresses)).add_done_callback(done)
 
     def _unusable(self, remote: RemotePrefill, tokens: int) -> str:
         """Why a publish cannot feed this instance ('' when it can)."""

@@ -950,7 +950,7 @@ class ExpectResponse(_message.Message):
 
     HELD_FIELD_NUMBER: _builtins.int
     held: _builtins.bool
-    """false when the request was already expected here"""
+    """false when the request was already expected here, or its Pull has started"""
     def __init__(
         self,
         *,

@@ -173,7 +173,8 @@ class LocalServicer:
     def Expect(self, request, context):
         """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
         keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
-        --max-hold-seconds have passed since the Expect.
+        --max-hold-seconds have passed since the Expect. The fast socket also carries it quietly
+        (method 11: answered only when it fails), as the vLLM scheduler, which never waits, sends it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

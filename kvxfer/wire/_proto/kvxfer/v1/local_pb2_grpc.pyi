@@ -55,7 +55,8 @@ class LocalStub:
     Expect: _grpc.UnaryUnaryMultiCallable[_local_pb2.ExpectRequest, _local_pb2.ExpectResponse]
     """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
     keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
-    --max-hold-seconds have passed since the Expect.
+    --max-hold-seconds have passed since the Expect. The fast socket also carries it quietly
+    (method 11: answered only when it fails), as the vLLM scheduler, which never waits, sends it.
     """
     Prepare: _grpc.UnaryUnaryMultiCallable[_local_pb2.PrepareRequest, _local_pb2.PrepareResponse]
     """Decode side: the Pull a worker is about to send (the vLLM scheduler sends it as it allocates the
@@ -110,7 +111,8 @@ class LocalAsyncStub(LocalStub):
     Expect: _aio.UnaryUnaryMultiCallable[_local_pb2.ExpectRequest, _local_pb2.ExpectResponse]  # type: ignore[assignment]
     """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
     keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
-    --max-hold-seconds have passed since the Expect.
+    --max-hold-seconds have passed since the Expect. The fast socket also carries it quietly
+    (method 11: answered only when it fails), as the vLLM scheduler, which never waits, sends it.
     """
     Prepare: _aio.UnaryUnaryMultiCallable[_local_pb2.PrepareRequest, _local_pb2.PrepareResponse]  # type: ignore[assignment]
     """Decode side: the Pull a worker is about to send (the vLLM scheduler sends it as it allocates the
@@ -210,7 +212,8 @@ class LocalServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_local_pb2.ExpectResponse, _abc.Awaitable[_local_pb2.ExpectResponse]]:
         """Decode side: a request whose KV this side will pull is waiting (queued, or not yet allocated):
         keep its publishers' leases alive (peer Hold) until its Pull starts, it is aborted, or
-        --max-hold-seconds have passed since the Expect.
+        --max-hold-seconds have passed since the Expect. The fast socket also carries it quietly
+        (method 11: answered only when it fails), as the vLLM scheduler, which never waits, sends it.
         """
 
     @_abc_1.abstractmethod
