@@ -40,14 +40,6 @@ def _over_limit(n: int, limit: int) -> tuple[int, bytes]:
     return status.code, status.SerializeToString()
 
 
-def _report(on_failure: Callable[[int, bytes], None], code: int, status: bytes) -> None:
-    """Tell a quiet call's caller of its failure; a hook that raises must not break the connection's reading."""
-    try:
-        on_failure(code, status)
-    except Exception:
-        log.exception("a quiet call's failure hook raised")
-
-
 def _drop(buf: bytearray, skip: int) -> int:
     """Drop up to ``skip`` bytes (the rest of an answer over the limit) from ``buf``; how many remain to drop."""
     dropped = min(skip, len(buf))
@@ -87,8 +79,11 @@ class FastChannel(asyncio.Protocol):
         self._buf = bytearray()
         self._skip = 0  # bytes of an answer over the limit still to drop
         self._waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
-        #: Quiet calls sent (:meth:`tell`), the newest QUIET_KEPT: what to run if one's failure comes.
-        self._quiet: OrderedDict[int, Callable[[int, bytes], None]] = OrderedDict()
+        #: Quiet calls sent (:meth:`tell`), the newest QUIET_KEPT: method number and payload, as bytes
+        #: (which the garbage collector does not track: a busy caller keeps thousands).
+        self._quiet: OrderedDict[int, bytes] = OrderedDict()
+        #: Told ``(method, payload, code, status)`` when a quiet call's failure comes.
+        self.on_quiet_failure: Callable[[int, bytes, int, bytes], None] | None = None
         self._last = HELLO_CALL
         self._transport: asyncio.Transport | None = None
         self.closed = False
@@ -150,20 +145,20 @@ class FastChannel(asyncio.Protocol):
         self._last = self._last % 0xFFFFFFFE + 1  # ids 1..2^32-2, never HELLO_CALL
         return await self._exchange(self._last, method, payload, timeout)
 
-    def tell(self, method: int, payload: bytes, timeout: float, on_failure: Callable[[int, bytes], None]) -> None:
+    def tell(self, method: int, payload: bytes, timeout: float) -> None:
         """Send a call of a quiet method (answered only when it fails) without waiting for it.
 
-        ``on_failure(code, status)`` runs if its failure comes (a serialized google.rpc.Status). A
-        quiet call that succeeds is never heard of again, so only the newest :data:`QUIET_KEPT` are
-        remembered: the failure of an older one, or of one whose connection closed, goes unreported
-        here (the sidecar logs it).
+        :attr:`on_quiet_failure` is told ``(method, payload, code, status)`` if its failure comes
+        (``status``: a serialized google.rpc.Status). A quiet call that succeeds is never heard of
+        again, so only the newest :data:`QUIET_KEPT` are remembered: the failure of an older one, or
+        of one whose connection closed, goes unreported here (the sidecar logs it).
         """
         if self.closed or self._transport is None or self._transport.is_closing():
             raise FastCallError("the fast socket's connection is closed", sent=False)
         if len(payload) > self.max_message_bytes:
             raise FastCallError("the request is over max_message_bytes", sent=False)
         self._last = self._last % 0xFFFFFFFE + 1
-        self._quiet[self._last] = on_failure
+        self._quiet[self._last] = bytes((method,)) + payload
         if len(self._quiet) > QUIET_KEPT:
             self._quiet.popitem(last=False)
         self._transport.write(REQUEST.pack(len(payload), self._last, method, timeout) + payload)
@@ -192,6 +187,16 @@ class FastChannel(asyncio.Protocol):
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self._transport = cast(asyncio.Transport, transport)
 
+    def _report(self, sent: bytes, code: int, status: bytes) -> None:
+        """Tell the caller of a quiet call's failure; a hook that raises must not break the reading."""
+        hook = self.on_quiet_failure
+        if hook is None:
+            return
+        try:
+            hook(sent[0], sent[1:], code, status)
+        except Exception:
+            log.exception("a quiet call's failure hook raised")
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         waiting, self._waiting = self._waiting, {}
@@ -216,7 +221,7 @@ class FastChannel(asyncio.Protocol):
                     return
                 # A sidecar with a larger limit: only this call fails; the answer's bytes are dropped.
                 if quiet is not None:
-                    _report(quiet, *_over_limit(n, self.max_message_bytes))
+                    self._report(quiet, *_over_limit(n, self.max_message_bytes))
                 elif fut is not None and not fut.done():
                     fut.set_result(_over_limit(n, self.max_message_bytes))
                 del buf[: ANSWER.size]
@@ -231,7 +236,7 @@ class FastChannel(asyncio.Protocol):
             else:
                 quiet = self._quiet.pop(call, None)
                 if quiet is not None:
-                    _report(quiet, code, bytes(buf[ANSWER.size : ANSWER.size + n]))
+                    self._report(quiet, code, bytes(buf[ANSWER.size : ANSWER.size + n]))
             del buf[: ANSWER.size + n]
 
 

@@ -6,11 +6,10 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from functools import partial
 from typing import Any, TypeVar, cast
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from kvxfer.client.fast import decode_answer, lost_error, timeout_error
 from kvxfer.client.gather import GatherOutcome, WorkerGather, report_lost, settled
@@ -43,7 +42,7 @@ from kvxfer.wire.convert import (
     rank_to_proto,
     worker_agent_to_proto,
 )
-from kvxfer.wire.frames import METHOD_OF_REQUEST, QUIET_METHOD_OF_REQUEST, FastMethod, fast_socket_path
+from kvxfer.wire.frames import METHOD_OF_REQUEST, METHODS, QUIET_METHOD_OF_REQUEST, FastMethod, fast_socket_path
 from kvxfer.wire.status import error_from_status_message
 
 __all__ = ["AsyncClient"]
@@ -356,21 +355,26 @@ class AsyncClient:
         if self.fast_socket is not None and method.number not in self._fast_refused:
             channel = self._fast if self._fast is not None and not self._fast.closed else await self._fast_channel()
             if channel is not None:
+                channel.on_quiet_failure = self._quiet_failed
                 try:
-                    channel.tell(method.number, req.SerializeToString(), timeout,
-                                 partial(self._quiet_failed, method, req))  # fmt: skip
+                    channel.tell(method.number, req.SerializeToString(), timeout)
                     return
                 except FastCallError:
                     pass  # not sent: the awaited way below
         await self.expect(request_id, remote_addresses, deadline=deadline)
 
-    def _quiet_failed(self, method: FastMethod, req: local_pb2.ExpectRequest, code: int, status: bytes) -> None:
+    def _quiet_failed(self, number: int, payload: bytes, code: int, status: bytes) -> None:
         """A quiet call's failure arrived: log and count it (an older sidecar's refusal: send it awaited)."""
+        method = METHODS[number]
         try:
+            req = local_pb2.ExpectRequest.FromString(payload)  # the one quiet method
             decode_answer(method, code, status)
             return  # an OK answer to a quiet call: nothing failed
         except KvxferRpcError as exc:
             error = exc
+        except DecodeError:  # what this client sent: cannot happen
+            log.exception("unreadable quiet call")
+            return
         if error.code == grpc.StatusCode.UNIMPLEMENTED and error.field == "method":
             # A sidecar from before quiet calls refused the frame before running anything: this
             # Expect goes awaited, now, and so does every one after it.
