@@ -161,8 +161,7 @@ class Sidecar:
             # The hot calls as frames beside the local socket: same servicer, limits, mode and token.
             self.fast_api = FastApi(fast_socket_path(self._socket_path), local_api,
                                     limits=local_limits, token=token, mode=SOCKET_MODE,
-                                    max_message_bytes=s.max_message_bytes, on_frame=busy.poke,
-                                    off_path=self.core.off_path)  # fmt: skip
+                                    max_message_bytes=s.max_message_bytes, on_frame=busy.poke)  # fmt: skip
 
         await peer.start()
         if self.peer_frames is not None:

@@ -30,7 +30,6 @@ from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub
 from kvxfer.server.holds import Holds
 from kvxfer.server.identity import Identity
-from kvxfer.server.off_path import OffPath
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peer_frames import FramesDialer
@@ -91,17 +90,15 @@ class SidecarCore:
             frames=FramesDialer.of(settings),
         )  # fmt: skip
         self.topologies = TopologyCache()
-        #: Work that no pull waits for (its bookkeeping, the holds' answers, quiet Expects), run after the pulls.
-        self.off_path = OffPath()
         self.outbox = Outbox(self.peers, engine_id=settings.engine_id, instance_id=self.instance_id)
         self.publisher = Publisher(settings, self.registry, self.hub, metrics, self.outbox, self.topologies)
         self.puller = Puller(settings, self.registry, data_plane, self.peers, self.outbox, self.hub, metrics,
-                             self.topologies, self.off_path)  # fmt: skip
+                             self.topologies)  # fmt: skip
         self.pusher = Pusher(settings, self.registry, data_plane, self.publisher, self.peers, self.outbox, metrics,
                              self.topologies)  # fmt: skip
         self.publisher.on_dropped = self.pusher.publish_dropped
         self.streamer = Streamer(self.registry, self.pusher)
-        self.holds = Holds(settings, self.peers, me=self._hold_identity, off_path=self.off_path)
+        self.holds = Holds(settings, self.peers, me=self._hold_identity)
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publisher.publishes))
         metrics.in_flight.set_function(lambda: len(self.puller.pulls))
@@ -430,7 +427,6 @@ class SidecarCore:
                 p.task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
-        self.off_path.close()  # the bookkeeping of the pulls that ended, their notices queued below
         await self.holds.close()
         await self.outbox.close()
         for rid in list(self.publisher.publishes):

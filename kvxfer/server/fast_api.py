@@ -49,7 +49,6 @@ from kvxfer.errors import (
     UnavailableError,
 )
 from kvxfer.logs import get_logger, log_context
-from kvxfer.server.off_path import OffPath
 from kvxfer.server.peer_auth import URIS_PROPERTY
 from kvxfer.server.rpc import Unary, parse_request, run_unary, snake_case
 from kvxfer.wire import local_pb2
@@ -118,11 +117,9 @@ class FastApi:
         self, path: Path | None, api: object, *, limits: Mapping[str, float | None], token: str | None, mode: int,
         max_message_bytes: int, default_limit: float = 30.0, methods: Mapping[int, FastMethod] = METHODS,
         service: str = _SERVICE, hello: bytes = HELLO, name: str = "fast socket", hello_answer: bytes = b"",
-        on_frame: Callable[[], None] | None = None, off_path: OffPath | None = None,
+        on_frame: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.path = path
-        #: Quiet calls start there, after the calls in progress here, which it counts as critical.
-        self.off_path = off_path
         #: Called as frames arrive, before they are read (kvxfer.server.busy_poll.BusyPoll.poke).
         self.on_frame = on_frame
         self.name = name
@@ -313,30 +310,16 @@ class _Connection(asyncio.Protocol):
         if call in self.calls or call == HELLO_CALL:
             self._refuse(call, InvalidArgumentError(f"call: id {call} is in use on this connection", field="call"))
             return
-        lane = self.api.off_path
-        if lane is None:
-            self._launch(call, m, timeout, payload, arrived, False)
-        elif m.quiet:  # nobody waits for it: it starts once the calls in progress have answered
-            lane.call(self._launch, call, m, timeout, payload, arrived, False)
-        else:
-            lane.enter()
-            self._launch(call, m, timeout, payload, arrived, True)
-
-    def _launch(self, call: int, m: _Method, timeout: float, payload: bytes, arrived: float, critical: bool) -> None:
         try:
             req = parse_request(payload, m.request)
         except InvalidArgumentError as exc:
             self._refuse(call, exc)
-            if critical and self.api.off_path is not None:
-                self.api.off_path.leave()
             return
-        self.api.calls_by_method[m.name] += 1
-        task = asyncio.get_running_loop().create_task(
-            self._run(call, m, req, _Context(timeout, self.auth), arrived, critical)
-        )
+        task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Context(timeout, self.auth), arrived))
         self.calls[call] = task
+        self.api.calls_by_method[m.name] += 1
 
-    async def _run(self, call: int, m: _Method, req: Any, deadline: _Context, arrived: float, critical: bool) -> None:
+    async def _run(self, call: int, m: _Method, req: Any, deadline: _Context, arrived: float) -> None:
         try:
             resp = await run_unary(m.fn, req, deadline, m.full, m.limit)
         except KvxferError as exc:
@@ -353,8 +336,6 @@ class _Connection(asyncio.Protocol):
                 self._answer(call, 0, resp.SerializeToString())
         finally:
             self.calls.pop(call, None)
-            if critical and self.api.off_path is not None:
-                self.api.off_path.leave()
         if log.isEnabledFor(logging.DEBUG):  # the hop's share of a call (bench/gpu/sidecar_vram_bench.py --phases)
             log.debug("fast-socket call", extra={
                 "method": m.full, "request_id": getattr(req, "request_id", ""), "arrived": arrived,

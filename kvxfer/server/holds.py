@@ -25,7 +25,6 @@ import numpy as np
 from kvxfer.config import Settings
 from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger, log_context
-from kvxfer.server.off_path import OffPath
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import MAX_BATCH
@@ -59,15 +58,9 @@ class Holds:
     """Requests this (decode) sidecar expects to pull, and the task that holds them (see the module docs)."""
 
     def __init__(
-        self,
-        settings: Settings,
-        peers: PeerDirectory,
-        *,
-        me: Callable[[], tuple[str, str, common_pb2.Rank | None]],
-        off_path: OffPath | None = None,
+        self, settings: Settings, peers: PeerDirectory, *, me: Callable[[], tuple[str, str, common_pb2.Rank | None]]
     ) -> None:
         self.settings = settings
-        self._off_path = off_path  # where the publishers' answers are applied (None: at once)
         self.peers = peers
         self._me = me  # (engine id, instance id, rank once registered)
         self.expected: dict[str, _Expected] = {}
@@ -170,13 +163,6 @@ class Holds:
             log.warning("could not hold requests at a publisher", extra={"peer": address, "error": exc.message,
                         "requests": len(req.request_ids)})  # fmt: skip
             return
-        if self._off_path is None:
-            self._apply(address, req, resp, sent)
-        else:  # a pull that starts before its grant is applied reads ahead of a lookup instead
-            self._off_path.call(self._apply, address, req, resp, sent)
-
-    def _apply(self, address: str, req: peer_pb2.HoldRequest, resp: peer_pb2.HoldResponse, sent: float) -> None:
-        """A publisher's answer to a Hold: keep its grants, stop holding what it no longer holds."""
         held = set(resp.held)
         for g in resp.grants:
             if g.request_id in self.expected:

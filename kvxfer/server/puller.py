@@ -35,7 +35,6 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
-from kvxfer.server.off_path import OffPath
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory, PeerSession
@@ -66,7 +65,7 @@ class Puller:
 
     def __init__(
         self, settings: Settings, registry: Registry, data_plane: Transport, peers: PeerDirectory, outbox: Outbox,
-        hub: CompletionHub, metrics: SidecarMetrics, topologies: TopologyCache, off_path: OffPath,
+        hub: CompletionHub, metrics: SidecarMetrics, topologies: TopologyCache,
     ) -> None:  # fmt: skip
         self.settings = settings
         self.registry = registry
@@ -74,7 +73,6 @@ class Puller:
         self.outbox = outbox
         self.hub = hub
         self.metrics = metrics
-        self.off_path = off_path  # each pull's bookkeeping runs there, after the pulls in flight
         self.steps = PullSteps(registry, data_plane, peers, outbox, topologies, on_plan=self._planned)
         self.pulls: dict[str, PullEntry] = {}
         #: Plans of Pulls to come (Prepare), by request id.
@@ -124,8 +122,8 @@ class Puller:
             resp = self._answer(entry)
             if req.wait:
                 # Runs once this task step has returned the answer (the fast socket writes it in the
-                # same step) and no other pull waits: the bookkeeping stays off every critical path.
-                self.off_path.call(self._book, entry)
+                # same step): the bookkeeping stays off the worker's critical path.
+                asyncio.get_running_loop().call_soon(self._book, entry)
         if log.isEnabledFor(logging.DEBUG):  # where a pull's time goes, on monotonic clocks every process shares
             log.debug("pull answered", extra={"entered": entered, "started": entry.started,
                                               "answering": time.monotonic()})  # fmt: skip
@@ -351,7 +349,7 @@ class Puller:
             if not entry.done.done():
                 entry.done.set_result(stats)
             if not entry.waited:  # else the waiting Pull call books it once it has answered
-                self.off_path.call(self._book, entry)
+                asyncio.get_running_loop().call_soon(self._book, entry)
 
     def _never_ran(self, entry: PullEntry, task: asyncio.Task[None]) -> None:
         """A pull aborted before its task's first step: report it, which its body never got to do.
