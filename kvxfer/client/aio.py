@@ -154,6 +154,7 @@ class AsyncClient:
                     self.fast_socket, token=self._token, timeout=min(self.timeout, 2.0),
                     max_message_bytes=self._max_message_bytes,
                 )  # fmt: skip
+                self._fast.on_quiet_failure = self._quiet_failed
             except (OSError, TimeoutError) as exc:
                 # No fast socket (an older sidecar, --fast-socket false, a directory the worker
                 # cannot reach): gRPC serves every call, and the socket is tried again later.
@@ -355,7 +356,6 @@ class AsyncClient:
         if self.fast_socket is not None and method.number not in self._fast_refused:
             channel = self._fast if self._fast is not None and not self._fast.closed else await self._fast_channel()
             if channel is not None:
-                channel.on_quiet_failure = self._quiet_failed
                 try:
                     channel.tell(method.number, req.SerializeToString(), timeout)
                     return
@@ -383,20 +383,21 @@ class AsyncClient:
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
             return
-        self.quiet_failures += 1
-        self.last_quiet_failure = error
-        log.warning(f"{method.name} of request {req.request_id!r} failed: {error.message}", extra={
-            "request_id": req.request_id, "status": error.code.name, "reason": error.reason, "field": error.field,
-        })  # fmt: skip
+        self._note_quiet_failure(req, error)
 
-    async def _expect_again(self, req: local_pb2.ExpectRequest) -> Any:
+    async def _expect_again(self, req: local_pb2.ExpectRequest) -> None:
         try:
             await self.expect(req.request_id, list(req.remote_addresses))
         except KvxferRpcError as exc:
-            self.quiet_failures += 1
-            self.last_quiet_failure = exc
-            log.warning(f"Expect of request {req.request_id!r} failed: {exc.message}",
-                        extra={"request_id": req.request_id, "status": exc.code.name})  # fmt: skip
+            self._note_quiet_failure(req, exc)
+
+    def _note_quiet_failure(self, req: local_pb2.ExpectRequest, error: KvxferRpcError) -> None:
+        """Count and log the failure of an Expect nobody waited for."""
+        self.quiet_failures += 1
+        self.last_quiet_failure = error
+        log.warning(f"{error.method} of request {req.request_id!r} failed: {error.message}", extra={
+            "request_id": req.request_id, "status": error.code.name, "reason": error.reason, "field": error.field,
+        })  # fmt: skip
 
     async def prepare(
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,

@@ -223,10 +223,10 @@ class Puller:
         # to do): planning ahead must never hold up the Pull. A Pull that came first, or that is
         # ready to run now, goes first (one loop turn), and this Prepare stops without its checks.
         started = local_pb2.PrepareResponse(why_not=f"request_id: the pull of {rid!r} has started")
-        if rid in self.pulls or rid in self._ended:
+        if self.started(rid):
             return started
         await asyncio.sleep(0)
-        if rid in self.pulls or rid in self._ended:
+        if self.started(rid):
             return started
         reg = self.registry.require()
         entry, local_blocks, remote_given, _ = self._parse(pull, reg, client_timeout)
@@ -236,7 +236,7 @@ class Puller:
             if isinstance(got, str):
                 log.debug("pull not prepared", extra={"why": got})
                 return local_pb2.PrepareResponse(why_not=got)
-            if rid in self.pulls or rid in self._ended or reg is not self.registry.registration:
+            if self.started(rid) or reg is not self.registry.registration:
                 return local_pb2.PrepareResponse(why_not="the pull started, or this worker registered again, meanwhile")
             sessions, per_rank, warnings = got
             self.prepared.put(rid, PreparedPull(
