@@ -718,21 +718,22 @@ def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
 
 def _resolve(table: RegionTable, g_region: I64, g_offset: I64, p_offset: I64, p_length: I64, side: str) -> U64:
     """Addresses of the ``groups x pattern`` descriptors, each checked against its region's size."""
-    # ndarray methods rather than the np.* wrappers, and the error details only once a check fails:
-    # a pull of one block resolves a handful of descriptors, where numpy's per-call cost dominates.
+    # ndarray methods rather than the np.* wrappers, as few calls as can be, and the error details
+    # only once a check fails: a pull of one block resolves a handful of descriptors, where numpy's
+    # per-call cost dominates. Region ids come from a layout, never negative: take() refuses the
+    # ones past the table.
     groups, per = g_region.size, p_offset.size
-    n_regions = table.base.size
-    if groups and g_region.max() >= n_regions:
-        raise LayoutError(
-            f"regions: {side} descriptors need region {int(g_region.max())}, only {n_regions} registered",
-            field="regions",
-        )
-    out = np.empty((groups, per, 3), dtype=np.uint64)
     if groups == 0 or per == 0:
-        return out.reshape(-1, 3)
+        return np.empty((0, 3), dtype=np.uint64)
+    try:
+        size = table.size.take(g_region)
+    except IndexError:
+        raise LayoutError(
+            f"regions: {side} descriptors need region {int(g_region.max())}, only {table.base.size} registered",
+            field="regions",
+        ) from None
     p_end = p_offset + p_length
     # One comparison per group: the furthest byte any pattern entry reaches in it.
-    size = table.size.take(g_region)
     reach = (g_offset + p_end.max()).view(np.uint64)
     if (reach > size).any():
         i = int(np.flatnonzero(reach > size)[0])
@@ -743,9 +744,10 @@ def _resolve(table: RegionTable, g_region: I64, g_offset: I64, p_offset: I64, p_
             f"region {r} of {int(table.size[r])} bytes",
             field="regions",
         )
+    out = np.empty((groups, per, 3), dtype=np.uint64)
     base = table.base.take(g_region) + g_offset.view(np.uint64)
-    np.add(base[:, None], p_offset.view(np.uint64)[None, :], out=out[:, :, 0])
-    out[:, :, 1] = p_length.view(np.uint64)[None, :]
+    np.add(base[:, None], p_offset.view(np.uint64), out=out[:, :, 0])
+    out[:, :, 1] = p_length.view(np.uint64)
     out[:, :, 2] = table.device.take(g_region)[:, None]
     return out.reshape(-1, 3)
 

@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvxfer.config import Settings
 from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger, log_context
@@ -30,6 +28,7 @@ from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.state import Grant
 from kvxfer.wire import common_pb2, peer_pb2
+from kvxfer.wire.convert import ids_array
 
 __all__ = ["Holds", "hold_period"]
 
@@ -166,7 +165,7 @@ class Holds:
         held = set(resp.held)
         for g in resp.grants:
             if g.request_id in self.expected:
-                blocks = {pg.name: np.asarray(pg.block_ids, dtype=np.int64) for pg in g.groups}
+                blocks = {pg.name: ids_array(pg.block_ids) for pg in g.groups}
                 self.grants.setdefault(g.request_id, {})[address] = Grant(
                     sent + g.held_seconds, resp.instance_id, int(resp.epoch), blocks
                 )

@@ -56,7 +56,7 @@ from kvxfer.server.worker_gathers import WorkerGathers
 from kvxfer.topology import RegionTable
 from kvxfer.transport import Transport, mem_type
 from kvxfer.wire import local_pb2, peer_pb2
-from kvxfer.wire.convert import check_block_ids, rank_to_proto, regions_from_proto
+from kvxfer.wire.convert import check_block_ids, ids_array, rank_to_proto, regions_from_proto
 
 __all__ = ["PullSteps"]
 
@@ -388,7 +388,7 @@ class PullSteps:
                                            reason=Reason.PEER_INPUT)  # fmt: skip
             try:
                 out.blocks[pg.name] = check_block_ids(
-                    np.asarray(pg.block_ids, dtype=np.int64), layout.num_blocks,
+                    ids_array(pg.block_ids), layout.num_blocks,
                     f"peer {address} published block_ids[{pg.name}]",
                 )  # fmt: skip
                 out.tables[pg.name], out.mem_type = _remote_regions(session, pg, layout)

@@ -17,7 +17,7 @@ from kvxfer.errors import InvalidArgumentError, KvxferError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
 from kvxfer.topology import RankInfo
 from kvxfer.wire import common_pb2, peer_pb2
-from kvxfer.wire.convert import check_block_ids
+from kvxfer.wire.convert import check_block_ids, ids_array
 
 __all__ = [
     "NOTICE_OUTCOMES",
@@ -158,7 +158,7 @@ def remote_blocks(
             )
         if push and not bl.block_ids:
             continue
-        ids = np.asarray(bl.block_ids, dtype=np.int64)
+        ids = ids_array(bl.block_ids)
         out[bl.group] = check_block_ids(ids, 2**62, f"{field}[{bl.group}]")
     return out
 

@@ -94,3 +94,47 @@ def test_load_refuses_a_setting_it_cannot_pass(item: str) -> None:
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2
     assert f"--sidecar-env: {item!r} is not KVXFER_<SETTING>=<value>" in out.stderr
+
+
+def test_the_open_loops_batched_checks_catch_a_pull_that_moved_nothing() -> None:
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import load
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from kvxfer.harness.cluster import BlockAllocator
+    from kvxfer.layout import KVCacheLayout
+    from kvxfer.memory import SharedKVBuffer
+    from kvxfer.topology import RankInfo
+
+    lay = KVCacheLayout.attention(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=2, head_size=64)
+    pbuf, dbuf = SharedKVBuffer.create(lay), SharedKVBuffer.create(lay)
+    try:
+        src = np.arange(2)
+        load.fill_blocks(pbuf, RankInfo(0, 1), src, salt=7)
+        pages = load._Pages((pbuf, dbuf), src)
+        alloc = BlockAllocator(lay.num_blocks, np.random.default_rng(0), max_run=2)
+        checks = load._BatchedChecks(pages, alloc)
+        checks.poison_free()
+        good, empty, half = alloc.allocate(2), alloc.allocate(2), alloc.allocate(2)
+        assert alloc.free == 32 - 6
+        for k in range(lay.num_layers):
+            dbuf.pages(k)[good] = pbuf.pages(k)[src]  # a pull that landed every byte
+            dbuf.pages(k)[half[:1]] = pbuf.pages(k)[src[:1]]  # one that landed its first block only
+        rows = [{"bad": float("nan")} for _ in range(3)]
+        for dst, row in zip((good, empty, half), rows, strict=True):
+            checks.add(dst, row)
+        assert alloc.free == 32 - 6  # held until checked
+        checks.sweep()
+        page_bytes = lay.page_bytes
+        assert rows[0]["bad"] == 0
+        # every block the poison covers differs almost everywhere from the source
+        assert rows[1]["bad"] > 0.9 * 2 * 2 * page_bytes
+        assert 0.9 * 2 * page_bytes < rows[2]["bad"] <= 2 * page_bytes
+        assert alloc.free == 32  # released once checked
+        assert pages.mismatched(good) > 0.9 * 2 * 2 * page_bytes  # and poisoned again before their next pull
+    finally:
+        pbuf.close()
+        dbuf.close()
