@@ -136,8 +136,6 @@ EXPECT_LEAD_S = 0.02
 #: serial_prepared: from the Prepare's answer to the worker's Pull (vLLM: from allocating the blocks
 #: to the workers' start_load_kv, the rest of the engine step).
 PREPARE_LEAD_S = 0.001
-#: open loop: how often the pulled blocks are checked against the source (see _BatchedChecks).
-CHECK_EVERY_S = 0.005
 #: The serial phases, one after the other: (key, request id tag, name the publisher's ids, expect, prepare).
 SERIAL_KINDS = (
     ("serial", "s", False, False, False),
@@ -276,7 +274,7 @@ async def _pull_phase(
         for i in range(n):
             await dc.expect(f"{tag}{i}", [peer])
         await asyncio.sleep(HOLD_WAIT_S)  # until a round of holds has covered them all
-    pages = _Pages(bufs, src)
+    dst_pages, want = _views(bufs, src)
     out: list[dict[str, float]] = []
 
     async def pull(first: int) -> None:
@@ -287,7 +285,7 @@ async def _pull_phase(
             dsts = [alloc.allocate(len(src)) for _ in ids]
             try:
                 for dst in dsts:
-                    pages.poison_blocks(dst)
+                    _poison(dst_pages, dst)
                 if prepare is not None:
                     planned = await prepare.prepare(f"{tag}{first}", [peer], {"kv": dsts[0]}, remote_blocks={"kv": src})
                     if not planned:
@@ -308,7 +306,7 @@ async def _pull_phase(
                         raise res
                     # Byte-exact against the source pages (checked once against the expected
                     # contents): a cheap comparison, so verifying does not hold up other answers.
-                    bad = pages.mismatched(dst)
+                    bad = _mismatched(dst_pages, dst, want)
                     out.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
                                 "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
             finally:
@@ -346,9 +344,7 @@ async def _open_loop(
             await pc.publish(f"{tag}{i}", {"kv": src})
 
     await asyncio.gather(*(publish(i) for i in range(n)))
-    pages = _Pages(bufs, src)
-    checks = _BatchedChecks(pages, alloc)
-    checks.poison_free()
+    dst_pages, want = _views(bufs, src)
     rows: list[dict[str, float]] = []
     failed: Counter[str] = Counter()  # status code -> pulls that failed with it (an overloaded hop), not in the figures
     in_flight = peak = unprepared = 0
@@ -375,8 +371,8 @@ async def _open_loop(
             return
         in_flight += 1
         peak = max(peak, in_flight)
-        checked = False
         try:
+            _poison(dst_pages, dst)
             if prepare:
                 try:
                     if not await dc.prepare(f"{tag}{i}", [peer], {"kv": dst}, remote_blocks={"kv": src}):
@@ -394,22 +390,12 @@ async def _open_loop(
                 failed[exc.code.name] += 1
                 return
             lat = time.perf_counter() - t
-            # "bad": set when the blocks are checked (NaN until then: a row never checked fails the sum).
-            row = {"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
-                   "fetch": res.fetch_seconds, "bad": math.nan}  # fmt: skip
-            rows.append(row)
-            checks.add(dst, row)  # checked, poisoned again and released by the next sweep
-            checked = True
+            bad = _mismatched(dst_pages, dst, want)
+            rows.append({"latency": lat, "data": res.data_seconds, "sidecar": res.duration_seconds,
+                         "fetch": res.fetch_seconds, "bad": bad})  # fmt: skip
         finally:
             in_flight -= 1
-            if not checked:  # a failed pull: whatever landed is overwritten before the blocks go back
-                pages.poison_blocks(dst)
-                alloc.release(dst)
-
-    async def sweeper() -> None:
-        while True:
-            await asyncio.sleep(CHECK_EVERY_S)
-            checks.sweep()
+            alloc.release(dst)
 
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     tasks = []
@@ -418,7 +404,6 @@ async def _open_loop(
     t0 = time.perf_counter()
     late = 0  # arrivals the driver started more than 1 ms after their time (it could not keep up)
     quiet0 = dc.quiet_failures
-    sweeping = asyncio.ensure_future(sweeper())
     for i, at in enumerate(arrivals):
         delay = t0 + float(at) - time.perf_counter()
         if delay > 0:
@@ -428,8 +413,6 @@ async def _open_loop(
         tasks.append(asyncio.ensure_future(pull(i)))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
-    sweeping.cancel()
-    checks.sweep()
     return {
         "rate_per_s": rate, "pulls": n, "achieved_per_s": n / elapsed, "max_in_flight": peak,
         "late_arrivals": late, "failed": sum(failed.values()), "failed_by_code": dict(failed), **_stats(rows),
@@ -487,6 +470,17 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _views(bufs: tuple[SharedKVBuffer, SharedKVBuffer], src: Any) -> tuple[list[Any], list[Any]]:
+    """The decode buffer's page views per layer, and the source pages every pull must land (copied once).
+
+    The driver shares the cores with the sidecars it measures: building a view per layer per pull
+    and reading the source again each time cost it ~0.65 ms per pull, CPU the sidecars then lacked.
+    """
+    pbuf, dbuf = bufs
+    layers = range(pbuf.layout.num_layers)
+    return [dbuf.pages(k) for k in layers], [pbuf.pages(k)[src].copy() for k in layers]
+
+
 def _pages_of(dst: Any) -> Any:
     """``dst`` as an index into a page array: a slice when the ids are consecutive (a view, not a copy).
 
@@ -499,79 +493,17 @@ def _pages_of(dst: Any) -> Any:
     return dst
 
 
-class _Pages:
-    """The decode buffer's page views per layer, the source pages every pull must land, and the poison.
-
-    The driver shares the cores with the sidecars it measures: building a view per layer per pull
-    and reading the source again each time cost it ~0.65 ms per pull, CPU the sidecars then lacked.
-    The poison (every byte of the first source block flipped) is written over a block before a pull
-    lands in it, whatever its position in the pull: writing it twice changes nothing, and a pull
-    that moved nothing cannot pass the check (it differs from every source block, checked here).
-    """
-
-    def __init__(self, bufs: tuple[SharedKVBuffer, SharedKVBuffer], src: Any) -> None:
-        pbuf, dbuf = bufs
-        layers = range(pbuf.layout.num_layers)
-        self.dst = [dbuf.pages(k) for k in layers]
-        self.want = [pbuf.pages(k)[src].copy() for k in layers]
-        self.poison = [~w[0] for w in self.want]
-        for w, p in zip(self.want, self.poison, strict=True):
-            if not all(bool((block != p).any()) for block in w):
-                raise RuntimeError("the poison equals a source block: a pull that moved nothing would pass")
-
-    def poison_blocks(self, dst: Any) -> None:
-        """Write the poison over the blocks ``dst`` (before a pull lands in them)."""
-        at = _pages_of(dst)
-        for pages, p in zip(self.dst, self.poison, strict=True):
-            pages[at] = p
-
-    def mismatched(self, dst: Any) -> int:
-        """Bytes of the pulled pages ``dst`` that differ from the source's."""
-        at = _pages_of(dst)
-        return sum(int(np.count_nonzero(pages[at] != w)) for pages, w in zip(self.dst, self.want, strict=True))
+def _poison(dst_pages: list[Any], dst: Any) -> None:
+    """Flip every byte of the blocks ``dst``: a pull that moved nothing cannot pass the check."""
+    at = _pages_of(dst)
+    for pages in dst_pages:
+        pages[at] ^= 0xFF
 
 
-class _BatchedChecks:
-    """The open loop's byte checks, a few pulls at a time, off the pulls' path.
-
-    Each pull's blocks are checked against the source, poisoned again and released by
-    :meth:`sweep` (every :data:`CHECK_EVERY_S` while the phase runs, and once at its end): every
-    byte is still verified, but the driver pays numpy's per-call cost once per batch rather than
-    per pull, and no pull's answer waits behind another pull's check (the driver plays the worker,
-    whose loop does no such work). Every free block is poisoned before the phase and each again as
-    it is released, so a block handed to a pull is always poisoned.
-    """
-
-    def __init__(self, pages: _Pages, alloc: BlockAllocator) -> None:
-        self.pages = pages
-        self.alloc = alloc
-        self._pending: list[tuple[Any, dict[str, float]]] = []
-
-    def poison_free(self) -> None:
-        """Poison every free block (the phase's pulls take only these)."""
-        free = self.alloc.free_ids()
-        for i in range(0, free.size, 256):  # bounded temporaries
-            self.pages.poison_blocks(free[i : i + 256])
-
-    def add(self, dst: Any, row: dict[str, float]) -> None:
-        """A pulled block list to check (``row["bad"]`` is set when it is)."""
-        self._pending.append((dst, row))
-
-    def sweep(self) -> None:
-        """Check, poison and release every block list added since the last sweep."""
-        batch, self._pending = self._pending, []
-        if not batch:
-            return
-        idx = np.concatenate([d for d, _ in batch])
-        per = len(batch[0][0])  # every pull reads the same source blocks
-        bad = np.zeros(len(batch), dtype=np.int64)
-        for pages, w, p in zip(self.pages.dst, self.pages.want, self.pages.poison, strict=True):
-            got = pages[idx].reshape(len(batch), per, -1)
-            bad += np.count_nonzero(got != w.reshape(1, per, -1), axis=(1, 2))
-            pages[idx] = p
-        for (dst, row), b in zip(batch, bad.tolist(), strict=True):
-            row["bad"] = b
-            self.alloc.release(dst)
+def _mismatched(dst_pages: list[Any], dst: Any, want: list[Any]) -> int:
+    """Bytes of the pulled pages ``dst`` that differ from the source's."""
+    at = _pages_of(dst)
+    return sum(int(np.count_nonzero(pages[at] != w)) for pages, w in zip(dst_pages, want, strict=True))
 
 
 def _stats(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -147,10 +147,6 @@ class BlockAllocator:
                 run -= 1
         return np.asarray(out, dtype=np.int64)
 
-    def free_ids(self) -> I64:
-        """The free blocks' ids, ascending."""
-        return np.flatnonzero(self._free)
-
     def release(self, ids: I64) -> None:
         """Return blocks."""
         self._free[ids] = True
