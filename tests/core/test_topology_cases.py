@@ -196,6 +196,9 @@ def test_descriptors_resolve_addresses_and_refuse_small_regions() -> None:
     tiny = RegionTable(np.array([0, 0], np.uint64), np.array([page, page], np.uint64), np.zeros(2, np.uint64))
     with pytest.raises(LayoutError, match="overruns region 0"):
         plan.per_rank[0].descriptors(tiny, remote)
+    one = RegionTable(np.array([0], np.uint64), np.array([1 << 40], np.uint64), np.zeros(1, np.uint64))
+    with pytest.raises(LayoutError, match=r"^regions: remote descriptors need region 1, only 1 registered$"):
+        plan.per_rank[0].descriptors(local, one)
 
 
 def test_parse_block_ids() -> None:
@@ -469,3 +472,14 @@ def test_head_size_v_difference_names_both_sizes() -> None:
                                   head_size_v=64)  # fmt: skip
     plain = KVCacheLayout.attention(num_layers=1, num_blocks=8, block_size=16, num_kv_heads=8, head_size=128)
     assert v64.incompatibilities(plain) == ["head_size_v: local 64, remote 128"]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 63, 64, 65, 1000])
+def test_ids_array_reads_a_repeated_field_as_int64(n: int) -> None:
+    from kvxfer.wire import common_pb2
+    from kvxfer.wire.convert import ids_array
+
+    ids = [(i * 7919) % 100003 for i in range(n)] + ([2**62] if n else [])
+    got = ids_array(common_pb2.BlockList(group="kv", block_ids=ids).block_ids)
+    assert got.dtype == np.int64
+    assert got.tolist() == ids

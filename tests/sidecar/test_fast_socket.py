@@ -560,3 +560,50 @@ def test_a_blocking_call_runs_its_hook_once_sent_and_polls_for_the_answer(answer
     finally:
         conn.close()
         theirs.close()
+
+
+async def test_a_fast_call_past_its_deadline_raises_and_tells_the_sidecar_to_abandon_it(tmp_path: Path) -> None:
+    """The channel's own timer (no sidecar deadline involved): a frames server that answers the hello
+    and then only the calls it is told to."""
+    from kvxfer.fastsock import FastChannel
+    from kvxfer.wire.frames import CANCEL
+
+    frames: list[tuple[int, int, bytes]] = []  # (call, method, payload) as the server read them
+    answer_from = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readexactly(REQUEST.size)
+            except asyncio.IncompleteReadError:
+                return
+            n, call, method, _ = REQUEST.unpack(head)
+            payload = await reader.readexactly(n)
+            frames.append((call, method, payload))
+            if call == 0 or (answer_from.is_set() and method != CANCEL):
+                writer.write(ANSWER.pack(2, call, 0) + b"ok")
+
+    path = tmp_path / "frames.sock"
+    server = await asyncio.start_unix_server(serve, path=str(path))
+    ch = await FastChannel.open(path, token=None, timeout=5.0, max_message_bytes=1 << 20)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError):
+            await ch.call(3, b"slow", 0.2)
+        took = asyncio.get_running_loop().time() - t0
+        assert 0.2 <= took < 2.0
+        for _ in range(100):  # the abandon frame follows the timeout
+            if len(frames) == 3:
+                break
+            await asyncio.sleep(0.01)
+        (_, hello, _), (call, method, payload), cancel = frames
+        assert hello == 0
+        assert (method, payload) == (3, b"slow")
+        assert cancel == (call, CANCEL, b"")
+        assert not ch._waiting  # nothing left waiting for the lost answer
+        answer_from.set()
+        assert await ch.call(3, b"next", 5.0) == (0, b"ok")  # the connection is unharmed
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
