@@ -214,6 +214,11 @@ class Settings(BaseModel):
         200, ge=0, le=1_000_000,
         description="microseconds the NIXL agent's progress thread sleeps between rounds (0: it spins a core)",
     )  # fmt: skip
+    nixl_thread_post_bytes: int = Field(
+        4 << 20, ge=0, le=1 << 40,
+        description="NIXL: DRAM transfers of at least this many bytes are posted from a thread of their own, so "
+        "that their copy does not hold up the sidecar's event loop (0: never)",
+    )  # fmt: skip
     lease_seconds: float = Field(
         30.0, gt=0, le=86400, allow_inf_nan=False, description="how long published blocks are held"
     )
@@ -395,7 +400,7 @@ class Settings(BaseModel):
             nixl_backends=self.nixl_backends, listen_host=host, data_port=self.data_port,
             mooncake_protocol=self.mooncake_protocol, mooncake_device=self.mooncake_device,
             cuda_ipc_direct=self.cuda_ipc_direct, cuda_gather=self.cuda_gather,
-            nixl_progress_delay_us=self.nixl_progress_delay_us,
+            nixl_progress_delay_us=self.nixl_progress_delay_us, nixl_thread_post_bytes=self.nixl_thread_post_bytes,
         )  # fmt: skip
 
     def token(self) -> str | None:

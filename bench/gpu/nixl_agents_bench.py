@@ -252,10 +252,11 @@ class Agents:
 
         if dst.vram or src.vram:
             facts["cuda_init"] = cuda_ipc.try_init()  # UCX sees the GPUs only after cuInit
-        config = TransportConfig()
+        # As vLLM's connector makes them: every call from one thread (NIXL's default sync mode).
+        config = TransportConfig(nixl_thread_post_bytes=0)
         t0 = time.perf_counter()
-        self.src_agent = _make_agent("nixlab-prefill", config)
-        self.dst_agent = _make_agent("nixlab-decode", config)
+        self.src_agent, _ = _make_agent("nixlab-prefill", config)
+        self.dst_agent, _ = _make_agent("nixlab-decode", config)
         facts["agents_s"] = time.perf_counter() - t0
         facts["ucx_engine_config"] = ucx_engine_config()
         facts["progress_delay_us"] = config.nixl_progress_delay_us

@@ -56,6 +56,9 @@ class TransportConfig:
     mooncake_device: str = ""  # Mooncake: RDMA devices (empty: auto)
     cuda_ipc_direct: bool = False  # same-host GPU READs by device copies (kvxfer.transport.cuda_ipc_direct)
     cuda_gather: CudaGather = "kernel"  # those copies: one gather launch ("kernel") or the copy engines
+    # NIXL: DRAM transfers of at least this many bytes are posted from a thread of their own (0: never);
+    # see NixlTransport. Below it the hand-off costs the event loop more than the copy does.
+    nixl_thread_post_bytes: int = 4 << 20
     poll_min_s: float = 20e-6  # first completion poll; doubles up to poll_max_s
     poll_max_s: float = 2e-3
     # Mooncake: how long its own synchronous wait lasts (plus 1 s per GiB) before it gives up on a

@@ -10,11 +10,20 @@ GPU memory: the UCX backend is created with :data:`UCX_DEFAULTS` as its ``engine
 reports no NVLink (PCIe cards, GPUs passed through into a VM) and a VRAM READ crawls through host
 memory over tcp (0.5 GB/s against 1300 GB/s on the lent H100; docs/notes/gpu.md). A ``UCX_<KEY>``
 variable in the environment always wins: that key is left out of ``engine_config``.
+
+DRAM on one host: NIXL's UCX backend copies a READ or WRITE between two processes' DRAM inside the
+post itself (cross-memory attach), with the GIL released. Posted from the event loop, a large
+transfer would hold up every other call of the sidecar for its whole copy (about 40 ms for 256 MiB),
+so a DRAM transfer of at least ``TransportConfig.nixl_thread_post_bytes`` is posted from a thread
+of the transport's own, the agent then running in NIXL's ``NIXL_THREAD_SYNC_RW`` mode (data-path
+calls may come from two threads). Smaller ones stay on the loop: handing one to a thread and back
+costs the loop more than its copy (figures: docs/notes/gpu.md, "Stop 35").
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -79,7 +88,8 @@ def _prepare_ucx_env(env: dict[str, str] | os._Environ[str] | None = None) -> No
     env.setdefault("UCX_MEMTYPE_CACHE", "n")
 
 
-def _make_agent(name: str, config: TransportConfig) -> Any:
+def _make_agent(name: str, config: TransportConfig) -> tuple[Any, bool]:
+    """The agent, and whether it runs in NIXL_THREAD_SYNC_RW mode (posts may come from a second thread)."""
     _prepare_ucx_env()
     try:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -89,7 +99,7 @@ def _make_agent(name: str, config: TransportConfig) -> Any:
     # UCX enumerates GPUs only in a process where CUDA is initialized (see cuda_ipc.try_init).
     cuda_ipc.try_init()
     # Backends are created below rather than by the constructor, which cannot pass init params.
-    conf = nixl_agent_config(backends=[])
+    conf, threaded = _agent_config(nixl_agent_config, threaded=config.nixl_thread_post_bytes > 0)
     agent = _with_progress_delay(nixl_agent, name, conf, config.nixl_progress_delay_us)
     plugins = agent.get_plugin_list()
     for backend in config.nixl_backends:
@@ -97,7 +107,19 @@ def _make_agent(name: str, config: TransportConfig) -> Any:
             continue  # reported by the caller with the list of plugins found
         engine_config = ucx_engine_config() if backend == "UCX" else ""
         agent.create_backend(backend, {"engine_config": engine_config} if engine_config else {})
-    return agent
+    return agent, threaded
+
+
+def _agent_config(factory: Any, *, threaded: bool) -> tuple[Any, bool]:
+    """The agent's config, and whether it is NIXL_THREAD_SYNC_RW (asked with ``threaded``)."""
+    if threaded:
+        try:
+            from nixl._api import nixl_thread_sync_t
+
+            return factory(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW), True
+        except (ImportError, AttributeError, TypeError):
+            pass  # a NIXL without sync modes: every post stays on the caller's thread (see NixlTransport)
+    return factory(backends=[]), False
 
 
 def nixl_logs_to_stderr() -> None:
@@ -143,7 +165,7 @@ class NixlTransport(Transport):
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
         try:
-            self._agent: Any = _make_agent(agent_name, self.config)
+            self._agent, self._threaded = _make_agent(agent_name, self.config)
         except BackendUnavailableError:
             raise
         except Exception as exc:  # the binding raises its own exception types
@@ -159,6 +181,9 @@ class NixlTransport(Transport):
                 backend="nixl",
             )
         self._peers: set[str] = set()
+        self._poster: concurrent.futures.ThreadPoolExecutor | None = None  # started at its first post
+        #: Transfers posted from the poster thread so far (tests, bench).
+        self.thread_posts = 0
 
     @classmethod
     def library_loggers(cls) -> tuple[str, ...]:
@@ -249,8 +274,13 @@ class NixlTransport(Transport):
                 peer=peer,
                 detail=f"{type(exc).__name__}: {exc}",
             ) from None
+        nbytes = int(local[:, 1].sum())
+        threaded = self._posts_on_thread(nbytes, mem_type, remote_mem_type)
         try:
-            state = agent.transfer(handle)
+            if threaded:
+                state = await _posted(self._post_on_thread(handle))
+            else:
+                state = agent.transfer(handle)
             delay = self.config.poll_min_s
             deadline = start + timeout
             while state == "PROC":
@@ -282,10 +312,20 @@ class NixlTransport(Transport):
                 detail=f"{type(exc).__name__}: {exc}",
             ) from None
         finally:
-            # Releasing an active handle cancels it; one NIXL cannot release stays with the agent.
-            with contextlib.suppress(Exception):
-                agent.release_xfer_handle(handle)
-        return TransferResult(int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - start)
+            _release(agent, handle)
+        return TransferResult(nbytes, int(local.shape[0]), time.monotonic() - start)
+
+    def _posts_on_thread(self, nbytes: int, mem_type: MemType, remote_mem_type: MemType) -> bool:
+        """Whether this transfer is posted from the poster thread (see the module docs)."""
+        least = self.config.nixl_thread_post_bytes
+        return self._threaded and 0 < least <= nbytes and mem_type == "DRAM" and remote_mem_type == "DRAM"
+
+    def _post_on_thread(self, handle: Any) -> concurrent.futures.Future[str]:
+        if self._poster is None:
+            # One thread: large copies go one after another, as they did on the loop, but beside it.
+            self._poster = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer-nixl-post")
+        self.thread_posts += 1
+        return self._poster.submit(self._agent.transfer, handle)
 
     def poll_notifications(self) -> list[Notification]:
         notifs = self._agent.get_new_notifs()
@@ -296,6 +336,36 @@ class NixlTransport(Transport):
         ]
 
     def close(self) -> None:
+        if self._poster is not None:
+            self._poster.shutdown(wait=True)  # a post in progress ends before the agent goes
+            self._poster = None
         for peer in list(self._peers):
             self.remove_peer(peer)
         self._agent = None
+
+
+async def _posted(post: concurrent.futures.Future[str]) -> str:
+    """The state a post on the poster thread returned (or its error).
+
+    A cancel that comes while it copies is raised only once the copy has ended: the copy cannot be
+    stopped midway, and no byte may land after the transfer's caller has heard it ended (a worker
+    frees the blocks of an aborted pull). Posted on the loop, a copy could not be interrupted either.
+    """
+    done = asyncio.wrap_future(post)
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not done.done()  # from outside, while the copy runs: wait for it
+        except Exception:
+            break  # the post's own error, raised below
+    if cancelled:
+        raise asyncio.CancelledError
+    return done.result()
+
+
+def _release(agent: Any, handle: Any) -> None:
+    # Releasing an active handle cancels it; one NIXL cannot release stays with the agent.
+    with contextlib.suppress(Exception):
+        agent.release_xfer_handle(handle)

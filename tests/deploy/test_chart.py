@@ -663,6 +663,7 @@ SCHEMA_BOUNDS = {
     "maxMessageBytes": "max_message_bytes",
     "busyPollSeconds": "busy_poll_seconds",
     "busyPollAboveRate": "busy_poll_above_rate",
+    "nixlThreadPostBytes": "nixl_thread_post_bytes",
 }
 
 
@@ -712,3 +713,15 @@ def test_busy_poll_above_a_rate_is_the_sidecars_default_unless_set(helm_render: 
                 assert flags == ([] if want is None else [f"--busy-poll-above-rate={want:g}"])
                 assert settings.busy_poll_above_rate == (500.0 if want is None else want)
                 assert ("busy_poll_above_rate" in settings.model_fields_set) == (want is not None)
+
+
+def test_nixl_thread_posts_are_the_sidecars_default_unless_set(helm_render: Path, tmp_path: Path) -> None:
+    """sidecar.nixlThreadPostBytes: no flag by default (the sidecar's 4 MiB); a value, 0 included, as is."""
+    for values, want in (({}, None), ({"sidecar": {"nixlThreadPostBytes": 0}}, 0),
+                         ({"sidecar": {"nixlThreadPostBytes": 16777216}}, 16777216)):  # fmt: skip
+        for spec in pod_specs(_render_values(helm_render, tmp_path, values)).values():
+            for sidecar, settings in zip(sidecars(spec), sidecar_settings(spec, tmp_path), strict=True):
+                flags = [a for a in sidecar["args"] if a.startswith("--nixl-thread-post-bytes")]
+                assert flags == ([] if want is None else [f"--nixl-thread-post-bytes={want}"])
+                assert settings.nixl_thread_post_bytes == (4 << 20 if want is None else want)
+                assert settings.transport_config().nixl_thread_post_bytes == settings.nixl_thread_post_bytes

@@ -395,3 +395,94 @@ def test_nixl_backend_list_is_configurable_and_missing_plugins_are_named() -> No
     assert text.startswith("nixl: backend plugins ['NOPE'] are not available; plugins found: [")
     assert "'UCX'" in text
     assert err.value.status == "FAILED_PRECONDITION"
+
+
+# ----------------------------------------------------------------- large DRAM transfers posted from a thread
+def _whole_cache(local_cache: Cache, peer: Peer) -> tuple[np.ndarray, np.ndarray]:
+    """Every page of the cache (4 layers x 64 blocks x 16 KiB = 4 MiB), remote block b into local 63 - b."""
+    lay = cache_layout()
+    ids = np.arange(lay.num_blocks)
+    (rp,) = TransferTopology(lay, lay, RankInfo(0, 1), 1).plan(ids, ids[::-1].copy()).per_rank
+    return rp.descriptors(local_cache.table, peer.table)
+
+
+@pytest.mark.parametrize("least", [4 << 20, 0])
+def test_a_large_dram_read_is_copied_beside_the_event_loop(least: int) -> None:
+    """NIXL copies DRAM inside the post: from 4 MiB (by default) it is posted from the transport's own
+    thread, so the loop runs on while it copies; with 0, or below the threshold, it is posted on the loop."""
+    config = TransportConfig(nixl_thread_post_bytes=least)
+    transport = create_transport("nixl", f"local-post-{time.monotonic_ns()}", config)
+    cache = Cache(cache_layout(), seed=None)
+    transport.register(cache.table)
+    peer = Peer("nixl", f"peer-post-{time.monotonic_ns()}", seed=11)
+    try:
+        name = transport.add_peer(peer.metadata)
+        ld, rd = _whole_cache(cache, peer)
+        small_l, small_r, _ = descriptors(cache, peer)
+
+        async def run() -> tuple[int, int]:
+            task = asyncio.ensure_future(transport.read(name, ld, rd, timeout=30))
+            await asyncio.sleep(0)  # the read's first step
+            ticks = 0
+            while not task.done():  # the loop's own turns while the bytes are being copied
+                ticks += 1
+                await asyncio.sleep(0)
+            result = await task
+            assert result.bytes == 4 << 20
+            small = asyncio.ensure_future(transport.read(name, small_l, small_r, timeout=30))
+            await asyncio.sleep(0)
+            assert small.done()  # 28 small spans: below the threshold, copied in the post
+            await small
+            return ticks, transport.thread_posts  # type: ignore[attr-defined]
+
+        ticks, posted = asyncio.run(run())
+        if least:
+            assert posted == 1
+            assert ticks >= 1  # the read's first step handed the copy over and returned
+        else:
+            assert posted == 0  # (the post may still leave part of the copy to NIXL's progress thread)
+        for layer in range(4):
+            for b in (0, 17, 40):  # local pages the small read after it does not touch
+                assert bytes(cache.page(layer, 63 - b)) == bytes(peer.expected.page(layer, b)), (layer, b)
+    finally:
+        peer.stop()
+        transport.close()
+
+
+def test_a_cancel_during_a_threaded_copy_returns_only_once_the_copy_has_ended() -> None:
+    """No byte may land after a transfer's caller heard it ended (a worker frees an aborted pull's blocks).
+    Named fault: the poster thread is held busy by the test, so that the cancel surely comes before the copy."""
+    import threading
+
+    config = TransportConfig(nixl_thread_post_bytes=1)
+    transport = create_transport("nixl", f"local-cancel-{time.monotonic_ns()}", config)
+    cache = Cache(cache_layout(), seed=None)
+    transport.register(cache.table)
+    peer = Peer("nixl", f"peer-cancel-{time.monotonic_ns()}", seed=13)
+    try:
+        name = transport.add_peer(peer.metadata)
+        ld, rd = _whole_cache(cache, peer)
+        gate = threading.Event()
+
+        async def run() -> None:
+            transport._post_on_thread(None)  # type: ignore[attr-defined]  # starts the poster thread
+            transport._poster.submit(gate.wait, 10)  # type: ignore[attr-defined]  # the fault: the poster is busy
+            task = asyncio.ensure_future(transport.read(name, ld, rd, timeout=30))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done()  # cancelled, but its copy has not run yet: the read waits for it
+            assert not cache.page(0, 63).any()
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # the copy ran before the read ended, never after
+            assert bytes(cache.page(0, 63)) == bytes(peer.expected.page(0, 0))
+
+        asyncio.run(run())
+        # the handle was released and the agent serves the next read
+        small_l, small_r, _ = descriptors(cache, peer)
+        asyncio.run(transport.read(name, small_l, small_r, timeout=30))
+    finally:
+        peer.stop()
+        transport.close()
