@@ -77,3 +77,17 @@ def test_translate_bench_times_this_tree_and_another_side_by_side(tmp_path: Path
     assert [r.split(" (")[0] for r in rows] == ["| this tree", f"| {tmp_path}"]
     assert f"({tmp_path / 'kvxfer'})" in rows[1]  # the other tree's package was the one imported
     assert all(len(r.split(" us |")) == 4 for r in rows)  # three descriptor counts each
+
+
+def test_dram_post_bench_reads_every_size_both_ways_byte_exact() -> None:
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "bench" / "dram_post.py"), "--sizes-kib", "256,4096", "--reps", "2", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["mismatched_bytes"] == 0
+    assert [(row["kib"], row["mode"]) for row in r["rows"]] == [(256, "loop"), (256, "thread"), (4096, "loop"),
+                                                                (4096, "thread")]  # fmt: skip
+    assert [row["descriptors"] for row in r["rows"]] == [4, 4, 4, 4]  # one per layer: the pulls are contiguous
+    # the transport posting every READ from its thread did so for each of its reads; the other, none
+    assert [row["thread_posts"] for row in r["rows"]] == [0, 2, 0, 4]
