@@ -13,11 +13,12 @@ variable in the environment always wins: that key is left out of ``engine_config
 
 DRAM on one host: NIXL's UCX backend copies a READ or WRITE between two processes' DRAM inside the
 post itself (cross-memory attach), with the GIL released. Posted from the event loop, a large
-transfer would hold up every other call of the sidecar for its whole copy (about 40 ms for 256 MiB),
-so a DRAM transfer of at least ``TransportConfig.nixl_thread_post_bytes`` is posted from a thread
-of the transport's own, the agent then running in NIXL's ``NIXL_THREAD_SYNC_RW`` mode (data-path
-calls may come from two threads). Smaller ones stay on the loop: handing one to a thread and back
-costs the loop more than its copy (figures: docs/notes/gpu.md, "Stop 35").
+transfer would hold up every other call of the sidecar for its whole copy (about 15 ms for 64 MiB
+on a lent H200's host), so a DRAM transfer of at least ``TransportConfig.nixl_thread_post_bytes``
+is posted from a thread of the transport's own, the agent then running in NIXL's
+``NIXL_THREAD_SYNC_RW`` mode (data-path calls may come from two threads). Smaller ones stay on the
+loop: handing one to a thread and back costs the loop more than its copy (figures:
+docs/notes/gpu.md, "Stop 35").
 """
 
 from __future__ import annotations
