@@ -358,7 +358,7 @@ async def _posted(post: concurrent.futures.Future[str]) -> str:
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
-            cancelled = cancelled or not done.done()  # from outside, while the copy runs: wait for it
+            cancelled = True  # from outside (``done`` is shielded): wait for the copy, then raise it
         except Exception:
             break  # the post's own error, raised below
     if cancelled:
