@@ -279,7 +279,7 @@ class NixlTransport(Transport):
         threaded = self._posts_on_thread(nbytes, mem_type, remote_mem_type)
         try:
             if threaded:
-                state = await _posted(self._post_on_thread(handle))
+                state = await _posted(self._submit_post(handle))
             else:
                 state = agent.transfer(handle)
             delay = self.config.poll_min_s
@@ -321,12 +321,15 @@ class NixlTransport(Transport):
         least = self.config.nixl_thread_post_bytes
         return self._threaded and 0 < least <= nbytes and mem_type == "DRAM" and remote_mem_type == "DRAM"
 
-    def _post_on_thread(self, handle: Any) -> concurrent.futures.Future[str]:
+    def _submit_post(self, handle: Any) -> concurrent.futures.Future[str]:
+        self.thread_posts += 1
+        return self._poster_thread().submit(self._agent.transfer, handle)
+
+    def _poster_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._poster is None:
             # One thread: large copies go one after another, as they did on the loop, but beside it.
             self._poster = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer-nixl-post")
-        self.thread_posts += 1
-        return self._poster.submit(self._agent.transfer, handle)
+        return self._poster
 
     def poll_notifications(self) -> list[Notification]:
         notifs = self._agent.get_new_notifs()

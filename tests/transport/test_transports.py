@@ -406,17 +406,27 @@ def _whole_cache(local_cache: Cache, peer: Peer) -> tuple[np.ndarray, np.ndarray
     return rp.descriptors(local_cache.table, peer.table)
 
 
-@pytest.mark.parametrize("least", [4 << 20, 0])
-def test_a_large_dram_read_is_copied_beside_the_event_loop(least: int) -> None:
-    """NIXL copies DRAM inside the post: from 4 MiB (by default) it is posted from the transport's own
-    thread, so the loop runs on while it copies; with 0, or below the threshold, it is posted on the loop."""
-    config = TransportConfig(nixl_thread_post_bytes=least)
-    transport = create_transport("nixl", f"local-post-{time.monotonic_ns()}", config)
+@contextlib.contextmanager
+def _nixl_pair(least: int) -> Iterator[tuple[Transport, Cache, Peer, str]]:
+    """A NIXL transport posting DRAM transfers of ``least`` bytes or more from its thread, and a peer."""
+    transport = create_transport(
+        "nixl", f"local-post-{time.monotonic_ns()}", TransportConfig(nixl_thread_post_bytes=least)
+    )
     cache = Cache(cache_layout(), seed=None)
     transport.register(cache.table)
     peer = Peer("nixl", f"peer-post-{time.monotonic_ns()}", seed=11)
     try:
-        name = transport.add_peer(peer.metadata)
+        yield transport, cache, peer, transport.add_peer(peer.metadata)
+    finally:
+        peer.stop()
+        transport.close()
+
+
+@pytest.mark.parametrize("least", [4 << 20, 0])
+def test_a_large_dram_read_is_copied_beside_the_event_loop(least: int) -> None:
+    """NIXL copies DRAM inside the post: from 4 MiB (by default) it is posted from the transport's own
+    thread, so the loop runs on while it copies; with 0, or below the threshold, it is posted on the loop."""
+    with _nixl_pair(least) as (transport, cache, peer, name):
         ld, rd = _whole_cache(cache, peer)
         small_l, small_r, _ = descriptors(cache, peer)
 
@@ -429,24 +439,18 @@ def test_a_large_dram_read_is_copied_beside_the_event_loop(least: int) -> None:
                 await asyncio.sleep(0)
             result = await task
             assert result.bytes == 4 << 20
-            small = asyncio.ensure_future(transport.read(name, small_l, small_r, timeout=30))
-            await asyncio.sleep(0)
-            assert small.done()  # 28 small spans: below the threshold, copied in the post
-            await small
+            await transport.read(name, small_l, small_r, timeout=30)  # 448 KiB: below the threshold
             return ticks, transport.thread_posts  # type: ignore[attr-defined]
 
         ticks, posted = asyncio.run(run())
         if least:
-            assert posted == 1
+            assert posted == 1  # the large read only
             assert ticks >= 1  # the read's first step handed the copy over and returned
         else:
             assert posted == 0  # (the post may still leave part of the copy to NIXL's progress thread)
         for layer in range(4):
             for b in (0, 17, 40):  # local pages the small read after it does not touch
                 assert bytes(cache.page(layer, 63 - b)) == bytes(peer.expected.page(layer, b)), (layer, b)
-    finally:
-        peer.stop()
-        transport.close()
 
 
 def test_a_cancel_during_a_threaded_copy_returns_only_once_the_copy_has_ended() -> None:
@@ -454,19 +458,12 @@ def test_a_cancel_during_a_threaded_copy_returns_only_once_the_copy_has_ended() 
     Named fault: the poster thread is held busy by the test, so that the cancel surely comes before the copy."""
     import threading
 
-    config = TransportConfig(nixl_thread_post_bytes=1)
-    transport = create_transport("nixl", f"local-cancel-{time.monotonic_ns()}", config)
-    cache = Cache(cache_layout(), seed=None)
-    transport.register(cache.table)
-    peer = Peer("nixl", f"peer-cancel-{time.monotonic_ns()}", seed=13)
-    try:
-        name = transport.add_peer(peer.metadata)
+    with _nixl_pair(1) as (transport, cache, peer, name):
         ld, rd = _whole_cache(cache, peer)
         gate = threading.Event()
 
         async def run() -> None:
-            transport._post_on_thread(None)  # type: ignore[attr-defined]  # starts the poster thread
-            transport._poster.submit(gate.wait, 10)  # type: ignore[attr-defined]  # the fault: the poster is busy
+            transport._poster_thread().submit(gate.wait, 10)  # type: ignore[attr-defined]  # the fault: it is busy
             task = asyncio.ensure_future(transport.read(name, ld, rd, timeout=30))
             await asyncio.sleep(0.05)
             task.cancel()
@@ -483,6 +480,3 @@ def test_a_cancel_during_a_threaded_copy_returns_only_once_the_copy_has_ended() 
         # the handle was released and the agent serves the next read
         small_l, small_r, _ = descriptors(cache, peer)
         asyncio.run(transport.read(name, small_l, small_r, timeout=30))
-    finally:
-        peer.stop()
-        transport.close()
