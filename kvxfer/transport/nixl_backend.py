@@ -208,6 +208,9 @@ class NixlTransport(Transport):
         return Registration(table, mem_type, handle)
 
     def deregister(self, registration: Registration) -> None:
+        # A copy on the poster thread may be writing into this memory, which the caller unmaps next
+        # (and may map again at the same address): it ends first, as a copy on the loop always had.
+        self._drain_posts()
         try:
             self._agent.deregister_memory(registration.handle)
         except Exception as exc:
@@ -324,6 +327,11 @@ class NixlTransport(Transport):
     def _submit_post(self, handle: Any) -> concurrent.futures.Future[str]:
         self.thread_posts += 1
         return self._poster_thread().submit(self._agent.transfer, handle)
+
+    def _drain_posts(self) -> None:
+        """Return once every post handed to the poster thread so far has ended."""
+        if self._poster is not None:
+            self._poster.submit(int).result()  # one thread: it runs after every earlier post
 
     def _poster_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._poster is None:

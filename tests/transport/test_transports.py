@@ -17,6 +17,7 @@ import pytest
 from kvxfer.topology import RankInfo, RegionTable, TransferTopology
 from kvxfer.transport import (
     PeerUnknownError,
+    Registration,
     TransferFailedError,
     TransferTimeoutError,
     Transport,
@@ -407,16 +408,16 @@ def _whole_cache(local_cache: Cache, peer: Peer) -> tuple[np.ndarray, np.ndarray
 
 
 @contextlib.contextmanager
-def _nixl_pair(least: int) -> Iterator[tuple[Transport, Cache, Peer, str]]:
+def _nixl_pair(least: int) -> Iterator[tuple[Transport, Cache, Peer, str, Registration]]:
     """A NIXL transport posting DRAM transfers of ``least`` bytes or more from its thread, and a peer."""
     transport = create_transport(
         "nixl", f"local-post-{time.monotonic_ns()}", TransportConfig(nixl_thread_post_bytes=least)
     )
     cache = Cache(cache_layout(), seed=None)
-    transport.register(cache.table)
+    registration = transport.register(cache.table)
     peer = Peer("nixl", f"peer-post-{time.monotonic_ns()}", seed=11)
     try:
-        yield transport, cache, peer, transport.add_peer(peer.metadata)
+        yield transport, cache, peer, transport.add_peer(peer.metadata), registration
     finally:
         peer.stop()
         transport.close()
@@ -426,7 +427,7 @@ def _nixl_pair(least: int) -> Iterator[tuple[Transport, Cache, Peer, str]]:
 def test_a_large_dram_read_is_copied_beside_the_event_loop(least: int) -> None:
     """NIXL copies DRAM inside the post: from 4 MiB (by default) it is posted from the transport's own
     thread, so the loop runs on while it copies; with 0, or below the threshold, it is posted on the loop."""
-    with _nixl_pair(least) as (transport, cache, peer, name):
+    with _nixl_pair(least) as (transport, cache, peer, name, _):
         ld, rd = _whole_cache(cache, peer)
         small_l, small_r, _ = descriptors(cache, peer)
 
@@ -458,7 +459,7 @@ def test_a_cancel_during_a_threaded_copy_returns_only_once_the_copy_has_ended() 
     Named fault: the poster thread is held busy by the test, so that the cancel surely comes before the copy."""
     import threading
 
-    with _nixl_pair(1) as (transport, cache, peer, name):
+    with _nixl_pair(1) as (transport, cache, peer, name, _):
         ld, rd = _whole_cache(cache, peer)
         gate = threading.Event()
 
@@ -480,3 +481,29 @@ def test_a_cancel_during_a_threaded_copy_returns_only_once_the_copy_has_ended() 
         # the handle was released and the agent serves the next read
         small_l, small_r, _ = descriptors(cache, peer)
         asyncio.run(transport.read(name, small_l, small_r, timeout=30))
+
+
+def test_deregistering_waits_for_a_copy_on_the_poster_thread() -> None:
+    """The memory is unmapped right after (and may be mapped again at the same address): a copy into it
+    ends before it is deregistered, as on the loop. Named fault: the poster thread is held busy by the
+    test, so that the deregistration surely comes while the read waits for it."""
+    import threading
+
+    with _nixl_pair(1) as (transport, cache, peer, name, registration):
+        ld, rd = _whole_cache(cache, peer)
+        gate = threading.Event()
+        transport._poster_thread().submit(gate.wait, 10)  # type: ignore[attr-defined]  # the fault: it is busy
+
+        async def run() -> float:
+            task = asyncio.ensure_future(transport.read(name, ld, rd, timeout=30))
+            await asyncio.sleep(0.05)
+            assert not task.done()
+            threading.Timer(0.3, gate.set).start()
+            t0 = time.monotonic()
+            transport.deregister(registration)  # blocks until the queued copy has run
+            waited = time.monotonic() - t0
+            assert bytes(cache.page(0, 63)) == bytes(peer.expected.page(0, 0))  # it landed first
+            await task
+            return waited
+
+        assert asyncio.run(run()) >= 0.2
