@@ -316,7 +316,9 @@ class NixlTransport(Transport):
                 detail=f"{type(exc).__name__}: {exc}",
             ) from None
         finally:
-            _release(agent, handle)
+            # Releasing an active handle cancels it; one NIXL cannot release stays with the agent.
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
         return TransferResult(nbytes, int(local.shape[0]), time.monotonic() - start)
 
     def _posts_on_thread(self, nbytes: int, mem_type: MemType, remote_mem_type: MemType) -> bool:
@@ -375,9 +377,3 @@ async def _posted(post: concurrent.futures.Future[str]) -> str:
     if cancelled:
         raise asyncio.CancelledError
     return done.result()
-
-
-def _release(agent: Any, handle: Any) -> None:
-    # Releasing an active handle cancels it; one NIXL cannot release stays with the agent.
-    with contextlib.suppress(Exception):
-        agent.release_xfer_handle(handle)
