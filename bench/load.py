@@ -131,8 +131,11 @@ HOLD_WAIT_S = 5.5
 OPEN_LOOP_KEYS = {"plain": "open_loop", "named": "open_loop_named", "granted": "open_loop_granted",
                   "prepared": "open_loop_prepared"}  # fmt: skip
 #: granted: how long before its pull a request is expected (vLLM: it waits in the decode queue
-#: while its prefill runs); held at once, its pull reads on the grant.
+#: while its prefill runs); held at once, its pull reads on the grant. --expect-lead-ms sets it: a
+#: request vLLM places at once is pulled a millisecond or so after it was expected, while its Hold is out.
 EXPECT_LEAD_S = 0.02
+#: kvxfer_pulls_by_path_total's paths, as the open-loop phases report them.
+PULL_PATHS_NAME = "kvxfer_pulls_by_path"
 #: serial_prepared: from the Prepare's answer to the worker's Pull (vLLM: from allocating the blocks
 #: to the workers' start_load_kv, the rest of the engine step).
 PREPARE_LEAD_S = 0.001
@@ -149,6 +152,7 @@ async def run(
     pulls: int, concurrency: int, serial: int, blocks_per_pull: int, layers: int, seed: int, batch: int,
     open_rate: float = 0.0, open_seconds: float = 10.0, hops: tuple[str, ...] = ("fast",),
     open_paths: tuple[str, ...] = ("plain",), sidecar_env: dict[str, str] | None = None,
+    expect_lead: float = EXPECT_LEAD_S,
 ) -> dict[str, Any]:  # fmt: skip
     """Start the sidecars, publish, pull concurrently and serially; return the figures.
 
@@ -218,7 +222,7 @@ async def run(
                         by_hop.setdefault(hop, {})[OPEN_LOOP_KEYS[path]] = await _open_loop(
                             pc, c, p.peer_address, src, d_alloc, open_rate, open_seconds, bufs, rng, procs, scrapes,
                             f"o{path[:2]}-{hop}", name_remote=path in ("named", "granted", "prepared"),
-                            expect_lead=EXPECT_LEAD_S if path in ("granted", "prepared") else None,
+                            expect_lead=expect_lead if path in ("granted", "prepared") else None,
                             prepare=path == "prepared")  # fmt: skip
         finally:
             driver_gc.stop()
@@ -400,6 +404,7 @@ async def _open_loop(
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     tasks = []
     gc0 = {k: await asyncio.to_thread(_gc_buckets, port) for k, port in scrapes.items()}
+    paths0 = await asyncio.to_thread(_pull_paths, scrapes["decode"])
     cpu0 = {k: _cpu(pid) for k, pid in procs.items()}
     t0 = time.perf_counter()
     late = 0  # arrivals the driver started more than 1 ms after their time (it could not keep up)
@@ -419,6 +424,8 @@ async def _open_loop(
         "not_prepared": unprepared, "expects_failed": dc.quiet_failures - quiet0,
         "cpu_ms_per_pull": {k: (_cpu(pid) - cpu0[k]) * 1e3 / n for k, pid in procs.items()}, "rows": rows,
         "gc_pauses": {k: _gc_pauses(gc0[k], await asyncio.to_thread(_gc_buckets, port)) for k, port in scrapes.items()},
+        "pull_paths": {k: v - paths0.get(k, 0.0) for k, v in (await asyncio.to_thread(_pull_paths,
+                                                                                      scrapes["decode"])).items()},
     }  # fmt: skip
 
 
@@ -440,6 +447,16 @@ def _gc_buckets(source: int | GcPauses) -> dict[str, float]:
         if key is not None:
             out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _pull_paths(source: int | GcPauses) -> dict[str, float]:
+    """kvxfer_pulls_by_path_total of a sidecar (its metrics port) as it stands, by path; empty when not exported."""
+    if isinstance(source, GcPauses):
+        return {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{source}/metrics", timeout=10) as resp:
+        families = list(text_string_to_metric_families(resp.read().decode()))
+    return {s.labels["path"]: s.value for f in families if f.name == PULL_PATHS_NAME for s in f.samples
+            if s.name.endswith("_total")}  # fmt: skip
 
 
 def _gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -548,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
                          "path), granted (each request is also expected 20 ms before its pull and read on its "
                          "grant, no lookup), prepared (granted, and each pull is also handed to the sidecar with "
                          "Prepare 1 ms before it)")  # fmt: skip
+    ap.add_argument("--expect-lead-ms", type=float, default=EXPECT_LEAD_S * 1e3,
+                    help="granted and prepared open-loop phases: how long before its pull each request is expected "
+                         "(20: it waited in vLLM's queue, its grant has come; 1: vLLM placed it at once, the pull "
+                         "overtakes its first Hold's answer)")  # fmt: skip
     ap.add_argument("--hop", default="fast",
                     help="worker -> sidecar, comma-separated to run side by side (serial and open-loop phases): "
                          "fast (the async client over the fast socket, falling back to gRPC), grpc (gRPC only), "
@@ -562,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         sidecar_env = parse_sidecar_env(a.sidecar_env)
     except ValueError as exc:
         ap.error(f"--sidecar-env: {exc}")
-    for flag, value in (("--open-loop-rate", a.open_loop_rate), ("--open-loop-seconds", a.open_loop_seconds)):
+    for flag, value in (("--open-loop-rate", a.open_loop_rate), ("--open-loop-seconds", a.open_loop_seconds),
+                        ("--expect-lead-ms", a.expect_lead_ms)):  # fmt: skip
         if not np.isfinite(value) or value < 0:
             ap.error(f"{flag}: must be a finite number >= 0, got {value}")
     import uvloop
@@ -577,21 +599,23 @@ def main(argv: list[str] | None = None) -> int:
     if wrong or not hops or len(set(hops)) != len(hops):
         ap.error(f"--hop: {a.hop!r}: name each of {', '.join(HOPS)} at most once, comma-separated (or both)")
     r = uvloop.run(run(a.pulls, a.concurrency, a.serial, a.blocks, a.layers, a.seed, a.batch, a.open_loop_rate,
-                       a.open_loop_seconds, hops, paths, sidecar_env))  # fmt: skip
+                       a.open_loop_seconds, hops, paths, sidecar_env, a.expect_lead_ms / 1e3))  # fmt: skip
     if a.json:
         print(json.dumps(r))
     else:
         n, conc = r["pulls"], r["concurrency"]
         print(f"{n} pulls of {r['bytes_per_pull']} B, {conc} in flight")
         phases = (
-            (f"{conc} in flight, one Pull call each", r["concurrent"], r["requests_per_s"], r["cpu_ms_per_pull"], None),
+            (f"{conc} in flight, one Pull call each", r["concurrent"], r["requests_per_s"], r["cpu_ms_per_pull"], None,
+             None),
             (f"{conc} in flight, PullBatch of {r['batch']}", r["batched"], r["batched_requests_per_s"],
-             r["batched_cpu_ms_per_pull"], None),
-            (f"one at a time ({a.serial})", r["serial"], None, None, None),
-            (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None, None),
-            (f"one at a time, held while queued: read on grants ({a.serial})", r["serial_granted"], None, None, None),
+             r["batched_cpu_ms_per_pull"], None, None),
+            (f"one at a time ({a.serial})", r["serial"], None, None, None, None),
+            (f"one at a time, naming the publisher's ids ({a.serial})", r["serial_ahead"], None, None, None, None),
+            (f"one at a time, held while queued: read on grants ({a.serial})", r["serial_granted"], None, None, None,
+             None),
             (f"one at a time, on grants, prepared {PREPARE_LEAD_S * 1e3:g} ms ahead ({a.serial})", r["serial_prepared"],
-             None, None, None),
+             None, None, None, None),
         )  # fmt: skip
         for path, key in OPEN_LOOP_KEYS.items():
             if key not in r:
@@ -602,8 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"(achieved {ol['achieved_per_s']:.0f}/s, at most {ol['max_in_flight']} in flight, "
                         f"{ol['late_arrivals']} arrivals started late, {ol['failed']} failed "
                         f"{ol['failed_by_code'] or ''}{quiet})", ol, None, ol["cpu_ms_per_pull"],
-                        ol["gc_pauses"]),)  # fmt: skip
-        for label, st, rate, cpu, gcs in phases:
+                        ol["gc_pauses"], ol["pull_paths"]),)  # fmt: skip
+        for label, st, rate, cpu, gcs, by_path in phases:
             head = f"  {label}: latency p50 {st['latency_p50_ms']:.2f} / p99 {st['latency_p99_ms']:.2f} ms"
             if rate is not None:
                 head += f", {rate:.0f} pulls/s (Little's law: {conc / rate * 1e3:.1f} ms in the system per pull)"
@@ -618,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{k} {g['count']:.0f} ({g['seconds'] * 1e3:.1f} ms in all, longest <= "
                     f"{g['longest_at_most_s'] * 1e3:g} ms)" if g else f"{k} not exported" for k, g in gcs.items()
                 ))  # fmt: skip
+            if by_path is not None:
+                print("    decode pulls by path: " + (", ".join(f"{k} {v:.0f}" for k, v in by_path.items())
+                                                     or "not exported"))  # fmt: skip
         if len(r["by_hop"]) > 1:
             print("side by side, by worker -> sidecar hop (ms):")
             print(f"  {'phase':16s} {'hop':8s} {'latency p50':>11s} {'p99':>7s} {'overhead p50':>12s} {'p99':>7s} "

@@ -41,6 +41,10 @@ Outcome = Literal["ok", "failed", "aborted", "timeout"]
 #: kvxfer_prepared_pulls_total: planned by a Prepare; a Pull read on the plan; a Pull found it stale
 #: (another pull, or a publisher or this worker registered again since) and planned anew.
 PREPARED_OUTCOMES = ("prepared", "used", "replanned")
+#: kvxfer_pulls_by_path_total: what a pull's READs waited for (kvxfer.server.pull_steps): a grant that
+#: had come before it, the answer of a Hold that was out, nothing (the lookup confirms as they run),
+#: the lookup's answer; or the publishers WRITE.
+PULL_PATHS = ("grant", "hold_answer", "ahead", "lookup", "push")
 
 # Transfer durations on loopback are sub-millisecond for small pulls and seconds for long
 # prompts over TCP; the buckets cover both ends in roughly 2.5x steps.
@@ -83,6 +87,10 @@ class SidecarMetrics:
             "kvxfer_prepared_pulls_total", "Pulls planned ahead by Prepare, and what their Pulls made of the plan",
             ["outcome"], registry=r,
         )  # fmt: skip
+        self.pull_paths = Counter(
+            "kvxfer_pulls_by_path_total", "Pulls by what their READs waited for: a grant, a Hold's answer, nothing "
+            "(read ahead of the lookup), the lookup; or push", ["path"], registry=r,
+        )  # fmt: skip
         self.peers = Gauge("kvxfer_peers", "Peers with a live handshake", registry=r)
         self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
         #: kvxfer_gc_pause_seconds; the sidecar starts and stops its timing (the collector is the process's).
@@ -97,6 +105,8 @@ class SidecarMetrics:
             self.handshakes.labels(outcome=o)
         for o in PREPARED_OUTCOMES:
             self.prepared_pulls.labels(outcome=o)
+        for path in PULL_PATHS:
+            self.pull_paths.labels(path=path)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -3,13 +3,19 @@
 vLLM queues a decode request before it allocates the blocks its KV goes into, and a busy or
 just-started decode instance may keep it queued longer than the prefill side's lease. The worker
 says so with ``Expect(request_id, remote_addresses)`` when the request arrives; this sidecar then
-sends each publisher one peer ``Hold`` for every request it expects from it, at once (a request
-expected between two rounds is held right away, with any others expected while that Hold is out,
-or within :data:`FRESH_HOLD_SPACING_S` of it, going together in the next: its pull may start
-within milliseconds and should read on a grant) and
-every :func:`hold_period` seconds, until the request's Pull starts, it is aborted, a publisher
-answers that it no longer holds it, or ``--max-hold-seconds`` have passed. The publisher extends
-each lease by its own ``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
+sends each publisher a peer ``Hold`` for it at once (with any others expected while that Hold is
+out, or within :data:`FRESH_HOLD_SPACING_S` of it, going together in the next: its pull may start
+within milliseconds and should read on a grant), and again every :func:`hold_period` seconds,
+until the request's Pull starts, it is aborted, a publisher answers that it no longer holds it, or
+``--max-hold-seconds`` have passed. The publisher extends each lease by its own
+``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
+
+**A pull that comes before its first grant.** vLLM allocates a request's blocks, and its workers
+pull, in the engine step that found the request's KV remote when nothing else was queued: the
+Pull then comes within a millisecond or two of the Expect, while the first Hold is still out (or
+still spaced). :meth:`Holds.take` hands the pull that Hold's answer to wait for (sending a spaced
+Hold at once), so that the pull reads on its grant rather than asking the publisher again with a
+lookup: the Hold left first, so its answer comes first, and neither side handles a second message.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from kvxfer.logs import get_logger, log_context
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import MAX_BATCH
-from kvxfer.server.state import Grant
+from kvxfer.server.state import Due, Grant
 from kvxfer.wire import common_pb2, peer_pb2
 from kvxfer.wire.convert import ids_array
 
@@ -69,6 +75,10 @@ class Holds:
         self._fresh: dict[str, list[str]] = {}  # newly expected requests by address, not held yet
         self._fresh_task: asyncio.Task[None] | None = None  # sends them (see _hold_fresh)
         self._fresh_sent = -FRESH_HOLD_SPACING_S  # time.monotonic() the last of them left
+        self._spacing: asyncio.Future[None] | None = None  # set while _hold_fresh waits out the spacing
+        self._hurry = False  # a pull waits for a fresh Hold that has not left: no spacing for the next one
+        #: Per request whose first Hold has not been answered, by address: that answer (see the module docs).
+        self._first: dict[str, dict[str, Due]] = {}
         #: Holds of newly expected requests sent (tests: how many went together).
         self.fresh_holds = 0
 
@@ -77,44 +87,65 @@ class Holds:
         new = request_id not in self.expected
         self.expected[request_id] = _Expected(tuple(addresses), time.monotonic() + self.settings.max_hold_seconds)
         loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run())
-        elif new:
+        if new and request_id not in self._first:
             # The pull may start milliseconds from now: its grant must not wait for the next round.
+            self._first[request_id] = {a: loop.create_future() for a in addresses}
             for address in addresses:
                 self._fresh.setdefault(address, []).append(request_id)
             if self._fresh_task is None or self._fresh_task.done():
                 self._fresh_task = loop.create_task(self._hold_fresh())
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run())
         return new
 
     async def _hold_fresh(self) -> None:
-        """Hold the newly expected requests now, or FRESH_HOLD_SPACING_S after the last such Hold left;
-        those expected meanwhile go in the next Holds (batched)."""
+        """Hold the newly expected requests now, or FRESH_HOLD_SPACING_S after the last such Hold left
+        (sooner when a pull waits for one of them); those expected meanwhile go in the next Holds (batched)."""
+        loop = asyncio.get_running_loop()
         while self._fresh:
             wait = self._fresh_sent + FRESH_HOLD_SPACING_S - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            fresh, self._fresh = self._fresh, {}
+            if wait > 0 and not self._hurry:
+                self._spacing = loop.create_future()
+                timer = loop.call_later(wait, _wake, self._spacing)
+                try:
+                    await self._spacing
+                finally:
+                    timer.cancel()
+                    self._spacing = None
+            fresh, self._fresh, self._hurry = self._fresh, {}, False
             self._fresh_sent = time.monotonic()
             self.fresh_holds += 1
-            still = {a: [r for r in rids if r in self.expected] for a, rids in fresh.items()}
+            # A request whose pull started is still held once when that pull waits for the answer.
+            still = {a: [r for r in rids if r in self.expected or r in self._first] for a, rids in fresh.items()}
             await self._hold_all({a: rids for a, rids in still.items() if rids})
 
     def discard(self, request_id: str) -> None:
         """Stop holding ``request_id`` (it was aborted)."""
         self.expected.pop(request_id, None)
         self.grants.pop(request_id, None)
+        _settle_all(self._first.pop(request_id, {}))
 
-    def take(self, request_id: str) -> dict[str, Grant]:
-        """Stop holding ``request_id`` (its pull starts) and hand over its grants, by publisher address."""
+    def take(self, request_id: str) -> tuple[dict[str, Grant], dict[str, Due]]:
+        """Stop holding ``request_id`` (its pull starts): its grants by publisher address, and the
+        answers still due to its first Holds (addresses without a grant yet; see the module docs)."""
         self.expected.pop(request_id, None)
-        return self.grants.pop(request_id, {})
+        grants = self.grants.pop(request_id, {})
+        due = {a: f for a, f in self._first.get(request_id, {}).items() if a not in grants and not f.done()}
+        if not due:
+            self._first.pop(request_id, None)
+        elif any(request_id in self._fresh.get(a, ()) for a in due):
+            self._hurry = True  # its Hold has not left: send it now
+            _wake(self._spacing)
+        return grants, due
 
     def clear(self) -> None:
         """Stop holding everything (the worker is gone)."""
         self.expected.clear()
         self.grants.clear()
         self._fresh.clear()
+        for due in self._first.values():
+            _settle_all(due)
+        self._first.clear()
 
     async def close(self) -> None:
         """Stop the holding task."""
@@ -125,9 +156,10 @@ class Holds:
                 await task
 
     async def _run(self) -> None:
+        # A request is first held by _hold_fresh as it is expected; the rounds hold it again.
         while self.expected:
-            await self._round()
             await asyncio.sleep(hold_period(self.settings))
+            await self._round()
 
     async def _round(self) -> None:
         now = time.monotonic()
@@ -161,14 +193,20 @@ class Holds:
         except KvxferError as exc:  # the next round tries again; the lease may still cover the gap
             log.warning("could not hold requests at a publisher", extra={"peer": address, "error": exc.message,
                         "requests": len(req.request_ids)})  # fmt: skip
+            self._answered(address, rids, {})  # a pull waiting for it looks the request up instead
             return
+        except BaseException:
+            self._answered(address, rids, {})
+            raise
         held = set(resp.held)
+        granted: dict[str, Grant] = {}
         for g in resp.grants:
-            if g.request_id in self.expected:
+            if g.request_id in self.expected or g.request_id in self._first:
                 blocks = {pg.name: ids_array(pg.block_ids) for pg in g.groups}
-                self.grants.setdefault(g.request_id, {})[address] = Grant(
-                    sent + g.held_seconds, resp.instance_id, int(resp.epoch), blocks
-                )
+                granted[g.request_id] = Grant(sent + g.held_seconds, resp.instance_id, int(resp.epoch), blocks)
+                if g.request_id in self.expected:
+                    self.grants.setdefault(g.request_id, {})[address] = granted[g.request_id]
+        self._answered(address, rids, granted)
         for rid in req.request_ids:
             if rid not in held and rid in self.expected:
                 # Released, expired, aborted, or another reader's: holding it further cannot help.
@@ -176,3 +214,27 @@ class Holds:
                 self.grants.pop(rid, None)
                 with log_context(request_id=rid, peer=address):
                     log.info("publisher no longer holds an expected request; stopped holding it")
+
+    def _answered(self, address: str, rids: list[str], granted: dict[str, Grant]) -> None:
+        """A Hold at ``address`` ended: what its requests' first Holds were due there (None: no grant)."""
+        for rid in rids:
+            due = self._first.get(rid)
+            if due is None:
+                continue
+            fut = due.pop(address, None)
+            if fut is not None and not fut.done():
+                fut.set_result(granted.get(rid))
+            if not due:
+                del self._first[rid]
+
+
+def _wake(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
+def _settle_all(due: dict[str, Due]) -> None:
+    """No grant will come for these (the request was aborted, or the worker is gone)."""
+    for fut in due.values():
+        if not fut.done():
+            fut.set_result(None)

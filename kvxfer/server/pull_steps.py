@@ -20,8 +20,14 @@ its bytes are never reported as moved.
 which it holds them, counted on this side's clock from when the Hold was sent. When every source
 rank granted the request for longer than the pull may take, with the regions of the same
 registration, and the worker's ids are among the granted ones, the pull READs at once and asks
-nothing: no control round trip is on its critical path. What surrounds a pull (admission, its task, the
+nothing: no control round trip is on its critical path. A pull that comes while its request's first
+Hold is still out waits up to :data:`GRANT_WAIT_S` for that Hold's answer and reads on it (no lookup
+follows), or looks the request up when no grant came. What surrounds a pull (admission, its task, the
 outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
+
+Each pull is counted by what its READs waited for (``kvxfer_pulls_by_path_total{path}``): ``grant``
+(one that had come before the pull), ``hold_answer`` (the answer of a Hold that was out), ``ahead``
+(nothing: READ while the lookups ran), ``lookup`` (the lookups' answers), ``push`` (the publishers WRITE).
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ __all__ = ["PullSteps"]
 U64 = npt.NDArray[np.uint64]
 #: A grant with less than this left is not read on (a lookup confirms instead): a READ needs time.
 GRANT_MARGIN_S = 1.0
+#: How long a pull waits for the answer of a Hold that was out when it came before it looks the
+#: request up instead; an answer takes a round trip (~1 ms), so this long means a publisher in trouble.
+GRANT_WAIT_S = 0.5
 I64 = npt.NDArray[np.int64]
 
 
@@ -81,6 +90,7 @@ class PullSteps:
     def __init__(
         self, registry: Registry, data_plane: Transport, peers: PeerDirectory, outbox: Outbox,
         topologies: TopologyCache, on_plan: Callable[[str], None] = lambda _outcome: None,
+        on_path: Callable[[str], None] = lambda _path: None,
     ) -> None:  # fmt: skip
         self.registry = registry
         self.dp = data_plane
@@ -92,6 +102,8 @@ class PullSteps:
         self.worker = WorkerGathers()
         #: Told "used" when a pull reads on its Prepare's plan, "replanned" when it found the plan stale.
         self.on_plan = on_plan
+        #: Told each pull's path as its READs start (see the module docs).
+        self.on_path = on_path
 
     async def run(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
@@ -100,15 +112,21 @@ class PullSteps:
         """Every step of one pull, in order; ``sessions`` collects the peers contacted (for cleanup on failure)."""
         ranks = self._plan_sources(entry, reg)
         if entry.push:
+            self.on_path("push")
             return await self.push.run(entry, ranks, sessions, self._check_rank)
-        if entry.grants and all(name in remote_given for name in reg.groups):
-            granted = await self._read_granted(entry, reg, ranks, local_blocks, remote_given, sessions)
+        named = all(name in remote_given for name in reg.groups)
+        path = "grant"
+        if entry.grants_due and named:
+            path = await self._await_grants(entry, ranks)
+        if entry.grants and named:
+            granted = await self._read_granted(entry, reg, ranks, local_blocks, remote_given, sessions, path)
             if granted is not None:
                 return granted
-        if all(name in remote_given for name in reg.groups):
+        if named:
             ahead = await self._read_ahead(entry, reg, ranks, local_blocks, remote_given, sessions)
             if ahead is not None:
                 return ahead
+        self.on_path("lookup")
         t_fetch = time.monotonic()
         published = await self._fetch_all(entry, ranks, sessions)
         fetch_seconds = time.monotonic() - t_fetch
@@ -138,9 +156,24 @@ class PullSteps:
         return sorted(needed)
 
     # ------------------------------------------------------------------ reading on a grant
+    async def _await_grants(self, entry: PullEntry, ranks: list[int]) -> str:
+        """Wait for the answers of the first Holds still out (at most GRANT_WAIT_S); the grants that
+        came join the pull's. The path a read on them takes: "hold_answer" if any was waited for."""
+        due, entry.grants_due = entry.grants_due, {}
+        waited = [due[a] for a in {entry.addresses[q] for q in ranks} if a in due and a not in entry.grants]
+        if not waited:
+            return "grant"
+        entry.stage = "waiting for the publishers' answers to its Hold"
+        await asyncio.wait(waited, timeout=max(min(entry.deadline - time.monotonic(), GRANT_WAIT_S), 0.0))
+        for address, fut in due.items():  # a cancelled pull never gets here: the Holds' futures are left alone
+            grant = fut.result() if fut.done() and not fut.cancelled() else None
+            if grant is not None:
+                entry.grants[address] = grant
+        return "hold_answer"
+
     async def _read_granted(
         self, entry: PullEntry, reg: Registration, ranks: list[int], local_blocks: dict[str, I64],
-        remote_given: dict[str, I64], sessions: dict[int, PeerSession],
+        remote_given: dict[str, I64], sessions: dict[int, PeerSession], path: str,
     ) -> local_pb2.TransferStats | None:  # fmt: skip
         """READ on the publishers' grants, without a lookup (None: some rank's grant does not cover the pull)."""
         used: dict[int, PeerSession] = {}
@@ -156,6 +189,7 @@ class PullSteps:
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
+        self.on_path(path)
         for q in ranks:
             entry.asked.append(entry.addresses[q])
             entry.contacted.append(entry.addresses[q])  # they are told DONE or FAILED, as after a lookup
@@ -177,6 +211,7 @@ class PullSteps:
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
+        self.on_path("ahead")
         published, moved, fetch_seconds = await self._read_while_looking_up(entry, reg, ranks, per_rank, guess,
                                                                             used, sessions)  # fmt: skip
         if not self._confirm(entry, reg, remote_given, used, published, sessions):

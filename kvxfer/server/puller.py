@@ -33,7 +33,7 @@ from kvxfer.errors import (
     Reason,
 )
 from kvxfer.logs import get_logger, log_context
-from kvxfer.metrics import SidecarMetrics
+from kvxfer.metrics import PULL_PATHS, SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
@@ -43,7 +43,7 @@ from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.pull_steps import PullSteps
 from kvxfer.server.push_steps import landed_matches
 from kvxfer.server.registration import Registry
-from kvxfer.server.state import Grant, PullEntry, Registration
+from kvxfer.server.state import Due, Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_addresses, check_timeout, remote_blocks, token_spans
 from kvxfer.transport import Transport
@@ -73,7 +73,10 @@ class Puller:
         self.outbox = outbox
         self.hub = hub
         self.metrics = metrics
-        self.steps = PullSteps(registry, data_plane, peers, outbox, topologies, on_plan=self._planned)
+        paths = {path: self.metrics.pull_paths.labels(path=path) for path in PULL_PATHS}
+        self.steps = PullSteps(
+            registry, data_plane, peers, outbox, topologies, on_plan=self._planned, on_path=lambda p: paths[p].inc()
+        )
         self.pulls: dict[str, PullEntry] = {}
         #: Plans of Pulls to come (Prepare), by request id.
         self.prepared = PreparedPulls()
@@ -85,16 +88,17 @@ class Puller:
     # ------------------------------------------------------------------ local API
     async def pull(
         self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant] | None = None,
-        *, gathers: bool = True,
+        due: dict[str, Due] | None = None, *, gathers: bool = True,
     ) -> local_pb2.PullResponse:  # fmt: skip
         """Validate, start the transfer, and answer when posted (or done, with ``wait``).
 
-        ``grants``: the publishers' promises from holding the request (kvxfer.server.holds), by address.
+        ``grants``: the publishers' promises from holding the request (kvxfer.server.holds), by address;
+        ``due``: the answers still due to its first Holds, by address (the pull waits for them).
         ``gathers``: whether ``worker_gather`` may be honoured (not within a PullBatch, whose client
         runs no gathers; and only for a pull the worker waits for).
         """
         entered = time.monotonic()
-        entry = self._start(req, client_timeout, grants or {})
+        entry = self._start(req, client_timeout, grants or {}, due or {})
         entry.waited = req.wait
         wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
         if gathers and req.worker_gather and req.wait and not req.push:
@@ -158,7 +162,9 @@ class Puller:
             resp.stats.CopyFrom(entry.done.result())
         return resp
 
-    def _start(self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant]) -> PullEntry:
+    def _start(
+        self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant], due: dict[str, Due]
+    ) -> PullEntry:
         reg = self.registry.require()
         rid = check_id(req.request_id, "request_id")
         plan = None
@@ -177,6 +183,7 @@ class Puller:
         if rid in self.pulls:
             raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
         entry.grants = grants
+        entry.grants_due = due
         if req.push:
             entry.offer = (list(req.local_blocks), list(req.remote_blocks))
         self.pulls[rid] = entry
@@ -251,7 +258,7 @@ class Puller:
 
     async def pull_batch(
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None,
-        grants: dict[str, dict[str, Grant]] | None = None,
+        promises: dict[str, tuple[dict[str, Grant], dict[str, Due]]] | None = None,
     ) -> local_pb2.PullBatchResponse:  # fmt: skip
         """Every pull runs as if it came alone; each gets its own result, in order."""
         n = len(req.pulls)
@@ -261,8 +268,8 @@ class Puller:
         async def one(p: local_pb2.PullRequest) -> local_pb2.PullResult:
             with log_context(request_id=p.request_id or None, peer=p.remote_engine_id or None):
                 try:
-                    return local_pb2.PullResult(response=await self.pull(p, client_timeout,
-                                                                         (grants or {}).get(p.request_id),
+                    grants, due = (promises or {}).get(p.request_id, ({}, {}))
+                    return local_pb2.PullResult(response=await self.pull(p, client_timeout, grants, due,
                                                                          gathers=False))  # fmt: skip
                 except KvxferError as exc:
                     return local_pb2.PullResult(code=code_of(exc).value[0], message=exc.message,

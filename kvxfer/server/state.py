@@ -96,6 +96,10 @@ class Grant:
     blocks: dict[str, I64]
 
 
+#: A publisher's answer to a request's first Hold, as a pull waits for it (None: no grant came).
+Due = asyncio.Future[Grant | None]
+
+
 @dataclass
 class PullEntry:
     """A pull in flight."""
@@ -118,6 +122,8 @@ class PullEntry:
     asked: list[str] = field(default_factory=list)  # addresses asked for it (answered or not): aborts go there
     unread: list[str] = field(default_factory=list)  # remote ranks no local rank reads (replicas)
     grants: dict[str, Grant] = field(default_factory=dict)  # by publisher address (see kvxfer.server.holds)
+    #: The answers still due to the request's first Holds when the pull started, by address (kvxfer.server.holds).
+    grants_due: dict[str, Due] = field(default_factory=dict)
     #: Push mode (kvxfer.server.push_steps): the sources WRITE; each one's Landed notice, by address.
     push: bool = False
     #: Push mode: the worker's (local_blocks, remote_blocks) lists, as the offers carry them.

@@ -9,6 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
+from kvxfer.errors import FailedPreconditionError
+from kvxfer.metrics import PULL_PATHS
 from kvxfer.server import holds as holds_module
 from kvxfer.server.app import Sidecar
 from tests.sidecar.helpers import Harness, attention, expect_error
@@ -154,15 +156,16 @@ async def test_fresh_holds_leave_at_most_one_per_spacing(harness: Harness, monke
             await asyncio.sleep(0.005)
         raise AssertionError(f"no grants for {rids} within 1.5 s")
 
-    await dw[0].client.expect("first", [ps[0].peer_address])  # starts the rounds
-    await granted("first")
-    await dw[0].client.expect("a", [ps[0].peer_address])  # the first fresh Hold: at once
+    await dw[0].client.expect("first", [ps[0].peer_address])  # the first Hold: at once
+    assert await granted("first") < 0.25
+    await asyncio.sleep(0.3)  # past its spacing
+    await dw[0].client.expect("a", [ps[0].peer_address])  # at once again
     assert await granted("a") < 0.25
     for rid in ("b", "c"):  # within the spacing of a's Hold: they wait for it, and go together
         await dw[0].client.expect(rid, [ps[0].peer_address])
     await granted("b", "c")
     assert sizes == [1, 1, 2]
-    assert holds.fresh_holds == 2
+    assert holds.fresh_holds == 3
 
 
 def _hold_sizes(prefill: Sidecar) -> list[int]:
@@ -177,3 +180,124 @@ def _hold_sizes(prefill: Sidecar) -> list[int]:
 
     prefill.core.peer_hold = counted  # type: ignore[method-assign]
     return sizes
+
+
+def _lookups(prefill: Sidecar) -> list[str]:
+    """The request ids that peer lookups (GetPublished, GetPublishedBatch) reaching ``prefill`` ask for."""
+    assert prefill.core is not None
+    asked: list[str] = []
+    answer, answer_batch = prefill.core.peer_get_published, prefill.core.peer_get_published_batch
+
+    async def counted(req: Any, *args: Any) -> Any:
+        asked.append(req.request_id)
+        return await answer(req, *args)
+
+    async def counted_batch(req: Any, *args: Any) -> Any:
+        asked.extend(r.request_id for r in req.requests)
+        return await answer_batch(req, *args)
+
+    prefill.core.peer_get_published = counted  # type: ignore[method-assign]
+    prefill.core.peer_get_published_batch = counted_batch  # type: ignore[method-assign]
+    return asked
+
+
+def _gate_holds(prefill: Sidecar, fail: bool = False) -> asyncio.Event:
+    """A named fault: ``prefill`` answers peer Holds only once the returned event is set (``fail``: then
+    refuses them, as a publisher that lost its state would), so that a pull comes while its Hold is out."""
+    assert prefill.core is not None
+    gate = asyncio.Event()
+    answer = prefill.core.peer_hold
+
+    async def gated(req: Any, *args: Any) -> Any:
+        await gate.wait()
+        if fail:
+            raise FailedPreconditionError("held back by the test", field="request_ids")
+        return await answer(req, *args)
+
+    prefill.core.peer_hold = gated  # type: ignore[method-assign]
+    return gate
+
+
+def _paths(decode: Sidecar) -> dict[str, float]:
+    assert decode.metrics is not None
+    get = decode.metrics.registry.get_sample_value
+    return {p: get("kvxfer_pulls_by_path_total", {"path": p}) or 0.0 for p in PULL_PATHS}
+
+
+async def test_a_pull_that_comes_while_its_hold_is_out_reads_on_the_holds_answer(harness: Harness) -> None:
+    """vLLM pulls in the engine step that expected the request: the Pull overtakes the first Hold's answer."""
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    await pw[0].prefill("soon", {"kv": [1, 2]}, salt=3)
+    lookups, gate = _lookups(ps[0]), _gate_holds(ps[0])
+    await dw[0].client.expect("soon", [ps[0].peer_address])
+    pull = asyncio.ensure_future(dw[0].pull("soon", ps, {"kv": [5, 6]}, remote_blocks={"kv": [1, 2]}))
+    assert ds[0].core is not None
+    for _ in range(200):
+        entry = ds[0].core.puller.pulls.get("soon")
+        if entry is not None and entry.stage.startswith("waiting for the publishers' answers"):
+            break
+        await asyncio.sleep(0.005)
+    else:
+        raise AssertionError("the pull did not wait for the Hold's answer")
+    gate.set()
+    res = await pull
+    assert dw[0].verify({"kv": [5, 6]}, 3) == (res.bytes, 0)
+    assert res.fetch_seconds == 0.0
+    assert lookups == []  # the Hold's answer was the only round trip
+    assert _paths(ds[0]) == {"grant": 0, "hold_answer": 1, "ahead": 0, "lookup": 0, "push": 0}
+    assert ds[0].core.holds._first == {}  # nothing left waiting
+
+
+async def test_a_pull_whose_hold_is_refused_looks_the_request_up(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    await pw[0].prefill("refused", {"kv": [4]}, salt=9)
+    lookups, gate = _lookups(ps[0]), _gate_holds(ps[0], fail=True)
+    await dw[0].client.expect("refused", [ps[0].peer_address])
+    pull = asyncio.ensure_future(dw[0].pull("refused", ps, {"kv": [8]}, remote_blocks={"kv": [4]}))
+    await asyncio.sleep(0.1)
+    assert not pull.done()  # waiting for the Hold's answer
+    gate.set()
+    res = await pull
+    assert dw[0].verify({"kv": [8]}, 9) == (res.bytes, 0)
+    assert lookups == ["refused"]  # no grant came: the lookup confirmed the READ
+    assert _paths(ds[0]) == {"grant": 0, "hold_answer": 0, "ahead": 1, "lookup": 0, "push": 0}
+
+
+async def test_a_pull_sends_its_spaced_hold_at_once(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(holds_module, "FRESH_HOLD_SPACING_S", 30.0)  # a request expected after another waits
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    for rid, block in (("first", 1), ("second", 2)):
+        await pw[0].prefill(rid, {"kv": [block]}, salt=block)
+    sizes, lookups = _hold_sizes(ps[0]), _lookups(ps[0])
+    await dw[0].client.expect("first", [ps[0].peer_address])  # its Hold leaves at once
+    await dw[0].client.expect("second", [ps[0].peer_address])  # its Hold would wait 30 s
+    t0 = time.monotonic()
+    res = await dw[0].pull("second", ps, {"kv": [9]}, remote_blocks={"kv": [2]}, deadline=10.0)
+    assert time.monotonic() - t0 < 5.0
+    assert dw[0].verify({"kv": [9]}, 2) == (res.bytes, 0)
+    assert sizes == [1, 1]
+    assert lookups == []
+    assert _paths(ds[0])["hold_answer"] == 1
+
+
+async def test_an_aborted_pull_leaves_its_holds_late_answer_to_nobody(harness: Harness) -> None:
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    await pw[0].prefill("gone", {"kv": [3]}, salt=4)
+    gate = _gate_holds(ps[0])
+    await dw[0].client.expect("gone", [ps[0].peer_address])
+    pull = asyncio.ensure_future(dw[0].pull("gone", ps, {"kv": [7]}, remote_blocks={"kv": [3]}))
+    await asyncio.sleep(0.1)
+    await dw[0].client.abort("gone")
+    await expect_error(grpc.StatusCode.ABORTED, pull, "gone")
+    assert ds[0].core is not None
+    assert ds[0].core.holds._first == {}  # the abort settled what was due: nobody waits for it
+    gate.set()  # the Hold's late answer finds nobody
+    await asyncio.sleep(0.1)
+    assert ds[0].core.holds.grants == {}
+    # The decode side serves the next pull of the request as any other: a lookup, then the READ.
+    res = await dw[0].pull("gone", ps, {"kv": [7]})
+    assert dw[0].verify({"kv": [7]}, 4) == (res.bytes, 0)

@@ -49,6 +49,7 @@ CONTRACT_METRICS = {
     "kvxfer_lease_expirations_total": set(),
     "kvxfer_handshakes_total": {"outcome"},
     "kvxfer_prepared_pulls_total": {"outcome"},
+    "kvxfer_pulls_by_path_total": {"path"},
     "kvxfer_peers": set(),
     "kvxfer_gc_pause_seconds": {"generation"},
     "kvxfer_registered_bytes": set(),
