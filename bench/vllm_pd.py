@@ -277,7 +277,8 @@ def sidecar_metrics(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith(("kvxfer_transfers_total", "kvxfer_transfer_bytes_total", "kvxfer_lease_expirations_total",
                             "kvxfer_transfer_failures_total", "kvxfer_leases_active",
-                            "kvxfer_transfers_in_flight", "kvxfer_prepared_pulls_total")):  # fmt: skip
+                            "kvxfer_transfers_in_flight", "kvxfer_prepared_pulls_total",
+                            "kvxfer_pulls_by_path_total")):  # fmt: skip
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out

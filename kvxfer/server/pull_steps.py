@@ -20,19 +20,26 @@ its bytes are never reported as moved.
 which it holds them, counted on this side's clock from when the Hold was sent. When every source
 rank granted the request for longer than the pull may take, with the regions of the same
 registration, and the worker's ids are among the granted ones, the pull READs at once and asks
-nothing: no control round trip is on its critical path. A pull that comes while its request's first
-Hold is still out waits up to :data:`GRANT_WAIT_S` for that Hold's answer and reads on it (no lookup
-follows), or looks the request up when no grant came. What surrounds a pull (admission, its task, the
-outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
+nothing: no control round trip is on its critical path.
 
-Each pull is counted by what its READs waited for (``kvxfer_pulls_by_path_total{path}``): ``grant``
-(one that had come before the pull), ``hold_answer`` (the answer of a Hold that was out), ``ahead``
-(nothing: READ while the lookups ran), ``lookup`` (the lookups' answers), ``push`` (the publishers WRITE).
+**Reading ahead of the Hold's answer.** A pull that comes while its request's first Hold is still
+out reads ahead as above, and that Hold's answer confirms the READs instead of a lookup: a grant
+that covers the worker's ids, from the handshake's publisher registration, shows as a lookup's
+answer would that the publish was held from its publication until then, and it promises the blocks
+until its ``valid_until``, which the READs must not outlast. A rank whose grant does not come within
+:data:`GRANT_WAIT_S`, or does not cover the pull, is looked up. What surrounds a pull (admission, its
+task, the outcome's events, metrics and notices) is :mod:`kvxfer.server.puller`'s.
+
+Each pull is counted by what confirmed its READs (``kvxfer_pulls_by_path_total{path}``): ``grant``
+(one that had come before the pull: nothing was waited for), ``hold_answer`` (the answers of Holds
+that were out), ``ahead`` (the lookups, as the READs ran), ``lookup`` (the lookups, before the READs),
+``push`` (the publishers WRITE).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,8 +76,8 @@ __all__ = ["PullSteps"]
 U64 = npt.NDArray[np.uint64]
 #: A grant with less than this left is not read on (a lookup confirms instead): a READ needs time.
 GRANT_MARGIN_S = 1.0
-#: How long a pull waits for the answer of a Hold that was out when it came before it looks the
-#: request up instead; an answer takes a round trip (~1 ms), so this long means a publisher in trouble.
+#: How long a pull that reads ahead waits for the answer of a Hold that was out when it came before it
+#: looks the request up instead; an answer takes a round trip (~1 ms), so this long means a publisher in trouble.
 GRANT_WAIT_S = 0.5
 I64 = npt.NDArray[np.int64]
 
@@ -102,7 +109,7 @@ class PullSteps:
         self.worker = WorkerGathers()
         #: Told "used" when a pull reads on its Prepare's plan, "replanned" when it found the plan stale.
         self.on_plan = on_plan
-        #: Told each pull's path as its READs start (see the module docs).
+        #: Told each pull's path once its READs are confirmed (see the module docs).
         self.on_path = on_path
 
     async def run(
@@ -115,11 +122,8 @@ class PullSteps:
             self.on_path("push")
             return await self.push.run(entry, ranks, sessions, self._check_rank)
         named = all(name in remote_given for name in reg.groups)
-        path = "grant"
-        if entry.grants_due and named:
-            path = await self._await_grants(entry, ranks)
         if entry.grants and named:
-            granted = await self._read_granted(entry, reg, ranks, local_blocks, remote_given, sessions, path)
+            granted = await self._read_granted(entry, reg, ranks, local_blocks, remote_given, sessions)
             if granted is not None:
                 return granted
         if named:
@@ -156,24 +160,9 @@ class PullSteps:
         return sorted(needed)
 
     # ------------------------------------------------------------------ reading on a grant
-    async def _await_grants(self, entry: PullEntry, ranks: list[int]) -> str:
-        """Wait for the answers of the first Holds still out (at most GRANT_WAIT_S); the grants that
-        came join the pull's. The path a read on them takes: "hold_answer" if any was waited for."""
-        due, entry.grants_due = entry.grants_due, {}
-        waited = [due[a] for a in {entry.addresses[q] for q in ranks} if a in due and a not in entry.grants]
-        if not waited:
-            return "grant"
-        entry.stage = "waiting for the publishers' answers to its Hold"
-        await asyncio.wait(waited, timeout=max(min(entry.deadline - time.monotonic(), GRANT_WAIT_S), 0.0))
-        for address, fut in due.items():  # a cancelled pull never gets here: the Holds' futures are left alone
-            grant = fut.result() if fut.done() and not fut.cancelled() else None
-            if grant is not None:
-                entry.grants[address] = grant
-        return "hold_answer"
-
     async def _read_granted(
         self, entry: PullEntry, reg: Registration, ranks: list[int], local_blocks: dict[str, I64],
-        remote_given: dict[str, I64], sessions: dict[int, PeerSession], path: str,
+        remote_given: dict[str, I64], sessions: dict[int, PeerSession],
     ) -> local_pb2.TransferStats | None:  # fmt: skip
         """READ on the publishers' grants, without a lookup (None: some rank's grant does not cover the pull)."""
         used: dict[int, PeerSession] = {}
@@ -189,7 +178,7 @@ class PullSteps:
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
-        self.on_path(path)
+        self.on_path("grant")
         for q in ranks:
             entry.asked.append(entry.addresses[q])
             entry.contacted.append(entry.addresses[q])  # they are told DONE or FAILED, as after a lookup
@@ -211,9 +200,8 @@ class PullSteps:
         guess = _from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
-        self.on_path("ahead")
         published, moved, fetch_seconds = await self._read_while_looking_up(entry, reg, ranks, per_rank, guess,
-                                                                            used, sessions)  # fmt: skip
+                                                                            used, sessions, remote_given)  # fmt: skip
         if not self._confirm(entry, reg, remote_given, used, published, sessions):
             # The publisher restarted or registered again since the handshake whose regions were
             # read: those bytes are not used; READ again with what its lookup answered.
@@ -286,15 +274,26 @@ class PullSteps:
     async def _read_while_looking_up(
         self, entry: PullEntry, reg: Registration, ranks: list[int], per_rank: dict[int, list[tuple[U64, U64]]],
         guess: dict[int, _Fetched], used: dict[int, PeerSession], sessions: dict[int, PeerSession],
+        remote_given: dict[str, I64],
     ) -> tuple[dict[int, _Fetched], tuple[int, int, float] | None, float]:  # fmt: skip
-        """(lookup answers, what the READs moved or None when they must be redone, lookup seconds)."""
+        """(lookup answers, what the READs moved or None when they must be redone, lookup seconds).
+
+        The answers of the first Holds still out confirm their ranks instead of lookups (see the module docs).
+        """
         t_fetch = time.monotonic()
         fetch_seconds = 0.0
+        promised_until = math.inf  # the grants that confirmed: the READs must end before the earliest runs out
 
         async def confirm() -> dict[int, _Fetched]:
-            nonlocal fetch_seconds
+            nonlocal fetch_seconds, promised_until
             try:
-                return await self._fetch_all(entry, ranks, sessions, stage=False)
+                granted = await self._hold_answers(entry, reg, ranks, used, remote_given)
+                if granted:
+                    promised_until = min(g.valid_until for _, g in granted.values())
+                rest = [q for q in ranks if q not in granted]
+                fetched = await self._fetch_all(entry, rest, sessions, stage=False) if rest else {}
+                self.on_path("ahead" if rest else "hold_answer")
+                return {**{q: f for q, (f, _) in granted.items()}, **fetched}
             finally:
                 fetch_seconds = time.monotonic() - t_fetch
 
@@ -312,12 +311,45 @@ class PullSteps:
                 if all(sessions[q] is s for q, s in used.items()):
                     raise
                 moved = None  # read from a registration the publisher has replaced since: read again
+            if time.monotonic() > promised_until:
+                raise DeadlineError(
+                    f"the READs of {entry.request_id!r} outlasted a publisher's grant: their bytes are not used",
+                    field="timeout_seconds",
+                )  # fmt: skip
         finally:
             for task in (lookups, reads):
                 if not task.done():
                     task.cancel()
             await asyncio.gather(lookups, reads, return_exceptions=True)
         return published, moved, fetch_seconds
+
+    async def _hold_answers(
+        self, entry: PullEntry, reg: Registration, ranks: list[int], used: dict[int, PeerSession],
+        remote_given: dict[str, I64],
+    ) -> dict[int, tuple[_Fetched, Grant]]:  # fmt: skip
+        """The ranks the pull's grants confirm as a lookup's answer would, each with its grant: those that
+        came before it, and the answers of its first Holds (waited for up to GRANT_WAIT_S). Those ranks are
+        contacted as after a lookup."""
+        due, entry.grants_due = entry.grants_due, {}
+        waited = [due[a] for a in {entry.addresses[q] for q in ranks} if a in due and a not in entry.grants]
+        if not waited and not entry.grants:
+            return {}
+        if waited:
+            await asyncio.wait(waited, timeout=max(min(entry.deadline - time.monotonic(), GRANT_WAIT_S), 0.0))
+        out: dict[int, tuple[_Fetched, Grant]] = {}
+        for q in ranks:
+            address = entry.addresses[q]
+            grant, fut = entry.grants.get(address), due.get(address)
+            if grant is None and fut is not None and fut.done() and not fut.cancelled():
+                grant = fut.result()
+            if grant is None or grant.valid_until < time.monotonic() + GRANT_MARGIN_S:
+                continue
+            if not _covers(grant, used[q], remote_given):
+                continue  # other ids, or another registration: the lookup decides
+            out[q] = (_from_grant(grant, used[q], reg), grant)
+            entry.asked.append(address)
+            entry.contacted.append(address)  # told DONE or FAILED, as after a lookup
+        return out
 
     def _confirm(
         self, entry: PullEntry, reg: Registration, remote_given: dict[str, I64], used: dict[int, PeerSession],
@@ -571,6 +603,13 @@ def _done(
         bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
         data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
     )  # fmt: skip
+
+
+def _from_grant(grant: Grant, session: PeerSession, reg: Registration) -> _Fetched:
+    """What a lookup would answer, from a publisher's grant and its handshake's regions."""
+    first = next(iter(reg.groups))
+    regions = session.identity.regions
+    return _Fetched(dict(grant.blocks), {n: regions[n][0] for n in reg.groups}, regions[first][1])
 
 
 def _from_handshakes(

@@ -39,6 +39,23 @@ def test_load_runs_every_phase_and_every_open_loop_path() -> None:
     assert r["verified_pulls"] == 40 + 40 + 20 + 200
 
 
+def test_load_reports_pulls_that_overtake_their_first_hold() -> None:
+    """--expect-lead-ms 0: each pull comes right after its Expect, before its Hold's answer, which confirms it."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "load.py"), "--pulls", "8", "--concurrency", "2", "--serial", "2",
+         "--open-loop-rate", "50", "--open-loop-seconds", "0.5", "--open-loop-paths", "granted",
+         "--expect-lead-ms", "0", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])["open_loop_granted"]
+    assert r["failed"] == 0
+    paths = r["pull_paths"]
+    assert paths["grant"] + paths["hold_answer"] == r["pulls"] == 25  # no lookup on any pull's path
+    assert paths["hold_answer"] >= 1
+    assert paths["ahead"] == paths["lookup"] == paths["push"] == 0
+
+
 def test_load_refuses_an_unknown_open_loop_path() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "load.py"), "--open-loop-paths", "plain,bogus"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip

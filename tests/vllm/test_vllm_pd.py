@@ -54,6 +54,7 @@ LAYERS = 4
 READS_OK = 'kvxfer_transfers_total{direction="read",outcome="ok"}'
 READ_BYTES = 'kvxfer_transfer_bytes_total{backend="nixl",direction="read"}'
 PREPARED = 'kvxfer_prepared_pulls_total{{outcome="{}"}}'
+PATH = 'kvxfer_pulls_by_path_total{{path="{}"}}'
 #: The model-kind tests: one process fewer per instance (see the module's docs).
 ENGINE_IN_API = "--engine-in-api-process"
 
@@ -103,6 +104,12 @@ def check_run(
     if direction == "push":
         assert m["decode"][READS_OK] == 0  # nothing was READ
         assert m["prefill"][counted.replace('"read"', '"write"')] == expected_bytes
+    else:
+        # The connector names the publisher's block ids: no pull waited for a lookup before its READs
+        # (each read on a grant, on its first Hold's answer, or ahead of the lookup).
+        paths = {p: m["decode"][PATH.format(p)] for p in ("grant", "hold_answer", "ahead", "lookup")}
+        assert paths["lookup"] == 0, paths
+        assert sum(paths.values()) >= len(rows) + 1, paths  # a pull the connector retried counts twice
     # The scheduler's Prepare named the very pull its workers then made: no plan was found stale.
     assert m["decode"][PREPARED.format("replanned")] == 0
     assert m["decode"][PREPARED.format("used")] <= m["decode"][PREPARED.format("prepared")]
