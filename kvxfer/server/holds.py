@@ -13,9 +13,10 @@ until the request's Pull starts, it is aborted, a publisher answers that it no l
 **A pull that comes before its first grant.** vLLM allocates a request's blocks, and its workers
 pull, in the engine step that found the request's KV remote when nothing else was queued: the
 Pull then comes within a millisecond or two of the Expect, while the first Hold is still out (or
-still spaced). :meth:`Holds.take` hands the pull that Hold's answer to wait for (sending a spaced
-Hold at once), so that the pull reads on its grant rather than asking the publisher again with a
-lookup: the Hold left first, so its answer comes first, and neither side handles a second message.
+still spaced). :meth:`Holds.take` hands the pull that Hold's answer (sending a spaced Hold at
+once), and its grant confirms the READs the pull ran ahead of it (:mod:`kvxfer.server.pull_steps`)
+rather than a lookup: the Hold left first, so its answer comes first, and neither side handles a
+second message.
 """
 
 from __future__ import annotations
