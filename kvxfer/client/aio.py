@@ -367,7 +367,7 @@ class AsyncClient:
         """A quiet call's failure arrived: log and count it (an older sidecar's refusal: send it awaited)."""
         method = METHODS[number]
         try:
-            req = local_pb2.ExpectRequest.FromString(payload)  # the one quiet method
+            req = method.request.FromString(payload)
             decode_answer(method, code, status)
             return  # an OK answer to a quiet call: nothing failed
         except KvxferRpcError as exc:
@@ -377,26 +377,28 @@ class AsyncClient:
             return
         if error.code == grpc.StatusCode.UNIMPLEMENTED and error.field == "method":
             # A sidecar from before quiet calls refused the frame before running anything: this
-            # Expect goes awaited, now, and so does every one after it.
+            # call goes awaited, now, and so does every one of its method after it.
             self._fast_refused.add(method.number)
-            task = asyncio.get_running_loop().create_task(self._expect_again(req))
+            task = asyncio.get_running_loop().create_task(self._send_awaited(method, req))
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
             return
         self._note_quiet_failure(req, error)
 
-    async def _expect_again(self, req: local_pb2.ExpectRequest) -> None:
+    async def _send_awaited(self, method: FastMethod, req: Message) -> None:
+        """A quiet call the sidecar could not take quietly, as the awaited call of the same RPC."""
         try:
-            await self.expect(req.request_id, list(req.remote_addresses))
+            await self._call(getattr(self._stub, method.name), req, None)
         except KvxferRpcError as exc:
             self._note_quiet_failure(req, exc)
 
-    def _note_quiet_failure(self, req: local_pb2.ExpectRequest, error: KvxferRpcError) -> None:
-        """Count and log the failure of an Expect nobody waited for."""
+    def _note_quiet_failure(self, req: Message, error: KvxferRpcError) -> None:
+        """Count and log the failure of a call nobody waited for."""
         self.quiet_failures += 1
         self.last_quiet_failure = error
-        log.warning(f"{error.method} of request {req.request_id!r} failed: {error.message}", extra={
-            "request_id": req.request_id, "status": error.code.name, "reason": error.reason, "field": error.field,
+        rid = getattr(req, "request_id", "")
+        log.warning(f"{error.method} of request {rid!r} failed: {error.message}", extra={
+            "request_id": rid, "status": error.code.name, "reason": error.reason, "field": error.field,
         })  # fmt: skip
 
     async def prepare(
