@@ -43,6 +43,7 @@ __all__ = [
     "Source",
     "TransferPlan",
     "TransferTopology",
+    "check_block_ids",
     "parse_block_ids",
 ]
 
@@ -378,8 +379,8 @@ class TransferTopology:
         Raises :class:`BlockIdError` before any descriptor exists if a list is empty, has an id out
         of range, repeats an id, or does not cover the tokens to move.
         """
-        lb = _check_blocks(local_blocks, self.local.num_blocks, "local_blocks")
-        rb = _check_blocks(remote_blocks, self.remote.num_blocks, "remote_blocks")
+        lb = check_block_ids(local_blocks, self.local.num_blocks, "local_blocks")
+        rb = check_block_ids(remote_blocks, self.remote.num_blocks, "remote_blocks")
         nl, nr = self.local.tokens_per_page, self.remote.tokens_per_page
         g = self._granule
         if num_tokens is None:
@@ -691,12 +692,14 @@ def _coalesce(lo: I64, ro: I64, ln: I64) -> tuple[I64, I64, I64]:
     return lo[starts], ro[starts], np.add.reduceat(ln, starts)
 
 
-def _check_blocks(ids: BlockIds, num_blocks: int, name: str) -> I64:
+def check_block_ids(ids: BlockIds, num_blocks: int, name: str) -> I64:
+    """``ids`` as int64: a flat, non-empty list in ``[0, num_blocks)`` without repeats, else a
+    BlockIdError naming ``name`` and the first bad id (and its position)."""
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise BlockIdError(f"{name}: expected a flat list of block ids, got shape {arr.shape}", field=name)
     if arr.size == 0:
-        raise BlockIdError(f"{name}: empty request (no block ids)", field=name)
+        raise BlockIdError(f"{name}: empty block list", field=name)
     if arr.dtype.kind not in "iu":
         raise BlockIdError(f"{name}: block ids must be integers, got dtype {arr.dtype}", field=name)
     arr = arr.astype(np.int64, copy=False)

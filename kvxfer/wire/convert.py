@@ -7,7 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import InvalidArgumentError, KvxferError, LayoutError
+from kvxfer import topology
+from kvxfer.errors import BlockIdError, InvalidArgumentError, KvxferError, LayoutError
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import CudaIpcRef, FdMemoryRef, FdRegionRef, LibraryRef, MemoryRef, SharedMemoryRef, ShmRegionRef
 from kvxfer.topology import RankInfo, RegionTable
@@ -132,23 +133,12 @@ def blocks_from_proto(
 
 
 def check_block_ids(ids: I64, num_blocks: int, field: str) -> I64:
-    """Non-empty, in ``[0, num_blocks)``, no repeats; the message names the first bad id and its position."""
-    if ids.size == 0:
-        raise InvalidArgumentError(f"{field}: empty block list", field=field)
-    # One sort answers both checks (its ends are the extremes); the details only once one fails:
-    # this runs on every pull's critical path.
-    srt = np.sort(ids) if ids.size > 1 else ids
-    if srt[0] < 0 or srt[-1] >= num_blocks:
-        bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
-        i = int(bad[0])
-        more = f" ({bad.size} ids out of range)" if bad.size > 1 else ""
-        raise InvalidArgumentError(
-            f"{field}: block id {int(ids[i])} at position {i} is out of range [0, {num_blocks}){more}", field=field
-        )
-    if ids.size > 1 and (srt[1:] == srt[:-1]).any():
-        dup = np.flatnonzero(srt[1:] == srt[:-1])
-        raise InvalidArgumentError(f"{field}: block id {int(srt[dup[0]])} appears more than once", field=field)
-    return ids
+    """Non-empty, in ``[0, num_blocks)``, no repeats (:func:`kvxfer.topology.check_block_ids`), as a
+    request field: an InvalidArgumentError naming ``field``, the first bad id and its position."""
+    try:
+        return topology.check_block_ids(ids, num_blocks, field)
+    except BlockIdError as exc:
+        raise InvalidArgumentError(exc.message, field=field) from None
 
 
 def blocks_to_proto(

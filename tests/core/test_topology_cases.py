@@ -136,7 +136,7 @@ def test_heterogeneous_block_size_split_and_merge() -> None:
 @pytest.mark.parametrize(
     ("local", "remote", "message"),
     [
-        ([], [], "local_blocks: empty request"),
+        ([], [], "local_blocks: empty block list"),
         ([0, 4096], [0, 1], "local_blocks: block id 4096 at position 1 is out of range [0, 4096)"),
         ([0, 1], [-1, 1], "remote_blocks: block id -1 at position 0 is out of range"),
         ([3, 3], [0, 1], "local_blocks: block id 3 appears more than once"),
