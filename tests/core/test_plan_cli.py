@@ -245,7 +245,10 @@ def test_core_imports_nothing_heavy() -> None:
     third_party, ours = out.stdout.splitlines()
     # numpy only: no torch, grpc, nixl, mooncake, protobuf, typer, pydantic...
     assert third_party == "numpy"
-    assert ours == "kvxfer,kvxfer.errors,kvxfer.layout,kvxfer.planning,kvxfer.topology"
+    assert (
+        ours
+        == "kvxfer,kvxfer.errors,kvxfer.layout,kvxfer.layout.kinds,kvxfer.layout.model,kvxfer.planning,kvxfer.topology"
+    )
 
 
 def test_plan_json_lists_where_an_nvfp4_head_slice_moves() -> None:

@@ -1,201 +1,32 @@
-"""Standardized KV-cache layouts: a frozen, validated description of one cache group.
-
-A *cache group* is a set of layers whose caches share one shape: every full-attention layer of a
-model, its sliding-window layers, or its Mamba layers. Every cache is blocks-first and reaches a
-connector as a 4-D ``[B, H, N, C]`` view per layer: ``B`` blocks, ``H`` *slots* on the head axis,
-``N`` tokens per block, ``C`` content bytes per (slot, token) cell. What a slot and its content
-hold depends on the kind:
-
-============  =======================  ==========================================================
-kind          slots (H)                content of one (slot, token) cell
-============  =======================  ==========================================================
-attention     one per KV head          K then V of that head (``head_size + head_size_v``
-                                       elements): bf16/fp16/fp32 and fp8 (e4m3/e5m2) alike
-quantized     2 x KV heads (K, then V) K or V of one head: fp8/int8 codes, or nvfp4 (see below)
-kv_planes     2 (a K plane, a V plane) K or V of *every* head of the rank, head after head
-mla           1                        the latent of one token (``kv_lora_rank + rope_dim``)
-mamba         1 (one token)            the whole state page of one block (opaque bytes)
-============  =======================  ==========================================================
-
-Physical order. Within one layer the axes are laid out in one of vLLM's stride orders over the
-logical ``[L, B, H, N, C]`` (``vllm/v1/kv_cache_layout.py``):
-
-* ``order`` HND or NHD: whether a slot's tokens (HND) or a token's slots (NHD) are contiguous;
-* ``cross_layer``: one block-major region holds every layer (a block holds all layers' pages);
-* ``heads_outer``: the head axis lies outside the blocks (LHBNC) or outside the layers (BHLNC).
-
-LBHNC = HND, LBNHC = NHD, LHBNC = HND + heads_outer, BLHNC = HND + cross_layer, BLNHC = NHD +
-cross_layer, BHLNC = HND + cross_layer + heads_outer. A page may be padded (``page_stride`` >
-``page_bytes``), and vLLM may split a block of ``block_size`` tokens into ``block_size //
-kernel_block_size`` kernel blocks laid out one after the other. In a block-major region a block
-may be longer than its layers' pages (``block_bytes``): vLLM gives every cache group of a
-block-outermost cache the largest group's block, the groups overlaying one allocation. The
-one-slot kinds (mla, mamba) have no head axis to move, so ``heads_outer`` is dropped for them
-(LHBNC and BHLNC are then the same bytes as LBHNC and BLHNC).
-
-Every byte is addressed through :attr:`KVCacheLayout.planes`: a *plane* is a set of equal rows,
-one per (head, token), at ``offset + head * head_stride + (token // kernel_block_size) *
-kernel_stride + (token % kernel_block_size) * token_stride`` from the start of a block. Packed
-attention has one plane, fp8/int8 head groups two (K, V), kv_planes two (a head's slice of each
-plane), and nvfp4 four: within each side vLLM stores the 4-bit data of every (head, token) row
-first, then every row's fp8 scales (``vllm.utils.torch_utils.nvfp4_split_data_scale``), so a head
-slice of an nvfp4 page is two spans per side.
-"""
+"""KVCacheLayout: one cache group's layout, validated, and the geometry every transfer is planned
+from (regions, planes, offsets, spans); see :mod:`kvxfer.layout` for the layouts it describes."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
+from kvxfer.layout.kinds import (
+    NVFP4_GROUP,
+    QUANTIZED_DTYPES,
+    STRIDE_ORDERS,
+    CacheKind,
+    DType,
+    Order,
+    Packing,
+    parse_enum,
+)
 
-__all__ = [
-    "CacheKind",
-    "DType",
-    "KVCacheLayout",
-    "Order",
-    "Packing",
-    "Plane",
-    "RegionSpec",
-    "head_range",
-]
+__all__ = ["KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
 
-
-_E = TypeVar("_E", bound=enum.Enum)
 I64 = npt.NDArray[np.int64]
-
-
-class CacheKind(enum.StrEnum):
-    """What a cache group holds."""
-
-    ATTENTION = "attention"
-    QUANTIZED = "quantized"
-    KV_PLANES = "kv_planes"
-    MLA = "mla"
-    MAMBA = "mamba"
-
-
-class Order(enum.StrEnum):
-    """Physical order of the head and token axes inside a page."""
-
-    NHD = "NHD"
-    HND = "HND"
-
-
-class Packing(enum.StrEnum):
-    """How an attention cache arranges K and V inside the page of one (block, head).
-
-    ``kv``: the standardized layout, each token's K then V (every GPU backend). ``cpu_kt``: vLLM's
-    CPU kernels on AVX-512/AVX2 (ISA ``vec``/``vec16``): all of the head's K transposed (head_size x
-    tokens), then its V rows. ``head_block``: an arrangement private to a kernel (vLLM's CPU AMX,
-    NEON... ISAs): a head's block moves whole, so head slices move but token ranges do not.
-    """
-
-    KV = "kv"
-    CPU_KT = "cpu_kt"
-    HEAD_BLOCK = "head_block"
-
-
-class DType(enum.StrEnum):
-    """Element types of KV caches, with their storage size."""
-
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-    FP8_E4M3 = "fp8_e4m3"
-    FP8_E5M2 = "fp8_e5m2"
-    NVFP4 = "nvfp4"
-    INT8 = "int8"
-
-    @property
-    def bits(self) -> int:
-        """Bits per element (without nvfp4's scale bytes)."""
-        return _DTYPE_BITS[self]
-
-    @classmethod
-    def parse(cls, value: str | DType) -> DType:
-        """Accept kvxfer names and the common torch/vLLM spellings (``bfloat16``, ``fp8``...)."""
-        if isinstance(value, DType):
-            return value
-        key = str(value).strip().lower().removeprefix("torch.")
-        try:
-            return _DTYPE_ALIASES[key]
-        except KeyError:
-            known = ", ".join(sorted(_DTYPE_ALIASES))
-            raise LayoutError(f"dtype: unknown dtype {value!r}; known: {known}", field="dtype") from None
-
-
-_DTYPE_BITS = {
-    DType.BF16: 16,
-    DType.FP16: 16,
-    DType.FP32: 32,
-    DType.FP8_E4M3: 8,
-    DType.FP8_E5M2: 8,
-    DType.NVFP4: 4,
-    DType.INT8: 8,
-}
-
-_DTYPE_ALIASES: dict[str, DType] = {
-    "bf16": DType.BF16,
-    "bfloat16": DType.BF16,
-    "fp16": DType.FP16,
-    "float16": DType.FP16,
-    "half": DType.FP16,
-    "fp32": DType.FP32,
-    "float32": DType.FP32,
-    "float": DType.FP32,
-    "fp8": DType.FP8_E4M3,
-    "fp8_e4m3": DType.FP8_E4M3,
-    "float8_e4m3fn": DType.FP8_E4M3,
-    "fp8_e5m2": DType.FP8_E5M2,
-    "float8_e5m2": DType.FP8_E5M2,
-    "nvfp4": DType.NVFP4,
-    "int8": DType.INT8,
-    "uint8": DType.INT8,
-}
-
-# Quantized head-group caches hold one-byte (or packed) codes only.
-_QUANTIZED_DTYPES = frozenset({DType.FP8_E4M3, DType.FP8_E5M2, DType.NVFP4, DType.INT8})
-NVFP4_GROUP = 16
-
-# vLLM's names of the physical orders (vllm/v1/kv_cache_layout.py), by (order, cross_layer, heads_outer).
-_STRIDE_ORDERS = {
-    (Order.HND, False, False): "LBHNC",
-    (Order.NHD, False, False): "LBNHC",
-    (Order.HND, False, True): "LHBNC",
-    (Order.HND, True, False): "BLHNC",
-    (Order.NHD, True, False): "BLNHC",
-    (Order.HND, True, True): "BHLNC",
-}
-
-
-def head_range(total_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """Global KV-head range ``[start, stop)`` held by one tensor-parallel rank.
-
-    Heads are split evenly when there are at least as many heads as ranks; with more ranks than
-    heads each head is replicated on ``tp_size // total_heads`` consecutive ranks (vLLM's rule).
-    """
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"tp_rank: {tp_rank} is not in [0, {tp_size})", field="tp_rank")
-    if total_heads >= tp_size:
-        if total_heads % tp_size:
-            raise LayoutError(
-                f"total_kv_heads: {total_heads} heads cannot be split evenly over tp_size {tp_size}",
-                field="total_kv_heads",
-            )
-        per = total_heads // tp_size
-        return tp_rank * per, (tp_rank + 1) * per
-    if tp_size % total_heads:
-        raise LayoutError(f"tp_size: {tp_size} ranks cannot replicate {total_heads} heads evenly", field="tp_size")
-    head = tp_rank // (tp_size // total_heads)
-    return head, head + 1
 
 
 @dataclass(frozen=True)
@@ -230,7 +61,9 @@ class Plane:
     element_stride: int = 0
 
 
-class _TensorLike(Protocol):
+class TensorLike(Protocol):
+    """What :meth:`KVCacheLayout.from_tensor` reads of a tensor (torch or numpy)."""
+
     @property
     def shape(self) -> Sequence[int]: ...
 
@@ -265,9 +98,9 @@ class KVCacheLayout:
     block_bytes: int = 0  # block-major only; 0: a block is its layers' pages, else bytes from block to block
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", _parse_enum(CacheKind, self.kind, "kind"))
-        object.__setattr__(self, "order", _parse_enum(Order, self.order, "order"))
-        object.__setattr__(self, "packing", _parse_enum(Packing, self.packing, "packing"))
+        object.__setattr__(self, "kind", parse_enum(CacheKind, self.kind, "kind"))
+        object.__setattr__(self, "order", parse_enum(Order, self.order, "order"))
+        object.__setattr__(self, "packing", parse_enum(Packing, self.packing, "packing"))
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
             value = getattr(self, name)
@@ -318,8 +151,8 @@ class KVCacheLayout:
                     f"block_size: a mamba page has no token axis; use block_size=1, got {self.block_size}",
                     field="block_size",
                 )
-        if kind is CacheKind.QUANTIZED and dtype not in _QUANTIZED_DTYPES:
-            allowed = ", ".join(sorted(d.value for d in _QUANTIZED_DTYPES))
+        if kind is CacheKind.QUANTIZED and dtype not in QUANTIZED_DTYPES:
+            allowed = ", ".join(sorted(d.value for d in QUANTIZED_DTYPES))
             raise LayoutError(f"dtype: a quantized head-group cache holds {allowed}, got {dtype}", field="dtype")
         if kind in (CacheKind.QUANTIZED, CacheKind.KV_PLANES) and self.head_size_v:
             raise LayoutError(
@@ -438,8 +271,8 @@ class KVCacheLayout:
         """
         return cls(
             CacheKind.ATTENTION, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
-            _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, head_size_v, heads_outer, page_stride,
-            kernel_block_size, _parse_enum(Packing, packing, "packing"), block_bytes,
+            parse_enum(Order, order, "order"), cross_layer, total_kv_heads, head_size_v, heads_outer, page_stride,
+            kernel_block_size, parse_enum(Packing, packing, "packing"), block_bytes,
         )  # fmt: skip
 
     @classmethod
@@ -462,7 +295,7 @@ class KVCacheLayout:
         """K and V as separate head groups: (B, 2*H, N, head_size) codes; nvfp4 as data then scales per side."""
         return cls(
             CacheKind.QUANTIZED, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
-            _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, heads_outer, 0, kernel_block_size,
+            parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, heads_outer, 0, kernel_block_size,
             block_bytes=block_bytes,
         )  # fmt: skip
 
@@ -485,7 +318,7 @@ class KVCacheLayout:
         """A K plane and a V plane: (B, 2, N, num_kv_heads * head_size), vLLM's ``num_head_slots=2`` form."""
         return cls(
             CacheKind.KV_PLANES, num_layers, num_blocks, block_size, num_kv_heads, head_size, DType.parse(dtype),
-            _parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, False, 0, kernel_block_size,
+            parse_enum(Order, order, "order"), cross_layer, total_kv_heads, 0, False, 0, kernel_block_size,
             block_bytes=block_bytes,
         )  # fmt: skip
 
@@ -537,7 +370,7 @@ class KVCacheLayout:
     @property
     def stride_order(self) -> str:
         """vLLM's name of this physical order over [L, B, H, N, C] (``LBHNC`` ...)."""
-        return _STRIDE_ORDERS[(self.order, self.cross_layer, self.heads_outer)]
+        return STRIDE_ORDERS[(self.order, self.cross_layer, self.heads_outer)]
 
     @property
     def head_groups(self) -> int:
@@ -877,7 +710,7 @@ class KVCacheLayout:
     @classmethod
     def from_tensor(
         cls,
-        tensor: _TensorLike,
+        tensor: TensorLike,
         kind: str | CacheKind = CacheKind.ATTENTION,
         *,
         dtype: str | DType | None = None,
@@ -886,7 +719,7 @@ class KVCacheLayout:
     ) -> KVCacheLayout:
         """Describe a cache tensor after checking its shape and strides.
 
-        The tensor is given in its *logical* shape (see the module docstring); a leading layers
+        The tensor is given in its *logical* shape (see :mod:`kvxfer.layout`); a leading layers
         dimension makes it a cross-layer cache, whose strides must be block-major (stride order
         (1, 0, 2, ...)). HND or NHD is read from the strides. torch tensors (strides in elements) and numpy
         arrays (strides in bytes) are accepted. ``dtype`` overrides the tensor's dtype (needed for
@@ -894,131 +727,7 @@ class KVCacheLayout:
         pages and kernel blocks cannot be told from a tensor: vLLM's caches are described from
         vLLM's own spec objects instead (:mod:`kvxfer.integrations.vllm.spec`).
         """
-        kind = _parse_enum(CacheKind, kind, "kind")
-        shape = tuple(int(s) for s in tensor.shape)
-        strides = _element_strides(tensor)
-        dt = DType.parse(dtype if dtype is not None else _dtype_name(tensor.dtype))
-        base_ndim = 3 if kind is CacheKind.MLA else 4
-        if len(shape) not in (base_ndim, base_ndim + 1):
-            raise LayoutError(
-                f"shape: a {kind} cache tensor has {base_ndim} dims (or {base_ndim + 1} with a leading layers dim), "
-                f"got {len(shape)} dims {shape}",
-                field="shape",
-            )
-        cross = len(shape) == base_ndim + 1
-        layers = shape[0] if cross else 1
-        dims, st = (shape[1:], strides[1:]) if cross else (shape, strides)
-        bits = _storage_bits(dt, kind)
-        if kind is CacheKind.MLA:
-            nb, n, d = dims
-            layout = cls.mla(num_layers=layers, num_blocks=nb, block_size=n, latent_dim=d, dtype=dt, cross_layer=cross)
-            _expect_strides(st[1:], (d, 1), ("tokens", "latent"), dims[1:], first_dim=1 + cross)
-        elif kind is CacheKind.MAMBA:
-            nb, one_a, one_b, page = dims
-            if (one_a, one_b) != (1, 1):
-                raise LayoutError(f"shape: a mamba page tensor is (B, 1, 1, page_bytes), got {shape}", field="shape")
-            if dt is not DType.INT8:
-                raise LayoutError(f"dtype: a mamba page tensor is int8, got {dt}", field="dtype")
-            layout = cls.mamba(num_layers=layers, num_blocks=nb, page_size_bytes=page, cross_layer=cross)
-            _expect_strides(st[3:], (1,), ("page",), dims[3:], first_dim=3 + cross)
-        else:
-            layout = _describe_head_axis(kind, dims, st, dt, layers, cross, total_kv_heads, head_size)
-        expected_block = layout.block_stride * 8 // bits
-        if dims[0] > 1 and st[0] != expected_block:
-            page_elems = layout.page_bytes * 8 // bits
-            raise LayoutError(
-                f"strides: the blocks dim (dim {int(cross)}) has stride {st[0]}, the standardized layout needs "
-                f"{expected_block} (pages of {page_elems} elements"
-                + (f" x {layers} layers, block-major)" if cross else ")"),
-                field="strides",
-            )
-        if cross and layers > 1 and strides[0] != layout.page_bytes * 8 // bits:
-            raise LayoutError(
-                f"strides: a cross-layer cache is block-major (stride order (1, 0, 2, ...)): the layers dim "
-                f"needs stride {layout.page_bytes * 8 // bits}, got {strides[0]}",
-                field="strides",
-            )
-        return layout
+        # The reader builds layouts with this class's constructors: imported when first used.
+        from kvxfer.layout.tensor import layout_of_tensor
 
-
-def _describe_head_axis(
-    kind: CacheKind, dims: Sequence[int], st: Sequence[int], dt: DType, layers: int, cross: bool,
-    total_kv_heads: int, head_size: int | None,
-) -> KVCacheLayout:  # fmt: skip
-    """Attention, quantized and kv_planes tensors: (B, slots, N, content) read with their strides."""
-    nb, e, n, content = dims
-    if kind is CacheKind.KV_PLANES:
-        if e != 2:
-            raise LayoutError(f"shape: dim 1 of a kv_planes cache is 2 (a K and a V plane), got {e}", field="shape")
-        if head_size is None or content % head_size:
-            raise LayoutError(
-                f"head_size: required for a kv_planes tensor and must divide its last dim {content}, got {head_size}",
-                field="head_size",
-            )
-        heads, hs = content // head_size, head_size
-    else:
-        groups = 2 if kind is CacheKind.QUANTIZED else 1
-        if e % groups:
-            raise LayoutError(f"shape: dim 1 of a quantized cache is 2*num_kv_heads, got {e}", field="shape")
-        heads = e // groups
-        if dt is DType.NVFP4:
-            if head_size is None:
-                raise LayoutError("head_size: required for an nvfp4 tensor (its last dim is bytes)", field="head_size")
-            hs = head_size
-        elif kind is CacheKind.ATTENTION:
-            if content % 2:
-                raise LayoutError(f"shape: the last dim packs K and V (2*head_size), got odd {content}", field="shape")
-            hs = content // 2
-        else:
-            hs = content
-    order = Order.HND if e == 1 or st[1] >= st[2] else Order.NHD
-    layout = KVCacheLayout(kind, layers, nb, n, heads, hs, dt, order, cross, total_kv_heads)
-    hnd = order is Order.HND
-    expected = (n * content, content, 1) if hnd else (content, e * content, 1)
-    _expect_strides(st[1:], expected, ("heads", "tokens", "content"), dims[1:], first_dim=1 + cross)
-    if dt is DType.NVFP4 and content != layout.row_bytes:
-        raise LayoutError(
-            f"shape: an nvfp4 row of head_size {hs} is {layout.row_bytes} bytes, last dim is {content}",
-            field="shape",
-        )
-    return layout
-
-
-def _storage_bits(dt: DType, kind: CacheKind) -> int:
-    # nvfp4 tensors are stored as uint8 rows; every other dtype as its own elements.
-    return 8 if dt is DType.NVFP4 or kind is CacheKind.MAMBA else dt.bits
-
-
-def _parse_enum(cls: type[_E], value: object, field: str) -> _E:
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(str(m.value) for m in cls)
-        raise LayoutError(f"{field}: {value!r} is not one of {allowed}", field=field) from None
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _element_strides(tensor: Any) -> tuple[int, ...]:
-    stride = getattr(tensor, "stride", None)
-    if callable(stride):  # torch: strides in elements
-        return tuple(int(s) for s in stride())
-    strides = getattr(tensor, "strides", None)
-    if strides is None:
-        raise LayoutError("tensor: object has neither stride() nor strides", field="tensor")
-    itemsize = int(tensor.itemsize)
-    return tuple(int(s) // itemsize for s in strides)
-
-
-def _expect_strides(
-    got: Sequence[int], expected: Sequence[int], names: Sequence[str], sizes: Sequence[int], *, first_dim: int
-) -> None:
-    for name, g, e, n, dim in zip(names, got, expected, sizes, range(first_dim, first_dim + len(names)), strict=True):
-        if g != e and n > 1:
-            raise LayoutError(
-                f"strides: dim {dim} ({name}) has stride {g}, the standardized layout needs {e} "
-                f"(got strides {tuple(got)}, expected {tuple(expected)})",
-                field="strides",
-            )
+        return layout_of_tensor(tensor, kind, dtype=dtype, total_kv_heads=total_kv_heads, head_size=head_size)
