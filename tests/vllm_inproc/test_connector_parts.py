@@ -107,6 +107,34 @@ def test_publish_then_pull_moves_exact_bytes_and_frees_the_prefill_blocks(pd: PD
     dec.scheduler.loads_finished(recving)
 
 
+def test_the_decode_scheduler_holds_the_request_by_the_publishers_id(pd: PD) -> None:
+    """vLLM gives a request an id of its own on each instance: the scheduler's Expect names the prefill's
+    (``remote_request_id``), so the publisher holds the request and the pull reads on that Hold's grant,
+    with no lookup."""
+    pre, dec = pair(pd)
+    p_blocks, d_blocks = [16, 17], [26, 27]
+    tokens = 2 * BS
+    params = publish(pd, pre, "p-expected", p_blocks, tokens)
+
+    def paths() -> dict[str, float]:
+        return {p: pd.sidecars.counter("dec1", "kvxfer_pulls_by_path_total", path=p)
+                for p in ("grant", "hold_answer", "ahead", "lookup")}  # fmt: skip
+
+    before = paths()
+    req = decode_request("d-expected", tokens, params)
+    assert dec.scheduler.matched_tokens(req, 0) == (tokens - 1, True)  # the request is queued: Expect
+    time.sleep(0.5)  # vLLM keeps it queued a while: the Hold's answer comes first
+    dec.scheduler.after_alloc(req, [d_blocks], tokens - 1)
+    dec.step()
+    _, recving, failed = dec.finished(recving="d-expected")
+    assert (recving, failed) == ({"d-expected"}, set())
+    assert same(pages(dec.engines[0], d_blocks), pages(pre.engines[0], p_blocks))
+    after = paths()
+    assert {p: after[p] - before[p] for p in after} == {"grant": 1, "hold_answer": 0, "ahead": 0, "lookup": 0}
+    pre.finished(sending="p-expected")
+    dec.scheduler.loads_finished(recving)
+
+
 def test_decode_prefix_cache_hit_pulls_only_the_missing_tail(pd: PD) -> None:
     pre, dec = pair(pd)
     p_blocks, d_blocks = [20, 21, 22, 23], [30, 31, 32, 33]

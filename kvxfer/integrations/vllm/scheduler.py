@@ -290,8 +290,10 @@ class SchedulerSide:
             if exc is not None:  # the lease still covers a short wait
                 log.warning(f"request {rid}: could not hold the prefill side's blocks while queued: {exc}")
 
+        # The publisher's id (remote_request_id): vLLM gives the request an id of its own on each
+        # instance, and the prefill sidecar holds what it published under the prefill's.
         # Quiet: answered only if it fails (the client logs that); on gRPC, awaited and checked above.
-        c.submit(c.aio.expect_quietly(rid, remote.addresses)).add_done_callback(done)
+        c.submit(c.aio.expect_quietly(remote.request_id, remote.addresses)).add_done_callback(done)
 
     def _unusable(self, remote: RemotePrefill, tokens: int) -> str:
         """Why a publish cannot feed this instance ('' when it can)."""
