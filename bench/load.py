@@ -435,11 +435,7 @@ def _gc_buckets(source: int | GcPauses) -> dict[str, float]:
     ``source``: a sidecar's metrics port, or this process's own timer. The generations are added
     up: a pause holds up every pull in flight, whichever generation it was.
     """
-    if isinstance(source, GcPauses):
-        families = list(source.collect())
-    else:
-        with urllib.request.urlopen(f"http://127.0.0.1:{source}/metrics", timeout=10) as resp:
-            families = list(text_string_to_metric_families(resp.read().decode()))
+    families = list(source.collect()) if isinstance(source, GcPauses) else _families(source)
     samples = [(s.name, s.labels.get("le"), s.value) for f in families if f.name == GC_PAUSE_NAME for s in f.samples]
     out: dict[str, float] = {}
     for name, le, value in samples:
@@ -449,14 +445,16 @@ def _gc_buckets(source: int | GcPauses) -> dict[str, float]:
     return out
 
 
-def _pull_paths(source: int | GcPauses) -> dict[str, float]:
+def _pull_paths(port: int) -> dict[str, float]:
     """kvxfer_pulls_by_path_total of a sidecar (its metrics port) as it stands, by path; empty when not exported."""
-    if isinstance(source, GcPauses):
-        return {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{source}/metrics", timeout=10) as resp:
-        families = list(text_string_to_metric_families(resp.read().decode()))
-    return {s.labels["path"]: s.value for f in families if f.name == PULL_PATHS_NAME for s in f.samples
+    return {s.labels["path"]: s.value for f in _families(port) if f.name == PULL_PATHS_NAME for s in f.samples
             if s.name.endswith("_total")}  # fmt: skip
+
+
+def _families(port: int) -> list[Any]:
+    """A sidecar's metric families, scraped from its metrics port."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return list(text_string_to_metric_families(resp.read().decode()))
 
 
 def _gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

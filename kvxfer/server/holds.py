@@ -77,7 +77,6 @@ class Holds:
         self._fresh_task: asyncio.Task[None] | None = None  # sends them (see _hold_fresh)
         self._fresh_sent = -FRESH_HOLD_SPACING_S  # time.monotonic() the last of them left
         self._spacing: asyncio.Future[None] | None = None  # set while _hold_fresh waits out the spacing
-        self._hurry = False  # a pull waits for a fresh Hold that has not left: no spacing for the next one
         #: Per request whose first Hold has not been answered, by address: that answer (see the module docs).
         self._first: dict[str, dict[str, Due]] = {}
         #: Holds of newly expected requests sent (tests: how many went together).
@@ -105,7 +104,7 @@ class Holds:
         loop = asyncio.get_running_loop()
         while self._fresh:
             wait = self._fresh_sent + FRESH_HOLD_SPACING_S - time.monotonic()
-            if wait > 0 and not self._hurry:
+            if wait > 0:
                 self._spacing = loop.create_future()
                 timer = loop.call_later(wait, _wake, self._spacing)
                 try:
@@ -113,7 +112,7 @@ class Holds:
                 finally:
                     timer.cancel()
                     self._spacing = None
-            fresh, self._fresh, self._hurry = self._fresh, {}, False
+            fresh, self._fresh = self._fresh, {}
             self._fresh_sent = time.monotonic()
             self.fresh_holds += 1
             # A request whose pull started is still held once when that pull waits for the answer.
@@ -135,7 +134,9 @@ class Holds:
         if not due:
             self._first.pop(request_id, None)
         elif any(request_id in self._fresh.get(a, ()) for a in due):
-            self._hurry = True  # its Hold has not left: send it now
+            # Its Hold has not left: the next fresh Hold goes now, whether the spacing is being
+            # waited out or the Hold before is still out.
+            self._fresh_sent = -FRESH_HOLD_SPACING_S
             _wake(self._spacing)
         return grants, due
 
