@@ -5,8 +5,9 @@ just-started decode instance may keep it queued longer than the prefill side's l
 says so with ``Expect(request_id, remote_addresses)`` when the request arrives; this sidecar then
 sends each publisher a peer ``Hold`` for it at once (with any others expected while that Hold is
 out, or within :data:`FRESH_HOLD_SPACING_S` of it, going together in the next: its pull may start
-within milliseconds and should read on a grant), and again every :func:`hold_period` seconds,
-until the request's Pull starts, it is aborted, a publisher answers that it no longer holds it, or
+within milliseconds and should read on a grant), and again every :func:`hold_period` seconds (a
+third of the time a publisher granted, when that is sooner: a publish may carry a lease shorter
+than this side's), until the request's Pull starts, it is aborted, a publisher answers that it no longer holds it, or
 ``--max-hold-seconds`` have passed. The publisher extends each lease by its own
 ``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,10 +49,17 @@ HOLD_BATCH = MAX_BATCH  # request ids in one peer Hold (the publisher refuses mo
 #: halving the Holds both sidecars handle, while a request expected now and then is held at once.
 #: A pull that comes before its grant reads ahead of its lookup instead (kvxfer.server.pull_steps).
 FRESH_HOLD_SPACING_S = 0.002
+#: The least time between two rounds, however short a publisher's grant: a publish near its
+#: ``--max-hold-seconds`` is granted ever less time, and holding it cannot extend it anyway.
+MIN_ROUND_S = 0.05
 
 
 def hold_period(settings: Settings) -> float:
-    """Seconds between two holds of one request: a third of a lease (so one lost hold costs nothing), at most 5."""
+    """Seconds between two rounds: a third of a lease (so one lost hold costs nothing), at most 5.
+
+    Sooner when a publisher grants less: its publish may carry a lease of its own
+    (``Publish.lease_seconds``), shorter than this side's ``--lease-seconds``; see :meth:`Holds._hold`.
+    """
     return min(settings.lease_seconds / 3.0, 5.0)
 
 
@@ -81,6 +90,8 @@ class Holds:
         self._first: dict[str, dict[str, Due]] = {}
         #: Holds of newly expected requests sent (tests: how many went together).
         self.fresh_holds = 0
+        self._next_round = math.inf  # time.monotonic() the next round is due (see _run)
+        self._round_wake: asyncio.Future[None] | None = None  # set while _run waits for it
 
     def expect(self, request_id: str, addresses: list[str]) -> bool:
         """Hold ``request_id`` at ``addresses`` from now on; False when it was already expected."""
@@ -95,6 +106,7 @@ class Holds:
             if self._fresh_task is None or self._fresh_task.done():
                 self._fresh_task = loop.create_task(self._hold_fresh())
         if self._task is None or self._task.done():
+            self._next_round = time.monotonic() + hold_period(self.settings)
             self._task = loop.create_task(self._run())
         return new
 
@@ -158,9 +170,21 @@ class Holds:
                 await task
 
     async def _run(self) -> None:
-        # A request is first held by _hold_fresh as it is expected; the rounds hold it again.
+        # A request is first held by _hold_fresh as it is expected; the rounds hold it again, every
+        # hold_period unless a grant shorter than a lease of ours brings the next round forward.
+        loop = asyncio.get_running_loop()
         while self.expected:
-            await asyncio.sleep(hold_period(self.settings))
+            wait = self._next_round - time.monotonic()
+            if wait > 0:
+                self._round_wake = loop.create_future()
+                timer = loop.call_later(wait, _wake, self._round_wake)
+                try:
+                    await self._round_wake
+                finally:
+                    timer.cancel()
+                    self._round_wake = None
+                continue  # the round is due now, or was brought forward: look again
+            self._next_round = time.monotonic() + hold_period(self.settings)
             await self._round()
 
     async def _round(self) -> None:
@@ -208,6 +232,7 @@ class Holds:
                 granted[g.request_id] = Grant(sent + g.held_seconds, resp.instance_id, int(resp.epoch), blocks)
                 if g.request_id in self.expected:
                     self.grants.setdefault(g.request_id, {})[address] = granted[g.request_id]
+                    self._hold_again_by(sent + max(g.held_seconds / 3.0, MIN_ROUND_S))
         self._answered(address, rids, granted)
         for rid in req.request_ids:
             if rid not in held and rid in self.expected:
@@ -216,6 +241,16 @@ class Holds:
                 self.grants.pop(rid, None)
                 with log_context(request_id=rid, peer=address):
                     log.info("publisher no longer holds an expected request; stopped holding it")
+
+    def _hold_again_by(self, when: float) -> None:
+        """Bring the next round forward to ``when`` (time.monotonic()) if it is due later.
+
+        A third of what the publisher granted, as :func:`hold_period` is of a lease: a publish whose
+        own lease is shorter than this side's rounds would expire between two of them.
+        """
+        if when < self._next_round:
+            self._next_round = when
+            _wake(self._round_wake)
 
     def _answered(self, address: str, rids: list[str], granted: dict[str, Grant]) -> None:
         """A Hold at ``address`` ended: what its requests' first Holds were due there (None: no grant)."""

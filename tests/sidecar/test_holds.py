@@ -43,6 +43,27 @@ async def test_an_expected_request_outlives_its_lease_until_pulled(harness: Harn
     assert ds[0].core.holds.expected == {}  # the pull ended the first hold; the publisher's answer the other
 
 
+async def test_a_publish_with_a_lease_shorter_than_the_hold_period_is_still_held(harness: Harness) -> None:
+    """The reader's rounds follow the publisher's lease, not its own: a publish leased for 1 s
+    (``Publish.lease_seconds``, the vLLM connector's ``lease_seconds``) read by a decode side whose
+    own ``--lease-seconds`` (30 s) spaces its rounds 5 s apart is held again within a third of that
+    second, every third of it, until its pull."""
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    assert ds[0].core is not None
+    holds = _hold_sizes(ps[0])
+    await pw[0].prefill("short", {"kv": [1, 2]}, salt=5, lease=1.0)
+    await pw[0].prefill("unheld", {"kv": [3]}, salt=6, lease=1.0)
+    assert await dw[0].client.expect("short", [ps[0].peer_address])
+    await asyncio.sleep(2.6)  # the decode engine keeps it queued for 2.6 of its leases
+    res = await dw[0].pull("short", ps, {"kv": [7, 8]})
+    assert dw[0].verify({"kv": [7, 8]}, 5) == (res.bytes, 0)
+    assert 5 <= len(holds) <= 12  # the first Hold, then one every third of the 1 s lease
+    await expect_error(grpc.StatusCode.NOT_FOUND, dw[0].pull("unheld", ps, {"kv": [9]}), "'unheld' is not published")
+    await asyncio.sleep(0.5)
+    assert len(holds) <= 12  # the pull ended the holding
+
+
 async def test_expect_is_checked_like_a_pull(harness: Harness) -> None:
     lay = attention()
     ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
