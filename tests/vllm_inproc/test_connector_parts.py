@@ -136,10 +136,10 @@ def test_the_decode_scheduler_holds_the_request_by_the_publishers_id(pd: PD) -> 
 
 
 def test_a_request_queued_past_the_prefill_lease_is_still_pulled(pd: PD) -> None:
-    """The prefill connector leases its publishes for 1 s (``lease_seconds``); the decode engine keeps the
-    request queued for 2.5 s. The decode scheduler's Expect (by the publisher's id) keeps it held, at the
-    pace of that 1 s lease rather than of the decode sidecar's own 30 s, and the pull reads it on a grant."""
-    pre = pd.instance("prefill", [engine(1)], engine_id="vllm-p", lease_seconds=1.0)
+    """The prefill connector leases its publishes for 2 s (``lease_seconds``); the decode engine keeps the
+    request queued for 3 s. The decode scheduler's Expect (by the publisher's id) keeps it held, at the
+    pace of that 2 s lease rather than of the decode sidecar's own 30 s, and the pull reads it on a grant."""
+    pre = pd.instance("prefill", [engine(1)], engine_id="vllm-p", lease_seconds=2.0)
     dec = pd.instance("decode", [engine(2)], engine_id="vllm-d")
     p_blocks, d_blocks = [44, 45], [54, 55]
     tokens = 2 * BS
@@ -147,7 +147,7 @@ def test_a_request_queued_past_the_prefill_lease_is_still_pulled(pd: PD) -> None
     publish(pd, pre, "p-unqueued", [46], BS)
     req = decode_request("d-queued", tokens, params)
     assert dec.scheduler.matched_tokens(req, 0) == (tokens - 1, True)  # queued: Expect
-    time.sleep(2.5)
+    time.sleep(3.0)
     # Nobody expected the other publish: its lease ran out, and the prefill side got its blocks back.
     sending, _, _ = pre.finished(sending="p-unqueued", timeout=5)
     assert sending == {"p-unqueued"}
