@@ -1,8 +1,9 @@
 """The steps of one pull, in order: (1) sources, (2) handshakes and lookups, (3) descriptors, (4) READs.
 
 (1) works out which remote ranks hold what this rank needs (its own layout alone), (2) handshakes
-them (cached) and asks each for the published request, (3) checks what they answer and builds
-descriptors with :mod:`kvxfer.topology`, (4) READs from every rank at once over the data plane.
+them (cached) and asks each for the published request (:mod:`kvxfer.server.lookups`), (3) checks
+what they answer and builds descriptors with :mod:`kvxfer.topology`, (4) READs from every rank at
+once over the data plane.
 Each step is a method of its own and raises a typed error with a reason; a retry policy or another
 step goes in between (:meth:`PullSteps.run`).
 
@@ -42,7 +43,6 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,11 +53,10 @@ from kvxfer.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KvxferError,
-    NotFoundError,
     PeerUnavailableError,
     Reason,
 )
-from kvxfer.layout import KVCacheLayout
+from kvxfer.server.lookups import Fetched, Lookups, from_grant, from_handshakes
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peers import PeerDirectory, PeerSession
 from kvxfer.server.push_steps import PushSteps
@@ -66,10 +65,8 @@ from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.server.worker_gathers import WorkerGathers
-from kvxfer.topology import RegionTable
 from kvxfer.transport import Transport, mem_type
-from kvxfer.wire import local_pb2, peer_pb2
-from kvxfer.wire.convert import check_block_ids, ids_array, rank_to_proto, regions_from_proto
+from kvxfer.wire import local_pb2
 
 __all__ = ["PullSteps"]
 
@@ -80,15 +77,6 @@ GRANT_MARGIN_S = 1.0
 #: looks the request up instead; an answer takes a round trip (~1 ms), so this long means a publisher in trouble.
 GRANT_WAIT_S = 0.5
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass
-class _Fetched:
-    """What one remote rank answered for a pull: per group, block ids and region table."""
-
-    blocks: dict[str, I64]
-    tables: dict[str, RegionTable]
-    mem_type: str
 
 
 class PullSteps:
@@ -105,6 +93,7 @@ class PullSteps:
         self.outbox = outbox
         self.topologies = topologies
         self.push = PushSteps(registry, peers)
+        self.lookups = Lookups(registry, peers, outbox)
         #: READs handed to the worker as gathers (PullRequest.worker_gather).
         self.worker = WorkerGathers()
         #: Told "used" when a pull reads on its Prepare's plan, "replanned" when it found the plan stale.
@@ -120,7 +109,7 @@ class PullSteps:
         ranks = self._plan_sources(entry, reg)
         if entry.push:
             self.on_path("push")
-            return await self.push.run(entry, ranks, sessions, self._check_rank)
+            return await self.push.run(entry, ranks, sessions, self.lookups.check_rank)
         named = all(name in remote_given for name in reg.groups)
         if entry.grants and named:
             granted = await self._read_granted(entry, reg, ranks, local_blocks, remote_given, sessions)
@@ -132,7 +121,7 @@ class PullSteps:
                 return ahead
         self.on_path("lookup")
         t_fetch = time.monotonic()
-        published = await self._fetch_all(entry, ranks, sessions)
+        published = await self.lookups.fetch_all(entry, ranks, sessions)
         fetch_seconds = time.monotonic() - t_fetch
         per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
         moved = await self._read_all(entry, reg, per_rank, published, sessions)
@@ -175,7 +164,7 @@ class PullSteps:
             if session is None or not _covers(grant, session, remote_given):
                 return None
             used[q] = session
-        guess = _from_handshakes(used, remote_given, reg)
+        guess = from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
         self.on_path("grant")
@@ -197,7 +186,7 @@ class PullSteps:
         used = await self._readable_sessions(entry, reg, ranks)
         if isinstance(used, int):
             return None
-        guess = _from_handshakes(used, remote_given, reg)
+        guess = from_handshakes(used, remote_given, reg)
         sessions.update(used)
         per_rank, warnings = self._planned(entry, reg, local_blocks, remote_given, guess, used)
         published, moved, fetch_seconds = await self._read_while_looking_up(entry, reg, ranks, per_rank, guess,
@@ -230,13 +219,13 @@ class PullSteps:
         if isinstance(used, int):
             q = used
             return f"remote_addresses[{q}]: the handshake with {entry.addresses[q]} carries no regions to plan with"
-        guess = _from_handshakes(used, remote_given, reg)
+        guess = from_handshakes(used, remote_given, reg)
         per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
         return used, per_rank, warnings
 
     def _planned(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
-        guess: dict[int, _Fetched], used: dict[int, PeerSession],
+        guess: dict[int, Fetched], used: dict[int, PeerSession],
     ) -> tuple[dict[int, list[tuple[U64, U64]]], list[str]]:  # fmt: skip
         """The descriptors of a pull read on the handshakes' regions: its Prepare's, when they still hold."""
         plan, entry.prepared = entry.prepared, None
@@ -264,7 +253,7 @@ class PullSteps:
         remaining = max(entry.deadline - time.monotonic(), 0.001)
         session = await self.peers.session(entry.addresses[q], budget=remaining)
         try:
-            self._check_rank(entry, q, session)
+            self.lookups.check_rank(entry, q, session)
         except FailedPreconditionError:
             return None  # the careful path asks again (the handshake may predate a re-registration)
         if any(name not in session.identity.regions for name in reg.groups):
@@ -273,9 +262,9 @@ class PullSteps:
 
     async def _read_while_looking_up(
         self, entry: PullEntry, reg: Registration, ranks: list[int], per_rank: dict[int, list[tuple[U64, U64]]],
-        guess: dict[int, _Fetched], used: dict[int, PeerSession], sessions: dict[int, PeerSession],
+        guess: dict[int, Fetched], used: dict[int, PeerSession], sessions: dict[int, PeerSession],
         remote_given: dict[str, I64],
-    ) -> tuple[dict[int, _Fetched], tuple[int, int, float] | None, float]:  # fmt: skip
+    ) -> tuple[dict[int, Fetched], tuple[int, int, float] | None, float]:  # fmt: skip
         """(lookup answers, what the READs moved or None when they must be redone, lookup seconds).
 
         The answers of the first Holds still out confirm their ranks instead of lookups (see the module docs).
@@ -284,14 +273,14 @@ class PullSteps:
         fetch_seconds = 0.0
         promised_until = math.inf  # the grants that confirmed: the READs must end before the earliest runs out
 
-        async def confirm() -> dict[int, _Fetched]:
+        async def confirm() -> dict[int, Fetched]:
             nonlocal fetch_seconds, promised_until
             try:
                 granted = await self._hold_answers(entry, reg, ranks, used, remote_given)
                 if granted:
                     promised_until = min(g.valid_until for _, g in granted.values())
                 rest = [q for q in ranks if q not in granted]
-                fetched = await self._fetch_all(entry, rest, sessions, stage=False) if rest else {}
+                fetched = await self.lookups.fetch_all(entry, rest, sessions, stage=False) if rest else {}
                 self.on_path("ahead" if rest else "hold_answer")
                 return {**{q: f for q, (f, _) in granted.items()}, **fetched}
             finally:
@@ -326,7 +315,7 @@ class PullSteps:
     async def _hold_answers(
         self, entry: PullEntry, reg: Registration, ranks: list[int], used: dict[int, PeerSession],
         remote_given: dict[str, I64],
-    ) -> dict[int, tuple[_Fetched, Grant]]:  # fmt: skip
+    ) -> dict[int, tuple[Fetched, Grant]]:  # fmt: skip
         """The ranks the pull's grants confirm as a lookup's answer would, each with its grant: those that
         came before it, and the answers of its first Holds (waited for up to GRANT_WAIT_S). Those ranks are
         contacted as after a lookup."""
@@ -336,7 +325,7 @@ class PullSteps:
             return {}
         if waited:
             await asyncio.wait(waited, timeout=max(min(entry.deadline - time.monotonic(), GRANT_WAIT_S), 0.0))
-        out: dict[int, tuple[_Fetched, Grant]] = {}
+        out: dict[int, tuple[Fetched, Grant]] = {}
         for q in ranks:
             address = entry.addresses[q]
             grant, fut = entry.grants.get(address), due.get(address)
@@ -346,14 +335,14 @@ class PullSteps:
                 continue
             if not _covers(grant, used[q], remote_given):
                 continue  # other ids, or another registration: the lookup decides
-            out[q] = (_from_grant(grant, used[q], reg), grant)
+            out[q] = (from_grant(grant, used[q], reg), grant)
             entry.asked.append(address)
             entry.contacted.append(address)  # told DONE or FAILED, as after a lookup
         return out
 
     def _confirm(
         self, entry: PullEntry, reg: Registration, remote_given: dict[str, I64], used: dict[int, PeerSession],
-        published: dict[int, _Fetched], sessions: dict[int, PeerSession],
+        published: dict[int, Fetched], sessions: dict[int, PeerSession],
     ) -> bool:  # fmt: skip
         """Whether the lookups confirm what was read ahead: every id published (else the pull fails), and
         the same publisher registrations (False: the regions read are stale)."""
@@ -365,109 +354,10 @@ class PullSteps:
             raise
         return all(sessions[q] is s for q, s in used.items())
 
-    # ------------------------------------------------------------------ 2. handshakes and lookups
-    async def _fetch_all(
-        self, entry: PullEntry, ranks: list[int], sessions: dict[int, PeerSession], *, stage: bool = True
-    ) -> dict[int, _Fetched]:
-        if stage:
-            entry.stage = "contacting " + ", ".join(entry.addresses[q] for q in ranks)
-        if len(ranks) == 1:  # the common case: no task per rank
-            fetched = [await self._fetch(entry, ranks[0], sessions)]
-        else:
-            fetched = await asyncio.gather(*(self._fetch(entry, q, sessions) for q in ranks))
-        return dict(zip(ranks, fetched, strict=True))
-
-    async def _fetch(self, entry: PullEntry, q: int, sessions: dict[int, PeerSession]) -> _Fetched:
-        """Handshake rank ``q`` (cached) and get the published request from it."""
-        address = entry.addresses[q]
-        for attempt in range(2):
-            remaining = max(entry.deadline - time.monotonic(), 0.001)
-            session = await self.peers.session(address, budget=remaining)
-            try:
-                self._check_rank(entry, q, session)
-            except FailedPreconditionError:
-                if attempt == 0 and session.identity.epoch:
-                    # The handshake may predate the peer's re-registration (another TP size): ask again.
-                    self.peers.invalidate(address)
-                    continue
-                raise
-            sessions[q] = session
-            if address not in entry.asked:
-                entry.asked.append(address)  # an abort from here on must reach it, answered or not
-            try:
-                resp = await self.outbox.lookup(address, self._lookup_request(entry), entry.deadline)
-            except NotFoundError:
-                raise NotFoundError(
-                    f"request_id: {entry.request_id!r} is not published on {session.identity.label} at {address} "
-                    "(unknown, already released, or its lease expired)",
-                    field="request_id",
-                ) from None
-            except FailedPreconditionError as exc:
-                if attempt == 0 and exc.reason is Reason.NOT_HANDSHAKEN:
-                    self.peers.invalidate(address)  # the peer restarted and forgot us, or we re-registered
-                    continue
-                raise
-            them = session.identity
-            if resp.instance_id != them.instance_id or resp.epoch != them.epoch:
-                # The peer restarted or re-registered its memory: its data-plane metadata changed.
-                self.peers.invalidate(address)
-                if attempt == 0:
-                    continue
-                raise PeerUnavailableError(f"peer {address} changed while being contacted", field="remote_addresses",
-                                           reason=Reason.PEER_CHANGED)  # fmt: skip
-            entry.contacted.append(address)
-            return self._answer(session, resp)
-        raise PeerUnavailableError(f"peer {address}: could not get a stable handshake", field="remote_addresses",
-                                   reason=Reason.PEER_CHANGED)  # fmt: skip
-
-    def _lookup_request(self, entry: PullEntry) -> peer_pb2.GetPublishedRequest:
-        me = self.registry.identity()
-        return peer_pb2.GetPublishedRequest(
-            request_id=entry.request_id, engine_id=me.engine_id, instance_id=me.instance_id, epoch=me.epoch,
-            rank=rank_to_proto(me.rank),
-        )  # fmt: skip
-
-    @staticmethod
-    def _check_rank(entry: PullEntry, q: int, session: PeerSession) -> None:
-        them = session.identity
-        problems = []
-        if them.rank.tp_rank != q or them.rank.tp_size != len(entry.addresses):
-            problems.append(
-                f"it is tp rank {them.rank.tp_rank}/{them.rank.tp_size}, but remote_addresses[{q}] must be rank "
-                f"{q}/{len(entry.addresses)}"
-            )
-        if entry.remote_engine_id and them.engine_id != entry.remote_engine_id:
-            problems.append(f"it is engine {them.engine_id!r}, not {entry.remote_engine_id!r}")
-        if problems:
-            raise FailedPreconditionError(
-                f"remote_addresses[{q}]: the sidecar at {session.address} does not match: " + "; ".join(problems),
-                field=f"remote_addresses[{q}]", reason=Reason.PEER_MISMATCH,
-            )  # fmt: skip
-
-    def _answer(self, session: PeerSession, resp: peer_pb2.GetPublishedResponse) -> _Fetched:
-        """A publisher's answer, checked like a worker's input: READs may only touch what its handshake announced."""
-        out = _Fetched({}, {}, "DRAM")
-        address = session.address
-        for pg in resp.groups:
-            layout = session.identity.groups.get(pg.name)
-            if layout is None:
-                raise PeerUnavailableError(f"peer {address} published unknown group {pg.name!r}", field="groups",
-                                           reason=Reason.PEER_INPUT)  # fmt: skip
-            try:
-                out.blocks[pg.name] = check_block_ids(
-                    ids_array(pg.block_ids), layout.num_blocks,
-                    f"peer {address} published block_ids[{pg.name}]",
-                )  # fmt: skip
-                out.tables[pg.name], out.mem_type = _remote_regions(session, pg, layout)
-            except InvalidArgumentError as exc:
-                raise FailedPreconditionError(f"{exc.message}; refusing to read", field="remote_addresses",
-                                              reason=Reason.PEER_INPUT) from None  # fmt: skip
-        return out
-
     # ------------------------------------------------------------------ 3. descriptors
     def _descriptors(
         self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
-        published: dict[int, _Fetched], sessions: dict[int, PeerSession],
+        published: dict[int, Fetched], sessions: dict[int, PeerSession],
     ) -> tuple[dict[int, list[tuple[U64, U64]]], list[str]]:  # fmt: skip
         """Validate block ids and build every rank's descriptor arrays, group by group."""
         entry.stage = "building descriptors"
@@ -496,7 +386,7 @@ class PullSteps:
 
     @staticmethod
     def _remote_lists(
-        entry: PullEntry, name: str, given: I64 | None, published: dict[int, _Fetched]
+        entry: PullEntry, name: str, given: I64 | None, published: dict[int, Fetched]
     ) -> list[tuple[I64, list[int]]]:
         """The remote ids to read per distinct published list, and which ranks published it."""
         by_list: dict[bytes, list[int]] = {}
@@ -521,7 +411,7 @@ class PullSteps:
     # ------------------------------------------------------------------ 4. data plane
     async def _read_all(
         self, entry: PullEntry, reg: Registration, per_rank: dict[int, list[tuple[U64, U64]]],
-        published: dict[int, _Fetched], sessions: dict[int, PeerSession], *, confirmed: bool = True,
+        published: dict[int, Fetched], sessions: dict[int, PeerSession], *, confirmed: bool = True,
     ) -> tuple[int, int, float]:  # fmt: skip
         """READ from every remote rank at once; returns (bytes, descriptors, seconds of data movement).
 
@@ -603,43 +493,6 @@ def _done(
         bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
         data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
     )  # fmt: skip
-
-
-def _from_grant(grant: Grant, session: PeerSession, reg: Registration) -> _Fetched:
-    """What a lookup would answer, from a publisher's grant and its handshake's regions."""
-    first = next(iter(reg.groups))
-    regions = session.identity.regions
-    return _Fetched(dict(grant.blocks), {n: regions[n][0] for n in reg.groups}, regions[first][1])
-
-
-def _from_handshakes(
-    used: dict[int, PeerSession], remote_given: dict[str, I64], reg: Registration
-) -> dict[int, _Fetched]:
-    """What a lookup would answer, from the worker's ids and each publisher's handshake (its regions)."""
-    first = next(iter(reg.groups))
-    return {
-        q: _Fetched(dict(remote_given), {n: s.identity.regions[n][0] for n in reg.groups}, s.identity.regions[first][1])
-        for q, s in used.items()
-    }
-
-
-def _remote_regions(
-    session: PeerSession, pg: peer_pb2.PublishedGroup, layout: KVCacheLayout
-) -> tuple[RegionTable, str]:
-    """A publisher's region table and memory type, parsed and checked at its first answer in a session, then reused.
-
-    A session is one instance and epoch of the peer (an answer from another is refused before
-    this), and a registration's regions and memory are fixed: a later answer that names other ones
-    is not believed, and the READs that follow a lookup use what was checked first (those on a
-    grant or ahead of the lookup use the handshake's). Building the tuple to compare them cost
-    every pull ~6 us per layer.
-    """
-    known = session.regions.get(pg.name)
-    if known is None:
-        table = regions_from_proto(pg.regions, layout, f"peer {session.address} regions[{pg.name}]")
-        # normalized as the handshake's are (kvxfer.server.identity): anything but VRAM is host memory
-        known = session.regions[pg.name] = (table, "VRAM" if pg.memory_type == "VRAM" else "DRAM")
-    return known
 
 
 async def _gather_or_cancel(coros: list[Any]) -> None:
