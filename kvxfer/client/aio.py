@@ -423,9 +423,16 @@ class AsyncClient:
         resp = await self._call(self._stub.Drain, local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline)
         return _status_dict(resp)
 
-    async def status(self, *, deadline: float | None = None) -> dict[str, Any]:
-        """What the sidecar holds right now."""
-        return _status_dict(await self._call(self._stub.GetStatus, local_pb2.GetStatusRequest(), deadline))
+    async def status(self, *, publishes: Sequence[str] = (), deadline: float | None = None) -> dict[str, Any]:
+        """What the sidecar holds right now.
+
+        ``publishes``: request ids (as published) to look for; the answer's ``publishes`` maps those
+        still held to when their lease ends now (Unix ms, after every Hold and lookup that extended it).
+        """
+        resp = await self._call(self._stub.GetStatus, local_pb2.GetStatusRequest(publishes=publishes), deadline)
+        out = _status_dict(resp)
+        out["publishes"] = {p.request_id: int(p.expires_unix_ms) for p in resp.publishes}
+        return out
 
     async def agent_jobs(
         self, *, wait_seconds: float = 0.0, max_jobs: int = 0, epoch: int = 0

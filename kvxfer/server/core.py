@@ -34,7 +34,7 @@ from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peer_frames import FramesDialer
 from kvxfer.server.peers import PeerDirectory
-from kvxfer.server.publisher import Publisher
+from kvxfer.server.publisher import MAX_BATCH, Publisher
 from kvxfer.server.puller import Puller
 from kvxfer.server.pusher import Pusher
 from kvxfer.server.registration import Registry
@@ -218,10 +218,18 @@ class SidecarCore:
             resp.remote_dropped = sum(dropped)
         return resp
 
-    async def status(self, _req: local_pb2.GetStatusRequest) -> local_pb2.StatusResponse:
-        """GetStatus."""
+    async def status(self, req: local_pb2.GetStatusRequest) -> local_pb2.StatusResponse:
+        """GetStatus; with ``publishes``, which of those publishes this sidecar still holds, until when."""
+        if len(req.publishes) > MAX_BATCH:
+            raise InvalidArgumentError(f"publishes: {len(req.publishes)} request ids; at most {MAX_BATCH}",
+                                       field="publishes")  # fmt: skip
+        held = [
+            local_pb2.PublishLease(request_id=rid, expires_unix_ms=entry.expires_unix_ms)
+            for rid in req.publishes
+            if (entry := self.publisher.publishes.get(rid)) is not None
+        ]
         reg = self.registry.registration
-        return local_pb2.StatusResponse(
+        return local_pb2.StatusResponse(publishes=held,
             engine_id=self.settings.engine_id, instance_id=self.instance_id, role=self.settings.role,
             backend=self.dp.backend, registered=reg is not None, draining=self.draining,
             leases=len(self.publisher.publishes), transfers_in_flight=len(self.puller.pulls), peers=len(self.peers),

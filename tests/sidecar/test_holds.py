@@ -64,6 +64,23 @@ async def test_a_publish_with_a_lease_shorter_than_the_hold_period_is_still_held
     assert len(holds) <= 12  # the pull ended the holding
 
 
+async def test_status_tells_the_publisher_how_long_holds_kept_its_publishes(harness: Harness) -> None:
+    """The prefill worker hears of no extension; ``GetStatus(publishes)`` is how it learns whether a
+    publish whose lease (as Publish answered) ran out is still held, and until when."""
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    first_end = await pw[0].prefill("queued", {"kv": [1]}, salt=1, lease=1.0)
+    await pw[0].prefill("alone", {"kv": [2]}, salt=2, lease=1.0)
+    assert await dw[0].client.expect("queued", [ps[0].peer_address])
+    await asyncio.sleep(1.5)
+    status = await pw[0].client.status(publishes=["queued", "alone", "never-published"])
+    assert list(status["publishes"]) == ["queued"]  # "alone" expired; the other was never there
+    assert status["publishes"]["queued"] > first_end + 400  # extended by the Holds since
+    c = pw[0].client
+    too_many = c.status(publishes=[f"r{i}" for i in range(1025)])
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, too_many, "publishes: 1025 request ids; at most 1024")
+
+
 async def test_expect_is_checked_like_a_pull(harness: Harness) -> None:
     lay = attention()
     ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})

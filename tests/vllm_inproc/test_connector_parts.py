@@ -20,6 +20,7 @@ import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout as VLayout
 from vllm.v1.request import RequestStatus
 
+from kvxfer.integrations.vllm import worker as vllm_worker
 from kvxfer.integrations.vllm.plan import StepPlan
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import KVCacheDescriptionError
@@ -135,10 +136,15 @@ def test_the_decode_scheduler_holds_the_request_by_the_publishers_id(pd: PD) -> 
     dec.scheduler.loads_finished(recving)
 
 
-def test_a_request_queued_past_the_prefill_lease_is_still_pulled(pd: PD) -> None:
+def test_a_request_queued_past_the_prefill_lease_is_still_pulled(pd: PD, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill connector leases its publishes for 2 s (``lease_seconds``); the decode engine keeps the
     request queued for 3 s. The decode scheduler's Expect (by the publisher's id) keeps it held, at the
-    pace of that 2 s lease rather than of the decode sidecar's own 30 s, and the pull reads it on a grant."""
+    pace of that 2 s lease rather than of the decode sidecar's own 30 s, and the pull reads it on a grant.
+
+    The prefill worker, which heard no release, asks its sidecar before it hands the blocks back to
+    vLLM (here 0.5 s after the lease Publish answered, instead of 10 s): the sidecar still holds them."""
+    monkeypatch.setattr(vllm_worker, "RELEASE_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(vllm_worker, "LEASE_CHECK_SECONDS", 0.1)
     pre = pd.instance("prefill", [engine(1)], engine_id="vllm-p", lease_seconds=2.0)
     dec = pd.instance("decode", [engine(2)], engine_id="vllm-d")
     p_blocks, d_blocks = [44, 45], [54, 55]
@@ -149,8 +155,10 @@ def test_a_request_queued_past_the_prefill_lease_is_still_pulled(pd: PD) -> None
     assert dec.scheduler.matched_tokens(req, 0) == (tokens - 1, True)  # queued: Expect
     time.sleep(3.0)
     # Nobody expected the other publish: its lease ran out, and the prefill side got its blocks back.
+    # The queued one is past its first lease and the grace too, but still held: vLLM keeps its blocks.
     sending, _, _ = pre.finished(sending="p-unqueued", timeout=5)
     assert sending == {"p-unqueued"}
+    assert pre.finished()[0] == set()
     grants = pd.sidecars.counter("dec1", "kvxfer_pulls_by_path_total", path="grant")
     dec.scheduler.after_alloc(req, [d_blocks], tokens - 1)
     dec.step()
@@ -325,10 +333,13 @@ def test_sidecar_missing_is_a_clear_error(tmp_path: Path) -> None:
         w.close()
 
 
-def test_sidecar_restart_re_registers_the_same_memory(pd: PD) -> None:
-    pre = pd.instance("prefill", [engine(1)], sidecars="prst")
+def test_sidecar_restart_re_registers_the_same_memory(pd: PD, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_worker, "RELEASE_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(vllm_worker, "LEASE_CHECK_SECONDS", 0.1)
+    pre = pd.instance("prefill", [engine(1)], sidecars="prst", lease_seconds=1.0)
     dec = pd.instance("decode", [engine(2)])
     pw = pre.workers[0]
+    publish(pd, pre, "p-before", [8], BS)  # the sidecar that holds it is killed: no release will come
     first, handle = pw.registration["instance_id"], pw.shared.lease.handle if pw.shared and pw.shared.lease else ""
     sc = pd.sidecars.sets["prst"][0]
     cluster = pd.sidecars.cluster
@@ -349,7 +360,12 @@ def test_sidecar_restart_re_registers_the_same_memory(pd: PD) -> None:
     assert pd.load(dec, "d-after", BS, params, [[19]]) == set()
     assert dec.workers[0].load_errors() == set()
     assert same(pages(dec.engines[0], [19]), pages(pre.engines[0], [9]))
-    pre.finished(sending="p-after")
+    sending, _, _ = pre.finished(sending="p-after")
+    # The publish from before the restart: its lease (and the grace) ran out, and the sidecar that
+    # now answers does not hold it, so vLLM gets its blocks back (before p-after's or after).
+    if "p-before" not in sending:
+        sending |= pre.finished(sending="p-before", timeout=5)[0]
+    assert "p-before" in sending
 
 
 def test_describe_reads_vllms_layouts() -> None:

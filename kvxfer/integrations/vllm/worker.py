@@ -39,9 +39,13 @@ LAYER_SIGNAL_LOG_EVERY = 64
 log = get_logger("kvxfer.vllm.worker")
 T = TypeVar("T")
 
-#: A published request whose release never arrived (sidecar restarted, stream lost) is handed
-#: back to vLLM this long after its lease ran out: the sidecar has dropped it by then anyway.
+#: A published request whose release did not arrive this long after the lease Publish answered is
+#: looked up at the sidecar (its stream may have been lost, or the sidecar restarted): it is handed
+#: back to vLLM only if the sidecar no longer holds it. A decode instance that keeps the request
+#: queued extends the lease (Holds, lookups), so the first answer's end proves nothing.
 RELEASE_GRACE_SECONDS = 10.0
+#: Least time between two such look-ups (each is a call to the sidecar from vLLM's step).
+LEASE_CHECK_SECONDS = 1.0
 #: Longest wait between two attempts to reach a sidecar that went away.
 RECONNECT_MAX_S = 10.0
 #: Completion events for ids this worker never saw published are forgotten after this long.
@@ -90,6 +94,7 @@ class WorkerSide:
         self._published: dict[str, int] = {}
         self._publish_ids: dict[str, str] = {}  # vLLM request id -> the id it was published under (push mode)
         self._released: dict[str, float] = {}
+        self._next_lease_check = 0.0  # time.monotonic() of the next look-up of late publishes
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._watcher: cf.Future[None] | None = None
@@ -340,20 +345,46 @@ class WorkerSide:
         sending: set[str] = set()
         now, wall_ms = time.monotonic(), time.time() * 1000
         with self._lock:
-            for rid, expires_ms in list(self._published.items()):
-                late = wall_ms > expires_ms + RELEASE_GRACE_SECONDS * 1000
+            late = {rid: self._publish_ids.get(rid, rid) for rid, expires_ms in self._published.items()
+                    if wall_ms > expires_ms + RELEASE_GRACE_SECONDS * 1000}  # fmt: skip
+        held = self._still_held(set(late.values()), now) if late else None
+        asked = set(late) if held is not None else set()
+        with self._lock:
+            for rid in list(self._published):
                 pid = self._publish_ids.get(rid, rid)
-                if pid in self._released or late:
+                gone = rid in asked and pid not in (held or {})
+                if rid in asked and not gone:
+                    self._published[rid] = (held or {})[pid]  # a decode request keeps it held: wait on
+                if pid in self._released or gone:
                     sending.add(rid)
                     del self._published[rid]
                     self._publish_ids.pop(rid, None)
                     self._released.pop(pid, None)
-                    if late:
-                        log.warning(f"request {rid}: no release from the sidecar; freeing its blocks after the lease")
+                    if gone:
+                        log.warning(f"request {rid}: no release heard from the sidecar, which no longer holds it; "
+                                    "freeing its blocks")  # fmt: skip
             for rid, at in list(self._released.items()):
                 if now - at > EVENT_MEMORY_SECONDS:
                     del self._released[rid]
         return sending, recving, failed
+
+    def _still_held(self, publish_ids: set[str], now: float) -> dict[str, int] | None:
+        """Which of these publishes the sidecar still holds, by id, and when each lease ends (Unix ms).
+
+        None when not asked (once per :data:`LEASE_CHECK_SECONDS`) or the sidecar did not answer: the
+        blocks stay with the publish, since a reader may hold a grant on them that this worker cannot see.
+        """
+        if now < self._next_lease_check:
+            return None
+        self._next_lease_check = now + LEASE_CHECK_SECONDS
+        try:
+            status = self.sidecar.status(publishes=sorted(publish_ids), deadline=self.settings.call_timeout_seconds)
+        except (KvxferError, TimeoutError) as exc:
+            log.warning(f"could not ask the sidecar {self.target} whether it still holds {len(publish_ids)} "
+                        f"publishes whose release was not heard; their blocks stay held: {exc}")  # fmt: skip
+            return None
+        held: dict[str, int] = status["publishes"]
+        return held
 
     @property
     def single_group(self) -> bool:

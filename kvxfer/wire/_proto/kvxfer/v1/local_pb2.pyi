@@ -1088,16 +1088,50 @@ Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
 class GetStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PUBLISHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def publishes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Request ids (as published) whose publishes to report in StatusResponse.publishes: a worker that
+        did not hear a publish's release asks before it frees the blocks (Holds and lookups extend a
+        lease past what Publish answered). At most 1024.
+        """
+
     def __init__(
         self,
+        *,
+        publishes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["publishes", b"publishes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
+
+@_typing.final
+class PublishLease(_message.Message):
+    """A publish this sidecar still holds, and when its lease ends now (after every extension)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    expires_unix_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        expires_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_unix_ms", b"expires_unix_ms", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishLease: _TypeAlias = PublishLease  # noqa: Y015
 
 @_typing.final
 class StatusResponse(_message.Message):
@@ -1116,6 +1150,7 @@ class StatusResponse(_message.Message):
     REGISTERED_BYTES_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    PUBLISHES_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     instance_id: _builtins.str
     role: _builtins.str
@@ -1131,6 +1166,10 @@ class StatusResponse(_message.Message):
     @_builtins.property
     def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """names of the registered cache groups, in registration order"""
+
+    @_builtins.property
+    def publishes(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishLease]:
+        """of GetStatusRequest.publishes, those still held"""
 
     def __init__(
         self,
@@ -1148,10 +1187,11 @@ class StatusResponse(_message.Message):
         registered_bytes: _builtins.int = ...,
         protocol_version: _builtins.int = ...,
         groups: _abc.Iterable[_builtins.str] | None = ...,
+        publishes: _abc.Iterable[Global___PublishLease] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "engine_id", b"engine_id", "groups", b"groups", "instance_id", b"instance_id", "leases", b"leases", "peer_address", b"peer_address", "peers", b"peers", "protocol_version", b"protocol_version", "registered", b"registered", "registered_bytes", b"registered_bytes", "role", b"role", "transfers_in_flight", b"transfers_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "engine_id", b"engine_id", "groups", b"groups", "instance_id", b"instance_id", "leases", b"leases", "peer_address", b"peer_address", "peers", b"peers", "protocol_version", b"protocol_version", "publishes", b"publishes", "registered", b"registered", "registered_bytes", b"registered_bytes", "role", b"role", "transfers_in_flight", b"transfers_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
