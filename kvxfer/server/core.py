@@ -355,6 +355,9 @@ class SidecarCore:
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
         reason = f"aborted by peer {req.engine_id}" + (f": {req.reason}" if req.reason else "")
+        if publishers:
+            # The publisher dropped it: its grants no longer hold, and a pull to come must ask (and fail).
+            self.holds.discard(rid)
         found = self.puller.peer_abort(rid, publishers, reason)
         if reader:  # refused (PERMISSION_DENIED) when the publish is bound to another reader
             found = self.publisher.peer_abort(req, reason) or found

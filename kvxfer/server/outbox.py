@@ -174,24 +174,29 @@ class Outbox:
         for address in entry.asked:
             self.spawn(self.peer_abort(address, req))
 
-    async def abort_readers(self, entry: PublishEntry, reason: str, skip: tuple[str, str] | None) -> None:
-        """A publish was aborted here: every reader that fetched it stops (but ``skip``, who asked)."""
+    async def abort_readers(self, entry: PublishEntry, reason: str, skip: tuple[str, str] | None) -> bool:
+        """A publish was aborted here: every reader that fetched it stops (but ``skip``, who asked).
+
+        True when every one of them answered (it stopped reading, and dropped its grant).
+        """
         req = self._abort_request(entry.request_id, reason)
         calls = [
             self.peer_abort(address, req)
             for (engine, instance, _tp, _pp), address in entry.readers.items()
             if skip != (engine, instance) and address
         ]
-        await asyncio.gather(*calls, return_exceptions=True)
+        return all(r is True for r in await asyncio.gather(*calls, return_exceptions=True))
 
-    async def peer_abort(self, address: str, req: peer_pb2.PeerAbortRequest) -> None:
-        """Abort at one peer; a failure is logged (the peer's lease or deadline still ends it)."""
+    async def peer_abort(self, address: str, req: peer_pb2.PeerAbortRequest) -> bool:
+        """Abort at one peer; False when it did not answer (logged: the peer's lease or deadline still ends it)."""
         try:
             await self.peers.call(
                 address, "Abort", lambda s: s.Abort(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
             )
         except KvxferError as exc:
             log.warning("could not tell a peer about an abort", extra={"peer": address, "error": exc.message})
+            return False
+        return True
 
     async def drop_remote(self, address: str, request_id: str, reason: str) -> bool:
         """Ask a publisher to drop a request this side will not read (handshaking first if needed)."""

@@ -105,9 +105,26 @@ class Publisher:
         entry = self.drop(rid, reason)
         if entry is None:
             return False
-        self.hub.emit(Kind.ABORTED, rid, code=grpc.StatusCode.ABORTED.value[0], message=reason)
-        self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=None))
+        self._free_after_readers(entry, reason, skip=None)
         return True
+
+    def _free_after_readers(
+        self, entry: PublishEntry, reason: str, skip: tuple[str, str] | None, peer: str = ""
+    ) -> None:
+        """Tell a dropped publish's readers (but ``skip``), then let the worker free its blocks (ABORTED).
+
+        A reader may hold a grant, or have looked the request up, and READ without asking again
+        until the lease's end: the blocks stay the worker's until every reader answered that it
+        stopped, or, if one did not, until the lease would have ended.
+        """
+
+        async def tell_then_free() -> None:
+            if not await self.outbox.abort_readers(entry, reason, skip=skip):
+                await asyncio.sleep(max(entry.expires_at - time.monotonic(), 0.0))
+            self.hub.emit(Kind.ABORTED, entry.request_id, code=grpc.StatusCode.ABORTED.value[0], message=reason,
+                          peer=peer)  # fmt: skip
+
+        self.outbox.spawn(tell_then_free())
 
     def drop(self, rid: str, why: str = "released") -> PublishEntry | None:
         """Forget a publish and its lease timer (``why`` goes to the writes still waiting on it)."""
@@ -381,9 +398,7 @@ class Publisher:
             return False
         self._bind(entry, req.engine_id, "abort")
         self.drop(req.request_id, reason)
-        self.hub.emit(Kind.ABORTED, req.request_id, code=grpc.StatusCode.ABORTED.value[0], message=reason,
-                      peer=req.engine_id)  # fmt: skip
-        self.outbox.spawn(self.outbox.abort_readers(entry, reason, skip=(req.engine_id, req.instance_id)))
+        self._free_after_readers(entry, reason, skip=(req.engine_id, req.instance_id), peer=req.engine_id)
         return True
 
     def hold(self, req: peer_pb2.HoldRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.HoldResponse:

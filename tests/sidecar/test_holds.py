@@ -13,7 +13,7 @@ from kvxfer.errors import FailedPreconditionError
 from kvxfer.metrics import PULL_PATHS
 from kvxfer.server import holds as holds_module
 from kvxfer.server.app import Sidecar
-from tests.sidecar.helpers import Harness, attention, expect_error
+from tests.sidecar.helpers import Harness, Worker, attention, expect_error
 
 LEASE = 1.0  # seconds; holds go out every LEASE / 3
 
@@ -79,6 +79,53 @@ async def test_status_tells_the_publisher_how_long_holds_kept_its_publishes(harn
     c = pw[0].client
     too_many = c.status(publishes=[f"r{i}" for i in range(1025)])
     await expect_error(grpc.StatusCode.INVALID_ARGUMENT, too_many, "publishes: 1025 request ids; at most 1024")
+
+
+async def test_a_grant_is_dropped_when_its_publisher_aborts_the_publish(harness: Harness) -> None:
+    """A publisher that drops a held publish (its worker's Abort) tells the reader it granted; the
+    reader's pull then asks, and fails, instead of reading blocks the prefill side freed on its grant."""
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    assert ds[0].core is not None
+    await pw[0].prefill("dropped", {"kv": [1, 2]}, salt=3)
+    await dw[0].client.expect("dropped", [ps[0].peer_address])
+    grants = ds[0].core.holds.grants
+    for _ in range(200):
+        if "dropped" in grants:
+            break
+        await asyncio.sleep(0.01)
+    assert "dropped" in grants
+    assert (await pw[0].client.abort("dropped")) == (0, True)
+    for _ in range(200):  # the publisher tells its readers as it drops the publish
+        if "dropped" not in grants:
+            break
+        await asyncio.sleep(0.01)
+    assert "dropped" not in grants
+    pull = dw[0].pull("dropped", ps, {"kv": [7, 8]}, remote_blocks={"kv": [1, 2]})
+    await expect_error(grpc.StatusCode.NOT_FOUND, pull, "'dropped' is not published")
+
+
+async def test_an_aborted_publish_stays_the_workers_until_its_granted_reader_is_told(harness: Harness) -> None:
+    """The reader that holds a grant cannot be told (its sidecar is gone): the publisher's worker hears
+    ABORTED (and frees the blocks) only once the lease the grant promised has run out."""
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    assert ds[0].core is not None
+    await pw[0].prefill("r", {"kv": [1]}, salt=1, lease=1.0)
+    await dw[0].client.expect("r", [ps[0].peer_address])
+    for _ in range(200):
+        if "r" in ds[0].core.holds.grants:
+            break
+        await asyncio.sleep(0.01)
+    assert "r" in ds[0].core.holds.grants
+    await ds[0].stop(0)  # the reader holds a grant and cannot be told any more
+    until_ms = (await pw[0].client.status(publishes=["r"]))["publishes"]["r"]
+    aborted = asyncio.ensure_future(_first_event(pw[0], "ABORTED"))
+    await asyncio.sleep(0.05)
+    assert await pw[0].client.abort("r", "preempted") == (0, True)
+    ev = await asyncio.wait_for(aborted, 10)
+    assert (ev.request_id, ev.message) == ("r", "preempted")
+    assert time.time() * 1000 >= until_ms - 20  # not before the grant could run out
 
 
 async def test_expect_is_checked_like_a_pull(harness: Harness) -> None:
@@ -340,3 +387,10 @@ async def test_an_aborted_pull_leaves_its_holds_late_answer_to_nobody(harness: H
     # The decode side serves the next pull of the request as any other: a lookup, then the READ.
     res = await dw[0].pull("gone", ps, {"kv": [7]})
     assert dw[0].verify({"kv": [7]}, 4) == (res.bytes, 0)
+
+
+async def _first_event(worker: Worker, kind: str) -> Any:
+    async for ev in worker.client.watch_completions():
+        if ev.kind == kind:
+            return ev
+    raise AssertionError("stream ended")
