@@ -71,6 +71,8 @@ SIDECAR_SETS = {
     "pre1kv": ("prefill", 1), "pre1fp4": ("prefill", 1), "pre1mla": ("prefill", 1),
     "pre1cfg": ("prefill", 1), "dec2cfg": ("decode", 2), "pre2cfg": ("prefill", 2), "dec1cfg": ("decode", 1),
     "prst": ("prefill", 1), "pexit": ("prefill", 1),
+    # Two pipeline stages of one rank each (a set's sockets are numbered by rank, stage by stage).
+    "prepp2": ("prefill", 2), "decpp2": ("decode", 2),
     # --backend worker: each worker's own NIXL agent moves the bytes (connector data_plane "worker").
     "prew2": ("prefill", 2, WORKER_HOSTED), "decw1": ("decode", 1, WORKER_HOSTED),
 }  # fmt: skip
@@ -187,22 +189,24 @@ class PD:
     made: list[Any] = field(default_factory=list)
 
     def instance(
-        self, role: str, engines: Sequence[Engine], *, sidecars: str = "", engine_id: str = "", **settings: Any
-    ) -> Instance:
-        """Workers for ``engines`` (one per rank, in rank order) registered with a sidecar set.
+        self, role: str, engines: Sequence[Engine], *, sidecars: str = "", engine_id: str = "", pp: int = 1,
+        **settings: Any,
+    ) -> Instance:  # fmt: skip
+        """Workers for ``engines`` (one per rank, in rank order: pipeline stage by stage) registered with a
+        sidecar set.
 
-        ``sidecars``: the set's name (default ``pre<tp>`` or ``dec<tp>``).
+        ``sidecars``: the set's name (default ``pre<tp>`` or ``dec<tp>``); ``pp``: pipeline stages.
         """
-        tp = len(engines)
+        tp = len(engines) // pp
         cs = ConnectorSettings(sidecar_socket=self.sidecars.socket(sidecars or f"{role[:3]}{tp}"), **settings)
         workers = []
         for r, eng in enumerate(engines):
-            w = WorkerSide(cs, rank=RankInfo(r, tp), local_rank=r, worker_id=f"{role}-{r}")
+            w = WorkerSide(cs, rank=RankInfo(r % tp, tp, r // tp, pp), local_rank=r, worker_id=f"{role}-{r}")
             self.made.append(w)
             w.register(eng.describe(), eng.kv_caches)
             workers.append(w)
         sched = SchedulerSide(cs, engine_id=engine_id or f"vllm-{role}",
-                              groups=transfer_groups(engines[0].kv_cache_config), tp_size=tp)  # fmt: skip
+                              groups=transfer_groups(engines[0].kv_cache_config), tp_size=tp, pp_size=pp)  # fmt: skip
         self.made.append(sched)
         return Instance(engine_id or f"vllm-{role}", list(engines), workers, sched)
 

@@ -170,6 +170,44 @@ def test_a_request_queued_past_the_prefill_lease_is_still_pulled(pd: PD, monkeyp
     dec.scheduler.loads_finished(recving)
 
 
+def test_pipeline_stages_each_hold_and_pull_their_own_layers(pd: PD, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PP 2 on both sides, queued past the lease: the decode scheduler's Expect goes to each stage's
+    first sidecar with that stage's publishers (a publisher holds only for a reader of its own
+    stage), so both stages' publishes outlive their lease and every layer arrives."""
+    monkeypatch.setattr(vllm_worker, "RELEASE_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(vllm_worker, "LEASE_CHECK_SECONDS", 0.1)
+    spec = attention_spec(block_size=BS, heads=HEADS, head_size=HEAD)
+
+    def stage(seed: int, pp: int) -> Engine:
+        eng = build_engine([GroupDef(LAYERS[2 * pp : 2 * pp + 2], spec)], num_blocks=BLOCKS,
+                           backend=CPUAttentionBackend, isa="vec", total_kv_heads=HEADS)  # fmt: skip
+        fill_random(eng, seed + pp)
+        return eng
+
+    pre = pd.instance("prefill", [stage(10, 0), stage(10, 1)], sidecars="prepp2", pp=2, engine_id="vllm-p",
+                      lease_seconds=2.0)  # fmt: skip
+    dec = pd.instance("decode", [stage(20, 0), stage(20, 1)], sidecars="decpp2", pp=2, engine_id="vllm-d")
+    p_blocks, d_blocks = [5, 6], [15, 16]
+    tokens = 2 * BS
+    params = publish(pd, pre, "p-pp", p_blocks, tokens)
+    assert len(params["kvxfer_addresses"]) == 2  # stage 0's sidecar, then stage 1's
+    req = decode_request("d-pp", tokens, params)
+    assert dec.scheduler.matched_tokens(req, 0) == (tokens - 1, True)  # queued: Expect on each stage
+    time.sleep(3.0)
+    assert pre.finished()[0] == set()  # past the lease and its grace, still held on both stages
+    dec.scheduler.after_alloc(req, [d_blocks], tokens - 1)
+    dec.step()
+    _, recving, failed = dec.finished(recving="d-pp")
+    assert (recving, failed) == ({"d-pp"}, set())
+    for pp in range(2):
+        layers = LAYERS[2 * pp : 2 * pp + 2]
+        got = [torch.stack([block_rows(dec.engines[pp], n, b) for b in d_blocks]) for n in layers]
+        want = [torch.stack([block_rows(pre.engines[pp], n, b) for b in p_blocks]) for n in layers]
+        assert same(got, want), f"stage {pp}"
+    pre.finished(sending="p-pp")
+    dec.scheduler.loads_finished(recving)
+
+
 def test_decode_prefix_cache_hit_pulls_only_the_missing_tail(pd: PD) -> None:
     pre, dec = pair(pd)
     p_blocks, d_blocks = [20, 21, 22, 23], [30, 31, 32, 33]

@@ -280,10 +280,15 @@ class SchedulerSide:
         return (count, True) if count > 0 else (0, False)
 
     def _expect(self, rid: str, remote: RemotePrefill) -> None:
-        """Have this engine's first sidecar hold the request's publishes while vLLM queues it (not waiting)."""
-        c = self._sidecars()[0]
+        """Have the first sidecar of each pipeline stage hold that stage's publishes while vLLM queues
+        the request (not waiting): a publisher holds only for a reader of its own stage."""
         if self.settings.prepare_pulls:
             self._decode_groups()  # known by the time vLLM allocates the request's blocks
+        try:
+            stages = [stage_addresses(remote.addresses, pp, self.pp_size) for pp in range(self.pp_size)]
+        except KvxferError as exc:  # the pull says so too; nothing to hold meanwhile
+            log.warning(f"request {rid}: not held while queued: {exc.message}")
+            return
 
         def done(fut: Any) -> None:
             exc = fut.exception()
@@ -293,7 +298,9 @@ class SchedulerSide:
         # The publisher's id (remote_request_id): vLLM gives the request an id of its own on each
         # instance, and the prefill sidecar holds what it published under the prefill's.
         # Quiet: answered only if it fails (the client logs that); on gRPC, awaited and checked above.
-        c.submit(c.aio.expect_quietly(remote.request_id, remote.addresses)).add_done_callback(done)
+        for pp, addresses in enumerate(stages):
+            c = self._sidecars()[pp * self.tp_size]
+            c.submit(c.aio.expect_quietly(remote.request_id, addresses)).add_done_callback(done)
 
     def _unusable(self, remote: RemotePrefill, tokens: int) -> str:
         """Why a publish cannot feed this instance ('' when it can)."""
