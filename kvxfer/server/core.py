@@ -177,12 +177,20 @@ class SidecarCore:
                 field="remote_addresses",
             )
         addresses = check_addresses(req.remote_addresses)
-        self.registry.require()  # holding needs a handshake, which needs a registration
+        reg = self.registry.require()  # holding needs a handshake, which needs a registration
         if self.puller.started(rid):
             # An Expect that comes after its Pull (the scheduler's connection is not the worker's):
             # holding now would only keep the publish alive after the pull has freed it.
             return local_pb2.ExpectResponse(held=False)
-        return local_pb2.ExpectResponse(held=self.holds.expect(rid, addresses))
+        try:
+            read = self.topologies.read_by_all(reg, len(addresses))
+        except KvxferError:  # the ranks do not fit this layout: the pull says so; hold them all meanwhile
+            read = set(range(len(addresses)))
+        # Only the publishers some rank of this instance reads: a Hold makes this sidecar a reader
+        # of that copy, which an unread replica (MLA latents, replicated heads) must not have, or it
+        # would wait for a confirmation that never comes instead of being freed by its UNREAD notice.
+        held = [a for q, a in enumerate(addresses) if q in read]
+        return local_pb2.ExpectResponse(held=self.holds.expect(rid, held))
 
     async def prepare(self, req: local_pb2.PrepareRequest, client_timeout: float | None) -> local_pb2.PrepareResponse:
         """Prepare: check the Pull a worker is about to send and plan it now (see kvxfer.server.prepared)."""

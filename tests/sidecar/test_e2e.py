@@ -62,10 +62,19 @@ async def test_heterogeneous_tp_prefill1_decode2(harness: Harness, order: str) -
     assert (await pw[0].client.status())["leases"] == 0
 
 
-async def test_mla_replicated_reads_one_rank_and_frees_the_other(harness: Harness) -> None:
+@pytest.mark.parametrize("expected", [False, True], ids=["pulled", "expected-then-pulled"])
+async def test_mla_replicated_reads_one_rank_and_frees_the_other(harness: Harness, expected: bool) -> None:
     lay = KVCacheLayout.mla(num_layers=3, num_blocks=64, block_size=16, latent_dim=576)
     ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, prefill_tp=2, decode_tp=1)
-    (res,) = await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=5)
+    if expected:  # queued first (vLLM's Expect names every prefill rank): only the read replica is held
+        await pw[0].prefill("r1", {"kv": FRAGMENTED_P}, salt=5)
+        await pw[1].prefill("r1", {"kv": FRAGMENTED_P}, salt=5)
+        assert await dw[0].client.expect("r1", [s.peer_address for s in ps])
+        await asyncio.sleep(0.2)
+        res = await dw[0].pull("r1", ps, {"kv": FRAGMENTED_D})
+        assert dw[0].verify({"kv": FRAGMENTED_D}, 5) == (res.bytes, 0)
+    else:
+        (res,) = await transfer(pw, ps, dw, "r1", {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}, salt=5)
     assert res.remote_ranks == (0,)
     # Rank 1's replica is never read: it is released by an UNREAD notice, not by lease expiry.
     for w in pw:
