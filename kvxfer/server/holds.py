@@ -9,7 +9,9 @@ within milliseconds and should read on a grant), and again every :func:`hold_per
 third of the time a publisher granted, when that is sooner: a publish may carry a lease shorter
 than this side's), until the request's Pull starts, it is aborted, a publisher answers that it no longer holds it, or
 ``--max-hold-seconds`` have passed. The publisher extends each lease by its own
-``--lease-seconds``, never past ``--max-hold-seconds`` after the publish.
+``--lease-seconds``, never past ``--max-hold-seconds`` after the publish. Each publisher's Holds
+go on their own: one that does not answer (its host is gone) delays no other's, and a failed
+Hold is tried again within :data:`RETRY_HOLD_S`.
 
 **A pull that comes before its first grant.** vLLM allocates a request's blocks, and its workers
 pull, in the engine step that found the request's KV remote when nothing else was queued: the
@@ -28,6 +30,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kvxfer.config import Settings
 from kvxfer.errors import KvxferError
@@ -52,6 +55,8 @@ FRESH_HOLD_SPACING_S = 0.002
 #: The least time between two rounds, however short a publisher's grant: a publish near its
 #: ``--max-hold-seconds`` is granted ever less time, and holding it cannot extend it anyway.
 MIN_ROUND_S = 0.05
+#: How soon a round comes again after a Hold that failed (the publisher may be back by then).
+RETRY_HOLD_S = 1.0
 
 
 def hold_period(settings: Settings) -> float:
@@ -92,6 +97,10 @@ class Holds:
         self.fresh_holds = 0
         self._next_round = math.inf  # time.monotonic() the next round is due (see _run)
         self._round_wake: asyncio.Future[None] | None = None  # set while _run waits for it
+        #: Per address, the last round's Hold while it is out: a publisher that does not answer
+        #: (its host is gone) delays nobody else's Holds, and gets no second one meanwhile.
+        self._round_out: dict[str, asyncio.Task[None]] = {}
+        self._fresh_out: dict[str, asyncio.Task[None]] = {}  # per address, the fresh Hold while it is out
 
     def expect(self, request_id: str, addresses: list[str]) -> bool:
         """Hold ``request_id`` at ``addresses`` from now on; False when it was already expected."""
@@ -112,9 +121,13 @@ class Holds:
 
     async def _hold_fresh(self) -> None:
         """Hold the newly expected requests now, or FRESH_HOLD_SPACING_S after the last such Hold left
-        (sooner when a pull waits for one of them); those expected meanwhile go in the next Holds (batched)."""
+        (sooner when a pull waits for one of them); those expected meanwhile go in the next Holds (batched).
+
+        A publisher gets one such Hold at a time: the requests expected there while one is out go
+        when it ends (:meth:`_fresh_ended`), and one that does not answer delays no other publisher's.
+        """
         loop = asyncio.get_running_loop()
-        while self._fresh:
+        while any(a not in self._fresh_out for a in self._fresh):
             wait = self._fresh_sent + FRESH_HOLD_SPACING_S - time.monotonic()
             if wait > 0:
                 self._spacing = loop.create_future()
@@ -124,12 +137,25 @@ class Holds:
                 finally:
                     timer.cancel()
                     self._spacing = None
-            fresh, self._fresh = self._fresh, {}
+            ready = [a for a in self._fresh if a not in self._fresh_out]
+            if not ready:
+                continue  # the Holds out ended none while the spacing was waited out
             self._fresh_sent = time.monotonic()
             self.fresh_holds += 1
-            # A request whose pull started is still held once when that pull waits for the answer.
-            still = {a: [r for r in rids if r in self.expected or r in self._first] for a, rids in fresh.items()}
-            await self._hold_all({a: rids for a, rids in still.items() if rids})
+            for address in ready:
+                # A request whose pull started is still held once when that pull waits for the answer.
+                rids = [r for r in self._fresh.pop(address) if r in self.expected or r in self._first]
+                if rids:
+                    task = self._fresh_out[address] = loop.create_task(self._hold_all({address: rids}))
+                    task.add_done_callback(partial(self._fresh_ended, address))
+
+    def _fresh_ended(self, address: str, task: asyncio.Task[None]) -> None:
+        """A fresh Hold ended: the requests expected at its publisher meanwhile go now (spacing allowing)."""
+        if self._fresh_out.get(address) is task:
+            del self._fresh_out[address]
+        _log_failure(address, task)
+        if address in self._fresh and (self._fresh_task is None or self._fresh_task.done()):
+            self._fresh_task = asyncio.get_running_loop().create_task(self._hold_fresh())
 
     def discard(self, request_id: str) -> None:
         """Stop holding ``request_id`` (it was aborted)."""
@@ -162,9 +188,10 @@ class Holds:
         self._first.clear()
 
     async def close(self) -> None:
-        """Stop the holding task."""
+        """Stop the holding tasks."""
         self.clear()
-        for task in [t for t in (self._fresh_task, self._task) if t is not None]:
+        tasks = (self._fresh_task, self._task, *self._round_out.values(), *self._fresh_out.values())
+        for task in [t for t in tasks if t is not None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -185,9 +212,9 @@ class Holds:
                     self._round_wake = None
                 continue  # the round is due now, or was brought forward: look again
             self._next_round = time.monotonic() + hold_period(self.settings)
-            await self._round()
+            self._round()
 
-    async def _round(self) -> None:
+    def _round(self) -> None:
         now = time.monotonic()
         for rid in [r for r, e in self.expected.items() if e.until <= now]:
             del self.expected[rid]
@@ -199,7 +226,18 @@ class Holds:
         for rid, e in self.expected.items():
             for address in e.addresses:
                 by_address.setdefault(address, []).append(rid)
-        await self._hold_all(by_address)
+        loop = asyncio.get_running_loop()
+        for address, rids in by_address.items():
+            out = self._round_out.get(address)
+            if out is not None and not out.done():
+                continue  # its last round's Hold is still out
+            task = self._round_out[address] = loop.create_task(self._hold_all({address: rids}))
+            task.add_done_callback(partial(self._round_ended, address))
+
+    def _round_ended(self, address: str, task: asyncio.Task[None]) -> None:
+        if self._round_out.get(address) is task:
+            del self._round_out[address]
+        _log_failure(address, task)
 
     async def _hold_all(self, by_address: dict[str, list[str]]) -> None:
         # A Hold carries at most HOLD_BATCH ids (the publisher refuses more): larger sets go in several.
@@ -220,6 +258,7 @@ class Holds:
             log.warning("could not hold requests at a publisher", extra={"peer": address, "error": exc.message,
                         "requests": len(req.request_ids)})  # fmt: skip
             self._answered(address, rids, {})  # a pull waiting for it looks the request up instead
+            self._hold_again_by(time.monotonic() + min(RETRY_HOLD_S, hold_period(self.settings)))
             return
         except BaseException:
             self._answered(address, rids, {})
@@ -263,6 +302,12 @@ class Holds:
                 fut.set_result(granted.get(rid))
             if not due:
                 del self._first[rid]
+
+
+def _log_failure(address: str, task: asyncio.Task[None]) -> None:
+    """A Hold's task that raised what :meth:`Holds._hold` does not catch (a bug): say so, once."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("holding requests at a publisher failed", exc_info=task.exception(), extra={"peer": address})
 
 
 def _wake(fut: asyncio.Future[None] | None) -> None:

@@ -128,6 +128,30 @@ async def test_an_aborted_publish_stays_the_workers_until_its_granted_reader_is_
     assert time.time() * 1000 >= until_ms - 20  # not before the grant could run out
 
 
+async def test_a_publisher_that_never_answers_delays_no_other_publishers_holds(harness: Harness) -> None:
+    """One publisher's host is gone (its address takes connections and never answers: each Hold there
+    waits out the 10 s peer-call budget). A request expected at another publisher, before it and
+    after it, is still held there at its lease's pace and read."""
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    silent = await asyncio.start_server(lambda _r, _w: None, "127.0.0.1", 0)
+    gone = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    try:
+        await pw[0].prefill("before", {"kv": [1, 2]}, salt=4, lease=1.0)
+        await pw[0].prefill("after", {"kv": [3, 4]}, salt=5, lease=1.0)
+        assert await dw[0].client.expect("before", [ps[0].peer_address])
+        await asyncio.sleep(0.1)
+        assert await dw[0].client.expect("stuck", [gone])
+        await asyncio.sleep(0.1)  # the silent publisher's first Hold is out, and stays out
+        assert await dw[0].client.expect("after", [ps[0].peer_address])
+        await asyncio.sleep(2.5)  # 2.5 of their leases
+        for rid, blocks, salt in (("before", [7, 8], 4), ("after", [9, 10], 5)):
+            res = await dw[0].pull(rid, ps, {"kv": blocks})
+            assert dw[0].verify({"kv": blocks}, salt) == (res.bytes, 0)
+    finally:
+        silent.close()
+
+
 async def test_expect_is_checked_like_a_pull(harness: Harness) -> None:
     lay = attention()
     ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay})
