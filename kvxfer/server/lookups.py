@@ -12,6 +12,7 @@ that read without waiting for one (:mod:`kvxfer.server.pull_steps`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ class Fetched:
     blocks: dict[str, I64]
     tables: dict[str, RegionTable]
     mem_type: str
+    #: time.monotonic() until which the publisher holds the blocks for this reader (inf: not said).
+    valid_until: float = math.inf
 
 
 class Lookups:
@@ -84,6 +87,7 @@ class Lookups:
             if address not in entry.asked:
                 entry.asked.append(address)  # an abort from here on must reach it, answered or not
             try:
+                asked = time.monotonic()
                 resp = await self.outbox.lookup(address, self._request(entry), entry.deadline)
             except NotFoundError:
                 raise NotFoundError(
@@ -105,7 +109,13 @@ class Lookups:
                 raise PeerUnavailableError(f"peer {address} changed while being contacted", field="remote_addresses",
                                            reason=Reason.PEER_CHANGED)  # fmt: skip
             entry.contacted.append(address)
-            return self._answer(session, resp)
+            fetched = self._answer(session, resp)
+            if resp.held_seconds > 0:
+                # The READs that follow must end while the publisher holds the blocks: its own
+                # --transfer-timeout-seconds may be shorter than this pull's deadline.
+                fetched.valid_until = asked + resp.held_seconds
+                entry.deadline = min(entry.deadline, fetched.valid_until)
+            return fetched
         raise PeerUnavailableError(f"peer {address}: could not get a stable handshake", field="remote_addresses",
                                    reason=Reason.PEER_CHANGED)  # fmt: skip
 

@@ -236,7 +236,7 @@ class Publisher:
             entry.expires_at = hold
         resp = peer_pb2.GetPublishedResponse(
             request_id=rid, instance_id=self.registry.instance_id, epoch=reg.epoch,
-            expires_unix_ms=entry.expires_unix_ms,
+            expires_unix_ms=entry.expires_unix_ms, held_seconds=max(entry.expires_at - time.monotonic(), 0.0),
         )  # fmt: skip
         for name, g in reg.groups.items():
             resp.groups.append(

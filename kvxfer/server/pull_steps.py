@@ -271,7 +271,7 @@ class PullSteps:
         """
         t_fetch = time.monotonic()
         fetch_seconds = 0.0
-        promised_until = math.inf  # the grants that confirmed: the READs must end before the earliest runs out
+        promised_until = math.inf  # what confirmed (grants, lookups): the READs must end before the earliest runs out
 
         async def confirm() -> dict[int, Fetched]:
             nonlocal fetch_seconds, promised_until
@@ -281,6 +281,7 @@ class PullSteps:
                     promised_until = min(g.valid_until for _, g in granted.values())
                 rest = [q for q in ranks if q not in granted]
                 fetched = await self.lookups.fetch_all(entry, rest, sessions, stage=False) if rest else {}
+                promised_until = min([promised_until, *(f.valid_until for f in fetched.values())])
                 self.on_path("ahead" if rest else "hold_answer")
                 return {**{q: f for q, (f, _) in granted.items()}, **fetched}
             finally:
@@ -302,7 +303,8 @@ class PullSteps:
                 moved = None  # read from a registration the publisher has replaced since: read again
             if time.monotonic() > promised_until:
                 raise DeadlineError(
-                    f"the READs of {entry.request_id!r} outlasted a publisher's grant: their bytes are not used",
+                    f"the READs of {entry.request_id!r} outlasted the time a publisher held the blocks for them (a "
+                    "grant, a lookup): their bytes are not used",
                     field="timeout_seconds",
                 )  # fmt: skip
         finally:

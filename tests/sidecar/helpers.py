@@ -29,6 +29,7 @@ from kvxfer.transport import (
     Op,
     Registration,
     TransferResult,
+    TransferTimeoutError,
     Transport,
     TransportConfig,
     create_transport,
@@ -230,7 +231,7 @@ class DelayedDataPlane(Transport):
 
     name = "nixl"
 
-    def __init__(self, name: str, delay: float, *, drain: bool = False) -> None:
+    def __init__(self, name: str, delay: float, *, drain: bool = False, times_out: bool = False) -> None:
         self.inner = create_transport("nixl", name, TransportConfig(cuda_ipc_direct=True))
         super().__init__(self.inner.agent_name, self.inner.config)
         self.delay = delay
@@ -238,6 +239,9 @@ class DelayedDataPlane(Transport):
         #: ``drain``: a transfer, once it reached the data plane, still happens when its caller is
         #: cancelled, and only then does the cancellation go through (queued device copies behave so).
         self.drain = drain
+        #: ``times_out``: the hold counts against the transfer's ``timeout``, which then fails as the
+        #: real data plane's does (TransferTimeoutError), instead of being held in full.
+        self.times_out = times_out
         self.landed_at: list[float] = []  # time.monotonic() of each transfer's end
 
     def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
@@ -262,6 +266,10 @@ class DelayedDataPlane(Transport):
         self.reading.set()
 
         async def held() -> TransferResult:
+            if self.times_out and self.delay >= timeout:
+                await asyncio.sleep(timeout)
+                raise TransferTimeoutError(f"READ did not complete within {timeout:.3f}s; cancelled", backend="nixl",
+                                           peer=peer)  # fmt: skip
             await asyncio.sleep(self.delay)
             try:
                 return await self.inner.transfer(op, local, remote, peer, timeout=timeout, notify=notify,

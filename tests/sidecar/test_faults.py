@@ -293,6 +293,29 @@ async def test_incompatible_layouts_are_refused_listing_every_difference(harness
     assert dw.verify({"kv": [3, 4]}, 1)[1] == 0
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["after-the-lookup", "ahead-of-the-lookup"])
+async def test_a_read_must_end_while_the_lookup_holds_the_blocks(harness: Harness, ahead: bool) -> None:
+    """The publisher holds looked-up blocks for its own --transfer-timeout-seconds (1 s here), shorter
+    than the reader's (30 s): a READ that takes 2 s fails instead of finishing on blocks whose lease
+    ran out under it: at the publisher's bound when it started after the lookup's answer, or once it
+    ended (its bytes unused) when it started ahead of it (the worker named the publisher's ids)."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill", transfer_timeout_seconds=1.0)
+    dp = DelayedDataPlane("decode-delayed", 2.0, times_out=True)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp, transfer_timeout_seconds=30.0)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    await pw.prefill("slow", {"kv": [1, 2]}, salt=1, lease=0.5)
+    t0 = time.monotonic()
+    if ahead:
+        pull = dw.pull("slow", [p], {"kv": [3, 4]}, remote_blocks={"kv": [1, 2]})
+        await expect_error(OK.DEADLINE_EXCEEDED, pull, "outlasted the time a publisher held the blocks")
+    else:
+        await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("slow", [p], {"kv": [3, 4]}),
+                           "data plane READ from", "did not finish within")  # fmt: skip
+        assert time.monotonic() - t0 < 1.9  # at the publisher's bound, not after the 2 s READ
+    dp.delay = 0.0
+    await _still_works(pw, p, dw)
+
+
 async def test_transfer_deadline(harness: Harness) -> None:
     p, pw, d, dw, dp = await _pair(harness, delay=3.0, transfer_timeout_seconds=1.0)
     await pw.prefill("slow", {"kv": [1, 2]}, salt=1)

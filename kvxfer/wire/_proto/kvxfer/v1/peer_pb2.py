@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvxfer.wire._proto.kvxfer.v1 import common_pb2 as kvxfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"w\n\x0bGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06layout\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Layout\x12\"\n\x07regions\x18\x03 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0bmemory_type\x18\x04 \x01(\t\"B\n\tDataPlane\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\"\x83\x02\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1d\n\x04rank\x18\x05 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12&\n\x06groups\x18\x06 \x03(\x0b\x32\x16.kvxfer.v1.GroupLayout\x12(\n\ndata_plane\x18\x07 \x01(\x0b\x32\x14.kvxfer.v1.DataPlane\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x12\x0c\n\x04role\x18\t \x01(\t\x12\x16\n\x0e\x66rames_address\x18\n \x01(\t\"5\n\x10HandshakeRequest\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"6\n\x11HandshakeResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"\x7f\n\x13GetPublishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"j\n\x0ePublishedGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\"\n\x07regions\x18\x03 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0bmemory_type\x18\x04 \x01(\t\"\x92\x01\n\x14GetPublishedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.kvxfer.v1.PublishedGroup\x12\x17\n\x0f\x65xpires_unix_ms\x18\x05 \x01(\x03\"L\n\x18GetPublishedBatchRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.kvxfer.v1.GetPublishedRequest\"\x85\x01\n\x12GetPublishedResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x08response\x18\x03 \x01(\x0b\x32\x1f.kvxfer.v1.GetPublishedResponse\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"K\n\x19GetPublishedBatchResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvxfer.v1.GetPublishedResult\"\x83\x02\n\rNotifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\x31\n\x07outcome\x18\x05 \x01(\x0e\x32 .kvxfer.v1.NotifyRequest.Outcome\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\"D\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x12\n\n\x06UNREAD\x10\x03\"\"\n\x0eNotifyResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"?\n\x12NotifyBatchRequest\x12)\n\x07notices\x18\x01 \x03(\x0b\x32\x18.kvxfer.v1.NotifyRequest\"\'\n\x13NotifyBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"^\n\x10PeerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"i\n\x0bHoldRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\"b\n\x0bHeldPublish\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cheld_seconds\x18\x02 \x01(\x01\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kvxfer.v1.PublishedGroup\"\x81\x01\n\x0cHoldResponse\x12\x0c\n\x04held\x18\x01 \x03(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x03(\x03\x12&\n\x06grants\x18\x03 \x03(\x0b\x32\x16.kvxfer.v1.HeldPublish\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xfe\x01\n\x0cOfferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12$\n\x06\x62locks\x18\x06 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12+\n\rwriter_blocks\x18\x07 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12\x17\n\x0ftimeout_seconds\x18\x08 \x01(\x01\x12\x18\n\x10writer_engine_id\x18\t \x01(\t\"\"\n\rOfferResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\"\xe2\x01\n\rLandedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x06 \x01(\x05\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\n \x01(\x04\x12\x14\n\x0c\x64\x61ta_seconds\x18\x0b \x01(\x01\"\x1f\n\x0eLandedResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"z\n\rRevokeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\x0e\n\x06reason\x18\x05 \x01(\t\".\n\x0eRevokeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05wrote\x18\x02 \x01(\x08\x32\xc3\x05\n\x04Peer\x12\x46\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse\x12O\n\x0cGetPublished\x12\x1e.kvxfer.v1.GetPublishedRequest\x1a\x1f.kvxfer.v1.GetPublishedResponse\x12^\n\x11GetPublishedBatch\x12#.kvxfer.v1.GetPublishedBatchRequest\x1a$.kvxfer.v1.GetPublishedBatchResponse\x12=\n\x06Notify\x12\x18.kvxfer.v1.NotifyRequest\x1a\x19.kvxfer.v1.NotifyResponse\x12L\n\x0bNotifyBatch\x12\x1d.kvxfer.v1.NotifyBatchRequest\x1a\x1e.kvxfer.v1.NotifyBatchResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.kvxfer.v1.PeerAbortRequest\x1a\x1c.kvxfer.v1.PeerAbortResponse\x12\x37\n\x04Hold\x12\x16.kvxfer.v1.HoldRequest\x1a\x17.kvxfer.v1.HoldResponse\x12:\n\x05Offer\x12\x17.kvxfer.v1.OfferRequest\x1a\x18.kvxfer.v1.OfferResponse\x12=\n\x06Landed\x12\x18.kvxfer.v1.LandedRequest\x1a\x19.kvxfer.v1.LandedResponse\x12=\n\x06Revoke\x12\x18.kvxfer.v1.RevokeRequest\x1a\x19.kvxfer.v1.RevokeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"w\n\x0bGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06layout\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Layout\x12\"\n\x07regions\x18\x03 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0bmemory_type\x18\x04 \x01(\t\"B\n\tDataPlane\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\"\x83\x02\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x1d\n\x04rank\x18\x05 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12&\n\x06groups\x18\x06 \x03(\x0b\x32\x16.kvxfer.v1.GroupLayout\x12(\n\ndata_plane\x18\x07 \x01(\x0b\x32\x14.kvxfer.v1.DataPlane\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x12\x0c\n\x04role\x18\t \x01(\t\x12\x16\n\x0e\x66rames_address\x18\n \x01(\t\"5\n\x10HandshakeRequest\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"6\n\x11HandshakeResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.kvxfer.v1.PeerInfo\"\x7f\n\x13GetPublishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"j\n\x0ePublishedGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\"\n\x07regions\x18\x03 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0bmemory_type\x18\x04 \x01(\t\"\xa8\x01\n\x14GetPublishedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.kvxfer.v1.PublishedGroup\x12\x17\n\x0f\x65xpires_unix_ms\x18\x05 \x01(\x03\x12\x14\n\x0cheld_seconds\x18\x06 \x01(\x01\"L\n\x18GetPublishedBatchRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.kvxfer.v1.GetPublishedRequest\"\x85\x01\n\x12GetPublishedResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x08response\x18\x03 \x01(\x0b\x32\x1f.kvxfer.v1.GetPublishedResponse\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"K\n\x19GetPublishedBatchResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.kvxfer.v1.GetPublishedResult\"\x83\x02\n\rNotifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\x31\n\x07outcome\x18\x05 \x01(\x0e\x32 .kvxfer.v1.NotifyRequest.Outcome\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\"D\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44ONE\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x12\n\n\x06UNREAD\x10\x03\"\"\n\x0eNotifyResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"?\n\x12NotifyBatchRequest\x12)\n\x07notices\x18\x01 \x03(\x0b\x32\x18.kvxfer.v1.NotifyRequest\"\'\n\x13NotifyBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"^\n\x10PeerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"i\n\x0bHoldRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\"b\n\x0bHeldPublish\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cheld_seconds\x18\x02 \x01(\x01\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kvxfer.v1.PublishedGroup\"\x81\x01\n\x0cHoldResponse\x12\x0c\n\x04held\x18\x01 \x03(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x03(\x03\x12&\n\x06grants\x18\x03 \x03(\x0b\x32\x16.kvxfer.v1.HeldPublish\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"\"\n\x11PeerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xfe\x01\n\x0cOfferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12$\n\x06\x62locks\x18\x06 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12+\n\rwriter_blocks\x18\x07 \x03(\x0b\x32\x14.kvxfer.v1.BlockList\x12\x17\n\x0ftimeout_seconds\x18\x08 \x01(\x01\x12\x18\n\x10writer_engine_id\x18\t \x01(\t\"\"\n\rOfferResponse\x12\x11\n\tpublished\x18\x01 \x01(\x08\"\xe2\x01\n\rLandedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x06 \x01(\x05\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\n \x01(\x04\x12\x14\n\x0c\x64\x61ta_seconds\x18\x0b \x01(\x01\"\x1f\n\x0eLandedResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"z\n\rRevokeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x1d\n\x04rank\x18\x04 \x01(\x0b\x32\x0f.kvxfer.v1.Rank\x12\x0e\n\x06reason\x18\x05 \x01(\t\".\n\x0eRevokeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05wrote\x18\x02 \x01(\x08\x32\xc3\x05\n\x04Peer\x12\x46\n\tHandshake\x12\x1b.kvxfer.v1.HandshakeRequest\x1a\x1c.kvxfer.v1.HandshakeResponse\x12O\n\x0cGetPublished\x12\x1e.kvxfer.v1.GetPublishedRequest\x1a\x1f.kvxfer.v1.GetPublishedResponse\x12^\n\x11GetPublishedBatch\x12#.kvxfer.v1.GetPublishedBatchRequest\x1a$.kvxfer.v1.GetPublishedBatchResponse\x12=\n\x06Notify\x12\x18.kvxfer.v1.NotifyRequest\x1a\x19.kvxfer.v1.NotifyResponse\x12L\n\x0bNotifyBatch\x12\x1d.kvxfer.v1.NotifyBatchRequest\x1a\x1e.kvxfer.v1.NotifyBatchResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.kvxfer.v1.PeerAbortRequest\x1a\x1c.kvxfer.v1.PeerAbortResponse\x12\x37\n\x04Hold\x12\x16.kvxfer.v1.HoldRequest\x1a\x17.kvxfer.v1.HoldResponse\x12:\n\x05Offer\x12\x17.kvxfer.v1.OfferRequest\x1a\x18.kvxfer.v1.OfferResponse\x12=\n\x06Landed\x12\x18.kvxfer.v1.LandedRequest\x1a\x19.kvxfer.v1.LandedResponse\x12=\n\x06Revoke\x12\x18.kvxfer.v1.RevokeRequest\x1a\x19.kvxfer.v1.RevokeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,45 +47,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHEDGROUP']._serialized_start=750
   _globals['_PUBLISHEDGROUP']._serialized_end=856
   _globals['_GETPUBLISHEDRESPONSE']._serialized_start=859
-  _globals['_GETPUBLISHEDRESPONSE']._serialized_end=1005
-  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_start=1007
-  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_end=1083
-  _globals['_GETPUBLISHEDRESULT']._serialized_start=1086
-  _globals['_GETPUBLISHEDRESULT']._serialized_end=1219
-  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_start=1221
-  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_end=1296
-  _globals['_NOTIFYREQUEST']._serialized_start=1299
-  _globals['_NOTIFYREQUEST']._serialized_end=1558
-  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_start=1490
-  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_end=1558
-  _globals['_NOTIFYRESPONSE']._serialized_start=1560
-  _globals['_NOTIFYRESPONSE']._serialized_end=1594
-  _globals['_NOTIFYBATCHREQUEST']._serialized_start=1596
-  _globals['_NOTIFYBATCHREQUEST']._serialized_end=1659
-  _globals['_NOTIFYBATCHRESPONSE']._serialized_start=1661
-  _globals['_NOTIFYBATCHRESPONSE']._serialized_end=1700
-  _globals['_PEERABORTREQUEST']._serialized_start=1702
-  _globals['_PEERABORTREQUEST']._serialized_end=1796
-  _globals['_HOLDREQUEST']._serialized_start=1798
-  _globals['_HOLDREQUEST']._serialized_end=1903
-  _globals['_HELDPUBLISH']._serialized_start=1905
-  _globals['_HELDPUBLISH']._serialized_end=2003
-  _globals['_HOLDRESPONSE']._serialized_start=2006
-  _globals['_HOLDRESPONSE']._serialized_end=2135
-  _globals['_PEERABORTRESPONSE']._serialized_start=2137
-  _globals['_PEERABORTRESPONSE']._serialized_end=2171
-  _globals['_OFFERREQUEST']._serialized_start=2174
-  _globals['_OFFERREQUEST']._serialized_end=2428
-  _globals['_OFFERRESPONSE']._serialized_start=2430
-  _globals['_OFFERRESPONSE']._serialized_end=2464
-  _globals['_LANDEDREQUEST']._serialized_start=2467
-  _globals['_LANDEDREQUEST']._serialized_end=2693
-  _globals['_LANDEDRESPONSE']._serialized_start=2695
-  _globals['_LANDEDRESPONSE']._serialized_end=2726
-  _globals['_REVOKEREQUEST']._serialized_start=2728
-  _globals['_REVOKEREQUEST']._serialized_end=2850
-  _globals['_REVOKERESPONSE']._serialized_start=2852
-  _globals['_REVOKERESPONSE']._serialized_end=2898
-  _globals['_PEER']._serialized_start=2901
-  _globals['_PEER']._serialized_end=3608
+  _globals['_GETPUBLISHEDRESPONSE']._serialized_end=1027
+  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_start=1029
+  _globals['_GETPUBLISHEDBATCHREQUEST']._serialized_end=1105
+  _globals['_GETPUBLISHEDRESULT']._serialized_start=1108
+  _globals['_GETPUBLISHEDRESULT']._serialized_end=1241
+  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_start=1243
+  _globals['_GETPUBLISHEDBATCHRESPONSE']._serialized_end=1318
+  _globals['_NOTIFYREQUEST']._serialized_start=1321
+  _globals['_NOTIFYREQUEST']._serialized_end=1580
+  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_start=1512
+  _globals['_NOTIFYREQUEST_OUTCOME']._serialized_end=1580
+  _globals['_NOTIFYRESPONSE']._serialized_start=1582
+  _globals['_NOTIFYRESPONSE']._serialized_end=1616
+  _globals['_NOTIFYBATCHREQUEST']._serialized_start=1618
+  _globals['_NOTIFYBATCHREQUEST']._serialized_end=1681
+  _globals['_NOTIFYBATCHRESPONSE']._serialized_start=1683
+  _globals['_NOTIFYBATCHRESPONSE']._serialized_end=1722
+  _globals['_PEERABORTREQUEST']._serialized_start=1724
+  _globals['_PEERABORTREQUEST']._serialized_end=1818
+  _globals['_HOLDREQUEST']._serialized_start=1820
+  _globals['_HOLDREQUEST']._serialized_end=1925
+  _globals['_HELDPUBLISH']._serialized_start=1927
+  _globals['_HELDPUBLISH']._serialized_end=2025
+  _globals['_HOLDRESPONSE']._serialized_start=2028
+  _globals['_HOLDRESPONSE']._serialized_end=2157
+  _globals['_PEERABORTRESPONSE']._serialized_start=2159
+  _globals['_PEERABORTRESPONSE']._serialized_end=2193
+  _globals['_OFFERREQUEST']._serialized_start=2196
+  _globals['_OFFERREQUEST']._serialized_end=2450
+  _globals['_OFFERRESPONSE']._serialized_start=2452
+  _globals['_OFFERRESPONSE']._serialized_end=2486
+  _globals['_LANDEDREQUEST']._serialized_start=2489
+  _globals['_LANDEDREQUEST']._serialized_end=2715
+  _globals['_LANDEDRESPONSE']._serialized_start=2717
+  _globals['_LANDEDRESPONSE']._serialized_end=2748
+  _globals['_REVOKEREQUEST']._serialized_start=2750
+  _globals['_REVOKEREQUEST']._serialized_end=2872
+  _globals['_REVOKERESPONSE']._serialized_start=2874
+  _globals['_REVOKERESPONSE']._serialized_end=2920
+  _globals['_PEER']._serialized_start=2923
+  _globals['_PEER']._serialized_end=3630
 # @@protoc_insertion_point(module_scope)

@@ -254,10 +254,15 @@ class GetPublishedResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    HELD_SECONDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     instance_id: _builtins.str
     epoch: _builtins.int
     expires_unix_ms: _builtins.int
+    held_seconds: _builtins.float
+    """The publisher holds the blocks at least this long from its answer: a READ after this lookup
+    must end by then (the reader counts it on its own clock from when it asked). 0: not said.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishedGroup]: ...
     def __init__(
@@ -268,10 +273,11 @@ class GetPublishedResponse(_message.Message):
         epoch: _builtins.int = ...,
         groups: _abc.Iterable[Global___PublishedGroup] | None = ...,
         expires_unix_ms: _builtins.int = ...,
+        held_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "expires_unix_ms", b"expires_unix_ms", "groups", b"groups", "instance_id", b"instance_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "expires_unix_ms", b"expires_unix_ms", "groups", b"groups", "held_seconds", b"held_seconds", "instance_id", b"instance_id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
