@@ -7,11 +7,12 @@ sends each publisher a peer ``Hold`` for it at once (with any others expected wh
 out, or within :data:`FRESH_HOLD_SPACING_S` of it, going together in the next: its pull may start
 within milliseconds and should read on a grant), and again every :func:`hold_period` seconds (a
 third of the time a publisher granted, when that is sooner: a publish may carry a lease shorter
-than this side's), until the request's Pull starts, it is aborted, a publisher answers that it no longer holds it, or
-``--max-hold-seconds`` have passed. The publisher extends each lease by its own
-``--lease-seconds``, never past ``--max-hold-seconds`` after the publish. Each publisher's Holds
-go on their own: one that does not answer (its host is gone) delays no other's, and a failed
-Hold is tried again within :data:`RETRY_HOLD_S`.
+than this side's), until the request's Pull starts, it is aborted, a publisher answers that it no
+longer holds it, or ``--max-hold-seconds`` have passed. The publisher extends each lease by the
+publish's own length (its ``lease_seconds``, else the publisher's ``--lease-seconds``), never past
+``--max-hold-seconds`` after the publish. Each publisher's Holds go on their own: one that does
+not answer (its host is gone) delays no other's, and a failed Hold is tried again within
+:data:`RETRY_HOLD_S`.
 
 **A pull that comes before its first grant.** vLLM allocates a request's blocks, and its workers
 pull, in the engine step that found the request's KV remote when nothing else was queued: the
