@@ -49,7 +49,7 @@ async def test_a_lookup_answer_over_the_publishers_limit_fails_only_its_pulls(ha
     for g in got:
         assert isinstance(g, KvxferRpcError)
         assert g.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "answer: 79844 bytes are over this sidecar's limit of 65536 bytes (--max-message-bytes)" in g.details
+        assert "answer: 79880 bytes are over this sidecar's limit of 65536 bytes (--max-message-bytes)" in g.details
     # The same frames connection carries the next lookup, which moves its bytes.
     assert _frames_calls(p)["GetPublished"] == 0
     await pw.prefill("after", {"kv": [3, 4]}, 9)

@@ -46,6 +46,10 @@ T = TypeVar("T")
 RELEASE_GRACE_SECONDS = 10.0
 #: Least time between two such look-ups (each is a call to the sidecar from vLLM's step).
 LEASE_CHECK_SECONDS = 1.0
+#: Publishes asked about in one such look-up (GetStatus takes at most 1024); the rest wait for the next.
+LEASE_CHECK_BATCH = 1024
+#: Deadline of that look-up: a local call made from vLLM's step, which must not wait long for it.
+LEASE_CHECK_DEADLINE_S = 1.0
 #: Longest wait between two attempts to reach a sidecar that went away.
 RECONNECT_MAX_S = 10.0
 #: Completion events for ids this worker never saw published are forgotten after this long.
@@ -347,6 +351,7 @@ class WorkerSide:
         with self._lock:
             late = {rid: self._publish_ids.get(rid, rid) for rid, expires_ms in self._published.items()
                     if wall_ms > expires_ms + RELEASE_GRACE_SECONDS * 1000}  # fmt: skip
+            late = dict(list(late.items())[:LEASE_CHECK_BATCH])
         held = self._still_held(set(late.values()), now) if late else None
         asked = set(late) if held is not None else set()
         with self._lock:
@@ -378,7 +383,7 @@ class WorkerSide:
             return None
         self._next_lease_check = now + LEASE_CHECK_SECONDS
         try:
-            status = self.sidecar.status(publishes=sorted(publish_ids), deadline=self.settings.call_timeout_seconds)
+            status = self.sidecar.status(publishes=sorted(publish_ids), deadline=LEASE_CHECK_DEADLINE_S)
         except (KvxferError, TimeoutError) as exc:
             log.warning(f"could not ask the sidecar {self.target} whether it still holds {len(publish_ids)} "
                         f"publishes whose release was not heard; their blocks stay held: {exc}")  # fmt: skip
