@@ -108,7 +108,8 @@ class Lookups:
                     continue
                 raise PeerUnavailableError(f"peer {address} changed while being contacted", field="remote_addresses",
                                            reason=Reason.PEER_CHANGED)  # fmt: skip
-            entry.contacted.append(address)
+            if address not in entry.contacted:
+                entry.contacted.append(address)
             fetched = self._answer(session, resp)
             if resp.held_seconds > 0:
                 # The READs that follow must end while the publisher holds the blocks: its own

@@ -21,7 +21,9 @@ its bytes are never reported as moved.
 which it holds them, counted on this side's clock from when the Hold was sent. When every source
 rank granted the request for longer than the pull may take, with the regions of the same
 registration, and the worker's ids are among the granted ones, the pull READs at once and asks
-nothing: no control round trip is on its critical path.
+nothing: no control round trip is on its critical path. A READ still running
+:data:`GRANT_MARGIN_S` before the grants run out looks the request up then, which holds the
+blocks longer; one that ends after what held them fails (its bytes unused).
 
 **Reading ahead of the Hold's answer.** A pull that comes while its request's first Hold is still
 out reads ahead as above, and that Hold's answer confirms the READs instead of a lookup: a grant
@@ -171,10 +173,43 @@ class PullSteps:
         for q in ranks:
             entry.asked.append(entry.addresses[q])
             entry.contacted.append(entry.addresses[q])  # they are told DONE or FAILED, as after a lookup
-        # The READs must end while every promise holds: past it the pull fails (its bytes unused).
-        entry.deadline = min(entry.deadline, *(entry.grants[entry.addresses[q]].valid_until for q in ranks))
-        moved = await self._read_all(entry, reg, per_rank, guess, sessions)
+        promised = min(entry.grants[entry.addresses[q]].valid_until for q in ranks)
+        moved = await self._read_while_promised(entry, reg, ranks, per_rank, guess, sessions, promised)
         return _done(entry, ranks, moved, warnings, 0.0)
+
+    async def _read_while_promised(
+        self, entry: PullEntry, reg: Registration, ranks: list[int], per_rank: dict[int, list[tuple[U64, U64]]],
+        guess: dict[int, Fetched], sessions: dict[int, PeerSession], promised: float,
+    ) -> tuple[int, int, float]:  # fmt: skip
+        """READ on grants that hold the blocks until ``promised`` (time.monotonic()).
+
+        The READs must end while the blocks are held, or the pull fails (its bytes unused). One still
+        running :data:`GRANT_MARGIN_S` before the grants run out (a large READ, a short lease) looks
+        the request up, which holds the blocks for the publisher's ``--transfer-timeout-seconds``
+        more, rather than being cut off where the grant ends.
+        """
+        loop = asyncio.get_running_loop()
+        renewal: asyncio.Future[dict[int, Fetched]] | None = None
+
+        def renew() -> None:
+            nonlocal renewal
+            renewal = asyncio.ensure_future(self.lookups.fetch_all(entry, ranks, sessions, stage=False))
+
+        timer = loop.call_later(max(promised - GRANT_MARGIN_S - time.monotonic(), 0.0), renew)
+        try:
+            moved = await self._read_all(entry, reg, per_rank, guess, sessions)
+        except BaseException:
+            if renewal is not None:
+                renewal.cancel()
+            raise
+        finally:
+            timer.cancel()
+        if renewal is not None:  # answered only while the publish is held: then it never lapsed
+            fetched = await renewal
+            promised = max(promised, min(f.valid_until for f in fetched.values()))
+        if time.monotonic() > promised:
+            raise _outlasted(entry)
+        return moved
 
     # ------------------------------------------------------------------ reading ahead of the lookups
     async def _read_ahead(
@@ -302,11 +337,7 @@ class PullSteps:
                     raise
                 moved = None  # read from a registration the publisher has replaced since: read again
             if time.monotonic() > promised_until:
-                raise DeadlineError(
-                    f"the READs of {entry.request_id!r} outlasted the time a publisher held the blocks for them (a "
-                    "grant, a lookup): their bytes are not used",
-                    field="timeout_seconds",
-                )  # fmt: skip
+                raise _outlasted(entry)
         finally:
             for task in (lookups, reads):
                 if not task.done():
@@ -482,6 +513,14 @@ def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) ->
     them = session.identity
     return (them.instance_id, them.epoch) == (grant.instance_id, grant.epoch) and all(
         name in grant.blocks and not not_published(ids, grant.blocks[name]) for name, ids in remote_given.items()
+    )
+
+
+def _outlasted(entry: PullEntry) -> DeadlineError:
+    return DeadlineError(
+        f"the READs of {entry.request_id!r} outlasted the time a publisher held the blocks for them (a grant, a "
+        "lookup): their bytes are not used",
+        field="timeout_seconds",
     )
 
 

@@ -315,3 +315,22 @@ async def push_transfer(
         checked, bad = w.verify(d_blocks, salt)
         assert bad == 0, f"{bad} of {checked} bytes differ on decode rank {w.rank.tp_rank}"
     return list(results)
+
+
+def peer_lookups(prefill: Sidecar) -> list[str]:
+    """The request ids that peer lookups (GetPublished, GetPublishedBatch) reaching ``prefill`` ask for."""
+    assert prefill.core is not None
+    asked: list[str] = []
+    answer, answer_batch = prefill.core.peer_get_published, prefill.core.peer_get_published_batch
+
+    async def counted(req: Any, *args: Any) -> Any:
+        asked.append(req.request_id)
+        return await answer(req, *args)
+
+    async def counted_batch(req: Any, *args: Any) -> Any:
+        asked.extend(r.request_id for r in req.requests)
+        return await answer_batch(req, *args)
+
+    prefill.core.peer_get_published = counted  # type: ignore[method-assign]
+    prefill.core.peer_get_published_batch = counted_batch  # type: ignore[method-assign]
+    return asked

@@ -17,7 +17,7 @@ from kvxfer.server.app import Sidecar
 from kvxfer.wire import common_pb2, local_pb2, local_pb2_grpc
 from kvxfer.wire.convert import layout_to_proto
 from tests.sidecar.conftest import JsonLogs
-from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, transfer
+from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, peer_lookups, transfer
 
 LAY = attention()
 OK = grpc.StatusCode
@@ -291,6 +291,30 @@ async def test_incompatible_layouts_are_refused_listing_every_difference(harness
     res = await dw.pull("i1", [p], {"kv": [3, 4]})  # the compatible reader is unaffected
     assert res.done
     assert dw.verify({"kv": [3, 4]}, 1)[1] == 0
+
+
+async def test_a_read_on_a_grant_that_outlasts_it_is_held_longer_by_a_lookup(harness: Harness) -> None:
+    """A grant of 2 s (the publish's own lease) and a READ that takes 2.5 s: a second before the grant
+    runs out the reader looks the request up, which holds the blocks longer, and the pull succeeds
+    instead of being cut off where the grant ended."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-delayed", 0.0, times_out=True)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    await _still_works(pw, p, dw, rid="warm")  # handshaken: the grant's READ is the first thing that waits
+    await pw.prefill("long", {"kv": [1, 2]}, salt=3, lease=2.0)
+    await dw.client.expect("long", [p.peer_address])
+    assert d.core is not None
+    for _ in range(200):
+        if "long" in d.core.holds.grants:
+            break
+        await asyncio.sleep(0.01)
+    assert "long" in d.core.holds.grants
+    lookups = peer_lookups(p)
+    dp.delay = 2.5
+    res = await dw.pull("long", [p], {"kv": [3, 4]}, remote_blocks={"kv": [1, 2]})
+    assert dw.verify({"kv": [3, 4]}, 3) == (res.bytes, 0)
+    assert lookups == ["long"]  # the one that held the blocks past the grant
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["after-the-lookup", "ahead-of-the-lookup"])

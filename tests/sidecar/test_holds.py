@@ -13,7 +13,7 @@ from kvxfer.errors import FailedPreconditionError
 from kvxfer.metrics import PULL_PATHS
 from kvxfer.server import holds as holds_module
 from kvxfer.server.app import Sidecar
-from tests.sidecar.helpers import Harness, Worker, attention, expect_error
+from tests.sidecar.helpers import Harness, Worker, attention, expect_error, peer_lookups
 
 LEASE = 1.0  # seconds; holds go out every LEASE / 3
 
@@ -291,25 +291,6 @@ def _hold_sizes(prefill: Sidecar) -> list[int]:
     return sizes
 
 
-def _lookups(prefill: Sidecar) -> list[str]:
-    """The request ids that peer lookups (GetPublished, GetPublishedBatch) reaching ``prefill`` ask for."""
-    assert prefill.core is not None
-    asked: list[str] = []
-    answer, answer_batch = prefill.core.peer_get_published, prefill.core.peer_get_published_batch
-
-    async def counted(req: Any, *args: Any) -> Any:
-        asked.append(req.request_id)
-        return await answer(req, *args)
-
-    async def counted_batch(req: Any, *args: Any) -> Any:
-        asked.extend(r.request_id for r in req.requests)
-        return await answer_batch(req, *args)
-
-    prefill.core.peer_get_published = counted  # type: ignore[method-assign]
-    prefill.core.peer_get_published_batch = counted_batch  # type: ignore[method-assign]
-    return asked
-
-
 def _gate_holds(prefill: Sidecar, fail: bool = False) -> asyncio.Event:
     """A named fault: ``prefill`` answers peer Holds only once the returned event is set (``fail``: then
     refuses them, as a publisher that lost its state would), so that a pull comes while its Hold is out."""
@@ -338,7 +319,7 @@ async def test_a_pull_that_comes_while_its_hold_is_out_reads_on_the_holds_answer
     lay = attention()
     ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
     await pw[0].prefill("soon", {"kv": [1, 2]}, salt=3)
-    lookups, gate = _lookups(ps[0]), _gate_holds(ps[0])
+    lookups, gate = peer_lookups(ps[0]), _gate_holds(ps[0])
     await dw[0].client.expect("soon", [ps[0].peer_address])
     pull = asyncio.ensure_future(dw[0].pull("soon", ps, {"kv": [5, 6]}, remote_blocks={"kv": [1, 2]}))
     assert ds[0].core is not None
@@ -363,7 +344,7 @@ async def test_a_pull_whose_hold_is_refused_looks_the_request_up(harness: Harnes
     lay = attention()
     ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
     await pw[0].prefill("refused", {"kv": [4]}, salt=9)
-    lookups, gate = _lookups(ps[0]), _gate_holds(ps[0], fail=True)
+    lookups, gate = peer_lookups(ps[0]), _gate_holds(ps[0], fail=True)
     await dw[0].client.expect("refused", [ps[0].peer_address])
     pull = asyncio.ensure_future(dw[0].pull("refused", ps, {"kv": [8]}, remote_blocks={"kv": [4]}))
     await asyncio.sleep(0.1)
@@ -381,7 +362,7 @@ async def test_a_pull_sends_its_spaced_hold_at_once(harness: Harness, monkeypatc
     ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
     for rid, block in (("first", 1), ("second", 2)):
         await pw[0].prefill(rid, {"kv": [block]}, salt=block)
-    sizes, lookups = _hold_sizes(ps[0]), _lookups(ps[0])
+    sizes, lookups = _hold_sizes(ps[0]), peer_lookups(ps[0])
     await dw[0].client.expect("first", [ps[0].peer_address])  # its Hold leaves at once
     await dw[0].client.expect("second", [ps[0].peer_address])  # its Hold would wait 30 s
     t0 = time.monotonic()
