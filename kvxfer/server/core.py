@@ -234,7 +234,7 @@ class SidecarCore:
         held = [
             local_pb2.PublishLease(request_id=rid, expires_unix_ms=entry.expires_unix_ms)
             for rid in req.publishes
-            if (entry := self.publisher.publishes.get(rid)) is not None
+            if (entry := self.publisher.holding(rid)) is not None
         ]
         reg = self.registry.registration
         return local_pb2.StatusResponse(publishes=held,

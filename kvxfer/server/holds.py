@@ -173,8 +173,9 @@ class Holds:
         if not due:
             self._first.pop(request_id, None)
         elif any(request_id in self._fresh.get(a, ()) for a in due):
-            # Its Hold has not left: the next fresh Hold goes now, whether the spacing is being
-            # waited out or the Hold before is still out.
+            # Its Hold has not left: the next fresh Hold goes now if the spacing is being waited
+            # out, or as soon as the one still out at that publisher ends (the pull looks the request
+            # up if that takes GRANT_WAIT_S).
             self._fresh_sent = -FRESH_HOLD_SPACING_S
             _wake(self._spacing)
         return grants, due

@@ -65,6 +65,9 @@ class Publisher:
         self.outbox = outbox
         self.topologies = topologies
         self.publishes: dict[str, PublishEntry] = {}
+        #: Dropped publishes whose blocks are not the worker's yet: their readers are being told
+        #: (see _free_after_readers). GetStatus still reports them as held.
+        self.freeing: dict[str, PublishEntry] = {}
         self.readers: dict[ReaderKey, Identity] = {}  # sidecars that handshook us
         #: Called with (request id, why) when a publish is dropped before its readers finished (push mode).
         self.on_dropped: Callable[[str, str], None] = lambda _rid, _why: None
@@ -119,12 +122,21 @@ class Publisher:
         """
 
         async def tell_then_free() -> None:
-            if not await self.outbox.abort_readers(entry, reason, skip=skip):
-                await asyncio.sleep(max(entry.expires_at - time.monotonic(), 0.0))
+            try:
+                if not await self.outbox.abort_readers(entry, reason, skip=skip):
+                    await asyncio.sleep(max(entry.expires_at - time.monotonic(), 0.0))
+            finally:
+                if self.freeing.get(entry.request_id) is entry:
+                    del self.freeing[entry.request_id]
             self.hub.emit(Kind.ABORTED, entry.request_id, code=grpc.StatusCode.ABORTED.value[0], message=reason,
                           peer=peer)  # fmt: skip
 
+        self.freeing[entry.request_id] = entry
         self.outbox.spawn(tell_then_free())
+
+    def holding(self, rid: str) -> PublishEntry | None:
+        """The publish ``rid`` whose blocks are not the worker's to free: published, or being dropped."""
+        return self.publishes.get(rid) or self.freeing.get(rid)
 
     def drop(self, rid: str, why: str = "released") -> PublishEntry | None:
         """Forget a publish and its lease timer (``why`` goes to the writes still waiting on it)."""

@@ -190,6 +190,7 @@ class PullSteps:
         """
         loop = asyncio.get_running_loop()
         renewal: asyncio.Future[dict[int, Fetched]] | None = None
+        read_from = {q: sessions[q] for q in ranks}
 
         def renew() -> None:
             nonlocal renewal
@@ -199,15 +200,21 @@ class PullSteps:
         try:
             moved = await self._read_all(entry, reg, per_rank, guess, sessions)
         except BaseException:
-            if renewal is not None:
-                renewal.cancel()
+            _drop(renewal)
             raise
         finally:
             timer.cancel()
-        if renewal is not None:  # answered only while the publish is held: then it never lapsed
-            fetched = await renewal
-            promised = max(promised, min(f.valid_until for f in fetched.values()))
-        if time.monotonic() > promised:
+        if time.monotonic() <= promised:
+            _drop(renewal)  # the grants held the blocks for the whole READ
+            return moved
+        if renewal is None:
+            raise _outlasted(entry)
+        fetched = await renewal  # answered only while the publish is held: then it never lapsed
+        if any(sessions[q] is not s for q, s in read_from.items()):
+            # The publisher registered again since the handshake whose regions were read.
+            raise PeerUnavailableError(f"the publishers of {entry.request_id!r} changed while it was read",
+                                       field="remote_addresses", reason=Reason.PEER_CHANGED)  # fmt: skip
+        if time.monotonic() > min(f.valid_until for f in fetched.values()):
             raise _outlasted(entry)
         return moved
 
@@ -514,6 +521,17 @@ def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) ->
     return (them.instance_id, them.epoch) == (grant.instance_id, grant.epoch) and all(
         name in grant.blocks and not not_published(ids, grant.blocks[name]) for name, ids in remote_given.items()
     )
+
+
+def _drop(task: asyncio.Future[Any] | None) -> None:
+    """Cancel a lookup no one needs any more, its outcome retrieved (it may have failed already)."""
+    if task is None:
+        return
+    if task.done():
+        if not task.cancelled():
+            task.exception()
+    else:
+        task.cancel()
 
 
 def _outlasted(entry: PullEntry) -> DeadlineError:

@@ -123,9 +123,12 @@ async def test_an_aborted_publish_stays_the_workers_until_its_granted_reader_is_
     aborted = asyncio.ensure_future(_first_event(pw[0], "ABORTED"))
     await asyncio.sleep(0.05)
     assert await pw[0].client.abort("r", "preempted") == (0, True)
+    # Dropped, but its blocks are not the worker's yet: a worker that asks hears it is still held.
+    assert (await pw[0].client.status(publishes=["r"]))["publishes"] == {"r": until_ms}
     ev = await asyncio.wait_for(aborted, 10)
     assert (ev.request_id, ev.message) == ("r", "preempted")
     assert time.time() * 1000 >= until_ms - 20  # not before the grant could run out
+    assert (await pw[0].client.status(publishes=["r"]))["publishes"] == {}
 
 
 async def test_a_publisher_that_never_answers_delays_no_other_publishers_holds(harness: Harness) -> None:

@@ -50,6 +50,8 @@ LEASE_CHECK_SECONDS = 1.0
 LEASE_CHECK_BATCH = 1024
 #: Deadline of that look-up: a local call made from vLLM's step, which must not wait long for it.
 LEASE_CHECK_DEADLINE_S = 1.0
+#: Longest wait between two look-ups the sidecar did not answer (they back off from LEASE_CHECK_SECONDS).
+LEASE_CHECK_MAX_SECONDS = 30.0
 #: Longest wait between two attempts to reach a sidecar that went away.
 RECONNECT_MAX_S = 10.0
 #: Completion events for ids this worker never saw published are forgotten after this long.
@@ -99,6 +101,7 @@ class WorkerSide:
         self._publish_ids: dict[str, str] = {}  # vLLM request id -> the id it was published under (push mode)
         self._released: dict[str, float] = {}
         self._next_lease_check = 0.0  # time.monotonic() of the next look-up of late publishes
+        self._lease_check_failures = 0  # look-ups in a row the sidecar did not answer
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         self._watcher: cf.Future[None] | None = None
@@ -381,13 +384,20 @@ class WorkerSide:
         """
         if now < self._next_lease_check:
             return None
-        self._next_lease_check = now + LEASE_CHECK_SECONDS
         try:
             status = self.sidecar.status(publishes=sorted(publish_ids), deadline=LEASE_CHECK_DEADLINE_S)
         except (KvxferError, TimeoutError) as exc:
+            # Timed from the answer, and backing off: a sidecar that does not answer must not cost
+            # every engine step a second.
+            self._lease_check_failures += 1
+            wait = min(LEASE_CHECK_SECONDS * 2**self._lease_check_failures, LEASE_CHECK_MAX_SECONDS)
+            self._next_lease_check = time.monotonic() + wait
             log.warning(f"could not ask the sidecar {self.target} whether it still holds {len(publish_ids)} "
-                        f"publishes whose release was not heard; their blocks stay held: {exc}")  # fmt: skip
+                        f"publishes whose release was not heard; their blocks stay held (next try in {wait:g} s): "
+                        f"{exc}")  # fmt: skip
             return None
+        self._lease_check_failures = 0
+        self._next_lease_check = time.monotonic() + LEASE_CHECK_SECONDS
         held: dict[str, int] = status["publishes"]
         return held
 
