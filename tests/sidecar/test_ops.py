@@ -119,6 +119,10 @@ async def test_metrics_endpoint_has_every_contract_metric(harness: Harness) -> N
     assert ps[0].metrics is not None
     assert b'outcome="ok"} 0.0' in ps[0].metrics.exposition()
     # State gauges are read when scraped: one lease held, one peer on each side, nothing in flight.
+    for _ in range(500):  # m1's DONE notice frees it (it may still be on its way on a loaded machine)
+        if (await pw[0].client.status())["leases"] == 0:
+            break
+        await asyncio.sleep(0.01)
     await pw[0].prefill("held", {"kv": [7]}, salt=2)
     prefill_text = ps[0].metrics.exposition().decode()
     for line in ("kvxfer_leases_active 1.0", "kvxfer_peers 1.0", "kvxfer_transfers_in_flight 0.0"):
