@@ -31,7 +31,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 from kvxfer.config import Settings
 from kvxfer.errors import KvxferError
@@ -147,16 +146,29 @@ class Holds:
                 # A request whose pull started is still held once when that pull waits for the answer.
                 rids = [r for r in self._fresh.pop(address) if r in self.expected or r in self._first]
                 if rids:
-                    task = self._fresh_out[address] = loop.create_task(self._hold_all({address: rids}))
-                    task.add_done_callback(partial(self._fresh_ended, address))
+                    self._send(self._fresh_out, address, rids, then=self._fresh_ended)
 
-    def _fresh_ended(self, address: str, task: asyncio.Task[None]) -> None:
+    def _fresh_ended(self, address: str) -> None:
         """A fresh Hold ended: the requests expected at its publisher meanwhile go now (spacing allowing)."""
-        if self._fresh_out.get(address) is task:
-            del self._fresh_out[address]
-        _log_failure(address, task)
         if address in self._fresh and (self._fresh_task is None or self._fresh_task.done()):
             self._fresh_task = asyncio.get_running_loop().create_task(self._hold_fresh())
+
+    def _send(
+        self, out: dict[str, asyncio.Task[None]], address: str, rids: list[str],
+        then: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Hold ``rids`` at ``address`` in a task of its own, in ``out`` while it runs; ``then(address)`` after."""
+        task = out[address] = asyncio.get_running_loop().create_task(self._hold_all({address: rids}))
+
+        def ended(done: asyncio.Task[None]) -> None:
+            if out.get(address) is done:
+                del out[address]
+            if not done.cancelled() and done.exception() is not None:  # what _hold does not catch: a bug
+                log.error("holding requests at a publisher failed", exc_info=done.exception(), extra={"peer": address})
+            if then is not None:
+                then(address)
+
+        task.add_done_callback(ended)
 
     def discard(self, request_id: str) -> None:
         """Stop holding ``request_id`` (it was aborted)."""
@@ -228,18 +240,9 @@ class Holds:
         for rid, e in self.expected.items():
             for address in e.addresses:
                 by_address.setdefault(address, []).append(rid)
-        loop = asyncio.get_running_loop()
         for address, rids in by_address.items():
-            out = self._round_out.get(address)
-            if out is not None and not out.done():
-                continue  # its last round's Hold is still out
-            task = self._round_out[address] = loop.create_task(self._hold_all({address: rids}))
-            task.add_done_callback(partial(self._round_ended, address))
-
-    def _round_ended(self, address: str, task: asyncio.Task[None]) -> None:
-        if self._round_out.get(address) is task:
-            del self._round_out[address]
-        _log_failure(address, task)
+            if address not in self._round_out:  # else its last round's Hold is still out
+                self._send(self._round_out, address, rids)
 
     async def _hold_all(self, by_address: dict[str, list[str]]) -> None:
         # A Hold carries at most HOLD_BATCH ids (the publisher refuses more): larger sets go in several.
@@ -304,12 +307,6 @@ class Holds:
                 fut.set_result(granted.get(rid))
             if not due:
                 del self._first[rid]
-
-
-def _log_failure(address: str, task: asyncio.Task[None]) -> None:
-    """A Hold's task that raised what :meth:`Holds._hold` does not catch (a bug): say so, once."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("holding requests at a publisher failed", exc_info=task.exception(), extra={"peer": address})
 
 
 def _wake(fut: asyncio.Future[None] | None) -> None:
