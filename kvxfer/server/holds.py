@@ -90,13 +90,13 @@ class Holds:
         self._fresh: dict[str, list[str]] = {}  # newly expected requests by address, not held yet
         self._fresh_task: asyncio.Task[None] | None = None  # sends them (see _hold_fresh)
         self._fresh_sent = -FRESH_HOLD_SPACING_S  # time.monotonic() the last of them left
-        self._spacing: asyncio.Future[None] | None = None  # set while _hold_fresh waits out the spacing
+        self._spacing = _Alarm()  # _hold_fresh waits out the spacing on it
         #: Per request whose first Hold has not been answered, by address: that answer (see the module docs).
         self._first: dict[str, dict[str, Due]] = {}
         #: Holds of newly expected requests sent (tests: how many went together).
         self.fresh_holds = 0
         self._next_round = math.inf  # time.monotonic() the next round is due (see _run)
-        self._round_wake: asyncio.Future[None] | None = None  # set while _run waits for it
+        self._round_due = _Alarm()  # _run waits for the next round on it
         #: Per address, the last round's Hold while it is out: a publisher that does not answer
         #: (its host is gone) delays nobody else's Holds, and gets no second one meanwhile.
         self._round_out: dict[str, asyncio.Task[None]] = {}
@@ -126,17 +126,10 @@ class Holds:
         A publisher gets one such Hold at a time: the requests expected there while one is out go
         when it ends (:meth:`_fresh_ended`), and one that does not answer delays no other publisher's.
         """
-        loop = asyncio.get_running_loop()
         while any(a not in self._fresh_out for a in self._fresh):
             wait = self._fresh_sent + FRESH_HOLD_SPACING_S - time.monotonic()
             if wait > 0:
-                self._spacing = loop.create_future()
-                timer = loop.call_later(wait, _wake, self._spacing)
-                try:
-                    await self._spacing
-                finally:
-                    timer.cancel()
-                    self._spacing = None
+                await self._spacing.sleep(wait)
             ready = [a for a in self._fresh if a not in self._fresh_out]
             if not ready:
                 continue  # the Holds out ended none while the spacing was waited out
@@ -189,7 +182,7 @@ class Holds:
             # out, or as soon as the one still out at that publisher ends (the pull looks the request
             # up if that takes GRANT_WAIT_S).
             self._fresh_sent = -FRESH_HOLD_SPACING_S
-            _wake(self._spacing)
+            self._spacing.wake()
         return grants, due
 
     def clear(self) -> None:
@@ -213,17 +206,10 @@ class Holds:
     async def _run(self) -> None:
         # A request is first held by _hold_fresh as it is expected; the rounds hold it again, every
         # hold_period unless a grant shorter than a lease of ours brings the next round forward.
-        loop = asyncio.get_running_loop()
         while self.expected:
             wait = self._next_round - time.monotonic()
             if wait > 0:
-                self._round_wake = loop.create_future()
-                timer = loop.call_later(wait, _wake, self._round_wake)
-                try:
-                    await self._round_wake
-                finally:
-                    timer.cancel()
-                    self._round_wake = None
+                await self._round_due.sleep(wait)
                 continue  # the round is due now, or was brought forward: look again
             self._next_round = time.monotonic() + hold_period(self.settings)
             self._round()
@@ -294,7 +280,7 @@ class Holds:
         """
         if when < self._next_round:
             self._next_round = when
-            _wake(self._round_wake)
+            self._round_due.wake()
 
     def _answered(self, address: str, rids: list[str], granted: dict[str, Grant]) -> None:
         """A Hold at ``address`` ended: what its requests' first Holds were due there (None: no grant)."""
@@ -307,6 +293,26 @@ class Holds:
                 fut.set_result(granted.get(rid))
             if not due:
                 del self._first[rid]
+
+
+class _Alarm:
+    """A sleep that can be cut short: :meth:`wake` ends the one in progress (nothing when none is)."""
+
+    def __init__(self) -> None:
+        self._fut: asyncio.Future[None] | None = None
+
+    async def sleep(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._fut = loop.create_future()
+        timer = loop.call_later(seconds, _wake, self._fut)
+        try:
+            await self._fut
+        finally:
+            timer.cancel()
+            self._fut = None
+
+    def wake(self) -> None:
+        _wake(self._fut)
 
 
 def _wake(fut: asyncio.Future[None] | None) -> None:
