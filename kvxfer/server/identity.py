@@ -96,11 +96,15 @@ class Identity:
 
 
 def _rank_view(layout: KVCacheLayout, tp_size: int) -> KVCacheLayout:
-    """``layout`` as a rank of a ``tp_size``-way split holds it (head count per rank)."""
+    """``layout`` as a rank of a ``tp_size``-way split holds it (head count per rank).
+
+    Only the heads matter to which ranks are read: the local rank's padding (``page_stride``,
+    ``block_bytes``) is sized for its own pages and would not fit a rank holding more heads.
+    """
     if layout.kind in (CacheKind.MLA, CacheKind.MAMBA):
         return layout
     h0, h1 = head_range(layout.total_kv_heads, tp_size, 0)
-    return dataclasses.replace(layout, num_kv_heads=h1 - h0)
+    return dataclasses.replace(layout, num_kv_heads=h1 - h0, page_stride=0, block_bytes=0)
 
 
 def remote_sources(local: KVCacheLayout, local_rank: RankInfo, remote_tp: int) -> set[int]:
