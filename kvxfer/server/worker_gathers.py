@@ -21,6 +21,7 @@ from kvxfer.errors import DeadlineError, PeerUnavailableError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.server.peers import PeerSession
 from kvxfer.server.state import PullEntry, Registration
+from kvxfer.topology import RegionIndex
 from kvxfer.transport import SameHostGather
 from kvxfer.wire import local_pb2
 
@@ -91,26 +92,19 @@ class _Regions:
     layout order: the order the worker registered its tensors), searchable by address here."""
 
     epoch: int
-    bases: U64  # by region index
-    ends: U64
-    order: npt.NDArray[np.intp]  # region indices by address
-    sorted_bases: U64
+    index: RegionIndex
 
     @classmethod
     def of(cls, reg: Registration) -> _Regions:
         tables = [g.memory.table for g in reg.groups.values()]
-        bases = np.concatenate([t.base for t in tables]).astype(np.uint64)
-        ends = bases + np.concatenate([t.size for t in tables]).astype(np.uint64)
-        order = np.argsort(bases, kind="stable")
-        return cls(reg.epoch, bases, ends, order, bases[order])
+        bases, sizes = np.concatenate([t.base for t in tables]), np.concatenate([t.size for t in tables])
+        return cls(reg.epoch, RegionIndex.of(bases, sizes))
 
 
 def _worker_regions(regions: _Regions, local: U64) -> tuple[U64, U64]:
     """Per local descriptor, the worker's region it lies in and its byte offset there."""
-    bases, ends = regions.bases, regions.ends
-    addr, size = local[:, 0].astype(np.uint64, copy=False), local[:, 1].astype(np.uint64, copy=False)
-    at = np.searchsorted(regions.sorted_bases, addr, side="right") - 1
-    region = regions.order[np.maximum(at, 0)]
-    if not ((at >= 0) & (addr < ends[region]) & (size <= ends[region] - addr)).all():
+    addr = local[:, 0].astype(np.uint64, copy=False)
+    region, inside = regions.index.find(addr, local[:, 1])
+    if not inside.all():
         raise RuntimeError("a local descriptor lies outside the registered regions")  # a planning bug
-    return region.astype(np.uint64), addr - bases[region]
+    return region.astype(np.uint64), addr - regions.index.bases[region]

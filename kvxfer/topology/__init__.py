@@ -27,7 +27,7 @@ plans, from the readers' ones). Part of the pure core: frozen dataclasses, numpy
 """
 
 from kvxfer.topology.blocks import MAX_PARSED_IDS, BlockIds, check_block_ids, parse_block_ids
-from kvxfer.topology.plans import PushPlan, RankInfo, RankPlan, RegionTable, Source, TransferPlan
+from kvxfer.topology.plans import PushPlan, RankInfo, RankPlan, RegionIndex, RegionTable, Source, TransferPlan
 from kvxfer.topology.push import PushTopology
 from kvxfer.topology.transfer import TransferTopology
 
@@ -38,6 +38,7 @@ __all__ = [
     "PushTopology",
     "RankInfo",
     "RankPlan",
+    "RegionIndex",
     "RegionTable",
     "Source",
     "TransferPlan",

@@ -19,7 +19,7 @@ from kvxfer.errors import LayoutError, TopologyError
 from kvxfer.layout import KVCacheLayout
 from kvxfer.topology.blocks import I64
 
-__all__ = ["U64", "PushPlan", "RankInfo", "RankPlan", "RegionTable", "Source", "TransferPlan", "frozen"]
+__all__ = ["U64", "PushPlan", "RankInfo", "RankPlan", "RegionIndex", "RegionTable", "Source", "TransferPlan", "frozen"]
 
 U64 = npt.NDArray[np.uint64]
 
@@ -83,6 +83,48 @@ class RegionTable:
                 f"regions: region {i} has {int(self.size[i])} bytes, the layout needs {layout.region_bytes}",
                 field="regions",
             )
+
+
+@dataclass(frozen=True, eq=False)
+class RegionIndex:
+    """Finds, for byte spans, a registered region each one lies in.
+
+    Regions may overlap: the groups of a block-major cache that share one allocation are
+    registered as regions with the same base and different sizes. A span lies in some region
+    exactly when it lies in the one that reaches furthest among those starting at or before it,
+    so that is the one :meth:`find` answers (a smaller region at the same base would refuse the
+    span's tail; every region of one allocation gives the same address for it).
+    """
+
+    bases: U64  # by region index
+    ends: U64  # by region index
+    sorted_bases: U64
+    furthest: npt.NDArray[np.intp]  # per position in ``sorted_bases``: the region reaching furthest up to it
+
+    @classmethod
+    def of(cls, bases: npt.ArrayLike, sizes: npt.ArrayLike) -> RegionIndex:
+        """The index of regions ``bases[i]`` .. ``bases[i] + sizes[i]`` (any order, overlaps allowed)."""
+        b = np.asarray(bases, dtype=np.uint64).reshape(-1)
+        e = b + np.asarray(sizes, dtype=np.uint64).reshape(-1)
+        order = np.argsort(b, kind="stable")
+        ends = e[order]
+        reach = np.maximum.accumulate(ends) if ends.size else ends
+        # The latest position that set the running maximum: the region that reaches furthest so far.
+        at = np.maximum.accumulate(np.where(ends == reach, np.arange(ends.size), 0)) if ends.size else order
+        return cls(b, e, b[order], order[at])
+
+    def find(self, addr: U64, size: U64) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+        """Per span (``addr``, ``size``): a region it lies in, and whether it lies in one at all
+        (where it does not, the region given is meaningless)."""
+        addr = addr.astype(np.uint64, copy=False)  # mixed with int64, numpy would compute in float64
+        size = size.astype(np.uint64, copy=False)
+        if not self.sorted_bases.size:
+            return np.zeros(addr.shape, dtype=np.intp), np.zeros(addr.shape, dtype=bool)
+        at = np.searchsorted(self.sorted_bases, addr, side="right") - 1
+        region = self.furthest[np.maximum(at, 0)]
+        end = self.ends[region]
+        # No sum that could wrap: the span starts in the region and fits in what is left of it.
+        return region, (at >= 0) & (addr < end) & (size <= end - addr)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from kvxfer import cuda_ipc
 from kvxfer.errors import KvxferError
 from kvxfer.logs import get_logger
-from kvxfer.topology import RegionTable
+from kvxfer.topology import RegionIndex, RegionTable
 from kvxfer.transport.base import MemType, Notification, Op, Registration, SameHostGather, TransferResult, Transport
 from kvxfer.transport.errors import TransferFailedError, TransferTimeoutError
 
@@ -73,8 +73,8 @@ class _Export:
 class _Peer:
     """A publisher on this host whose worker memory this process maps itself."""
 
-    bases: npt.NDArray[np.uint64]  # sorted
-    ends: npt.NDArray[np.uint64]
+    bases: npt.NDArray[np.uint64]  # by export
+    index: RegionIndex  # the exports, searchable by address
     exports: list[_Export]
     opened: dict[int, tuple[int, int]] = field(default_factory=dict)  # export index -> (device, local base)
     broken: str = ""
@@ -173,12 +173,10 @@ class CudaIpcDirect(Transport):
         name = self._inner.add_peer(metadata)
         self._drop_peer(name)  # a reloaded peer may have new memory
         if header is not None and self.enabled and header.get("host") == self._host and header.get("pid") != self._pid:
-            exports = sorted(
-                (_Export(int(b), int(s), bytes.fromhex(h), int(o), str(u)) for b, s, h, o, u in header["regions"]),
-                key=lambda e: e.base,
-            )
+            exports = [_Export(int(b), int(s), bytes.fromhex(h), int(o), str(u)) for b, s, h, o, u in header["regions"]]
             bases = np.array([e.base for e in exports], dtype=np.uint64)
-            self._peers[name] = _Peer(bases, bases + np.array([e.size for e in exports], dtype=np.uint64), exports)
+            index = RegionIndex.of(bases, np.array([e.size for e in exports], dtype=np.uint64))
+            self._peers[name] = _Peer(bases, index, exports)
             log.info("same-host peer: READs of its GPU memory use CUDA IPC device copies", extra={"peer": name})
         return name
 
@@ -246,18 +244,12 @@ class CudaIpcDirect(Transport):
     @staticmethod
     def _inside(name: str, p: _Peer, remote: U64) -> npt.NDArray[np.intp]:
         """Per descriptor, the index of the peer's export it lies in; raises if one lies in none."""
-        if remote.dtype != np.uint64:  # mixed with int64, numpy would compute addresses in float64
-            remote = remote.astype(np.uint64)
-        addr, size = remote[:, 0], remote[:, 1]
-        idx = np.searchsorted(p.bases, addr, side="right") - 1
-        end = p.ends[idx]  # idx -1 reads the last end; such a descriptor is refused below anyway
-        # No sum that could wrap: the descriptor starts in the region and fits in what is left of it.
-        inside = (idx >= 0) & (addr < end) & (size <= end - addr)
+        idx, inside = p.index.find(remote[:, 0], remote[:, 1])
         if not inside.all():
             bad = int(np.flatnonzero(~inside)[0])
             raise TransferFailedError(
-                f"remote descriptor {bad} ({int(addr[bad]):#x}, {int(size[bad])} bytes) is outside the peer's "
-                "registered regions", backend="cuda-ipc", peer=name,
+                f"remote descriptor {bad} ({int(remote[bad, 0]):#x}, {int(remote[bad, 1])} bytes) is outside the "
+                "peer's registered regions", backend="cuda-ipc", peer=name,
             )  # fmt: skip
         return idx
 

@@ -482,3 +482,19 @@ async def test_a_failed_warm_up_changes_nothing_but_itself(
     assert [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()] == [
         "a gather's warm-up failed; pulls go on without it"
     ]
+
+
+def test_spans_in_the_tail_of_the_longer_of_two_groups_at_one_base_are_placed() -> None:
+    """Block-major groups of one allocation are registered at one base with different sizes: a span
+    past the shorter one's end lies in the longer one (it was refused as a planning bug)."""
+    from kvxfer.server.worker_gathers import _Regions, _worker_regions
+    from kvxfer.topology import RegionIndex
+
+    base, block = 1 << 32, 16384
+    regions = _Regions(1, RegionIndex.of([base, base], [8 * block, 7 * block + 8192]))
+    local = np.array([[base + 7 * block, block, 0], [base + block, block, 0]], dtype=U64)
+    region, offset = _worker_regions(regions, local)
+    assert region.tolist() == [0, 0]  # the region that holds both; one base, so the same offsets
+    assert offset.tolist() == [7 * block, block]
+    with pytest.raises(RuntimeError, match="outside the registered regions"):
+        _worker_regions(regions, np.array([[base + 8 * block - 8, 16, 0]], dtype=U64))
