@@ -29,7 +29,7 @@ def cases(draw: st.DrawFn) -> tuple[TransferGroup, list[int], int, int]:
     table = list(range(1, nblocks + 1))
     group = TransferGroup(0, "g0", role, bs, window)
     if role == "window":  # vLLM frees the blocks the window left: null blocks in the table
-        first_needed = max(0, end - window) // bs
+        first_needed = max(0, end - window + 1) // bs  # vLLM: get_num_skipped_tokens(end) // bs
         table = [NULL_BLOCK] * first_needed + table[first_needed:]
     return group, table, hit, end
 

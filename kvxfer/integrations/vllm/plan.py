@@ -28,6 +28,7 @@ __all__ = [
     "published_blocks",
     "pull_arguments",
     "stage_addresses",
+    "window_start",
 ]
 
 #: vLLM's null block: a table entry that holds nothing (a sliding window's skipped blocks).
@@ -123,6 +124,13 @@ def published_blocks(group: TransferGroup, table: Sequence[int], num_tokens: int
     return RemoteGroup(group.name, ids, group.block_size, first)
 
 
+def window_start(group: TransferGroup, computed: int) -> int:
+    """The first token a sliding-window group still attends to once ``computed`` tokens are in the
+    cache: the next token's window reaches back ``window - 1`` tokens (vLLM's
+    ``SlidingWindowManager.get_num_skipped_tokens``; both sides drop the blocks wholly before it)."""
+    return max(0, computed - group.window + 1)
+
+
 def group_pull(
     group: TransferGroup, remote: RemoteGroup, table: Sequence[int], start: int, end: int
 ) -> GroupPull | str | None:
@@ -147,9 +155,10 @@ def group_pull(
     s = max(start, remote.first_block * br, first_local * bl)
     if group.role == "window":
         # Tokens before the window are never attended again: skip what either side already dropped.
-        if s > max(start, end - group.window):
+        need = max(start, window_start(group, end))
+        if s > need:
             return (
-                f"the sliding window of {group.window} tokens needs tokens from {max(start, end - group.window)}; "
+                f"the sliding window of {group.window} tokens needs tokens from {need}; "
                 f"blocks from token {s} are published and allocated"
             )
     elif s > start:

@@ -51,6 +51,7 @@ from kvxfer.integrations.vllm.plan import (
     published_blocks,
     pull_arguments,
     stage_addresses,
+    window_start,
 )
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import TransferGroup
@@ -323,6 +324,20 @@ class SchedulerSide:
                 )
             if g.role == "full" and len(r.block_ids) * br < tokens:
                 return f"group {g.name}: the prefill side published {len(r.block_ids)} blocks for {tokens} tokens"
+            if g.role == "window":
+                # vLLM drops a window's blocks by the tokens each side computed: the prefill side's
+                # one more token can have dropped the block holding the first token needed here.
+                need, kept = window_start(g, tokens), r.first_block * br
+                if kept > need:
+                    return (
+                        f"group {g.name}: the sliding window of {g.window} tokens needs tokens from {need}; the "
+                        f"prefill side kept blocks from token {kept}"
+                    )
+                if (r.first_block + len(r.block_ids)) * br < tokens:
+                    return (
+                        f"group {g.name}: the prefill side published blocks up to token "
+                        f"{(r.first_block + len(r.block_ids)) * br} for {tokens} tokens"
+                    )
         return ""
 
     def after_alloc(self, request: Any, tables: Sequence[Sequence[int]], num_external_tokens: int) -> None:
