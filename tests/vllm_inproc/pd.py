@@ -26,7 +26,7 @@ from kvxfer.harness.cluster import LocalCluster, SidecarProc
 from kvxfer.integrations.vllm.params import push_params
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
-from kvxfer.integrations.vllm.spec import transfer_groups
+from kvxfer.integrations.vllm.spec import reports_failed_blocks, transfer_groups
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.topology import RankInfo
 from tests.vllm_inproc.engine import Engine, as_row_bytes, vllm_parts, write_random
@@ -201,7 +201,13 @@ class PD:
         cs = ConnectorSettings(sidecar_socket=self.sidecars.socket(sidecars or f"{role[:3]}{tp}"), **settings)
         workers = []
         for r, eng in enumerate(engines):
-            w = WorkerSide(cs, rank=RankInfo(r % tp, tp, r // tp, pp), local_rank=r, worker_id=f"{role}-{r}")
+            w = WorkerSide(
+                cs,
+                rank=RankInfo(r % tp, tp, r // tp, pp),
+                local_rank=r,
+                worker_id=f"{role}-{r}",
+                block_errors=reports_failed_blocks(eng.kv_cache_config),
+            )  # as the connector does
             self.made.append(w)
             w.register(eng.describe(), eng.kv_caches)
             workers.append(w)

@@ -262,10 +262,11 @@ def test_failed_load_reports_its_blocks_and_other_loads_complete(pd: PD) -> None
     dec.step()
     _, r1, f1 = dec.finished(recving="d-lost")
     _, r2, f2 = dec.finished(recving="d-good") if "d-good" not in r1 else (set(), set(), set())
-    # A failed load still ends (vLLM must not wait forever) and names exactly its blocks.
+    # A failed load still ends (vLLM must not wait forever) and names exactly its blocks (one
+    # full-attention group: vLLM recomputes from the first), not the request.
     assert {"d-lost", "d-good"} <= r1 | r2
-    assert f1 | f2 == {"d-lost"}
-    assert dec.workers[0].single_group
+    assert f1 | f2 == set()
+    assert dec.workers[0].block_errors
     assert dec.workers[0].load_errors() == {40, 41}
     assert dec.workers[0].load_errors() == set()
     assert same(pages(dec.engines[0], [42, 43]), pages(pre.engines[0], [1, 2]))
@@ -286,8 +287,50 @@ def test_failed_load_of_a_model_with_two_groups_is_reported_per_request(pd: PD) 
     dec.step()
     _, recving, failed = dec.finished(recving="d-two")
     assert (recving, failed) == ({"d-two"}, {"d-two"})
-    assert not dec.workers[0].single_group
+    assert not dec.workers[0].block_errors
     assert dec.workers[0].load_errors() == set()
+
+
+@pytest.mark.parametrize("model", ["sliding window only", "full attention, load that cannot start"])
+def test_a_failed_load_vllm_cannot_recompute_from_a_block_is_reported_per_request(pd: PD, model: str) -> None:
+    """Block ids make vLLM recompute from the first failed block over the blocks before it: null blocks
+    for a sliding window (it would attend to zeros), and nothing at all for a load that never named
+    its blocks (vLLM would take it as loaded). Both fail the request instead."""
+    window = model == "sliding window only"
+    spec = attention_spec(block_size=BS, heads=HEADS, head_size=HEAD, window=2 * BS if window else None)
+    eng = build_engine([GroupDef(LAYERS, spec)], num_blocks=BLOCKS, backend=FlashAttentionBackend)
+    dec = pd.instance("decode", [eng])
+    assert dec.workers[0].block_errors is (not window)
+    params = {"do_remote_prefill": True, "remote_request_id": "nobody", "remote_block_ids": [[1, 2, 3, 4]],
+              "kvxfer_addresses": [pd.sidecars.sets["pre1"][0].peer_address], "remote_num_tokens": 4 * BS}  # fmt: skip
+    req = decode_request("d-one", 4 * BS, params)
+    assert dec.scheduler.matched_tokens(req, 0) == (4 * BS - 1, True)
+    # A table one block short cannot even be planned (the PullSpec carries an error and no blocks).
+    table = [0, 0, 5, 6] if window else [5, 6, 7]
+    dec.scheduler.after_alloc(req, [table], 4 * BS - 1)
+    dec.step()
+    seen = vllm_sees(dec, "d-one")
+    assert seen == {"finished_recving": {"d-one"}, "failed_recving": {"d-one"}, "invalid_block_ids": set()}
+
+
+def vllm_sees(inst: Instance, rid: str, timeout: float = 20.0) -> dict[str, set[Any]]:
+    """What vLLM's model runner hands its scheduler, polled through the connector's own methods until
+    ``rid``'s load ends (one rank)."""
+    from types import SimpleNamespace
+
+    from kvxfer.integrations.vllm.connector import KvxferConnector
+
+    conn = SimpleNamespace(_worker=inst.workers[0])
+    seen: dict[str, set[Any]] = {"finished_recving": set(), "failed_recving": set(), "invalid_block_ids": set()}
+    deadline = time.monotonic() + timeout
+    while rid not in seen["finished_recving"]:
+        assert time.monotonic() < deadline, seen
+        res = KvxferConnector.get_transfer_results(conn, set())  # type: ignore[arg-type]
+        seen["finished_recving"] |= res.finished_recving or set()
+        seen["failed_recving"] |= res.failed_recving or set()
+        seen["invalid_block_ids"] |= KvxferConnector.get_block_ids_with_load_errors(conn)  # type: ignore[arg-type]
+        time.sleep(0.02)
+    return seen
 
 
 def test_request_aborted_while_loading_ends_without_load_errors(pd: PD) -> None:
@@ -575,7 +618,8 @@ def test_a_sliding_window_pull_is_promised_only_when_it_can_load(
         needed = SlidingWindowManager.get_num_skipped_tokens(rule, prompt - 1)  # type: ignore[arg-type]
         if n == 0:
             computed_here += 1
-            assert pub[1] is not None and pub[1].first_block * bs > needed, prompt  # only when it cannot load
+            assert pub[1] is not None
+            assert pub[1].first_block * bs > needed, prompt  # only when it cannot load
             continue
         promised += 1
         assert (n, is_async) == (prompt - 1, True)

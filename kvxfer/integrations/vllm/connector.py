@@ -31,6 +31,7 @@ from kvxfer.integrations.vllm.spec import (
     SUPPORTED_VLLM,
     KVCacheDescriptionError,
     describe_caches,
+    reports_failed_blocks,
     transfer_groups,
     vllm_version_supported,
 )
@@ -114,6 +115,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.settings, rank=self._rank, local_rank=pp.rank_in_group * tp_size + tp,
                 dp_rank=par.data_parallel_rank, worker_id=f"{self.engine_id}/pid{os.getpid()}",
                 failure_policy=str(getattr(kt, "kv_load_failure_policy", "fail")),
+                block_errors=reports_failed_blocks(kv_cache_config),
             )  # fmt: skip
 
     @classmethod
@@ -191,15 +193,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Finished sends and loads; failed loads too when the model has several KV-cache groups."""
+        """Finished sends and loads, and the loads that failed where vLLM takes them per request."""
         assert self._worker is not None
         sending, recving, failed = self._worker.finished()
-        # One group: vLLM takes the failed blocks (get_block_ids_with_load_errors) and recomputes
-        # just those. Several groups: it takes failures per request only.
-        return KVConnectorTransferResults(sending, recving, set() if self._worker.single_group else failed)
+        # Failed blocks go by get_block_ids_with_load_errors where vLLM can recompute from the first
+        # (reports_failed_blocks); every other failed load is reported here, per request.
+        return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed (models with one KV-cache group): vLLM recomputes them or fails."""
+        """Blocks whose load failed (one full-attention group only): vLLM recomputes from the first, or fails."""
         assert self._worker is not None
         return self._worker.load_errors()
 

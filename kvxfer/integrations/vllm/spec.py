@@ -30,6 +30,7 @@ __all__ = [
     "KVCacheDescriptionError",
     "TransferGroup",
     "describe_caches",
+    "reports_failed_blocks",
     "transfer_groups",
     "vllm_version_supported",
 ]
@@ -88,6 +89,19 @@ def transfer_groups(kv_cache_config: Any) -> tuple[TransferGroup, ...]:
         else:
             out.append(TransferGroup(i, f"g{i}", "full", int(spec.block_size)))
     return tuple(out)
+
+
+def reports_failed_blocks(kv_cache_config: Any) -> bool:
+    """Whether a failed load may be reported to vLLM as its blocks (``get_block_ids_with_load_errors``).
+
+    vLLM maps failed block ids back to requests only for a model with one KV-cache group (it stops
+    the engine otherwise), and then recomputes from the first failed block over the blocks before
+    it. That is sound for full attention alone: a sliding window's or a Mamba group's blocks
+    before it are null blocks, and the recompute would attend to zeros. Everything else is
+    reported per request (``failed_recving``), which recomputes or fails the whole prompt.
+    """
+    groups = transfer_groups(kv_cache_config)
+    return len(kv_cache_config.kv_cache_groups) == 1 and len(groups) == 1 and groups[0].role == "full"
 
 
 def _transfer_group_specs(kv_cache_config: Any) -> Sequence[Any]:

@@ -75,9 +75,12 @@ class WorkerSide:
 
     def __init__(
         self, settings: ConnectorSettings, *, rank: RankInfo, local_rank: int, dp_rank: int = 0,
-        worker_id: str = "", failure_policy: str = "fail",
+        worker_id: str = "", failure_policy: str = "fail", block_errors: bool = False,
     ) -> None:  # fmt: skip
         self.settings = settings
+        #: Report a failed load as its blocks (vLLM recomputes from the first) rather than as the
+        #: request: see :func:`~kvxfer.integrations.vllm.spec.reports_failed_blocks`.
+        self.block_errors = block_errors
         self.rank = rank
         self.worker_id = worker_id or f"rank{local_rank}"
         self.failure_policy = failure_policy
@@ -323,9 +326,9 @@ class WorkerSide:
     def finished(self) -> tuple[set[str], set[str], set[str]]:
         """(requests whose published blocks vLLM may free, requests whose loads ended, those that failed).
 
-        A load that failed still ends. With one KV-cache group its blocks are reported by
-        :meth:`load_errors` too, so that vLLM recomputes just those; vLLM takes failures of models
-        with several groups per request only (``failed``).
+        A load that failed still ends. Where vLLM may recompute from the first failed block
+        (``block_errors``) its blocks are reported by :meth:`load_errors`; otherwise, and for a load
+        that named no block (it could not even start), the request is reported (``failed``).
         """
         recving: set[str] = set()
         failed: set[str] = set()
@@ -343,9 +346,10 @@ class WorkerSide:
             elif not aborted:
                 # An aborted request's blocks are freed by vLLM; naming them would mark blocks that
                 # may already belong to another request.
-                failed.add(rid)
-                if self.single_group:
+                if self.block_errors and spec.local_blocks:
                     self._errors.update(spec.local_blocks)
+                else:
+                    failed.add(rid)
                 then = "fails the request" if self.failure_policy == "fail" else "recomputes the prompt"
                 log.warning(f"request {rid}: KV load failed ({exc}); vLLM {then} (kv_load_failure_policy="
                             f"{self.failure_policy})")  # fmt: skip
@@ -401,13 +405,8 @@ class WorkerSide:
         held: dict[str, int] = status["publishes"]
         return held
 
-    @property
-    def single_group(self) -> bool:
-        """True when the model has one KV-cache transfer group (vLLM then takes failed block ids)."""
-        return len(self._names) <= 1
-
     def load_errors(self) -> set[int]:
-        """Local block ids whose load failed since the last call (models with one KV-cache group)."""
+        """Local block ids whose load failed since the last call (with ``block_errors`` only)."""
         out, self._errors = self._errors, set()
         return out
 
