@@ -372,6 +372,8 @@ def test_unusable_params_make_the_decode_side_compute_the_prompt(pd: PD, caplog:
         (dict(base, remote_block_ids=[[1]], remote_num_tokens=3 * BS), "published 1 blocks for"),
         (dict(base, remote_block_size=BS + 8), f"block size {BS + 8} on the prefill side and {BS} here"),
         (dict(base, remote_block_size=str(BS)), "remote_block_size: must be an integer >= 0"),
+        (dict(base, pp_size=2), "the prefill instance runs 2 pipeline stages, this one 1"),
+        (dict(base, tp_size="2"), "tp_size: must be an integer >= 0"),
         (dict(base, remote_num_tokens="lots"), "remote_num_tokens: must be an integer >= 0"),
         (dict(base, remote_block_ids=[[1], [2]]), "KV-cache groups ['g0', 'g1'], this one ['g0']"),
         (dict(base, kvxfer_groups=[{"name": "g7", "block_size": BS}]), "KV-cache groups ['g7']"),
@@ -632,3 +634,23 @@ def test_a_sliding_window_pull_is_promised_only_when_it_can_load(
     assert promised > 0
     # Dropped by the prompt, one length in bs leaves the prefill side without the block holding the first token needed.
     assert computed_here == (4 if prefill_dropped_by == "the prompt" else 0)
+
+
+def test_mamba_state_from_another_tp_size_is_computed_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecars refuse Mamba state between different TP sizes at the handshake: the decode scheduler
+    says so up front instead of promising vLLM a load that can only fail."""
+    from types import SimpleNamespace
+
+    from kvxfer.integrations.vllm.scheduler import SchedulerSide
+    from kvxfer.integrations.vllm.spec import TransferGroup
+
+    groups = [TransferGroup(0, "g0", "full", BS), TransferGroup(1, "g1", "state", BS)]
+    sched = SchedulerSide(ConnectorSettings(sidecar_socket="/nonexistent/{rank}.sock", prepare_pulls=False),
+                          engine_id="d", groups=groups, tp_size=2)  # fmt: skip
+    monkeypatch.setattr(sched, "_expect", lambda rid, remote: None)  # no sidecar: nothing to hold
+    params = {"do_remote_prefill": True, "remote_request_id": "x", "remote_block_ids": [[1, 2, 3], [7]],
+              "kvxfer_addresses": ["127.0.0.1:1"], "remote_num_tokens": 3 * BS - 1}  # fmt: skip
+    for tp, want in ((1, (0, False)), (2, (3 * BS - 1, True)), (0, (3 * BS - 1, True))):  # 0: not given
+        req = SimpleNamespace(request_id=f"d{tp}", kv_transfer_params=dict(params, tp_size=tp),
+                              prompt_token_ids=list(range(3 * BS)))  # fmt: skip
+        assert sched.matched_tokens(req, 0) == want, tp

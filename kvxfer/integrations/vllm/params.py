@@ -89,6 +89,9 @@ class RemotePrefill:
     sidecar_engine_id: str = ""
     #: Push mode: the prefill side WRITEs; ``groups`` is empty (nothing is published yet).
     push: bool = False
+    #: The prefill instance's parallel sizes (0: not given).
+    tp_size: int = 0
+    pp_size: int = 0
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -113,7 +116,8 @@ class RemotePrefill:
             raise ParamsError(f"kvxfer_engine_id: must be a string, got {sidecar_engine!r}", field="kvxfer_engine_id")
         block_size = _count(params, "remote_block_size")
         groups = _groups(params.get("kvxfer_groups"), lists, block_size)
-        return cls(request_id, engine_id, addresses, groups, num_tokens, sidecar_engine)
+        tp_size, pp_size = _count(params, "tp_size"), _count(params, "pp_size")
+        return cls(request_id, engine_id, addresses, groups, num_tokens, sidecar_engine, False, tp_size, pp_size)
 
     @classmethod
     def parse_push(cls, params: Mapping[str, Any]) -> RemotePrefill:

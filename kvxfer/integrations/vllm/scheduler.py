@@ -313,6 +313,18 @@ class SchedulerSide:
             )
         if tokens < 1:
             return "a one-token prompt has nothing to load"
+        # What the sidecars refuse at the handshake, told before vLLM is promised a load.
+        if remote.pp_size and remote.pp_size != self.pp_size:
+            return (
+                f"the prefill instance runs {remote.pp_size} pipeline stages, this one {self.pp_size} (a stage "
+                "reads the same stage's layers)"
+            )
+        state = [g.name for g in self.groups if g.role == "state"]
+        if state and remote.tp_size and remote.tp_size != self.tp_size:
+            return (
+                f"group {state[0]}: Mamba state moves only between equal tensor-parallel sizes (prefill "
+                f"{remote.tp_size}, here {self.tp_size})"
+            )
         if self.prefill_backoff and remote.num_tokens and remote.num_tokens < tokens:
             return f"the prefill side computed {remote.num_tokens} tokens, {tokens} are needed"
         for g, r in zip(self.groups, remote.groups, strict=True):
