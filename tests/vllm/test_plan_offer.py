@@ -13,24 +13,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.integrations.vllm.params import RemoteGroup
-from kvxfer.integrations.vllm.plan import NULL_BLOCK, GroupPull, group_offer, group_pull, published_blocks
+from kvxfer.integrations.vllm.plan import (
+    NULL_BLOCK,
+    GroupPull,
+    attended_from,
+    group_offer,
+    group_pull,
+    published_blocks,
+)
 from kvxfer.integrations.vllm.spec import TransferGroup
 
 
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[TransferGroup, list[int], int, int]:
     bs = draw(st.sampled_from([16, 32, 64]))
-    role = draw(st.sampled_from(["full", "window"]))
+    role = draw(st.sampled_from(["full", "window", "chunked"]))
     window = draw(st.sampled_from([32, 100, 128])) if role == "window" else 0
+    chunk = draw(st.sampled_from([64, 128, 256])) if role == "chunked" else 0
     prompt = draw(st.integers(2, 400))
     end = prompt - 1
     nblocks = math.ceil(prompt / bs)
     hit = draw(st.integers(0, max(0, end - 1) // bs)) * bs  # the local prefix cache: whole blocks
     table = list(range(1, nblocks + 1))
-    group = TransferGroup(0, "g0", role, bs, window)
-    if role == "window":  # vLLM frees the blocks the window left: null blocks in the table
-        first_needed = max(0, end - window + 1) // bs  # vLLM: get_num_skipped_tokens(end) // bs
-        table = [NULL_BLOCK] * first_needed + table[first_needed:]
+    group = TransferGroup(0, "g0", role, bs, window, chunk=chunk)
+    # vLLM frees the blocks the window (chunk) left: null blocks in the table (get_num_skipped_tokens(end) // bs)
+    first_needed = attended_from(group, end) // bs
+    table = [NULL_BLOCK] * first_needed + table[first_needed:]
     return group, table, hit, end
 
 

@@ -580,44 +580,69 @@ def test_each_decode_rank_reads_on_the_plan_its_scheduler_prepared(pd: PD) -> No
 
 
 @pytest.mark.parametrize("prefill_dropped_by", ["the prompt", "the prompt less one token"])
-def test_a_sliding_window_pull_is_promised_only_when_it_can_load(
-    prefill_dropped_by: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kind", ["sliding window", "chunked local attention"])
+def test_a_windowed_pull_is_promised_only_when_it_can_load(
+    kind: str, prefill_dropped_by: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """For every prompt length around the window, both block tables as vLLM's own sliding-window rule
-    leaves them (``get_num_skipped_tokens``): the decode scheduler either computes the prompt itself,
-    because the prefill side dropped a block the decode side's window needs, or promises a load that
-    plans without error and starts where vLLM's window for the next token starts."""
+    """For every prompt length around the window (chunk), both block tables as vLLM's own manager
+    leaves them (``get_num_skipped_tokens``), and the group's role read from vLLM's own spec: the
+    decode scheduler either computes the prompt itself, because the prefill side dropped a block
+    the decode side still attends to, or promises a load that plans without error and starts where
+    vLLM's attention for the next token starts."""
     from types import SimpleNamespace
 
-    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager, SlidingWindowManager
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
 
     from kvxfer.integrations.vllm.params import prefill_response
     from kvxfer.integrations.vllm.plan import published_blocks
     from kvxfer.integrations.vllm.scheduler import SchedulerSide
-    from kvxfer.integrations.vllm.spec import TransferGroup
+    from kvxfer.integrations.vllm.spec import transfer_groups
 
-    window, bs = 32, 16
-    rule = SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
+    span, bs = 32, 16
+    full = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD)
+    if kind == "sliding window":
+        windowed = attention_spec(block_size=bs, heads=HEADS, head_size=HEAD, window=span)
+        manager, rule = SlidingWindowManager, SimpleNamespace(sliding_window=span, extra_retained_tokens=0)
+    else:
+        assert isinstance(full, FullAttentionSpec)
+        fields = {k: getattr(full, k) for k in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype")}
+        windowed = ChunkedLocalAttentionSpec(attention_chunk_size=span, **fields)
+        manager, rule = ChunkedLocalAttentionManager, SimpleNamespace(attention_chunk_size=span)  # type: ignore[assignment]
+    specs = [KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], windowed)]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=specs)
+    groups = transfer_groups(config)
+    assert [g.role for g in groups] == ["full", "window" if kind == "sliding window" else "chunked"]
+
+    def skipped(computed: int) -> int:
+        return int(manager.get_num_skipped_tokens(rule, computed))  # type: ignore[arg-type]
 
     def table(computed: int, first_id: int, blocks: int) -> list[int]:  # vLLM nulls the blocks wholly skipped
-        skipped = SlidingWindowManager.get_num_skipped_tokens(rule, computed)  # type: ignore[arg-type]
-        return [0] * (skipped // bs) + list(range(first_id + skipped // bs, first_id + blocks))
+        return [0] * (skipped(computed) // bs) + list(range(first_id + skipped(computed) // bs, first_id + blocks))
 
-    groups = [TransferGroup(0, "g0", "full", bs), TransferGroup(1, "g1", "window", bs, window=window)]
     sched = SchedulerSide(ConnectorSettings(sidecar_socket="/nonexistent/{rank}.sock", prepare_pulls=False),
                           engine_id="d", groups=groups)  # fmt: skip
     monkeypatch.setattr(sched, "_expect", lambda rid, remote: None)  # no sidecar: nothing to hold
     promised = computed_here = 0
-    for prompt in range(window + 2, window + 4 * bs + 2):
+    for prompt in range(span + 2, span + 4 * bs + 2):
         blocks = -(-prompt // bs)
         dropped_at = prompt if prefill_dropped_by == "the prompt" else prompt - 1
         p_tables = [list(range(100, 100 + blocks)), table(dropped_at, 200, blocks)]
         pub = [published_blocks(g, t, prompt) for g, t in zip(groups, p_tables, strict=True)]
+        needed = skipped(prompt - 1)
+        if pub[1] is None:  # the prefill's last token began a chunk: it dropped every block, publishes nothing
+            computed_here += 1
+            assert skipped(dropped_at) > needed, prompt
+            continue
         params = prefill_response(engine_id="p", request_id=f"p{prompt}", groups=pub, num_tokens=prompt,  # type: ignore[arg-type]
                                   addresses=["127.0.0.1:1"], sidecar_engine_id="pre", tp_size=1, pp_size=1)  # fmt: skip
         req = SimpleNamespace(request_id=f"d{prompt}", kv_transfer_params=params, prompt_token_ids=list(range(prompt)))
         n, is_async = sched.matched_tokens(req, 0)
-        needed = SlidingWindowManager.get_num_skipped_tokens(rule, prompt - 1)  # type: ignore[arg-type]
         if n == 0:
             computed_here += 1
             assert pub[1] is not None
@@ -628,12 +653,18 @@ def test_a_sliding_window_pull_is_promised_only_when_it_can_load(
         sched.after_alloc(req, [list(range(300, 300 + blocks)), table(n, 400, blocks)], n)
         (spec,) = sched.build_plan().pulls
         assert spec.error == "", (prompt, spec.error)
-        window_pull = spec.groups[1]
-        assert window_pull.local_blocks[0] == 400 + needed // bs, prompt  # from the block of the first token needed
-        assert window_pull.local_skip == needed % bs if needed % bs == 0 else True
+        if needed >= n:  # the decode side's token begins a chunk: it attends to no loaded token of this group
+            assert [g.group for g in spec.groups] == [0], prompt
+            continue
+        assert spec.groups[1].local_blocks[0] == 400 + needed // bs, prompt  # from the block of the first token needed
+        assert spec.groups[1].local_skip == 0, prompt  # whole blocks from there
     assert promised > 0
-    # Dropped by the prompt, one length in bs leaves the prefill side without the block holding the first token needed.
-    assert computed_here == (4 if prefill_dropped_by == "the prompt" else 0)
+    # Dropped by the prompt's length, the prefill side lacks the block holding the first token needed
+    # where that one more token moved the window past a block (the chunk to the next chunk).
+    if prefill_dropped_by == "the prompt less one token":
+        assert computed_here == 0
+    else:
+        assert computed_here == (4 if kind == "sliding window" else 2)
 
 
 def test_mamba_state_from_another_tp_size_is_computed_here(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,12 +23,13 @@ __all__ = [
     "PullSpec",
     "StepPlan",
     "StreamSpec",
+    "attended_from",
+    "attention_span",
     "group_offer",
     "group_pull",
     "published_blocks",
     "pull_arguments",
     "stage_addresses",
-    "window_start",
 ]
 
 #: vLLM's null block: a table entry that holds nothing (a sliding window's skipped blocks).
@@ -124,11 +125,23 @@ def published_blocks(group: TransferGroup, table: Sequence[int], num_tokens: int
     return RemoteGroup(group.name, ids, group.block_size, first)
 
 
-def window_start(group: TransferGroup, computed: int) -> int:
-    """The first token a sliding-window group still attends to once ``computed`` tokens are in the
-    cache: the next token's window reaches back ``window - 1`` tokens (vLLM's
-    ``SlidingWindowManager.get_num_skipped_tokens``; both sides drop the blocks wholly before it)."""
-    return max(0, computed - group.window + 1)
+def attended_from(group: TransferGroup, computed: int) -> int:
+    """The first token the next token attends to once ``computed`` tokens are in the cache, as vLLM's
+    managers' ``get_num_skipped_tokens`` count it (both sides drop the blocks wholly before it):
+    a sliding window reaches back ``window - 1`` tokens, chunked local attention to the start of
+    the next token's chunk, every other group to the first token."""
+    if group.role == "window":
+        return max(0, computed - group.window + 1)
+    if group.role == "chunked":
+        return computed // group.chunk * group.chunk
+    return 0
+
+
+def attention_span(group: TransferGroup) -> str:
+    """How a group that drops its early blocks limits attention, in words."""
+    if group.role == "chunked":
+        return f"the local-attention chunk of {group.chunk} tokens"
+    return f"the sliding window of {group.window} tokens"
 
 
 def group_pull(
@@ -153,13 +166,12 @@ def group_pull(
     g = min(bl, br)
     first_local = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
     s = max(start, remote.first_block * br, first_local * bl)
-    if group.role == "window":
-        # Tokens before the window are never attended again: skip what either side already dropped.
-        need = max(start, window_start(group, end))
+    if group.role in ("window", "chunked"):
+        # Tokens before the window (chunk) are never attended again: skip what either side already dropped.
+        need = max(start, attended_from(group, end))
         if s > need:
             return (
-                f"the sliding window of {group.window} tokens needs tokens from {need}; "
-                f"blocks from token {s} are published and allocated"
+                f"{attention_span(group)} needs tokens from {need}; blocks from token {s} are published and allocated"
             )
     elif s > start:
         return f"tokens from {start} are needed; the prefill side published blocks from token {s}"

@@ -46,12 +46,13 @@ from kvxfer.integrations.vllm.plan import (
     PullSpec,
     StepPlan,
     StreamSpec,
+    attended_from,
+    attention_span,
     group_offer,
     group_pull,
     published_blocks,
     pull_arguments,
     stage_addresses,
-    window_start,
 )
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import TransferGroup
@@ -336,14 +337,14 @@ class SchedulerSide:
                 )
             if g.role == "full" and len(r.block_ids) * br < tokens:
                 return f"group {g.name}: the prefill side published {len(r.block_ids)} blocks for {tokens} tokens"
-            if g.role == "window":
-                # vLLM drops a window's blocks by the tokens each side computed: the prefill side's
-                # one more token can have dropped the block holding the first token needed here.
-                need, kept = window_start(g, tokens), r.first_block * br
+            if g.role in ("window", "chunked"):
+                # vLLM drops a window's (chunk's) blocks by the tokens each side computed: the prefill
+                # side's one more token can have dropped the block holding the first token needed here.
+                need, kept = attended_from(g, tokens), r.first_block * br
                 if kept > need:
                     return (
-                        f"group {g.name}: the sliding window of {g.window} tokens needs tokens from {need}; the "
-                        f"prefill side kept blocks from token {kept}"
+                        f"group {g.name}: {attention_span(g)} needs tokens from {need}; the prefill side kept "
+                        f"blocks from token {kept}"
                     )
                 if (r.first_block + len(r.block_ids)) * br < tokens:
                     return (

@@ -58,7 +58,8 @@ class TransferGroup:
     """What the scheduler side needs about one vLLM transfer group (no tensors, no layout).
 
     ``role``: ``full`` (every block of the prompt moves), ``window`` (sliding window: only the
-    blocks the decode side still attends to) or ``state`` (Mamba: the running-state block).
+    blocks the decode side still attends to), ``chunked`` (chunked local attention: only the
+    blocks of the decode side's current chunk) or ``state`` (Mamba: the running-state block).
     """
 
     index: int  # position in KVCacheConfig.transfer_groups (the order of remote_block_ids)
@@ -67,6 +68,7 @@ class TransferGroup:
     block_size: int  # tokens per (manager) block
     window: int = 0  # sliding window in tokens
     spec_blocks: int = 0  # Mamba: trailing speculative scratch blocks
+    chunk: int = 0  # chunked local attention: tokens per chunk
 
     @property
     def window_blocks(self) -> int:
@@ -76,7 +78,7 @@ class TransferGroup:
 
 def transfer_groups(kv_cache_config: Any) -> tuple[TransferGroup, ...]:
     """The transfer groups of an engine, from its ``KVCacheConfig`` (scheduler or worker copy)."""
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     out = []
     for i, group in enumerate(_transfer_group_specs(kv_cache_config)):
@@ -86,6 +88,8 @@ def transfer_groups(kv_cache_config: Any) -> tuple[TransferGroup, ...]:
                                      spec_blocks=int(spec.num_speculative_blocks)))  # fmt: skip
         elif isinstance(spec, SlidingWindowSpec):
             out.append(TransferGroup(i, f"g{i}", "window", int(spec.block_size), window=int(spec.sliding_window)))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(TransferGroup(i, f"g{i}", "chunked", int(spec.block_size), chunk=int(spec.attention_chunk_size)))
         else:
             out.append(TransferGroup(i, f"g{i}", "full", int(spec.block_size)))
     return tuple(out)
