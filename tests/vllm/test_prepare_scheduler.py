@@ -47,7 +47,7 @@ def test_a_sidecar_without_prepare_is_not_asked_again() -> None:
     old.set_exception(KvxferRpcError(grpc.StatusCode.UNIMPLEMENTED, "method: no method 10", "Prepare"))
     sched._prepared("r2", 0, old)
     assert not sched._prepare_supported
-    sched._sidecar_groups = ("g0",)  # as the sidecar's status named them
+    sched._rank_groups = [("g0",)]  # as the sidecar's status named them
     remote = RemotePrefill("p-r3", "p", ("10.0.0.1:5000",), ())
     sched._prepare(PullSpec("r3", remote, (GroupPull(0, (5,), (1,)),)))
     assert sched._clients is None  # no sidecar was called

@@ -208,6 +208,39 @@ def test_pipeline_stages_each_hold_and_pull_their_own_layers(pd: PD, monkeypatch
     dec.scheduler.loads_finished(recving)
 
 
+def test_pipeline_stages_holding_different_groups_publish_and_pull_their_own(pd: PD) -> None:
+    """vLLM keeps every KV-cache group on every pipeline stage, with no layers where a stage has none of
+    its kind (``_project_kv_cache_groups_to_worker``): here full attention lives on stage 0 and the
+    sliding window on stage 1, so each stage's sidecar registers one group. Each rank publishes the
+    groups its own sidecar holds (every publish was refused for naming rank 0's groups), the decode
+    ranks pull theirs, and a failed load goes to vLLM per request (two groups)."""
+    full = attention_spec(block_size=BS, heads=HEADS, head_size=HEAD)
+    window = attention_spec(block_size=BS, heads=HEADS, head_size=HEAD, window=2 * BS)
+
+    def stage(seed: int, pp: int) -> Engine:
+        groups = [GroupDef(tuple(LAYERS[0:2]) if pp == 0 else (), full),
+                  GroupDef(() if pp == 0 else tuple(LAYERS[2:4]), window)]  # fmt: skip
+        eng = build_engine(groups, num_blocks=BLOCKS, backend=CPUAttentionBackend, isa="vec", total_kv_heads=HEADS)
+        fill_random(eng, seed + pp)
+        return eng
+
+    pre = pd.instance("prefill", [stage(30, 0), stage(30, 1)], sidecars="prepp2", pp=2, engine_id="vllm-pg")
+    dec = pd.instance("decode", [stage(40, 0), stage(40, 1)], sidecars="decpp2", pp=2, engine_id="vllm-dg")
+    assert [w.sidecar.status()["groups"] for w in pre.workers] == [["g0"], ["g1"]]
+    tokens = 2 * BS
+    p_tables, d_tables = [[5, 6], [7, 8]], [[15, 16], [17, 18]]
+    params = pd.publish(pre, "p-pg", tokens, p_tables)
+    assert params["remote_block_ids"] == p_tables
+    assert not dec.workers[0].block_errors  # two groups: vLLM takes failures per request
+    assert pd.load(dec, "d-pg", tokens, params, d_tables) == set()
+    for pp in range(2):
+        layers, p_ids, d_ids = LAYERS[2 * pp : 2 * pp + 2], p_tables[pp], d_tables[pp]
+        got = [torch.stack([block_rows(dec.engines[pp], n, b) for b in d_ids]) for n in layers]
+        want = [torch.stack([block_rows(pre.engines[pp], n, b) for b in p_ids]) for n in layers]
+        assert same(got, want), f"stage {pp}"
+    pre.finished(sending="p-pg")
+
+
 def test_decode_prefix_cache_hit_pulls_only_the_missing_tail(pd: PD) -> None:
     pre, dec = pair(pd)
     p_blocks, d_blocks = [20, 21, 22, 23], [30, 31, 32, 33]

@@ -86,14 +86,15 @@ class SchedulerSide:
         self._clients: list[Client] | None = None
         self._addresses: list[str] = []
         self._sidecar_engine = ""
-        self._sidecar_groups: tuple[str, ...] = ()
+        #: Each rank's sidecar's group names: a pipeline stage may hold no layer of some group.
+        self._rank_groups: list[tuple[str, ...]] = []
         self._plan = StepPlan()
         self._loading: set[str] = set()  # decode requests whose KV is on its way
         #: Layer-wise push (prefill side): vLLM id -> (push id, prompt tokens, block table so far per group).
         self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
         self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
         self._waker: LoadWaker | None = None  # started at the first nap (decode side)
-        self._asked_groups: cf.Future[None] | None = None  # the sidecars' group names, for Prepare
+        self._asked_groups: list[cf.Future[Any]] | None = None  # the sidecars' statuses (group names), for Prepare
         self._prepare_supported = True  # until a sidecar answers UNIMPLEMENTED (an older one)
 
     @property
@@ -124,12 +125,8 @@ class SchedulerSide:
             self._addresses = [s["peer_address"] for s in status]
             engines = {s["engine_id"] for s in status}
             self._sidecar_engine = engines.pop() if len(engines) == 1 else ""
-            self._sidecar_groups = tuple(status[0].get("groups", ()))
+            self._rank_groups = [tuple(s.get("groups", ())) for s in status]
         return self._addresses, self._sidecar_engine
-
-    def _sidecar_names(self, group: TransferGroup) -> list[str]:
-        """The sidecar groups that hold vLLM group ``group`` (``g<i>``, or ``g<i>.<k>`` per layout)."""
-        return _names_of(self._sidecar_groups, group)
 
     # ------------------------------------------------------------------ prefill side
     def on_new_request(self, request: Any) -> None:
@@ -209,13 +206,6 @@ class SchedulerSide:
         # Push mode: published under the proxy's id, which the decode instance offered its blocks for.
         pid = push_id(request.kv_transfer_params) if wants_push(request.kv_transfer_params) else rid
         addresses, engine = self._peer_identity()
-        blocks = {
-            n: list(p.block_ids) for g, p in zip(self.groups, groups, strict=True) for n in self._sidecar_names(g)
-        }
-        origins = {
-            n: p.first_block * p.block_size for g, p in zip(self.groups, groups, strict=True)
-            for n in self._sidecar_names(g) if p.first_block
-        }  # fmt: skip
         done: list[Client] = []
         expires: list[int] = []
         # A proxy that knows which decode engine will read binds the publish to it (docs/security.md).
@@ -224,7 +214,11 @@ class SchedulerSide:
             raise KvxferError(f"kvxfer_reader_engine_id: must be a string, got {reader!r}",
                               field="kvxfer_reader_engine_id")  # fmt: skip
         try:
-            for c in self._sidecars():
+            for c, names in zip(self._sidecars(), self._rank_groups, strict=True):
+                # Each rank publishes the groups its sidecar holds (a stage may hold none of a group's layers).
+                pairs = [(n, p) for g, p in zip(self.groups, groups, strict=True) for n in _names_of(names, g)]
+                blocks = {n: list(p.block_ids) for n, p in pairs}
+                origins = {n: p.first_block * p.block_size for n, p in pairs if p.first_block}
                 expires.append(c.publish(pid, blocks, lease_seconds=self.settings.lease_seconds,
                                          reader_engine_id=reader, origins=origins))  # fmt: skip
                 done.append(c)
@@ -385,16 +379,17 @@ class SchedulerSide:
         remote = spec.remote
         if not (self.settings.prepare_pulls and self._prepare_supported) or remote is None or spec.error or spec.push:
             return
-        names = self._decode_groups()
-        if names is None:
+        rank_groups = self._decode_groups()
+        if rank_groups is None:
             return
         by_index = {g.index: g for g in self.groups}
-        args = pull_arguments(spec, lambda i: _names_of(names, by_index[i]))
-        for r, c in enumerate(self._sidecars()):
+        for r, (c, names) in enumerate(zip(self._sidecars(), rank_groups, strict=True)):
             try:
                 addresses = stage_addresses(remote.addresses, r // self.tp_size, self.pp_size)
             except KvxferError:
                 return  # the workers' pulls fail on it, by name
+            names_by_group = {i: _names_of(names, g) for i, g in by_index.items()}
+            args = pull_arguments(spec, names_by_group.__getitem__)
             fut = c.submit(c.aio.prepare(
                 remote.request_id, addresses, args.local_blocks, remote_blocks=args.remote_blocks, spans=args.spans,
                 remote_engine_id=remote.sidecar_engine_id,
@@ -416,19 +411,17 @@ class SchedulerSide:
             return
         log.debug(f"request {request_id}: rank {rank}'s sidecar did not plan the pull ahead: {exc}")
 
-    def _decode_groups(self) -> tuple[str, ...] | None:
-        """The sidecars' group names (the first rank's), once known; the first call asks for them."""
-        if self._sidecar_groups:
-            return self._sidecar_groups
+    def _decode_groups(self) -> list[tuple[str, ...]] | None:
+        """Each rank's sidecar's group names, once known; the first call asks for them."""
+        if self._rank_groups:
+            return self._rank_groups
         if self._asked_groups is None:
-            c = self._sidecars()[0]
-
-            async def ask() -> None:
-                status = await c.aio.status()
-                self._sidecar_groups = tuple(status.get("groups", ()))
-
-            self._asked_groups = c.submit(ask())
-            self._asked_groups.add_done_callback(_groups_asked)
+            self._asked_groups = [c.submit(c.aio.status()) for c in self._sidecars()]  # each on its own loop
+            for fut in self._asked_groups:
+                fut.add_done_callback(_groups_asked)
+        if all(f.done() and not f.cancelled() and f.exception() is None for f in self._asked_groups):
+            self._rank_groups = [tuple(f.result().get("groups", ())) for f in self._asked_groups]
+            return self._rank_groups
         return None
 
     def _pull_spec(
@@ -513,12 +506,15 @@ class SchedulerSide:
 
 
 def _names_of(sidecar_groups: Sequence[str], group: TransferGroup) -> list[str]:
-    """The sidecar groups that hold vLLM group ``group`` (``g<i>``, or ``g<i>.<k>`` per layout)."""
-    names = [n for n in sidecar_groups if n == group.name or n.startswith(group.name + ".")]
-    return names or [group.name]
+    """The groups of one sidecar that hold vLLM group ``group`` (``g<i>``, or ``g<i>.<k>`` per layout):
+    none where that rank holds no layer of it (a pipeline stage), ``g<i>`` where the sidecar did
+    not list its groups."""
+    if not sidecar_groups:
+        return [group.name]
+    return [n for n in sidecar_groups if n == group.name or n.startswith(group.name + ".")]
 
 
-def _groups_asked(fut: cf.Future[None]) -> None:
+def _groups_asked(fut: cf.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning(f"could not ask the sidecar for its KV-cache groups (pulls are not planned ahead): "
                     f"{fut.exception()}")  # fmt: skip
