@@ -718,3 +718,26 @@ def test_mamba_state_from_another_tp_size_is_computed_here(monkeypatch: pytest.M
         req = SimpleNamespace(request_id=f"d{tp}", kv_transfer_params=dict(params, tp_size=tp),
                               prompt_token_ids=list(range(3 * BS)))  # fmt: skip
         assert sched.matched_tokens(req, 0) == want, tp
+
+
+def test_a_publish_whose_answer_came_too_late_is_released_before_vllm_frees_its_blocks(pd: PD) -> None:
+    """The prefill sidecar stalls (SIGSTOP: a real stall, not a stand-in) past the scheduler's call
+    timeout while a Publish is on its way: vLLM is told nothing was published and frees the blocks,
+    so that Publish, which takes effect once the sidecar runs again, must not stay published."""
+    import signal
+
+    pre = pd.instance("prefill", [engine(5)], call_timeout_seconds=1.0)
+    pre.scheduler._peer_identity()  # ask the sidecar who it is before it stalls
+    (sidecar,) = pd.sidecars.sets["pre1"]
+    before = pre.workers[0].sidecar.status()["leases"]
+    req = prefill_request("p-late", 2 * BS)
+    pre.scheduler.on_new_request(req)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    req.num_computed_tokens = 2 * BS
+    os.kill(sidecar.proc.pid, signal.SIGSTOP)
+    try:
+        assert pre.scheduler.request_finished(req, [[1, 2]]) == (False, None)
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+    leases = [pre.workers[0].sidecar.status()["leases"] for _ in range(3) if time.sleep(0.5) is None]
+    assert leases == [before] * 3

@@ -206,7 +206,7 @@ class SchedulerSide:
         # Push mode: published under the proxy's id, which the decode instance offered its blocks for.
         pid = push_id(request.kv_transfer_params) if wants_push(request.kv_transfer_params) else rid
         addresses, engine = self._peer_identity()
-        done: list[Client] = []
+        done: list[Client] = []  # the ranks that published; then the one whose Publish failed
         expires: list[int] = []
         # A proxy that knows which decode engine will read binds the publish to it (docs/security.md).
         reader = request.kv_transfer_params.get("kvxfer_reader_engine_id") or ""
@@ -219,15 +219,19 @@ class SchedulerSide:
                 pairs = [(n, p) for g, p in zip(self.groups, groups, strict=True) for n in _names_of(names, g)]
                 blocks = {n: list(p.block_ids) for n, p in pairs}
                 origins = {n: p.first_block * p.block_size for n, p in pairs if p.first_block}
+                done.append(c)
                 expires.append(c.publish(pid, blocks, lease_seconds=self.settings.lease_seconds,
                                          reader_engine_id=reader, origins=origins))  # fmt: skip
-                done.append(c)
         except KvxferRpcError:
+            # vLLM frees the blocks once this returns: no rank may keep them published, the one whose
+            # Publish failed included (it may have taken effect with its answer lost, e.g. past the
+            # deadline), or a push-mode reader would be written whatever vLLM puts there next.
             for c in done:
                 try:
                     c.release(pid)
                 except KvxferRpcError as exc:
-                    log.warning(f"request {rid}: release after a failed publish failed: {exc.details}")
+                    if exc.code != grpc.StatusCode.NOT_FOUND:
+                        log.warning(f"request {rid}: release after a failed publish failed: {exc.details}")
             self._addresses = []  # a sidecar restarted: ask again next time
             raise
         self._plan.published[rid] = min(expires)
