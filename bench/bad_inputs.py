@@ -646,6 +646,9 @@ def peer_cases() -> list[Case]:
     add(nt, "UNREAD from a sidecar that never handshook", fp, "engine_id", "'stranger'",
         notice(engine_id="stranger", outcome=peer_pb2.NotifyRequest.UNREAD))  # fmt: skip
 
+    add("NotifyBatch", "1025 notices", inv, "notices", "1025",
+        lambda e: peer_pb2.NotifyBatchRequest(notices=[peer_pb2.NotifyRequest(request_id="z")] * 1025))  # fmt: skip
+
     ab = "Abort"
     add(ab, "empty request_id", inv, "request_id", None, lambda e: peer_pb2.PeerAbortRequest())
     add(ab, "request_id with a newline", inv, "request_id", "\\n",

@@ -48,7 +48,7 @@ from kvxfer.wire.status import code_of
 __all__ = ["MAX_BATCH", "Publisher"]
 
 log = get_logger("kvxfer.server")
-MAX_BATCH = 1024  # items in one PullBatch or GetPublishedBatch
+MAX_BATCH = 1024  # items in one PullBatch, GetPublishedBatch, NotifyBatch or Hold
 
 
 class Publisher:
@@ -394,7 +394,11 @@ class Publisher:
     def notify_batch(
         self, req: peer_pb2.NotifyBatchRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.NotifyBatchResponse:
-        """Several notices at once; a bad one does not cost the others."""
+        """Several notices at once; a bad one does not cost the others (more than MAX_BATCH: refused whole)."""
+        if len(req.notices) > MAX_BATCH:
+            # Checked before any notice: each is worked through (and a refused one logged) in turn.
+            raise InvalidArgumentError(f"notices: {len(req.notices)} notices in one NotifyBatch; at most {MAX_BATCH}",
+                                       field="notices")  # fmt: skip
         released = 0
         for n in req.notices:
             try:
