@@ -33,7 +33,7 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
-from kvxfer.server.identity import Identity, reader_differences
+from kvxfer.server.identity import Identity, describe_differences, reader_differences
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.registration import Registry
@@ -192,10 +192,11 @@ class Publisher:
         diffs = reader_differences(reader, me)
         if diffs:
             self.metrics.handshakes.labels(outcome="refused").inc()
-            log.warning("handshake refused", extra={"peer": reader.label, "differences": "; ".join(diffs)})
+            listed = describe_differences(diffs)
+            log.warning("handshake refused", extra={"peer": reader.label, "differences": listed})
             raise FailedPreconditionError(
                 f"incompatible peer: {reader.label} cannot read from {me.label} (local = the reader, remote = this "
-                "sidecar): " + "; ".join(diffs),
+                "sidecar): " + listed,
                 field="info", reason=Reason.INCOMPATIBLE_PEER,
             )  # fmt: skip
         key = (reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank)
