@@ -9,21 +9,29 @@ made to wait on its own connection, while an honest pull beside it succeeds.
 
 from __future__ import annotations
 
+import asyncio
+import ssl
+from pathlib import Path
+
 import grpc
 import pytest
+import uvloop
 
+from kvxfer.client import AsyncClient
 from kvxfer.errors import Reason
 from kvxfer.fastsock import FastChannel
+from kvxfer.server import fast_api
 from kvxfer.server.app import Sidecar
 from kvxfer.server.identity import DIFFERENCES_BYTES, MAX_GROUPS, describe_differences
 from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.topology import RankInfo
 from kvxfer.wire import local_pb2, local_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvxfer.wire.convert import layout_to_proto, rank_to_proto
-from kvxfer.wire.frames import PEER_HELLO, PEER_METHODS
+from kvxfer.wire.frames import ANSWER, CANCEL, HELLO_CALL, PEER_HELLO, PEER_METHODS, REQUEST
 from kvxfer.wire.status import error_from_status, error_from_status_message
 from tests.sidecar.helpers import Harness, attention, transfer
 from tests.sidecar.test_peer_frames import _framed
+from tests.sidecar.test_rogue_peer import _certs
 
 LAY = attention()
 NOTIFY_BATCH = next(n for n, m in PEER_METHODS.items() if m.name == "NotifyBatch")
@@ -142,3 +150,147 @@ async def test_a_registration_of_more_cache_groups_than_max_groups_is_refused(ha
             await local_pb2_grpc.LocalStub(channel).RegisterCaches(req, timeout=10)
     assert (err.value.code(), err.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, f"groups: {MAX_GROUPS + 1} cache groups; at most {MAX_GROUPS}")  # fmt: skip
+
+
+GET_PUBLISHED_BATCH = next(n for n, m in PEER_METHODS.items() if m.name == "GetPublishedBatch")
+
+
+async def _a_client_that_never_reads(harness: Harness, tmp_path: Path, tls: bool) -> None:
+    settings: dict[str, str] = {}
+    client_tls = None
+    if tls:
+        certs = await asyncio.to_thread(_certs, tmp_path, {"engines": ["prefill", "decode"]})
+        ca = str(tmp_path / "ca.pem")
+        settings = {"tls_cert": certs["engines"][0], "tls_key": certs["engines"][1], "tls_ca": ca}
+        client_tls = ssl.create_default_context(cafile=ca)
+        client_tls.load_cert_chain(*certs["engines"])
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, **settings)
+    await transfer(pw, ps, dw, "r1", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=1)
+    await _framed(ds[0], ps[0])
+    frames = ps[0].peer_frames
+    assert frames is not None
+    before = frames.api.calls_by_method["GetPublishedBatch"]
+    # Each call asks for 1024 requests nobody published: ~8 KB that answer over 100 KB (a NOT_FOUND each).
+    ask = peer_pb2.GetPublishedBatchRequest(requests=[peer_pb2.GetPublishedRequest(request_id=f"nope{i}")
+                                                      for i in range(MAX_BATCH)]).SerializeToString()  # fmt: skip
+    calls = 300  # over 30 MB of answers
+    others = set(frames.api._connections)  # the reader's own
+    reader, writer = await asyncio.open_connection("127.0.0.1", frames.port, ssl=client_tls,
+                                                   server_hostname="127.0.0.1" if tls else None)  # fmt: skip
+    try:
+        writer.write(REQUEST.pack(len(PEER_HELLO), HELLO_CALL, 0, 0.0) + PEER_HELLO)
+        n, call, code = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+        assert (call, code) == (HELLO_CALL, 0)
+        await reader.readexactly(n)
+        writer.write(b"".join(REQUEST.pack(len(ask), c, GET_PUBLISHED_BATCH, 30.0) + ask for c in range(1, calls + 1)))
+        (conn,) = frames.api._connections - others
+        for _ in range(1000):  # until the sidecar stops reading from it (it used to read, and buffer, everything)
+            if getattr(conn, "held", False) or frames.api.calls_by_method["GetPublishedBatch"] - before == calls:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # what was read before reading stopped has run
+        assert conn.transport is not None
+        buffered = conn.transport.get_write_buffer_size()
+        started = frames.api.calls_by_method["GetPublishedBatch"] - before
+        assert started < calls // 2, f"{started} of {calls} calls read; {buffered} bytes of answers buffered"
+        assert buffered < 8 << 20
+        # Other connections go on: the reader's own frames connection, and the pull it serves.
+        (res,) = await transfer(pw, ps, dw, "r2", {"kv": [5]}, {"kv": [6]}, salt=2)
+        assert res.done
+        # Nothing was dropped: once the client reads, every call is answered, in order of arrival
+        # (each lookup refused: under mTLS its engine id, none, is not its certificate's).
+        refused = grpc.StatusCode.PERMISSION_DENIED if tls else grpc.StatusCode.NOT_FOUND
+        for c in range(1, calls + 1):
+            n, call, code = ANSWER.unpack(await asyncio.wait_for(reader.readexactly(ANSWER.size), 30))
+            assert (call, code) == (c, 0)
+            results = peer_pb2.GetPublishedBatchResponse.FromString(await reader.readexactly(n)).results
+            assert [r.code for r in results] == [refused.value[0]] * MAX_BATCH
+        assert frames.api.calls_by_method["GetPublishedBatch"] - before == calls
+        assert not conn.held
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "mtls"])
+async def test_a_frames_client_that_never_reads_its_answers_is_no_longer_read_from(
+    harness: Harness, tmp_path: Path, tls: bool
+) -> None:
+    await _a_client_that_never_reads(harness, tmp_path, tls)
+
+
+def test_a_frames_client_that_never_reads_its_answers_is_no_longer_read_from_under_uvloop(tmp_path: Path) -> None:
+    """``kvxfer serve`` runs on uvloop, whose transports (and their flow control) are its own."""
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        try:
+            await _a_client_that_never_reads(h, tmp_path, tls=False)
+        finally:
+            await h.close()
+
+    uvloop.run(main())
+
+
+async def test_a_connection_runs_at_most_max_calls_in_flight_and_its_further_frames_wait(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fast_api, "MAX_CALLS_IN_FLIGHT", 4)
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await transfer(pw, ps, dw, "r0", {"kv": [1]}, {"kv": [2]}, salt=1)
+    api = ds[0].fast_api
+    assert api is not None
+    before = api.calls_by_method["Pull"]
+    # Push-mode pulls of requests not published yet: each runs until its publish comes.
+    client = AsyncClient(ds[0].local_target, timeout=30)
+    try:
+        pulls = [asyncio.ensure_future(client.pull(f"q{i}", [ps[0].peer_address], {"kv": [10 + i]}, push=True))
+                 for i in range(5)]  # fmt: skip
+        for _ in range(500):
+            if api.calls_by_method["Pull"] - before >= 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert api.calls_by_method["Pull"] - before == 4  # the fifth waits, unread, in the socket
+        assert not any(p.done() for p in pulls)
+        # The worker's own connection is not held up.
+        (res,) = await transfer(pw, ps, dw, "r1", {"kv": [3]}, {"kv": [4]}, salt=2)
+        assert res.done
+        for i in range(5):
+            await pw[0].prefill(f"q{i}", {"kv": [20 + i]}, salt=10 + i)
+        for i, res in enumerate(await asyncio.gather(*pulls)):
+            assert res.done
+            assert dw[0].verify({"kv": [10 + i]}, salt=10 + i) == (res.bytes, 0)
+        assert api.calls_by_method["Pull"] - before == 5 + 1
+    finally:
+        await client.close()
+
+
+async def test_a_call_cancelled_before_it_ran_does_not_keep_its_place(harness: Harness) -> None:
+    # Its place counts against MAX_CALLS_IN_FLIGHT: a call cancelled in the same read as its request
+    # (its task never ran, nor the finally that forgets it) used to keep it for good.
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    frames = p.peer_frames
+    assert frames is not None
+    ask = peer_pb2.GetPublishedRequest(request_id="nope").SerializeToString()
+    reader, writer = await asyncio.open_connection("127.0.0.1", frames.port)
+    try:
+        writer.write(REQUEST.pack(len(PEER_HELLO), HELLO_CALL, 0, 0.0) + PEER_HELLO)
+        n, _call, code = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+        await reader.readexactly(n)
+        assert code == 0
+        (conn,) = frames.api._connections
+        writer.write(b"".join(REQUEST.pack(len(ask), c, 1, 5.0) + ask + REQUEST.pack(0, c, CANCEL, 0.0)
+                              for c in range(1, 11)))  # fmt: skip
+        for _ in range(200):
+            if frames.api.calls_by_method["GetPublished"] == 10:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert frames.api.calls_by_method["GetPublished"] == 10
+        assert conn.calls == {}
+        # The connection still serves: a call it runs is answered (nobody registered: FAILED_PRECONDITION).
+        writer.write(REQUEST.pack(len(ask), 11, 1, 5.0) + ask)
+        n, call, code = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+        assert (call, code) == (11, grpc.StatusCode.FAILED_PRECONDITION.value[0])
+    finally:
+        writer.close()
