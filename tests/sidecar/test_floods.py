@@ -10,7 +10,12 @@ made to wait on its own connection, while an honest pull beside it succeeds.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+import os
+import socket
 import ssl
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -20,6 +25,7 @@ import uvloop
 from kvxfer.client import AsyncClient
 from kvxfer.errors import Reason
 from kvxfer.fastsock import FastChannel
+from kvxfer.fdpass import MAX_WAITING_HELLOS, fd_socket_path, send_fds
 from kvxfer.server import fast_api
 from kvxfer.server.app import Sidecar
 from kvxfer.server.identity import DIFFERENCES_BYTES, MAX_GROUPS, describe_differences
@@ -294,3 +300,65 @@ async def test_a_call_cancelled_before_it_ran_does_not_keep_its_place(harness: H
         assert (call, code) == (11, grpc.StatusCode.FAILED_PRECONDITION.value[0])
     finally:
         writer.close()
+
+
+async def _silent_connections(harness: Harness) -> None:
+    sc = await harness.sidecar(role="both")
+    path = fd_socket_path(sc.local_target)
+    loop = asyncio.get_running_loop()
+    # More silent connections than the default executor has threads (at most 32), and than may wait.
+    silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(MAX_WAITING_HELLOS + 8)]
+    own = ThreadPoolExecutor(1)  # the worker's side, off the default executor (which is what is at stake)
+    try:
+        for s in silent:
+            s.setblocking(False)
+            await loop.sock_connect(s, str(path))
+        await asyncio.sleep(0.2)  # all accepted
+        # Each used to hold a thread of the default executor for up to 10 s, which the streamer's GPU
+        # event waits (and every other to_thread) share.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 5) == "ran"
+        # A worker's hand-over, descriptors and all, is answered at once (it waits 5 s at most here).
+        memory = os.memfd_create("kvxfer-test")
+        try:
+            os.ftruncate(memory, 8192)
+            lease = await loop.run_in_executor(own, functools.partial(send_fds, path, [memory], timeout=5))
+        finally:
+            os.close(memory)
+        assert lease.sizes == (8192,)
+        assert sc.fd_box is not None
+        assert sc.fd_box.fds(lease.handle)[1] == (8192,)
+        lease.close()
+        # The connections that waited longest were closed, each told why.
+        evicted = 0
+        for s in silent:
+            try:
+                got = s.recv(4096)
+            except BlockingIOError:
+                continue  # still waiting
+            evicted += 1
+            assert json.loads(got) == {
+                "error": f"too many connections ({MAX_WAITING_HELLOS}) are waiting to say hello on the descriptor "
+                "socket; this one waited longest and is closed (say hello as you connect, then retry)",
+                "code": "RESOURCE_EXHAUSTED",
+            }
+            assert s.recv(4096) == b""  # and closed
+        assert evicted == 8
+    finally:
+        own.shutdown(wait=False)
+        for s in silent:
+            s.close()
+
+
+async def test_silent_connections_to_the_descriptor_socket_delay_no_workers_hand_over(harness: Harness) -> None:
+    await _silent_connections(harness)
+
+
+def test_silent_connections_to_the_descriptor_socket_delay_no_workers_hand_over_under_uvloop(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        try:
+            await _silent_connections(h)
+        finally:
+            await h.close()
+
+    uvloop.run(main())
