@@ -348,6 +348,9 @@ def local_cases() -> list[Case]:
     add(rc, "the same group twice", inv, "groups[1].name", "'kv'",
         lambda e: reg(e, groups=[local_pb2.CacheGroup(name=G, layout=lay(), memory=shm(e))] * 2),
         on="fresh")  # fmt: skip
+    add(rc, "257 cache groups", inv, "groups", "257",
+        lambda e: reg(e, groups=[local_pb2.CacheGroup(name=f"g{i}", layout=lay(), memory=shm(e)) for i in range(257)]),
+        on="fresh")  # fmt: skip
     for fname, value, shown in (
         ("kind", "banana", "'banana'"), ("dtype", "fp9", "'fp9'"), ("order", "XYZ", "'XYZ'"),
         ("packing", "zigzag", "'zigzag'"), ("num_layers", 0, "0"), ("num_blocks", 0, "0"), ("block_size", 0, "0"),
@@ -572,6 +575,16 @@ def peer_cases() -> list[Case]:
         hs_edit(lambda i: i.rank.CopyFrom(common_pb2.Rank(pp_rank=2, pp_size=2))))  # fmt: skip
     add(h, "empty group name", inv, "info.groups[0].name", None, hs_edit(lambda i: setattr(i.groups[0], "name", "")))
     add(h, "the same group twice", inv, "info.groups[1].name", "'kv'", hs_edit(lambda i: i.groups.append(i.groups[0])))
+    add(
+        h,
+        "257 cache groups",
+        inv,
+        "info.groups",
+        "257",
+        hs_edit(
+            lambda i: i.groups.extend(peer_pb2.GroupLayout(name=f"g{n}", layout=i.groups[0].layout) for n in range(256))
+        ),
+    )
     for fname, value, shown in (
         ("kind", "banana", "'banana'"), ("dtype", "fp9", "'fp9'"), ("num_layers", 0, "0"), ("block_size", 0, "0"),
         ("order", "ZYX", "'ZYX'"),
@@ -645,6 +658,9 @@ def peer_cases() -> list[Case]:
     add(nt, "DONE from a reader that never fetched", fp, "engine_id", "did not fetch", notice())
     add(nt, "UNREAD from a sidecar that never handshook", fp, "engine_id", "'stranger'",
         notice(engine_id="stranger", outcome=peer_pb2.NotifyRequest.UNREAD))  # fmt: skip
+
+    add("NotifyBatch", "1025 notices", inv, "notices", "1025",
+        lambda e: peer_pb2.NotifyBatchRequest(notices=[peer_pb2.NotifyRequest(request_id="z")] * 1025))  # fmt: skip
 
     ab = "Abort"
     add(ab, "empty request_id", inv, "request_id", None, lambda e: peer_pb2.PeerAbortRequest())

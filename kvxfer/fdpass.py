@@ -11,12 +11,19 @@ answered by one JSON line (``{"handle": ...}`` or ``{"error": ..., "code": ...}`
 the connection open for as long as the sidecar may use the memory; ``RegisterCaches`` names the
 handle (:class:`kvxfer.memory.FdMemoryRef`), and the sidecar forgets the descriptors when the
 connection closes.
+
+The sidecar reads each hello on its event loop (no thread: the default executor is shared with the
+streamer's GPU event waits), within ``_HELLO_TIMEOUT_S``. A worker says hello as it connects, so
+only a silent connection waits: beyond :data:`MAX_WAITING_HELLOS` of them, the one that waited
+longest is answered RESOURCE_EXHAUSTED and closed, and no silent connection delays a worker's
+hand-over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import os
@@ -26,6 +33,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from kvxfer.errors import KvxferError, Reason
 from kvxfer.logs import get_logger
@@ -38,6 +46,8 @@ FD_SOCKET_SUFFIX = ".fds"
 MAX_FDS = 64
 _MAX_HELLO = 16 * 1024
 _HELLO_TIMEOUT_S = 10.0
+#: Connections that have not said hello yet; one more closes the one that waited longest.
+MAX_WAITING_HELLOS = 32
 
 
 class FdPassError(KvxferError):
@@ -146,6 +156,8 @@ class FdBox:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        #: Connections whose hello has not come yet, oldest first (at most MAX_WAITING_HELLOS).
+        self._waiting: dict[asyncio.Task[None], socket.socket] = {}
 
     async def start(self) -> None:
         """Listen (the socket has its final mode before anyone can connect)."""
@@ -191,22 +203,45 @@ class FdBox:
         assert self._listener is not None
         while True:
             conn, _ = await loop.sock_accept(self._listener)
+            conn.setblocking(False)
             task = loop.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
+            # Closed once the task is done, even one cancelled before it ran (its finally never runs).
+            task.add_done_callback(functools.partial(_close, conn))
+            self._waiting[task] = conn
+            # Its first step reads a hello that is there already: only silent connections wait.
+            await asyncio.sleep(0)
+            if len(self._waiting) > MAX_WAITING_HELLOS:
+                self._evict(*next(iter(self._waiting.items())))
+
+    def _evict(self, task: asyncio.Task[None], conn: socket.socket) -> None:
+        """Close the connection that waited longest for its hello: more than MAX_WAITING_HELLOS wait."""
+        del self._waiting[task]
+        message = (f"too many connections ({MAX_WAITING_HELLOS}) are waiting to say hello on the descriptor socket; "
+                   "this one waited longest and is closed (say hello as you connect, then retry)")  # fmt: skip
+        log.warning("descriptor socket: a silent connection closed", extra={"waiting": MAX_WAITING_HELLOS})
+        with contextlib.suppress(OSError):  # a few bytes into an idle socket's buffer: never blocks
+            conn.send(json.dumps({"error": message, "code": "RESOURCE_EXHAUSTED"}).encode() + b"\n")
+        task.cancel()
 
     async def _serve(self, conn: socket.socket) -> None:
         handle = ""
+        loop = asyncio.get_running_loop()
         try:
             pid, uid, _gid = _peer_credentials(conn)
-            conn.settimeout(_HELLO_TIMEOUT_S)
             try:
-                data, fds, _flags, _addr = await asyncio.to_thread(socket.recv_fds, conn, _MAX_HELLO, MAX_FDS)
+                async with asyncio.timeout(_HELLO_TIMEOUT_S):
+                    data, fds = await _recv_hello(loop, conn)
+            except TimeoutError:
+                log.warning("descriptor socket: no hello in time; closed", extra={"pid": pid,
+                            "within_s": _HELLO_TIMEOUT_S})  # fmt: skip
+                return
             except OSError:
                 return
-            reply, handle = self._admit(data, list(fds), pid, uid)
-            conn.setblocking(False)
-            loop = asyncio.get_running_loop()
+            finally:
+                self._waiting.pop(cast("asyncio.Task[None]", asyncio.current_task()), None)
+            reply, handle = self._admit(data, fds, pid, uid)
             await loop.sock_sendall(conn, json.dumps(reply).encode() + b"\n")
             if not handle:
                 return
@@ -253,6 +288,32 @@ class FdBox:
         for fd in e.fds if e else ():
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+async def _recv_hello(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> tuple[bytes, list[int]]:
+    """One message and the descriptors it carries, read from a non-blocking socket by the event loop."""
+    fd = conn.fileno()
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_HELLO, MAX_FDS)
+            return data, list(fds)
+        except (BlockingIOError, InterruptedError):
+            pass
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+
+
+def _close(conn: socket.socket, _task: object) -> None:
+    conn.close()
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # the socket may be reported readable again before the reader is removed
+        fut.set_result(None)
 
 
 def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:

@@ -21,6 +21,17 @@ A frame this side cannot use is answered with an error naming what is wrong, and
 fails; a frame too long for ``--max-message-bytes`` or a connection that does not say hello first
 is answered and the connection closed. A call runs until it answers, its client cancels it, or the
 connection closes (then it is cancelled, as gRPC cancels a call whose client went away).
+
+Flow control, per connection, as HTTP/2 gives each gRPC connection: while more than
+:data:`WRITE_HIGH` bytes of answers wait for a client that does not read them, or while
+:data:`MAX_CALLS_IN_FLIGHT` of its calls run, nothing more is read from that connection (its
+further frames wait in the socket, and then its client's writes wait); reading resumes once the
+answers are down to :data:`WRITE_LOW` bytes and a call ended. A connection also starts at most
+:data:`MAX_CALLS_PER_TURN` calls before the event loop has run them (uvloop hands over up to 32
+reads of 256 KiB at once): the next frames wait for the loop's next turn, when the answers of the
+calls that answer at once are in the write buffer and counted. Other connections never notice.
+The hot path pays a counter and a test per frame for it, and a pause and resume of reading per
+:data:`MAX_CALLS_PER_TURN` calls.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
 import math
 import os
@@ -36,7 +48,7 @@ import ssl
 import stat
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -62,6 +74,15 @@ _SERVICE = local_pb2.DESCRIPTOR.services_by_name["Local"].full_name
 _MAX_HELLO = 16 * 1024
 #: Seconds a connection has to say hello before it is closed (nothing else is read from it before).
 HELLO_WITHIN_S = 10.0
+#: Bytes of answers a connection's client may leave unread before nothing more is read from it ...
+WRITE_HIGH = 1 << 20
+#: ... until they are down to this many.
+WRITE_LOW = 256 << 10
+#: Calls one connection may have running at once; its further frames wait until one ends (far above
+#: what a worker or a peer sends: a worker's pulls in flight, one at most per request it loads).
+MAX_CALLS_IN_FLIGHT = 4096
+#: Calls one connection may start before the loop runs them (see the module docs).
+MAX_CALLS_PER_TURN = 32
 
 
 class _UnimplementedError(KvxferError):
@@ -222,6 +243,12 @@ class _Connection(asyncio.Protocol):
         self.calls: dict[int, asyncio.Task[None]] = {}
         self.auth = _NO_AUTH
         self._hello_timer: asyncio.TimerHandle | None = None
+        #: Nothing is read from the connection (its client left WRITE_HIGH bytes of answers unread,
+        #: or MAX_CALLS_IN_FLIGHT calls run): frames already here wait in ``buf``.
+        self.held = False
+        self._unread = False  # the transport's write buffer is over WRITE_HIGH (pause_writing)
+        self._resuming = False  # a resume is scheduled
+        self._started = 0  # calls started since reading last resumed (MAX_CALLS_PER_TURN)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
@@ -229,6 +256,7 @@ class _Connection(asyncio.Protocol):
         if self.api._closing:  # arrived (its TLS handshake done) after the listener closed
             self.transport.close()
             return
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)
         if self.api._tls:  # the TLS handshake, client certificate checked, is over by now
             self.auth = tls_auth_context(transport.get_extra_info("peercert"))
         self.api._connections.add(self)
@@ -253,13 +281,58 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    # ---------------------------------------------------------------- flow control
+    def pause_writing(self) -> None:
+        """The client left more than WRITE_HIGH bytes of answers unread: read nothing more from it."""
+        self._unread = True
+        self._hold()
+
+    def resume_writing(self) -> None:
+        """Its answers are down to WRITE_LOW bytes."""
+        self._unread = False
+        self._schedule_resume()
+
+    def _hold(self) -> None:
+        if not self.held and self.transport is not None:
+            self.held = True
+            self.transport.pause_reading()
+
+    def _schedule_resume(self) -> None:
+        # Not from inside the transport's callback or a call's task: on the loop's next turn.
+        if self.held and not self._resuming:
+            self._resuming = True
+            asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._resuming = False
+        self._started = 0  # a turn of the loop went by: the calls started before it have run
+        if not self.held or self._unread or len(self.calls) >= MAX_CALLS_IN_FLIGHT:
+            return
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.held = False
+        self._frames(time.monotonic())  # those that arrived before reading stopped
+        if not self.held and self.transport is not None:
+            self.transport.resume_reading()
+
+    # ---------------------------------------------------------------- frames
     def data_received(self, data: bytes) -> None:
         arrived = time.monotonic()
         if self.api.on_frame is not None:
             self.api.on_frame()
         self.buf += data
+        if not self.held:
+            self._frames(arrived)
+
+    def _frames(self, arrived: float) -> None:
+        """Run the complete frames in ``buf`` until there are none, or reading stops."""
         buf = self.buf
-        while self.transport is not None and not self.transport.is_closing() and len(buf) >= REQUEST.size:
+        while (
+            not self.held
+            and self.transport is not None
+            and not self.transport.is_closing()
+            and len(buf) >= REQUEST.size
+        ):
             n, call, method, timeout = REQUEST.unpack_from(buf, 0)
             limit = self.api.max_message_bytes if self.greeted else _MAX_HELLO
             if n > limit:
@@ -275,11 +348,19 @@ class _Connection(asyncio.Protocol):
             if not self.greeted:
                 self._hello(call, method, payload)
             elif method == CANCEL:
-                task = self.calls.get(call)
-                if task is not None:
-                    task.cancel()
+                self._cancel(call)
             else:
                 self._start(call, method, timeout, payload, arrived)
+
+    def _cancel(self, call: int) -> None:
+        task = self.calls.get(call)
+        if task is None:
+            return
+        task.cancel()
+        coro = cast(Coroutine[Any, Any, None], task.get_coro())
+        if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            # Cancelled before its first step: its body never runs, nor the finally that forgets it.
+            del self.calls[call]
 
     def _hello(self, call: int, method: int, payload: bytes) -> None:
         why = self.api.check_hello(payload) if call == HELLO_CALL and method == 0 else InvalidArgumentError(
@@ -318,6 +399,12 @@ class _Connection(asyncio.Protocol):
         task = asyncio.get_running_loop().create_task(self._run(call, m, req, _Context(timeout, self.auth), arrived))
         self.calls[call] = task
         self.api.calls_by_method[m.name] += 1
+        self._started += 1
+        if self._started >= MAX_CALLS_PER_TURN or len(self.calls) >= MAX_CALLS_IN_FLIGHT:
+            # The next frame waits for the loop's next turn (after these calls' first steps), or
+            # until a call ends.
+            self._hold()
+            self._schedule_resume()
 
     async def _run(self, call: int, m: _Method, req: Any, deadline: _Context, arrived: float) -> None:
         try:
@@ -336,6 +423,8 @@ class _Connection(asyncio.Protocol):
                 self._answer(call, 0, resp.SerializeToString())
         finally:
             self.calls.pop(call, None)
+            if self.held:
+                self._schedule_resume()
         if log.isEnabledFor(logging.DEBUG):  # the hop's share of a call (bench/gpu/sidecar_vram_bench.py --phases)
             log.debug("fast-socket call", extra={
                 "method": m.full, "request_id": getattr(req, "request_id", ""), "arrived": arrived,

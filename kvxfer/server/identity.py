@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvxfer import PROTOCOL_VERSION
@@ -22,7 +22,23 @@ from kvxfer.wire.convert import (
     regions_to_proto,
 )
 
-__all__ = ["Identity", "reader_differences", "remote_sources"]
+__all__ = [
+    "DIFFERENCES_BYTES",
+    "MAX_GROUPS",
+    "Identity",
+    "check_group_count",
+    "describe_differences",
+    "reader_differences",
+    "remote_sources",
+]
+
+#: Cache groups one registration or handshake may name: far above any model's (vLLM's hybrid models
+#: have a handful), and low enough that checking two sidecars' groups against each other stays cheap.
+MAX_GROUPS = 256
+#: UTF-8 bytes of differences a refused handshake's message lists; the rest are counted. The message
+#: travels in gRPC's trailing metadata twice (``grpc-message``, percent-encoded, and the status
+#: details, base64), which a client refuses beyond 16 KiB (RESOURCE_EXHAUSTED in place of the refusal).
+DIFFERENCES_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,7 @@ class Identity:
         """Parse and validate a PeerInfo message."""
         check_id(msg.engine_id, f"{field}.engine_id")
         check_id(msg.instance_id, f"{field}.instance_id")
+        check_group_count(len(msg.groups), f"{field}.groups")
         groups: dict[str, KVCacheLayout] = {}
         regions: dict[str, tuple[RegionTable, str]] = {}
         for i, g in enumerate(msg.groups):
@@ -93,6 +110,29 @@ class Identity:
             rank_from_proto(msg.rank, f"{field}.rank"), groups, msg.data_plane.backend, msg.data_plane.agent_name,
             bytes(msg.data_plane.metadata), msg.address, msg.role, regions, msg.frames_address,
         )  # fmt: skip
+
+
+def check_group_count(n: int, field: str) -> None:
+    """Refuse more than :data:`MAX_GROUPS` cache groups (INVALID_ARGUMENT naming ``field``)."""
+    if n > MAX_GROUPS:
+        raise InvalidArgumentError(f"{field}: {n} cache groups; at most {MAX_GROUPS}", field=field)
+
+
+def describe_differences(diffs: Sequence[str], budget: int = DIFFERENCES_BYTES) -> str:
+    """``diffs`` joined by ``"; "``, the first ones up to ``budget`` UTF-8 bytes, then how many were left out."""
+    shown: list[str] = []
+    used = 0
+    for d in diffs:
+        size = len(d.encode())
+        if used + size > budget:
+            if not shown:  # one difference longer than the budget: its start
+                shown.append(d.encode()[:budget].decode(errors="ignore") + "...")
+            break
+        shown.append(d)
+        used += size + 2
+    left = len(diffs) - len(shown)
+    text = "; ".join(shown)
+    return f"{text}; and {left} more difference{'s' if left > 1 else ''}" if left else text
 
 
 def _rank_view(layout: KVCacheLayout, tp_size: int) -> KVCacheLayout:
@@ -137,10 +177,11 @@ def reader_differences(reader: Identity, publisher: Identity) -> list[str]:
             f"pp_rank: reader {reader.rank.pp_rank}, publisher {publisher.rank.pp_rank} (a rank reads from the "
             "same pipeline stage)"
         )
-    for name in reader.groups.keys() - publisher.groups.keys():
-        diffs.append(f"cache group {name!r}: registered by the reader, not by the publisher")
-    for name in publisher.groups.keys() - reader.groups.keys():
-        diffs.append(f"cache group {name!r}: registered by the publisher, not by the reader")
+    # In each side's own order (a set's would change from run to run).
+    diffs.extend(f"cache group {name!r}: registered by the reader, not by the publisher"
+                 for name in reader.groups if name not in publisher.groups)  # fmt: skip
+    diffs.extend(f"cache group {name!r}: registered by the publisher, not by the reader"
+                 for name in publisher.groups if name not in reader.groups)  # fmt: skip
     for name, local in reader.groups.items():
         remote = publisher.groups.get(name)
         if remote is None:
@@ -153,4 +194,4 @@ def reader_differences(reader: Identity, publisher: Identity) -> list[str]:
             TransferTopology(local, remote, reader.rank, publisher.rank.tp_size, publisher.rank.pp_size)
         except KvxferError as exc:
             diffs.append(f"group {name!r}: {exc.message}")
-    return sorted(set(diffs), key=diffs.index)
+    return list(dict.fromkeys(diffs))  # each once, in order (linear: a peer may name many groups)

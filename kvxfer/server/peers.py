@@ -30,7 +30,7 @@ from kvxfer.errors import (
 )
 from kvxfer.fastsock import FastHelloRefusedError
 from kvxfer.logs import get_logger
-from kvxfer.server.identity import Identity, reader_differences
+from kvxfer.server.identity import Identity, describe_differences, reader_differences
 from kvxfer.server.peer_frames import FramedStub, FramesDialer
 from kvxfer.topology import RegionTable
 from kvxfer.wire import peer_pb2, peer_pb2_grpc
@@ -179,7 +179,7 @@ class PeerDirectory:
             self._on_handshake("refused")
             raise FailedPreconditionError(
                 f"incompatible peer {them.label} at {address} (local = this sidecar, remote = the peer): "
-                + "; ".join(diffs),
+                + describe_differences(diffs),
                 field="remote_addresses",
                 reason=Reason.INCOMPATIBLE_PEER,
             )

@@ -33,7 +33,7 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
-from kvxfer.server.identity import Identity, reader_differences
+from kvxfer.server.identity import Identity, describe_differences, reader_differences
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.registration import Registry
@@ -48,7 +48,7 @@ from kvxfer.wire.status import code_of
 __all__ = ["MAX_BATCH", "Publisher"]
 
 log = get_logger("kvxfer.server")
-MAX_BATCH = 1024  # items in one PullBatch or GetPublishedBatch
+MAX_BATCH = 1024  # items in one PullBatch, GetPublishedBatch, NotifyBatch or Hold
 
 
 class Publisher:
@@ -192,10 +192,11 @@ class Publisher:
         diffs = reader_differences(reader, me)
         if diffs:
             self.metrics.handshakes.labels(outcome="refused").inc()
-            log.warning("handshake refused", extra={"peer": reader.label, "differences": "; ".join(diffs)})
+            listed = describe_differences(diffs)
+            log.warning("handshake refused", extra={"peer": reader.label, "differences": listed})
             raise FailedPreconditionError(
                 f"incompatible peer: {reader.label} cannot read from {me.label} (local = the reader, remote = this "
-                "sidecar): " + "; ".join(diffs),
+                "sidecar): " + listed,
                 field="info", reason=Reason.INCOMPATIBLE_PEER,
             )  # fmt: skip
         key = (reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank)
@@ -394,7 +395,11 @@ class Publisher:
     def notify_batch(
         self, req: peer_pb2.NotifyBatchRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.NotifyBatchResponse:
-        """Several notices at once; a bad one does not cost the others."""
+        """Several notices at once; a bad one does not cost the others (more than MAX_BATCH: refused whole)."""
+        if len(req.notices) > MAX_BATCH:
+            # Checked before any notice: each is worked through (and a refused one logged) in turn.
+            raise InvalidArgumentError(f"notices: {len(req.notices)} notices in one NotifyBatch; at most {MAX_BATCH}",
+                                       field="notices")  # fmt: skip
         released = 0
         for n in req.notices:
             try:

@@ -18,7 +18,7 @@ from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.memory import FdLookup, attach
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.server.identity import Identity
+from kvxfer.server.identity import Identity, check_group_count
 from kvxfer.server.state import Group, Registration
 from kvxfer.server.validation import check_rank_heads
 from kvxfer.transport import Transport, WorkerAgentInfo
@@ -96,6 +96,7 @@ class Registry:
         self._refuse_other_rank(req.worker_id, rank.tp_rank, rank.pp_rank, rank.tp_size, rank.pp_size)
         if not req.groups:
             raise InvalidArgumentError("groups: at least one cache group is needed", field="groups")
+        check_group_count(len(req.groups), "groups")  # what a handshake carries: peers refuse more
         leases = self._worker_leases(req)
         agent = self._worker_agent(req)
         self.dp.bind_worker(agent)
