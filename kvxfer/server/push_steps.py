@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import PEER_CALL_SECONDS
@@ -130,6 +130,10 @@ class PushSteps:
                                                                            metadata=self.peers.metadata))  # fmt: skip
                 return 0.0
             except KvxferError as exc:
+                if exc.reason is Reason.NOT_HANDSHAKEN:
+                    # The writer does not know this rank (it restarted): it holds no offer of it, and
+                    # refuses a Revoke only then, so nothing of it can land.
+                    return 0.0
                 # Unreachable: its offer lapses at its deadline, counted from no earlier than our send.
                 until = answered.get(address, time.monotonic()) + offered.get(address, 0.0) + FENCE_MARGIN_S
                 log.warning("could not revoke an offer; waiting out its deadline",

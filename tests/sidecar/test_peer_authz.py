@@ -1,0 +1,178 @@
+"""Peer calls act only on what the caller may touch: who it is comes from its handshake and credentials.
+
+Every sidecar here is real (grpc.aio + NIXL on loopback). A *rogue* peer is a raw gRPC client of the
+peer API that handshakes (or not) under an engine id of its choosing, as any holder of the cluster
+token may: it looks like the decode sidecar in everything but its engine and instance ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from kvxfer.errors import Reason
+from kvxfer.server import pusher as pusher_module
+from kvxfer.server.app import Sidecar
+from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxfer.wire.status import error_from_status
+from tests.sidecar.helpers import Harness, Worker, attention, expect_error
+
+OK = grpc.StatusCode
+LAY = attention()
+RANK0 = common_pb2.Rank(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+
+
+async def _refused(call: Any) -> tuple[grpc.StatusCode, str, Reason, str | None]:
+    """(code, message, reason, field) of a raw peer call that must fail."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    err = info.value
+    reason, field = error_from_status(err.code(), err.details() or "", err.trailing_metadata())
+    return err.code(), err.details() or "", reason, field
+
+
+def _rogue_info(decode: Sidecar, engine_id: str = "rogue", instance_id: str = "feedbeef") -> peer_pb2.PeerInfo:
+    """The decode sidecar's handshake, under another engine and instance id."""
+    assert decode.core is not None
+    info = decode.core.identity().to_proto()
+    info.engine_id, info.instance_id = engine_id, instance_id
+    return info
+
+
+async def _leases(worker: Worker) -> int:
+    return int((await worker.client.status())["leases"])
+
+
+async def _publish(worker: Worker, rid: str, blocks: list[int], salt: int, **kw: Any) -> None:
+    worker.fill({"kv": blocks}, salt)
+    await worker.client.publish(rid, {"kv": blocks}, **kw)
+
+
+# ---------------------------------------------------------------------- Revoke (push mode)
+async def test_a_revoke_from_a_peer_that_never_handshook_is_refused_and_frees_no_later_publish(
+    harness: Harness,
+) -> None:
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    revoke = peer_pb2.RevokeRequest(request_id="r9", engine_id="rogue", instance_id="feedbeef", rank=RANK0)
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        code, message, reason, field = await _refused(peer_pb2_grpc.PeerStub(ch).Revoke(revoke, timeout=5))
+    assert (code, reason, field) == (OK.FAILED_PRECONDITION, Reason.NOT_HANDSHAKEN, "engine_id")
+    assert message == ("engine_id: reader 'rogue' (instance 'feedbeef', tp rank 0) has not handshaken with this "
+                       "sidecar and holds no offer of 'r9' here; revoke refused")  # fmt: skip
+    await _publish(pw[0], "r9", [1, 2], salt=9, reader_engine_id="decode")
+    await asyncio.sleep(0.2)
+    assert await _leases(pw[0]) == 1  # still held for its reader
+    res = await dw[0].pull("r9", ps, {"kv": [3, 4]})
+    assert dw[0].verify({"kv": [3, 4]}, 9) == (res.bytes, 0)
+
+
+async def test_a_give_up_frees_only_a_publish_unbound_or_bound_to_the_engine_that_gave_up(harness: Harness) -> None:
+    """A handshaken reader revokes requests not published yet: a publish bound to another engine stays held
+    (its reader pulls it, every byte right); one unbound, or bound to the engine that gave up, is freed at once."""
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    assert ds[0].core is not None
+    decode = ds[0].core.identity()
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        await stub.Handshake(peer_pb2.HandshakeRequest(info=_rogue_info(ds[0])), timeout=5)
+        for rid in ("r9", "r10"):
+            resp = await stub.Revoke(peer_pb2.RevokeRequest(request_id=rid, engine_id="rogue", instance_id="feedbeef",
+                                                            rank=RANK0), timeout=5)  # fmt: skip
+            assert (resp.found, resp.wrote) == (False, False)
+        # The decode engine's own sidecar gives up on r11 (it handshook when it pulled r0).
+        await _publish(pw[0], "r0", [6], salt=1)
+        res0 = await dw[0].pull("r0", ps, {"kv": [5]})
+        assert dw[0].verify({"kv": [5]}, 1) == (res0.bytes, 0)
+        mine = peer_pb2.RevokeRequest(request_id="r11", engine_id="decode", instance_id=decode.instance_id, rank=RANK0)
+        resp = await stub.Revoke(mine, timeout=5)
+        assert not resp.found
+    await _wait_leases(pw[0], 0)
+    await _publish(pw[0], "r9", [1, 2], salt=9, reader_engine_id="decode")  # rogue gave up: not its to give up
+    await _publish(pw[0], "r10", [3], salt=10)  # unbound: any reader that handshook may drop it
+    await _publish(pw[0], "r11", [4], salt=11, reader_engine_id="decode")  # its own reader gave up
+    await asyncio.sleep(0.2)
+    assert (await pw[0].client.status(publishes=["r9", "r10", "r11"]))["publishes"].keys() == {"r9"}
+    res = await dw[0].pull("r9", ps, {"kv": [7, 8]})
+    assert dw[0].verify({"kv": [7, 8]}, 9) == (res.bytes, 0)
+    await _wait_leases(pw[0], 0)
+
+
+async def test_a_lapsed_offer_frees_no_publish_bound_to_another_engine(harness: Harness) -> None:
+    """A handshaken rogue offers a request not published yet and lets the offer lapse: the publish that
+    comes later, bound to the decode engine, stays held and is read by it."""
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    info = _rogue_info(ds[0])
+    assert ps[0].core is not None
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        await stub.Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
+        offer = peer_pb2.OfferRequest(request_id="r9", engine_id="rogue", instance_id="feedbeef", rank=RANK0,
+                                      epoch=info.epoch, blocks=[common_pb2.BlockList(group="kv", block_ids=[1, 2])],
+                                      timeout_seconds=0.3)  # fmt: skip
+        assert not (await stub.Offer(offer, timeout=5)).published
+    await _until(lambda: not ps[0].core.pusher.offers)  # type: ignore[union-attr]  # lapsed
+    await _publish(pw[0], "r9", [3, 4], salt=9, reader_engine_id="decode")
+    await asyncio.sleep(0.2)
+    assert await _leases(pw[0]) == 1
+    res = await dw[0].pull("r9", ps, {"kv": [5, 6]})
+    assert dw[0].verify({"kv": [5, 6]}, 9) == (res.bytes, 0)
+
+
+async def test_give_ups_are_capped_and_forgotten_in_time_without_new_ones(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At most GIVEN_UP_KEPT give-ups are kept (the oldest go first), each for --transfer-timeout-seconds +
+    --lease-seconds (1 s here), even when no other comes to prune them."""
+    monkeypatch.setattr(pusher_module, "GIVEN_UP_KEPT", 8, raising=False)
+    ps, _pw, ds, _dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, transfer_timeout_seconds=0.5,
+                                                lease_seconds=0.5)  # fmt: skip
+    pusher = ps[0].core.pusher  # type: ignore[union-attr]
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        await stub.Handshake(peer_pb2.HandshakeRequest(info=_rogue_info(ds[0])), timeout=5)
+        for n in range(12):
+            await stub.Revoke(peer_pb2.RevokeRequest(request_id=f"g{n}", engine_id="rogue", instance_id="feedbeef",
+                                                     rank=RANK0), timeout=5)  # fmt: skip
+    assert len(pusher._given_up) == 8
+    assert list(pusher._given_up) == [(f"g{n}", "rogue") for n in range(4, 12)]
+    await asyncio.sleep(1.3)  # nothing else happens meanwhile
+    assert len(pusher._given_up) == 0
+    assert pusher._given_up_engines == {}
+
+
+async def test_a_writer_that_forgot_the_reader_refuses_its_revoke_and_the_fence_goes_on_at_once(
+    harness: Harness,
+) -> None:
+    """Not a regression of the refusal above: a writer that does not know the reader holds no offer of it,
+    so the reader's fence takes NOT_HANDSHAKEN as "nothing can land" and reports the abort at once."""
+    ps, _pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    writer = ps[0].core
+    assert writer is not None
+    pull = asyncio.ensure_future(dw[0].client.pull("w", [ps[0].peer_address], {"kv": [4, 5]}, push=True,
+                                                   deadline=10.0))  # fmt: skip
+    await _until(lambda: writer.pusher.offers.get("w"))
+    # FAULT INJECTION: the writer crashed and came back on its address; it knows neither the reader nor its offer.
+    writer.pusher._forget(next(iter(writer.pusher.offers["w"].values())))
+    writer.publisher.readers.clear()
+    t0 = time.monotonic()
+    assert await dw[0].client.abort("w", "user cancelled") == (1, False)
+    await expect_error(OK.ABORTED, pull, "pull of 'w' aborted: user cancelled")
+    assert time.monotonic() - t0 < 1.0  # not the 10 s the fence waits for a writer it cannot reach
+
+
+async def _wait_leases(worker: Worker, n: int, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while await _leases(worker) != n:
+        assert time.monotonic() < deadline, f"leases never reached {n}"
+        await asyncio.sleep(0.02)
+
+
+async def _until(pred: Any, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
