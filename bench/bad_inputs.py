@@ -568,6 +568,8 @@ def peer_cases() -> list[Case]:
         add(h, f"address {addr!r}", inv, "info.address", shown, hs(address=addr))
     add(h, "tp_rank outside tp_size", inv, "info.rank.tp_rank", "3",
         hs_edit(lambda i: i.rank.CopyFrom(common_pb2.Rank(tp_rank=3, tp_size=2))))  # fmt: skip
+    add(h, "tp_size of a million ranks", inv, "info.rank.tp_size", "1000000",
+        hs_edit(lambda i: i.rank.CopyFrom(common_pb2.Rank(tp_rank=7, tp_size=1_000_000))))  # fmt: skip
     add(h, "pp_rank outside pp_size", inv, "info.rank.pp_rank", "2",
         hs_edit(lambda i: i.rank.CopyFrom(common_pb2.Rank(pp_rank=2, pp_size=2))))  # fmt: skip
     add(h, "empty group name", inv, "info.groups[0].name", None, hs_edit(lambda i: setattr(i.groups[0], "name", "")))

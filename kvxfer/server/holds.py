@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvxfer.config import Settings
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.logs import get_logger, log_context
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory
@@ -246,6 +246,8 @@ class Holds:
                 address, "Hold", lambda s: s.Hold(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
             )
         except KvxferError as exc:  # the next round tries again; the lease may still cover the gap
+            if exc.reason is Reason.NOT_HANDSHAKEN:
+                self.peers.invalidate(address)  # the publisher forgot us (too many readers): handshake again
             log.warning("could not hold requests at a publisher", extra={"peer": address, "error": exc.message,
                         "requests": len(req.request_ids)})  # fmt: skip
             self._answered(address, rids, {})  # a pull waiting for it looks the request up instead

@@ -15,6 +15,8 @@ import grpc
 import pytest
 
 from kvxfer.errors import Reason
+from kvxfer.layout import KVCacheLayout
+from kvxfer.server import publisher as publisher_module
 from kvxfer.server import pusher as pusher_module
 from kvxfer.server.app import Sidecar
 from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
@@ -23,6 +25,7 @@ from tests.sidecar.helpers import Harness, Worker, attention, expect_error
 
 OK = grpc.StatusCode
 LAY = attention()
+MLA = KVCacheLayout.mla(num_layers=2, num_blocks=64, block_size=16, latent_dim=576)  # the same on every rank
 RANK0 = common_pb2.Rank(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
 
 
@@ -157,7 +160,8 @@ async def test_a_writer_that_forgot_the_reader_refuses_its_revoke_and_the_fence_
     await _until(lambda: writer.pusher.offers.get("w"))
     # FAULT INJECTION: the writer crashed and came back on its address; it knows neither the reader nor its offer.
     writer.pusher._forget(next(iter(writer.pusher.offers["w"].values())))
-    writer.publisher.readers.clear()
+    for key in list(writer.publisher.readers):
+        writer.publisher._forget_reader(key)
     t0 = time.monotonic()
     assert await dw[0].client.abort("w", "user cancelled") == (1, False)
     await expect_error(OK.ABORTED, pull, "pull of 'w' aborted: user cancelled")
@@ -176,3 +180,129 @@ async def _until(pred: Any, within: float = 5.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- Handshake: the readers table
+def _flood_info(decode: Sidecar, engine_id: str, instance_id: str, tp_rank: int, tp_size: int,
+                metadata: bytes = b"") -> peer_pb2.PeerInfo:  # fmt: skip
+    info = _rogue_info(decode, engine_id, instance_id)
+    info.rank.tp_rank, info.rank.tp_size = tp_rank, tp_size
+    if metadata:
+        info.data_plane.metadata = metadata
+    return info
+
+
+async def test_a_handshake_claiming_more_ranks_than_a_reader_may_have_is_refused(harness: Harness) -> None:
+    ps, _pw, ds, _dw = await harness.deployment({"kv": MLA}, {"kv": MLA})
+    publisher = ps[0].core.publisher  # type: ignore[union-attr]
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        huge = _flood_info(ds[0], "decode", "flood", 7, 1_000_000)
+        code, message, reason, field = await _refused(stub.Handshake(peer_pb2.HandshakeRequest(info=huge), timeout=5))
+        assert (code, reason, field) == (OK.INVALID_ARGUMENT, Reason.INVALID_FIELD, "info.rank.tp_size")
+        assert message == "info.rank.tp_size: 1000000 is more than the 256 ranks a reader may have"
+        past = _flood_info(ds[0], "decode", "flood", 8, 8)
+        code, message, reason, field = await _refused(stub.Handshake(peer_pb2.HandshakeRequest(info=past), timeout=5))
+        assert (code, message, field) == (OK.INVALID_ARGUMENT, "info.rank.tp_rank: 8 is not in [0, 8)",
+                                          "info.rank.tp_rank")  # fmt: skip
+        await stub.Handshake(peer_pb2.HandshakeRequest(info=_flood_info(ds[0], "decode", "flood", 255, 256)),
+                             timeout=5)  # fmt: skip
+    assert list(publisher.readers) == [("decode", "flood", 255, 0)]
+
+
+async def test_one_engine_cannot_grow_the_readers_table_past_its_share(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handshakes under one engine, each a new rank with 64 KiB of data-plane metadata: only the newest
+    READERS_PER_ENGINE (8 here) are kept, and the other engines' readers are untouched (the decode sidecar
+    reads on without handshaking again); READERS_KEPT bounds every engine together the same way."""
+    monkeypatch.setattr(publisher_module, "READERS_PER_ENGINE", 8, raising=False)
+    ps, pw, ds, dw = await harness.deployment({"kv": MLA}, {"kv": MLA})
+    publisher = ps[0].core.publisher  # type: ignore[union-attr]
+    assert ds[0].core is not None
+    decode = ds[0].core.identity()
+    await _publish(pw[0], "r0", [1], salt=1)
+    res = await dw[0].pull("r0", ps, {"kv": [2]})
+    assert dw[0].verify({"kv": [2]}, 1) == (res.bytes, 0)
+    handshakes = ds[0].metrics.handshakes.labels(outcome="ok")._value.get()  # type: ignore[union-attr]
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        for k in range(20):
+            info = _flood_info(ds[0], "rogue", "flood", k, 20, metadata=bytes(64 << 10))
+            await stub.Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
+    assert list(publisher.readers) == [("decode", decode.instance_id, 0, 0)] + [
+        ("rogue", "flood", k, 0) for k in range(12, 20)
+    ]
+    assert publisher.knows("rogue", "flood")
+    assert publisher.knows("decode", decode.instance_id)
+    assert publisher.count_readers() == 2
+    await _publish(pw[0], "r1", [3], salt=2)
+    res = await dw[0].pull("r1", ps, {"kv": [4]})
+    assert dw[0].verify({"kv": [4]}, 2) == (res.bytes, 0)
+    assert ds[0].metrics.handshakes.labels(outcome="ok")._value.get() == handshakes  # type: ignore[union-attr]
+    # Every engine together: the oldest handshakes go first.
+    monkeypatch.setattr(publisher_module, "READERS_KEPT", 4, raising=False)
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        for k in range(3):
+            info = _flood_info(ds[0], f"e{k}", "other", 0, 1)
+            await stub.Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
+    assert list(publisher.readers) == [("rogue", "flood", 19, 0), ("e0", "other", 0, 0), ("e1", "other", 0, 0),
+                                       ("e2", "other", 0, 0)]  # fmt: skip
+    assert not publisher.knows("decode", decode.instance_id)
+    assert publisher.count_readers() == 4
+
+
+async def test_a_lookup_counts_the_readers_of_the_handshake_not_the_tp_size_it_names(harness: Harness) -> None:
+    """Who must confirm a publish is worked out from the reader's handshake; a GetPublished naming another
+    TP size (here 200 ranks, each a topology to plan) changes nothing."""
+    ps, pw, ds, _dw = await harness.deployment({"kv": MLA}, {"kv": MLA})
+    publisher = ps[0].core.publisher  # type: ignore[union-attr]
+    await _publish(pw[0], "r1", [3], salt=2)
+    info = _rogue_info(ds[0])
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        await stub.Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
+        wide = common_pb2.Rank(tp_rank=0, tp_size=200, pp_size=1)
+        req = peer_pb2.GetPublishedRequest(request_id="r1", engine_id="rogue", instance_id="feedbeef", rank=wide,
+                                           epoch=info.epoch)  # fmt: skip
+        resp = await stub.GetPublished(req, timeout=5)
+    assert list(resp.groups[0].block_ids) == [3]
+    entry = publisher.publishes["r1"]
+    assert (entry.reader_tp_size, entry.expected_readers) == (1, {0})
+
+
+async def test_a_reader_the_publisher_forgot_handshakes_again_and_reads_on(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a regression of the bounds above: a reader rank forgotten for newer handshakes of its engine (one
+    rank kept per engine here) is refused NOT_HANDSHAKEN; its push offer handshakes again and is written,
+    and its holds handshake again at their next round and are granted."""
+    monkeypatch.setattr(publisher_module, "READERS_PER_ENGINE", 1, raising=False)
+    ps, pw, ds, dw = await harness.deployment({"kv": MLA}, {"kv": MLA})
+    publisher = ps[0].core.publisher  # type: ignore[union-attr]
+    reader = ds[0].core  # type: ignore[union-attr]
+    assert reader is not None
+    await _publish(pw[0], "r0", [1], salt=1)
+    res = await dw[0].pull("r0", ps, {"kv": [2]})
+    assert dw[0].verify({"kv": [2]}, 1) == (res.bytes, 0)
+
+    async def crowd_out() -> None:
+        async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+            info = _flood_info(ds[0], "decode", "flood", 1, 2)
+            await peer_pb2_grpc.PeerStub(ch).Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
+        assert not publisher.knows("decode", reader.instance_id)
+
+    await crowd_out()
+    dw[0].poison({"kv": [4, 5]})
+    pull = asyncio.ensure_future(dw[0].client.pull("p1", [ps[0].peer_address], {"kv": [4, 5]}, push=True))
+    await asyncio.sleep(0.2)
+    await _publish(pw[0], "p1", [6, 7], salt=3)
+    res = await pull
+    assert dw[0].verify({"kv": [4, 5]}, 3) == (res.bytes, 0)
+    await crowd_out()
+    await _publish(pw[0], "h1", [8], salt=4)
+    assert await dw[0].client.expect("h1", [ps[0].peer_address])
+    await _until(lambda: "h1" in reader.holds.grants, within=4.0)  # refused once, granted at the retry (1 s)
+    res = await dw[0].pull("h1", ps, {"kv": [9]})
+    assert dw[0].verify({"kv": [9]}, 4) == (res.bytes, 0)
