@@ -169,6 +169,35 @@ class Holds:
         self.grants.pop(request_id, None)
         _settle_all(self._first.pop(request_id, {}))
 
+    def drop_publishers(self, request_id: str, addresses: set[str]) -> None:
+        """The publishers at ``addresses`` dropped ``request_id`` (their peer Abort): their grants no longer
+        hold and it is no longer held there; a pull to come asks them (and fails). Publishers of other
+        requests, and this request's other publishers, are not concerned."""
+        e = self.expected.get(request_id)
+        if e is not None:
+            left = tuple(a for a in e.addresses if a not in addresses)
+            if left:
+                e.addresses = left
+            else:
+                del self.expected[request_id]
+        grants = self.grants.get(request_id)
+        if grants is not None:
+            for a in addresses & grants.keys():
+                del grants[a]
+            if not grants:
+                del self.grants[request_id]
+        due = self._first.get(request_id)
+        if due is not None:
+            _settle_all({a: due.pop(a) for a in addresses & due.keys()})
+            if not due:
+                del self._first[request_id]
+        for a in addresses:
+            fresh = self._fresh.get(a)
+            if fresh is not None and request_id in fresh:
+                fresh.remove(request_id)
+                if not fresh:
+                    del self._fresh[a]
+
     def take(self, request_id: str) -> tuple[dict[str, Grant], dict[str, Due]]:
         """Stop holding ``request_id`` (its pull starts): its grants by publisher address, and the
         answers still due to its first Holds (addresses without a grant yet; see the module docs)."""

@@ -306,3 +306,42 @@ async def test_a_reader_the_publisher_forgot_handshakes_again_and_reads_on(
     await _until(lambda: "h1" in reader.holds.grants, within=4.0)  # refused once, granted at the retry (1 s)
     res = await dw[0].pull("h1", ps, {"kv": [9]})
     assert dw[0].verify({"kv": [9]}, 4) == (res.bytes, 0)
+
+
+# ---------------------------------------------------------------------- Abort (reader side): holds
+async def test_an_abort_from_a_publisher_the_request_is_not_expected_from_leaves_its_holds(harness: Harness) -> None:
+    """The decode sidecar reads from two prefill engines. Engine "prefill" (a publisher it has a session with)
+    aborts r5, which the decode worker expects from "prefill2" only: the holds at prefill2 go on, so r5
+    outlives its 1 s lease and is read, every byte right. Abort from prefill2 itself drops them."""
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, lease_seconds=30)
+    p2 = await harness.sidecar(role="prefill", engine_id="prefill2")
+    p2w = await harness.worker(p2, {"kv": LAY})
+    reader = ds[0].core
+    assert reader is not None
+    assert ps[0].core is not None
+    await _publish(pw[0], "r0", [1], salt=1)
+    res = await dw[0].pull("r0", ps, {"kv": [2]})  # the decode sidecar now has a session with "prefill"
+    assert dw[0].verify({"kv": [2]}, 1) == (res.bytes, 0)
+    await _publish(p2w, "r5", [3, 4], salt=5, lease_seconds=1.0)
+    assert await dw[0].client.expect("r5", [p2.peer_address])
+    await _until(lambda: "r5" in reader.holds.grants)
+    abort = peer_pb2.PeerAbortRequest(request_id="r5", engine_id="prefill", instance_id=ps[0].core.instance_id,
+                                      reason="not mine")  # fmt: skip
+    async with grpc.aio.insecure_channel(ds[0].peer_address) as ch:
+        assert not (await peer_pb2_grpc.PeerStub(ch).Abort(abort, timeout=5)).found
+    assert list(reader.holds.grants["r5"]) == [p2.peer_address]
+    assert reader.holds.expected["r5"].addresses == (p2.peer_address,)
+    await asyncio.sleep(2.5)  # 2.5 leases
+    assert (await p2w.client.status(publishes=["r5"]))["publishes"].keys() == {"r5"}
+    res = await dw[0].pull("r5", [p2], {"kv": [5, 6]})
+    assert dw[0].verify({"kv": [5, 6]}, 5) == (res.bytes, 0)
+    # Its own publisher's abort does drop them.
+    await _publish(p2w, "r6", [7], salt=6)
+    assert await dw[0].client.expect("r6", [p2.peer_address])
+    await _until(lambda: "r6" in reader.holds.grants)
+    assert p2.core is not None
+    abort = peer_pb2.PeerAbortRequest(request_id="r6", engine_id="prefill2", instance_id=p2.core.instance_id)
+    async with grpc.aio.insecure_channel(ds[0].peer_address) as ch:
+        assert not (await peer_pb2_grpc.PeerStub(ch).Abort(abort, timeout=5)).found
+    assert "r6" not in reader.holds.grants
+    assert "r6" not in reader.holds.expected
