@@ -289,6 +289,16 @@ class Holds:
         granted: dict[str, Grant] = {}
         for g in resp.grants:
             if g.request_id in self.expected or g.request_id in self._first:
+                if not math.isfinite(g.held_seconds) or g.held_seconds < 0:
+                    # The publisher's input error: no promise to READ on (a pull looks the request up).
+                    stale = self.grants.get(g.request_id)
+                    if stale is not None and stale.pop(address, None) is not None and not stale:
+                        del self.grants[g.request_id]
+                    with log_context(request_id=g.request_id, peer=address):
+                        log.warning("publisher granted a hold of no usable length; not reading on it",
+                                    extra={"held_seconds": repr(g.held_seconds), "reason": Reason.PEER_INPUT.value,
+                                           "field": "grants.held_seconds"})  # fmt: skip
+                    continue
                 blocks = {pg.name: ids_array(pg.block_ids) for pg in g.groups}
                 granted[g.request_id] = Grant(sent + g.held_seconds, resp.instance_id, int(resp.epoch), blocks)
                 if g.request_id in self.expected:

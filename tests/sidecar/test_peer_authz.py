@@ -8,6 +8,7 @@ token may: it looks like the decode sidecar in everything but its engine and ins
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvxfer.server import pusher as pusher_module
 from kvxfer.server.app import Sidecar
 from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer.wire.status import error_from_status
+from tests.sidecar.conftest import JsonLogs
 from tests.sidecar.helpers import Harness, Worker, attention, expect_error
 
 OK = grpc.StatusCode
@@ -345,3 +347,43 @@ async def test_an_abort_from_a_publisher_the_request_is_not_expected_from_leaves
         assert not (await peer_pb2_grpc.PeerStub(ch).Abort(abort, timeout=5)).found
     assert "r6" not in reader.holds.grants
     assert "r6" not in reader.holds.expected
+
+
+# ---------------------------------------------------------------------- Hold answers (reader side)
+def _grant_for(prefill: Sidecar, held_seconds: float) -> None:
+    """FAULT INJECTOR: ``prefill``'s Hold answers carry grants of ``held_seconds``, as a broken or hostile
+    publisher would send them (an honest one grants a finite time >= 0; nothing else produces these)."""
+    core = prefill.core
+    assert core is not None
+    honest = core.peer_hold
+
+    async def lying(req: Any, *args: Any) -> Any:
+        resp = await honest(req, *args)
+        for g in resp.grants:
+            g.held_seconds = held_seconds
+        return resp
+
+    core.peer_hold = lying  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("held_seconds", [math.nan, math.inf, -1.0])
+async def test_a_grant_of_no_usable_length_is_not_read_on(
+    harness: Harness, json_logs: JsonLogs, held_seconds: float
+) -> None:
+    """A Hold answer whose grant is NaN, infinite or negative is the publisher's input error: the grant is
+    dropped (logged with the peer), and the pull looks the request up instead, every byte right."""
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, lease_seconds=30)
+    reader = ds[0].core
+    assert reader is not None
+    _grant_for(ps[0], held_seconds)
+    await _publish(pw[0], "g", [1, 2], salt=4)
+    assert await dw[0].client.expect("g", [ps[0].peer_address])
+    await _until(lambda: "g" not in reader.holds._first)  # the first Hold was answered
+    assert "g" not in reader.holds.grants
+    (warning,) = [r for r in json_logs.records() if r["msg"].startswith("publisher granted a hold")]
+    assert (warning["level"], warning["peer"], warning["request_id"]) == ("warning", ps[0].peer_address, "g")
+    assert (warning["held_seconds"], warning["reason"]) == (repr(held_seconds), "PEER_INPUT")
+    res = await dw[0].pull("g", ps, {"kv": [5, 6]}, remote_blocks={"kv": [1, 2]})
+    assert dw[0].verify({"kv": [5, 6]}, 4) == (res.bytes, 0)
+    assert ds[0].metrics is not None
+    assert (ds[0].metrics.registry.get_sample_value("kvxfer_pulls_by_path_total", {"path": "grant"}) or 0.0) == 0.0
