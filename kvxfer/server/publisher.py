@@ -256,16 +256,14 @@ class Publisher:
     def get_published(
         self, req: peer_pb2.GetPublishedRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.GetPublishedResponse:
-        """A reader asks for a published request's blocks and regions."""
+        """A reader asks for a published request's blocks and regions.
+
+        Only a reader that handshook learns anything, even whether ``request_id`` is published: a
+        caller that did not is refused (NOT_HANDSHAKEN) before the request is looked up.
+        """
         rid = check_id(req.request_id, "request_id")
         creds.check(req.engine_id, "engine_id")
         reg = self.registry.require()
-        entry = self.publishes.get(rid)
-        if entry is None:
-            raise NotFoundError(
-                f"request_id: {rid!r} is not published on {self.settings.engine_id} (unknown, released or expired)",
-                field="request_id",
-            )
         rank = rank_from_proto(req.rank, "rank")
         key = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
         reader = self.readers.get(key)
@@ -275,6 +273,12 @@ class Publisher:
                 "sidecar; handshake first",
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
+        entry = self.publishes.get(rid)
+        if entry is None:
+            raise NotFoundError(
+                f"request_id: {rid!r} is not published on {self.settings.engine_id} (unknown, released or expired)",
+                field="request_id",
+            )
         if req.epoch and req.epoch != reader.epoch:
             # The reader's worker registered again since the handshake: its layouts (and so who reads
             # what, and whether it may read at all) are checked again before anything is answered.

@@ -387,3 +387,35 @@ async def test_a_grant_of_no_usable_length_is_not_read_on(
     assert dw[0].verify({"kv": [5, 6]}, 4) == (res.bytes, 0)
     assert ds[0].metrics is not None
     assert (ds[0].metrics.registry.get_sample_value("kvxfer_pulls_by_path_total", {"path": "grant"}) or 0.0) == 0.0
+
+
+# ---------------------------------------------------------------------- GetPublished: no probing
+async def test_a_caller_that_never_handshook_cannot_tell_which_requests_are_published(harness: Harness) -> None:
+    """GetPublished (alone or in a batch) refuses a caller that did not handshake the same way whether the
+    request is published or not; a handshaken reader still hears NOT_FOUND for a request nobody published."""
+    ps, pw, ds, _dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await _publish(pw[0], "held", [1, 2], salt=1)
+    stranger = dict(engine_id="stranger", instance_id="feedbeef", rank=RANK0)
+    refusal = ("engine_id: reader 'stranger' (instance feedbeef) has not handshaken with this sidecar; "
+               "handshake first")  # fmt: skip
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        for rid in ("held", "never-published"):
+            answer = await _refused(stub.GetPublished(peer_pb2.GetPublishedRequest(request_id=rid, **stranger),
+                                                      timeout=5))  # fmt: skip
+            assert answer == (OK.FAILED_PRECONDITION, refusal, Reason.NOT_HANDSHAKEN, "engine_id"), rid
+        batch = await stub.GetPublishedBatch(peer_pb2.GetPublishedBatchRequest(requests=[
+            peer_pb2.GetPublishedRequest(request_id=rid, **stranger) for rid in ("held", "never-published")]),
+            timeout=5)  # fmt: skip
+        assert [(r.code, r.message, r.reason, r.field) for r in batch.results] == [
+            (OK.FAILED_PRECONDITION.value[0], refusal, "NOT_HANDSHAKEN", "engine_id")
+        ] * 2
+        info = _rogue_info(ds[0])
+        await stub.Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
+        known = dict(engine_id="rogue", instance_id="feedbeef", rank=RANK0, epoch=info.epoch)
+        answer = await _refused(stub.GetPublished(peer_pb2.GetPublishedRequest(request_id="never-published",
+                                                                               **known), timeout=5))  # fmt: skip
+        assert answer == (OK.NOT_FOUND, "request_id: 'never-published' is not published on prefill (unknown, "
+                          "released or expired)", Reason.NOT_PUBLISHED, "request_id")  # fmt: skip
+        resp = await stub.GetPublished(peer_pb2.GetPublishedRequest(request_id="held", **known), timeout=5)
+        assert list(resp.groups[0].block_ids) == [1, 2]
