@@ -353,14 +353,25 @@ class Publisher:
         return out or {reader.rank.tp_rank}
 
     def notify(self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.NotifyResponse:
-        """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is."""
+        """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is.
+
+        A caller that neither handshook nor fetched the request is refused (NOT_HANDSHAKEN) the same
+        way whether it is published or not: a notice tells it nothing about which requests are.
+        """
         rid = check_id(req.request_id, "request_id")
         check_outcome(req.outcome)  # before anything else: a missing outcome must not read as DONE
         creds.check(req.engine_id, "engine_id")
+        rank = rank_from_proto(req.rank, "rank")
         entry = self.publishes.get(rid)
+        fetched = entry is not None and (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank) in entry.readers
+        if not fetched and not self.knows(req.engine_id, req.instance_id):
+            raise FailedPreconditionError(
+                f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "
+                f"notice of {rid!r} refused",
+                field="engine_id", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
         if entry is None:
             return peer_pb2.NotifyResponse(released=False)
-        rank = rank_from_proto(req.rank, "rank")
         unread = req.outcome == peer_pb2.NotifyRequest.UNREAD
         self._check_bound(entry, req.engine_id, "free")  # refused before anything else: no binding on a refusal
         self._check_notifier(req, rank, entry, unread)

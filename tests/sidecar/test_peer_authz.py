@@ -419,3 +419,26 @@ async def test_a_caller_that_never_handshook_cannot_tell_which_requests_are_publ
                           "released or expired)", Reason.NOT_PUBLISHED, "request_id")  # fmt: skip
         resp = await stub.GetPublished(peer_pb2.GetPublishedRequest(request_id="held", **known), timeout=5)
         assert list(resp.groups[0].block_ids) == [1, 2]
+
+
+async def test_a_notice_from_a_caller_that_never_handshook_tells_it_nothing(harness: Harness) -> None:
+    """Notify, like GetPublished, refuses a caller that neither handshook nor fetched the request the same way
+    whether it is published or not; a handshaken reader's notice of an unknown request is still just not
+    released."""
+    ps, pw, ds, _dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await _publish(pw[0], "held", [1, 2], salt=1)
+    stranger = dict(engine_id="stranger", instance_id="feedbeef", rank=RANK0)
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        for outcome in (peer_pb2.NotifyRequest.DONE, peer_pb2.NotifyRequest.UNREAD):
+            for rid in ("held", "never-published"):
+                notice = peer_pb2.NotifyRequest(request_id=rid, outcome=outcome, **stranger)
+                answer = await _refused(stub.Notify(notice, timeout=5))
+                assert answer == (OK.FAILED_PRECONDITION, f"engine_id: 'stranger' (instance 'feedbeef') has not "
+                                  f"handshaken with this sidecar; notice of {rid!r} refused", Reason.NOT_HANDSHAKEN,
+                                  "engine_id"), (outcome, rid)  # fmt: skip
+        await stub.Handshake(peer_pb2.HandshakeRequest(info=_rogue_info(ds[0])), timeout=5)
+        notice = peer_pb2.NotifyRequest(request_id="never-published", engine_id="rogue", instance_id="feedbeef",
+                                        rank=RANK0, outcome=peer_pb2.NotifyRequest.DONE)  # fmt: skip
+        assert not (await stub.Notify(notice, timeout=5)).released
+    assert await _leases(pw[0]) == 1
