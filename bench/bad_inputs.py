@@ -571,6 +571,8 @@ def peer_cases() -> list[Case]:
         add(h, f"address {addr!r}", inv, "info.address", shown, hs(address=addr))
     add(h, "tp_rank outside tp_size", inv, "info.rank.tp_rank", "3",
         hs_edit(lambda i: i.rank.CopyFrom(common_pb2.Rank(tp_rank=3, tp_size=2))))  # fmt: skip
+    add(h, "tp_size of a million ranks", inv, "info.rank.tp_size", "1000000",
+        hs_edit(lambda i: i.rank.CopyFrom(common_pb2.Rank(tp_rank=7, tp_size=1_000_000))))  # fmt: skip
     add(h, "pp_rank outside pp_size", inv, "info.rank.pp_rank", "2",
         hs_edit(lambda i: i.rank.CopyFrom(common_pb2.Rank(pp_rank=2, pp_size=2))))  # fmt: skip
     add(h, "empty group name", inv, "info.groups[0].name", None, hs_edit(lambda i: setattr(i.groups[0], "name", "")))
@@ -621,9 +623,11 @@ def peer_cases() -> list[Case]:
     add(gp, "request_id with a NUL", inv, "request_id", "\\x00",
         lambda e: peer_pb2.GetPublishedRequest(request_id="q\x00"))  # fmt: skip
     add(gp, "a request nobody published", "NOT_FOUND", "request_id", "'nobody-published-this'",
-        lambda e: peer_pb2.GetPublishedRequest(request_id="nobody-published-this"))  # fmt: skip
+        lookup(request_id="nobody-published-this"))  # fmt: skip
     add(gp, "a reader that never handshook", fp, "engine_id", "'stranger'",
         lookup(engine_id="stranger", instance_id="x"))  # fmt: skip
+    add(gp, "a reader that never handshook, for a request nobody published", fp, "engine_id", "'stranger'",
+        lookup(engine_id="stranger", instance_id="x", request_id="nobody-published-this"))  # fmt: skip
     add(gp, "tp_rank outside tp_size", inv, "rank.tp_rank", "5", lookup(rank=common_pb2.Rank(tp_rank=5, tp_size=2)))
     add(gp, "another epoch than the handshake's", fp, "epoch", "999", lookup(epoch=999))
 
@@ -632,8 +636,17 @@ def peer_cases() -> list[Case]:
         lambda e: lookups(requests=[peer_pb2.GetPublishedRequest(request_id="z")] * 1025))  # fmt: skip
     add(gpb, "item with an empty request_id", inv, "request_id", None,
         lambda e: lookups(requests=[peer_pb2.GetPublishedRequest()]), item="results")  # fmt: skip
+
+    def batch_of(one: Callable[[Env], Awaitable[peer_pb2.GetPublishedRequest]]) -> Request:
+        async def make(env: Env) -> peer_pb2.GetPublishedBatchRequest:
+            return lookups(requests=[await one(env)])
+
+        return make
+
     add(gpb, "item nobody published", "NOT_FOUND", "request_id", "'unknown-in-batch'",
-        lambda e: lookups(requests=[peer_pb2.GetPublishedRequest(request_id="unknown-in-batch")]),
+        batch_of(lookup(request_id="unknown-in-batch")), item="results")  # fmt: skip
+    add(gpb, "item from a reader that never handshook", fp, "engine_id", "'stranger'",
+        batch_of(lookup(engine_id="stranger", instance_id="x", request_id="unknown-in-batch")),
         item="results")  # fmt: skip
 
     def notice(**kw: Any) -> Callable[[Env], Awaitable[peer_pb2.NotifyRequest]]:

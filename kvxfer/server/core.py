@@ -364,8 +364,9 @@ class SidecarCore:
             )  # fmt: skip
         reason = f"aborted by peer {req.engine_id}" + (f": {req.reason}" if req.reason else "")
         if publishers:
-            # The publisher dropped it: its grants no longer hold, and a pull to come must ask (and fail).
-            self.holds.discard(rid)
+            # A publisher the request is expected from dropped it: its grants no longer hold, and a pull
+            # to come must ask it (and fail). Any other caller's abort leaves the holds alone.
+            self.holds.drop_publishers(rid, publishers)
         found = self.puller.peer_abort(rid, publishers, reason)
         if reader:  # refused (PERMISSION_DENIED) when the publish is bound to another reader
             found = self.publisher.peer_abort(req, reason) or found

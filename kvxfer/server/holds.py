@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvxfer.config import Settings
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.logs import get_logger, log_context
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory
@@ -169,6 +169,35 @@ class Holds:
         self.grants.pop(request_id, None)
         _settle_all(self._first.pop(request_id, {}))
 
+    def drop_publishers(self, request_id: str, addresses: set[str]) -> None:
+        """The publishers at ``addresses`` dropped ``request_id`` (their peer Abort): their grants no longer
+        hold and it is no longer held there; a pull to come asks them (and fails). Publishers of other
+        requests, and this request's other publishers, are not concerned."""
+        e = self.expected.get(request_id)
+        if e is not None:
+            left = tuple(a for a in e.addresses if a not in addresses)
+            if left:
+                e.addresses = left
+            else:
+                del self.expected[request_id]
+        grants = self.grants.get(request_id)
+        if grants is not None:
+            for a in addresses & grants.keys():
+                del grants[a]
+            if not grants:
+                del self.grants[request_id]
+        due = self._first.get(request_id)
+        if due is not None:
+            _settle_all({a: due.pop(a) for a in addresses & due.keys()})
+            if not due:
+                del self._first[request_id]
+        for a in addresses:
+            fresh = self._fresh.get(a)
+            if fresh is not None and request_id in fresh:
+                fresh.remove(request_id)
+                if not fresh:
+                    del self._fresh[a]
+
     def take(self, request_id: str) -> tuple[dict[str, Grant], dict[str, Due]]:
         """Stop holding ``request_id`` (its pull starts): its grants by publisher address, and the
         answers still due to its first Holds (addresses without a grant yet; see the module docs)."""
@@ -246,6 +275,8 @@ class Holds:
                 address, "Hold", lambda s: s.Hold(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
             )
         except KvxferError as exc:  # the next round tries again; the lease may still cover the gap
+            if exc.reason is Reason.NOT_HANDSHAKEN:
+                self.peers.invalidate(address)  # the publisher forgot us (too many readers): handshake again
             log.warning("could not hold requests at a publisher", extra={"peer": address, "error": exc.message,
                         "requests": len(req.request_ids)})  # fmt: skip
             self._answered(address, rids, {})  # a pull waiting for it looks the request up instead
@@ -258,6 +289,16 @@ class Holds:
         granted: dict[str, Grant] = {}
         for g in resp.grants:
             if g.request_id in self.expected or g.request_id in self._first:
+                if not math.isfinite(g.held_seconds) or g.held_seconds < 0:
+                    # The publisher's input error: no promise to READ on (a pull looks the request up).
+                    stale = self.grants.get(g.request_id)
+                    if stale is not None and stale.pop(address, None) is not None and not stale:
+                        del self.grants[g.request_id]
+                    with log_context(request_id=g.request_id, peer=address):
+                        log.warning("publisher granted a hold of no usable length; not reading on it",
+                                    extra={"held_seconds": repr(g.held_seconds), "reason": Reason.PEER_INPUT.value,
+                                           "field": "grants.held_seconds"})  # fmt: skip
+                    continue
                 blocks = {pg.name: ids_array(pg.block_ids) for pg in g.groups}
                 granted[g.request_id] = Grant(sent + g.held_seconds, resp.instance_id, int(resp.epoch), blocks)
                 if g.request_id in self.expected:

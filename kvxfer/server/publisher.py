@@ -45,10 +45,17 @@ from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto
 from kvxfer.wire.status import code_of
 
-__all__ = ["MAX_BATCH", "Publisher"]
+__all__ = ["MAX_BATCH", "MAX_TP_SIZE", "READERS_KEPT", "READERS_PER_ENGINE", "Publisher"]
 
 log = get_logger("kvxfer.server")
 MAX_BATCH = 1024  # items in one PullBatch, GetPublishedBatch, NotifyBatch or Hold
+#: The largest TP size a reader's handshake may claim (its expected readers are worked out rank by rank).
+MAX_TP_SIZE = 256
+#: Reader ranks kept per engine id (one per rank of its live instance, and a restarting one's): the
+#: oldest handshake is forgotten first (that reader handshakes again when it is next refused).
+READERS_PER_ENGINE = 2 * MAX_TP_SIZE
+#: Reader ranks kept in all, every engine together; the oldest handshake is forgotten first.
+READERS_KEPT = 4096
 
 
 class Publisher:
@@ -68,7 +75,10 @@ class Publisher:
         #: Dropped publishes whose blocks are not the worker's yet: their readers are being told
         #: (see _free_after_readers). GetStatus still reports them as held.
         self.freeing: dict[str, PublishEntry] = {}
-        self.readers: dict[ReaderKey, Identity] = {}  # sidecars that handshook us
+        #: Sidecars that handshook us, oldest handshake first (see _add_reader for the bounds).
+        self.readers: dict[ReaderKey, Identity] = {}
+        self._by_engine: dict[str, dict[ReaderKey, None]] = {}  # engine id -> its keys in readers, oldest first
+        self._instances: dict[tuple[str, str], int] = {}  # (engine id, instance id) -> its keys in readers
         #: Called with (request id, why) when a publish is dropped before its readers finished (push mode).
         self.on_dropped: Callable[[str, str], None] = lambda _rid, _why: None
 
@@ -185,6 +195,11 @@ class Publisher:
         try:
             reader = Identity.from_proto(req.info, "info")
             creds.check(reader.engine_id, "info.engine_id")
+            if reader.rank.tp_size > MAX_TP_SIZE:
+                raise InvalidArgumentError(
+                    f"info.rank.tp_size: {reader.rank.tp_size} is more than the {MAX_TP_SIZE} ranks a reader may have",
+                    field="info.rank.tp_size",
+                )
         except KvxferError:
             self.metrics.handshakes.labels(outcome="failed").inc()
             raise
@@ -199,31 +214,57 @@ class Publisher:
                 "sidecar): " + listed,
                 field="info", reason=Reason.INCOMPATIBLE_PEER,
             )  # fmt: skip
-        key = (reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank)
-        # A restarted reader gets a new instance id: forget its old ones.
-        for old in [k for k in self.readers if k[0] == key[0] and k[2:] == key[2:] and k[1] != key[1]]:
-            del self.readers[old]
-        self.readers[key] = reader
+        self._add_reader((reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank), reader)
         self.metrics.handshakes.labels(outcome="ok").inc()
         return peer_pb2.HandshakeResponse(info=me.to_proto())
 
+    def _add_reader(self, key: ReaderKey, reader: Identity) -> None:
+        """Remember a reader rank that handshook, as the newest; forget what it replaces and what is too many.
+
+        A restarted reader gets a new instance id: its old instance at this rank is forgotten. At
+        most :data:`READERS_PER_ENGINE` ranks of one engine and :data:`READERS_KEPT` in all are kept,
+        the oldest handshakes going first, so no peer can grow the table (each entry holds its
+        data-plane metadata) without bound.
+        """
+        self._forget_reader(key)
+        same_rank = [k for k in self._by_engine.get(key[0], ()) if k[2:] == key[2:]]
+        for old in same_rank:
+            self._forget_reader(old)
+        self.readers[key] = reader
+        ranks = self._by_engine.setdefault(key[0], {})
+        ranks[key] = None
+        self._instances[key[:2]] = self._instances.get(key[:2], 0) + 1
+        while len(ranks) > READERS_PER_ENGINE:
+            self._forget_reader(next(iter(ranks)))
+        while len(self.readers) > READERS_KEPT:
+            self._forget_reader(next(iter(self.readers)))
+
+    def _forget_reader(self, key: ReaderKey) -> None:
+        if self.readers.pop(key, None) is None:
+            return
+        ranks = self._by_engine[key[0]]
+        del ranks[key]
+        if not ranks:
+            del self._by_engine[key[0]]
+        left = self._instances.pop(key[:2]) - 1
+        if left:
+            self._instances[key[:2]] = left
+
     def knows(self, engine_id: str, instance_id: str) -> bool:
         """True when that sidecar instance handshook with this one."""
-        return any(k[0] == engine_id and k[1] == instance_id for k in self.readers)
+        return (engine_id, instance_id) in self._instances
 
     def get_published(
         self, req: peer_pb2.GetPublishedRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.GetPublishedResponse:
-        """A reader asks for a published request's blocks and regions."""
+        """A reader asks for a published request's blocks and regions.
+
+        Only a reader that handshook learns anything, even whether ``request_id`` is published: a
+        caller that did not is refused (NOT_HANDSHAKEN) before the request is looked up.
+        """
         rid = check_id(req.request_id, "request_id")
         creds.check(req.engine_id, "engine_id")
         reg = self.registry.require()
-        entry = self.publishes.get(rid)
-        if entry is None:
-            raise NotFoundError(
-                f"request_id: {rid!r} is not published on {self.settings.engine_id} (unknown, released or expired)",
-                field="request_id",
-            )
         rank = rank_from_proto(req.rank, "rank")
         key = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
         reader = self.readers.get(key)
@@ -233,6 +274,12 @@ class Publisher:
                 "sidecar; handshake first",
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
+        entry = self.publishes.get(rid)
+        if entry is None:
+            raise NotFoundError(
+                f"request_id: {rid!r} is not published on {self.settings.engine_id} (unknown, released or expired)",
+                field="request_id",
+            )
         if req.epoch and req.epoch != reader.epoch:
             # The reader's worker registered again since the handshake: its layouts (and so who reads
             # what, and whether it may read at all) are checked again before anything is answered.
@@ -261,10 +308,14 @@ class Publisher:
         return resp
 
     def _admit_reader(self, entry: PublishEntry, reader: Identity, rank: RankInfo, reg: Registration) -> None:
-        """``reader`` learned the request's block ids: it may free it, and who must confirm is known."""
-        if entry.expected_readers is None or entry.reader_tp_size != rank.tp_size:
-            entry.expected_readers = self._expected_readers(reader, rank.tp_size, reg)
-            entry.reader_tp_size = rank.tp_size
+        """``reader`` learned the request's block ids: it may free it, and who must confirm is known.
+
+        The reader's TP size is its handshake's (checked there), not the one a later call names.
+        """
+        tp_size = reader.rank.tp_size
+        if entry.expected_readers is None or entry.reader_tp_size != tp_size:
+            entry.expected_readers = self._expected_readers(reader, tp_size, reg)
+            entry.reader_tp_size = tp_size
         entry.readers[(reader.engine_id, reader.instance_id, rank.tp_rank, rank.pp_rank)] = reader.address
 
     def get_published_batch(
@@ -303,14 +354,25 @@ class Publisher:
         return out or {reader.rank.tp_rank}
 
     def notify(self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.NotifyResponse:
-        """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is."""
+        """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is.
+
+        A caller that neither handshook nor fetched the request is refused (NOT_HANDSHAKEN) the same
+        way whether it is published or not: a notice tells it nothing about which requests are.
+        """
         rid = check_id(req.request_id, "request_id")
         check_outcome(req.outcome)  # before anything else: a missing outcome must not read as DONE
         creds.check(req.engine_id, "engine_id")
+        rank = rank_from_proto(req.rank, "rank")
         entry = self.publishes.get(rid)
+        fetched = entry is not None and (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank) in entry.readers
+        if not fetched and not self.knows(req.engine_id, req.instance_id):
+            raise FailedPreconditionError(
+                f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "
+                f"notice of {rid!r} refused",
+                field="engine_id", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
         if entry is None:
             return peer_pb2.NotifyResponse(released=False)
-        rank = rank_from_proto(req.rank, "rank")
         unread = req.outcome == peer_pb2.NotifyRequest.UNREAD
         self._check_bound(entry, req.engine_id, "free")  # refused before anything else: no binding on a refusal
         self._check_notifier(req, rank, entry, unread)
@@ -471,5 +533,4 @@ class Publisher:
 
     def count_readers(self) -> int:
         """Reader sidecar instances that handshook (for the peers gauge)."""
-        # Called from the metrics server's thread: copy the keys in one step before iterating.
-        return len({k[:2] for k in tuple(self.readers)})
+        return len(self._instances)  # called from the metrics server's thread: one len() of a dict

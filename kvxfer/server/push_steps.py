@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import PEER_CALL_SECONDS
@@ -93,6 +93,21 @@ class PushSteps:
         writer_blocks: list[common_pb2.BlockList], sessions: dict[int, PeerSession], check_rank: CheckRank,
         answered: dict[str, float], offered: dict[str, float],
     ) -> None:  # fmt: skip
+        """Offer to remote rank ``q``; once more after a fresh handshake if the writer forgot this rank."""
+        try:
+            await self._offer_once(entry, q, req_blocks, writer_blocks, sessions, check_rank, answered, offered)
+        except KvxferError as exc:
+            if exc.reason is not Reason.NOT_HANDSHAKEN:
+                raise
+            # The writer forgot this rank (it restarted, or had too many readers): handshake again.
+            self.peers.invalidate(entry.addresses[q])
+            await self._offer_once(entry, q, req_blocks, writer_blocks, sessions, check_rank, answered, offered)
+
+    async def _offer_once(
+        self, entry: PullEntry, q: int, req_blocks: list[common_pb2.BlockList],
+        writer_blocks: list[common_pb2.BlockList], sessions: dict[int, PeerSession], check_rank: CheckRank,
+        answered: dict[str, float], offered: dict[str, float],
+    ) -> None:  # fmt: skip
         address = entry.addresses[q]
         session = await self.peers.session(address, budget=max(entry.deadline - time.monotonic(), 0.001))
         check_rank(entry, q, session)
@@ -105,7 +120,8 @@ class PushSteps:
             rank=rank_to_proto(me.rank), epoch=me.epoch, blocks=req_blocks, writer_blocks=writer_blocks,
             timeout_seconds=timeout, writer_engine_id=session.identity.engine_id,
         )  # fmt: skip
-        entry.asked.append(address)  # from here on the writer may hold the offer: the fence must reach it
+        if address not in entry.asked:
+            entry.asked.append(address)  # from here on the writer may hold the offer: the fence must reach it
         offered[address] = timeout
         try:
             await self.peers.call(address, "Offer", lambda s: s.Offer(req, timeout=min(timeout, PEER_CALL_SECONDS),
@@ -130,6 +146,10 @@ class PushSteps:
                                                                            metadata=self.peers.metadata))  # fmt: skip
                 return 0.0
             except KvxferError as exc:
+                if exc.reason is Reason.NOT_HANDSHAKEN:
+                    # The writer does not know this rank (it restarted): it holds no offer of it, and
+                    # refuses a Revoke only then, so nothing of it can land.
+                    return 0.0
                 # Unreachable: its offer lapses at its deadline, counted from no earlier than our send.
                 until = answered.get(address, time.monotonic()) + offered.get(address, 0.0) + FENCE_MARGIN_S
                 log.warning("could not revoke an offer; waiting out its deadline",

@@ -10,7 +10,11 @@ one Landed, done or failed, unless the reader revoked it.
 
 A reader that gave up takes its offer back (``Revoke``). The answer comes once no WRITE of the
 offer is in flight and none will start, so the reader may reuse its blocks after it. An offer also
-lapses at its deadline: no WRITE starts, or keeps running, past it. A publish dropped here
+lapses at its deadline: no WRITE starts, or keeps running, past it. Only a reader that handshook (or
+holds an offer under the rank it names) may revoke. A request that every offer gave up on before it
+was published is remembered with the engine that gave up, for a while (at most
+:data:`GIVEN_UP_KEPT` of them): its publish, when it comes, is freed at once only if it is unbound or
+bound to that engine, so no other reader can give up a publish meant for someone else. A publish dropped here
 (aborted, released, expired, the worker gone) fails the offers waiting on it, and a worker that
 exits fails the offers of every request it had not published yet.
 """
@@ -21,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,12 +59,16 @@ from kvxfer.wire import peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto, rank_to_proto
 from kvxfer.wire.status import code_of
 
-__all__ = ["Offer", "Pusher", "token_span"]
+__all__ = ["GIVEN_UP_KEPT", "Offer", "Pusher", "token_span"]
 
 log = get_logger("kvxfer.server")
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 _NO_ROWS: U64 = np.zeros((0, 3), np.uint64)
+#: The most (request, engine) pairs remembered as given up before their publish; the oldest go first.
+GIVEN_UP_KEPT = 4096
+#: The most characters of a reader's Revoke reason kept (it ends up in the publish's completion message).
+REASON_CHARS = 512
 
 
 @dataclass
@@ -122,9 +131,12 @@ class Pusher:
         #: The data-plane name of each reader written into, with the instance and epoch it was loaded for.
         self._loaded: dict[ReaderKey, tuple[str, int, str]] = {}
         self._ids = itertools.count(1)
-        #: Requests whose every offer was revoked before they were published here: request id ->
-        #: (why, when). Their publish, when it comes, is released at once (nobody will take it).
-        self._given_up: dict[str, tuple[str, float]] = {}
+        #: Requests whose every offer was revoked before they were published here: (request id, the
+        #: engine that gave up) -> (why, when), oldest first. Their publish, when it comes unbound or
+        #: bound to that engine, is released at once (nobody will take it). See _remember_given_up.
+        self._given_up: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self._given_up_engines: dict[str, set[str]] = {}  # request id -> the engines in _given_up
+        self._given_up_timer: asyncio.TimerHandle | None = None
         #: Offers the layer-wise stream completed before their publish (Landed already sent): request id
         #: -> [(reader, its rank, when)]. The publish, when it comes, counts them as done readers.
         self._landed_early: dict[str, list[tuple[Identity, RankInfo, float]]] = {}
@@ -180,19 +192,33 @@ class Pusher:
         return peer_pb2.OfferResponse(published=published)
 
     async def revoke(self, req: peer_pb2.RevokeRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.RevokeResponse:
-        """The reader takes its offer back; answered once no WRITE of it is in flight and none will start."""
+        """The reader takes its offer back; answered once no WRITE of it is in flight and none will start.
+
+        Only from a reader that handshook with this sidecar, or whose offer (or its stopping WRITEs)
+        this sidecar still holds under the rank it names; others are refused (FAILED_PRECONDITION,
+        NOT_HANDSHAKEN), which tells the reader too that no offer of it is held here.
+        """
         rid = check_id(req.request_id, "request_id")
-        creds.check(req.engine_id, "engine_id")
+        engine_id = check_id(req.engine_id, "engine_id")
+        creds.check(engine_id, "engine_id")
+        instance_id = check_id(req.instance_id, "instance_id")
         rank = rank_from_proto(req.rank, "rank")
-        key: ReaderKey = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
+        key: ReaderKey = (engine_id, instance_id, rank.tp_rank, rank.pp_rank)
         offer = self.offers.get(rid, {}).get(key)
+        stopping = self._stopping.get((rid, key))
+        if offer is None and not stopping and key not in self.publisher.readers:
+            raise FailedPreconditionError(
+                f"engine_id: reader {engine_id!r} (instance {instance_id!r}, tp rank {rank.tp_rank}) has not "
+                f"handshaken with this sidecar and holds no offer of {rid!r} here; revoke refused",
+                field="engine_id", reason=Reason.NOT_HANDSHAKEN,
+            )  # fmt: skip
+        why = req.reason[:REASON_CHARS] or "the reader revoked its offer"
         if offer is None:
-            stopping = self._stopping.get((rid, key))
             if stopping:  # ended here a moment ago: answer once none of its WRITEs can still land
                 await asyncio.wait(stopping)
             if rid not in self.publisher.publishes and not self.offers.get(rid):
                 # Its offer lapsed (or never came): a publish that comes later is still nobody's.
-                self._remember_given_up(rid, f"{req.engine_id} gave up on it before it was published")
+                self._remember_given_up(rid, engine_id, f"{engine_id} gave up on it before it was published")
             return peer_pb2.RevokeResponse(found=False)
         offer.revoked = True
         self._forget(offer)
@@ -203,11 +229,10 @@ class Pusher:
         for task in running:  # their transfers are cancelled with them
             with contextlib.suppress(BaseException):
                 await asyncio.shield(task)
-        why = req.reason or "the reader revoked its offer"
         if rid in self.publisher.publishes:
-            self.publisher.reader_finished(rid, req.engine_id, rank, f"{why} (revoked)")
+            self.publisher.reader_finished(rid, engine_id, rank, f"{why} (revoked)")
         elif not self.offers.get(rid):
-            self._remember_given_up(rid, f"{req.engine_id} gave up on it before it was published ({why})")
+            self._remember_given_up(rid, engine_id, f"{engine_id} gave up on it before it was published ({why})")
         with log_context(request_id=rid, transfer_id=offer.transfer_id, peer=offer.reader.label):
             log.info("offer revoked", extra={"wrote": offer.wrote, "reason": why})
         return peer_pb2.RevokeResponse(found=True, wrote=offer.wrote)
@@ -215,9 +240,9 @@ class Pusher:
     # ------------------------------------------------------------------ local events
     def published(self, rid: str) -> None:
         """``rid`` was published here: write every offer that waited for it (or free it if all gave up)."""
-        given_up = self._given_up.pop(rid, None)
+        given_up = self._take_given_up(rid)
         if given_up is not None and not self.offers.get(rid):
-            self.publisher.release_unwanted(rid, given_up[0])
+            self.publisher.release_unwanted(rid, given_up)
             return
         for reader, rank, _at in self._landed_early.pop(rid, ()):
             try:
@@ -260,6 +285,9 @@ class Pusher:
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
         """Stop every push (shutdown); returns the tasks to wait for. Every reader hears ABORTED."""
+        if self._given_up_timer is not None:
+            self._given_up_timer.cancel()
+            self._given_up_timer = None
         tasks = []
         for per_reader in list(self.offers.values()):
             for offer in list(per_reader.values()):
@@ -457,12 +485,69 @@ class Pusher:
                                    seconds=offer.stream_seconds)  # fmt: skip
         self._send_landed(offer, None, (offer.stream_bytes, offer.stream_descriptors, offer.stream_seconds))
 
-    def _remember_given_up(self, rid: str, why: str) -> None:
+    def _remember_given_up(self, rid: str, engine_id: str, why: str) -> None:
+        """``engine_id`` gave up on ``rid`` before it was published here (see the module docs)."""
         now = time.monotonic()
-        horizon = now - self.settings.transfer_timeout_seconds - self.settings.lease_seconds
-        for old in [k for k, (_w, at) in self._given_up.items() if at < horizon]:
-            del self._given_up[old]
-        self._given_up[rid] = (why, now)
+        self._prune_given_up(now)
+        key = (rid, engine_id)
+        self._given_up.pop(key, None)
+        self._given_up[key] = (why, now)
+        self._given_up_engines.setdefault(rid, set()).add(engine_id)
+        while len(self._given_up) > GIVEN_UP_KEPT:
+            self._drop_given_up(next(iter(self._given_up)))
+        if self._given_up_timer is None:
+            self._given_up_timer = asyncio.get_running_loop().call_later(self._given_up_seconds(),
+                                                                         self._expire_given_up)  # fmt: skip
+
+    def _take_given_up(self, rid: str) -> str | None:
+        """At ``rid``'s publish: why it is unwanted (None: it is not), forgetting who gave up on it.
+
+        Only the engine it is bound to (``reader_engine_id``), or any engine while it is unbound, can
+        have given it up: a reader may not give up a publish meant for another.
+        """
+        engines = self._given_up_engines.get(rid)
+        if not engines:
+            return None
+        self._prune_given_up(time.monotonic())
+        entry = self.publisher.publishes.get(rid)
+        bound = entry.reader_engine if entry is not None else ""
+        why = None
+        for engine_id in sorted(self._given_up_engines.get(rid, ())):
+            gave_up = self._given_up.get((rid, engine_id))
+            if gave_up is not None and why is None and bound in ("", engine_id):
+                why = gave_up[0]
+            self._drop_given_up((rid, engine_id))
+        return why
+
+    def _given_up_seconds(self) -> float:
+        """How long a give-up is remembered: as long as its reader could still have waited for the publish."""
+        return self.settings.transfer_timeout_seconds + self.settings.lease_seconds
+
+    def _prune_given_up(self, now: float) -> None:
+        horizon = now - self._given_up_seconds()
+        while self._given_up:
+            key, (_why, at) = next(iter(self._given_up.items()))
+            if at >= horizon:
+                break
+            self._drop_given_up(key)
+
+    def _drop_given_up(self, key: tuple[str, str]) -> None:
+        self._given_up.pop(key, None)
+        engines = self._given_up_engines.get(key[0])
+        if engines is not None:
+            engines.discard(key[1])
+            if not engines:
+                del self._given_up_engines[key[0]]
+
+    def _expire_given_up(self) -> None:
+        """Forget the give-ups that are too old, with or without new ones coming (re-armed for the next)."""
+        self._given_up_timer = None
+        now = time.monotonic()
+        self._prune_given_up(now)
+        if self._given_up:
+            _why, oldest = next(iter(self._given_up.values()))
+            delay = max(oldest + self._given_up_seconds() - now, 0.0) + 0.001
+            self._given_up_timer = asyncio.get_running_loop().call_later(delay, self._expire_given_up)
 
     def _lapse(self, offer: Offer) -> None:
         """The offer's deadline passed before its publish came: the reader is told (its own deadline ends it)."""
@@ -471,8 +556,8 @@ class Pusher:
                 f"request_id: {offer.request_id!r} was not published on {self.settings.engine_id} before the offer's "
                 "deadline", field="request_id"))  # fmt: skip
             if not self.offers.get(offer.request_id):  # its reader gives up at this deadline too
-                self._remember_given_up(offer.request_id, f"{offer.key[0]} gave up on it before it was published "
-                                        "(its offer lapsed)")  # fmt: skip
+                self._remember_given_up(offer.request_id, offer.key[0], f"{offer.key[0]} gave up on it before it "
+                                        "was published (its offer lapsed)")  # fmt: skip
 
     def _fail(self, offer: Offer, err: KvxferError) -> list[asyncio.Task[None]]:
         """End an offer with no push task (or one that never ran): stop its layer WRITEs, then tell the reader.

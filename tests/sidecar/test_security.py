@@ -126,9 +126,9 @@ async def test_peer_calls_need_a_handshake_and_a_fetch(harness: Harness) -> None
         await refused(stub.GetPublished(peer_pb2.GetPublishedRequest(**stranger), timeout=5),
                       "reader 'stranger' (instance feedbeef) has not handshaken")  # fmt: skip
         done = peer_pb2.NotifyRequest(**stranger, outcome=peer_pb2.NotifyRequest.DONE)
-        await refused(stub.Notify(done, timeout=5), "'stranger'", "did not fetch 'held'", "notice refused")
+        await refused(stub.Notify(done, timeout=5), "'stranger'", "has not handshaken", "notice of 'held' refused")
         unread = peer_pb2.NotifyRequest(**stranger, outcome=peer_pb2.NotifyRequest.UNREAD)
-        await refused(stub.Notify(unread, timeout=5), "has not handshaken with 'held'")
+        await refused(stub.Notify(unread, timeout=5), "has not handshaken with this sidecar; notice of 'held' refused")
         abort = peer_pb2.PeerAbortRequest(request_id="held", engine_id="stranger", instance_id="feedbeef")
         await refused(stub.Abort(abort, timeout=5), "'stranger' (instance 'feedbeef') has not handshaken",
                       "abort of 'held' refused")  # fmt: skip
