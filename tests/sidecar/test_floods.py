@@ -176,7 +176,7 @@ async def _a_client_that_never_reads(harness: Harness, tmp_path: Path, tls: bool
     frames = ps[0].peer_frames
     assert frames is not None
     before = frames.api.calls_by_method["GetPublishedBatch"]
-    # Each call asks for 1024 requests nobody published: ~8 KB that answer over 100 KB (a NOT_FOUND each).
+    # Each call asks for 1024 requests nobody published: ~8 KB that answer over 100 KB (a refusal each).
     ask = peer_pb2.GetPublishedBatchRequest(requests=[peer_pb2.GetPublishedRequest(request_id=f"nope{i}")
                                                       for i in range(MAX_BATCH)]).SerializeToString()  # fmt: skip
     calls = 300  # over 30 MB of answers
@@ -204,8 +204,9 @@ async def _a_client_that_never_reads(harness: Harness, tmp_path: Path, tls: bool
         (res,) = await transfer(pw, ps, dw, "r2", {"kv": [5]}, {"kv": [6]}, salt=2)
         assert res.done
         # Nothing was dropped: once the client reads, every call is answered, in order of arrival
-        # (each lookup refused: under mTLS its engine id, none, is not its certificate's).
-        refused = grpc.StatusCode.PERMISSION_DENIED if tls else grpc.StatusCode.NOT_FOUND
+        # (each lookup refused: under mTLS its engine id, none, is not its certificate's; else it never
+        # handshook, which is told before any request is looked up).
+        refused = grpc.StatusCode.PERMISSION_DENIED if tls else grpc.StatusCode.FAILED_PRECONDITION
         for c in range(1, calls + 1):
             n, call, code = ANSWER.unpack(await asyncio.wait_for(reader.readexactly(ANSWER.size), 30))
             assert (call, code) == (c, 0)
