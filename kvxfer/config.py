@@ -234,6 +234,11 @@ class Settings(BaseModel):
     tls_cert: Path | None = Field(None, description="PEM certificate (with --tls-key: TLS on the peer API)")
     tls_key: Path | None = Field(None, description="PEM private key")
     tls_ca: Path | None = Field(None, description="PEM CA bundle: client-cert checks and peer verification")
+    tls_server_name: str | None = Field(
+        None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9*]([A-Za-z0-9.*-]*[A-Za-z0-9])?$",
+        description="name a peer's certificate must carry when this sidecar dials it (default: the address's "
+        "host; set it when peers advertise pod IPs and share one certificate)",
+    )  # fmt: skip
     token_file: Path | None = Field(None, description="file holding the shared bearer token")
     insecure: bool = Field(
         False, description="allow a non-loopback --peer-listen/--local-listen without --token-file or TLS (true/false)"
@@ -328,6 +333,10 @@ class Settings(BaseModel):
             raise _SettingError(missing, "--tls-cert and --tls-key enable TLS together; only one is set")
         if self.tls_ca is not None and self.tls_cert is None:
             raise _SettingError("tls_ca", "--tls-ca needs --tls-cert and --tls-key (TLS on the peer API)")
+        if self.tls_server_name is not None and self.tls_cert is None:
+            raise _SettingError(
+                "tls_server_name", "--tls-server-name needs --tls-cert and --tls-key (TLS on the peer API)"
+            )
         if not self.local_socket and not self.local_listen:
             raise _SettingError("local_socket", "the local API needs --local-socket or --local-listen")
         if self.token_file is not None and not self.token_file.read_text().strip():

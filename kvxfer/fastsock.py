@@ -109,14 +109,14 @@ class FastChannel(asyncio.Protocol):
     @classmethod
     async def open_tcp(
         cls, host: str, port: int, *, tls: ssl.SSLContext | None, hello: bytes, token: str | None, timeout: float,
-        max_message_bytes: int,
+        max_message_bytes: int, server_name: str | None = None,
     ) -> FastChannel:  # fmt: skip
         """A peer sidecar's frames (:data:`kvxfer.wire.frames.PEER_METHODS`); under TLS its certificate
-        is checked against ``host``, as gRPC checks it against the address dialed."""
+        is checked against ``server_name``, else ``host``, as gRPC checks it against the address dialed."""
         loop = asyncio.get_running_loop()
         return await cls._open(
             lambda: loop.create_connection(lambda: cls(max_message_bytes), host, port, ssl=tls,
-                                           server_hostname=host if tls is not None else None),
+                                           server_hostname=(server_name or host) if tls is not None else None),
             hello, token, timeout,
         )  # fmt: skip
 

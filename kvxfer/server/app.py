@@ -37,6 +37,7 @@ from kvxfer.server.listeners import (
     channel_credentials,
     listen_unix,
     listeners_without_credentials,
+    peer_channel_options,
     prepare_socket,
     server_credentials,
 )
@@ -122,8 +123,9 @@ class Sidecar:
             self.fd_box = FdBox(fd_socket_path(prepare_socket(Path(s.local_socket))), token=token, mode=SOCKET_MODE,
                                 on_gone=self._lease_closed)  # fmt: skip
         self.core = SidecarCore(
-            s, data_plane, self.metrics, peer_address=self.peer_address, channel_options=opts,
-            channel_credentials=channel_credentials(s), on_serving=self._set_serving,
+            s, data_plane, self.metrics, peer_address=self.peer_address,
+            channel_options=[*opts, *peer_channel_options(s)], channel_credentials=channel_credentials(s),
+            on_serving=self._set_serving,
             fd_lookup=self.fd_box.fds if self.fd_box is not None else None,
         )  # fmt: skip
         # A pull's lookups, notices and holds never wait on anything (their Publisher methods are plain

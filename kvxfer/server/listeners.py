@@ -11,6 +11,7 @@ import socket
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -22,6 +23,7 @@ __all__ = [
     "channel_credentials",
     "listen_unix",
     "listeners_without_credentials",
+    "peer_channel_options",
     "prepare_socket",
     "server_credentials",
 ]
@@ -112,6 +114,12 @@ def server_credentials(s: Settings) -> grpc.ServerCredentials | None:
         root_certificates=ca,
         require_client_auth=ca is not None,
     )
+
+
+def peer_channel_options(s: Settings) -> list[tuple[str, Any]]:
+    """Channel options for dialing peers beyond the shared ones: the name their certificates must
+    carry (``--tls-server-name``), where it is not the host of the address dialed (a pod IP)."""
+    return [("grpc.ssl_target_name_override", s.tls_server_name)] if s.tls_enabled and s.tls_server_name else []
 
 
 def channel_credentials(s: Settings) -> grpc.ChannelCredentials | None:

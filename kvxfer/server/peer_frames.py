@@ -136,13 +136,16 @@ class FramesDialer:
     token: str | None
     max_message_bytes: int
     timeout: float = 5.0
+    #: The name the peer's certificate must carry (``--tls-server-name``; None: the host dialed).
+    server_name: str | None = None
 
     @classmethod
     def of(cls, settings: Settings) -> FramesDialer | None:
         """From the sidecar's settings (None with ``--peer-frames false``: gRPC only)."""
         if not settings.peer_frames:
             return None
-        return cls(client_tls(settings), settings.token(), settings.max_message_bytes)
+        return cls(client_tls(settings), settings.token(), settings.max_message_bytes,
+                   server_name=settings.tls_server_name)  # fmt: skip
 
     async def open(self, dialed: str, frames_address: str, instance_id: str) -> FastChannel:
         """A frames connection to the peer instance ``instance_id`` handshaken at ``dialed``.
@@ -156,7 +159,8 @@ class FramesDialer:
             raise OSError(f"its frames address {frames_address!r} is not on the host dialed ({dialed!r})")
         host, port = where
         ch = await FastChannel.open_tcp(host, port, tls=self.tls, hello=PEER_HELLO, token=self.token,
-                                        timeout=self.timeout, max_message_bytes=self.max_message_bytes)  # fmt: skip
+                                        timeout=self.timeout, max_message_bytes=self.max_message_bytes,
+                                        server_name=self.server_name)  # fmt: skip
         if ch.hello_answer != instance_id.encode():
             ch.close()
             answered = ch.hello_answer.decode(errors="replace")

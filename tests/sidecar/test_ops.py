@@ -336,8 +336,8 @@ def test_generated_code_check_covers_the_typing_stubs(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
-def _certs(d: Path) -> tuple[str, str, str]:
-    """A throwaway CA and a certificate for 127.0.0.1/localhost signed by it (openssl CLI)."""
+def _certs(d: Path, names: str = "IP:127.0.0.1,DNS:localhost") -> tuple[str, str, str]:
+    """A throwaway CA and a certificate for ``names`` (127.0.0.1/localhost) signed by it (openssl CLI)."""
 
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
@@ -346,7 +346,7 @@ def _certs(d: Path) -> tuple[str, str, str]:
         "-subj", "/CN=kvxfer-test-ca")  # fmt: skip
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=localhost")
     # A cluster certificate (it names no kvxfer://engine/): both sidecars share it.
-    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / "ext").write_text(f"subjectAltName={names}\n")
     run("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
         "-days", "1", "-extfile", "ext")  # fmt: skip
     return str(d / "s.pem"), str(d / "s.key"), str(d / "ca.pem")
@@ -367,6 +367,44 @@ async def test_mutual_tls_on_the_peer_api(harness: Harness, tmp_path: Path) -> N
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_peers_sharing_a_certificate_without_their_addresses_check_the_tls_server_name(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """Pods advertise their IPs, which one shared certificate cannot list: with --tls-server-name the
+    sidecars check the name it carries instead, on the peer API and on the peer frames alike."""
+    cert, key, ca = _certs(tmp_path, "DNS:kvxfer-peer")
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment(
+        {"kv": lay}, {"kv": lay}, tls_cert=cert, tls_key=key, tls_ca=ca, tls_server_name="kvxfer-peer"
+    )
+    await transfer(pw, ps, dw, "name1", {"kv": [1, 2, 3]}, {"kv": [4, 5, 6]}, salt=1)
+    assert ds[0].core is not None
+    for _ in range(500):  # the frames connection opens beside the first handshake
+        if ds[0].core.peers.framed(ps[0].peer_address):
+            break
+        await asyncio.sleep(0.01)
+    assert ds[0].core.peers.framed(ps[0].peer_address)
+    await transfer(pw, ps, dw, "name2", {"kv": [7]}, {"kv": [8]}, salt=2)
+
+
+async def test_a_peer_certificate_without_the_dialed_address_is_refused(harness: Harness, tmp_path: Path) -> None:
+    cert, key, ca = _certs(tmp_path, "DNS:kvxfer-peer")
+    lay = attention()
+    ps, pw, _ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, tls_cert=cert, tls_key=key, tls_ca=ca)
+    await pw[0].prefill("name3", {"kv": [1]}, salt=1)
+    with pytest.raises(Exception, match="UNAVAILABLE"):
+        await dw[0].pull("name3", ps, {"kv": [2]})
+
+
+def test_tls_server_name_needs_tls_and_a_name() -> None:
+    with pytest.raises(ConfigError, match="--tls-server-name needs --tls-cert") as info:
+        load_settings({"tls_server_name": "kvxfer-peer"}, env={})
+    assert info.value.field == "tls_server_name"
+    with pytest.raises(ConfigError, match="KVXFER_TLS_SERVER_NAME") as bad:
+        load_settings({}, env={"KVXFER_TLS_SERVER_NAME": "a name with spaces"})
+    assert bad.value.field == "tls_server_name"
 
 
 async def test_sidecar_logs_carry_request_transfer_and_peer(harness: Harness, json_logs: JsonLogs) -> None:
