@@ -7,16 +7,19 @@ as the attention backends read them (``token_rows``), exactly as for a pull (tes
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.request import Request, RequestStatus
 
 from tests.vllm_inproc.engine import mla_spec
-from tests.vllm_inproc.pd import PD, block_rows, token_rows
+from tests.vllm_inproc.pd import PD, block_rows, token_rows, write_tokens
+from tests.vllm_inproc.runners import RUNNERS, scheduler_connector
 from tests.vllm_inproc.test_pull import (
     D_POOL,
     LAYERS,
@@ -117,45 +120,59 @@ def test_push_attention_and_mamba_groups(pd: PD) -> None:
     assert_mamba_state_moved(pre.engines[0], dec.engines[0], mamba, p_state, d_state)
 
 
-def test_layerwise_push_lands_while_the_prefill_computes(pd: PD) -> None:
-    """``push_layerwise``: each step's layers are written as vLLM's hooks report them; before the publish,
-    the decode cache already holds every loaded token of every layer, as the attention backend reads it."""
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_layerwise_push_lands_while_the_prefill_computes(pd: PD, runner: str) -> None:
+    """``push_layerwise`` driven by vLLM's own model-runner code (V1's mixin, V2's ``ActiveKVConnector``), in its
+    call order: each step's metadata is bound, the attention layers write their KV and call ``save_kv_layer``
+    (vLLM's ``maybe_transfer_kv_layer``), and only then come ``start_load_kv`` and ``wait_for_save``. Every
+    layer of every step is signalled, and before the publish the decode cache already holds every loaded
+    token of every layer, as the attention backend reads it."""
     bs, prompt = 16, 75
-    pre = pd.instance("prefill", engines(seed=2, spec_for=kv_spec(bs)), push_layerwise=True)
+    pre = pd.instance("prefill", engines(seed=2, spec_for=kv_spec(bs)), push_layerwise=True, runner=runner)
     dec = pd.instance("decode", engines(seed=12, spec_for=kv_spec(bs)))
     p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
     pre_params, dec_params = pd.push_params(pre, "lw")
     pd.offer(dec, "lw-d", prompt, dec_params, [d_table])
     time.sleep(0.3)  # the offer reaches the prefill sidecar
+    sched = scheduler_connector(pre.scheduler, pre.engines[0])
     sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
     preq = Request("lw", list(range(100, 100 + prompt)), sp, None)
-    pre.scheduler.on_new_request(preq)
+    sched.on_new_request(preq)
+    gen = torch.Generator().manual_seed(22)
+    # Chunked prefill, as vLLM's scheduler reports it: tokens [0, 40) of a new request, then [40, 75).
+    first = SchedulerOutput.make_empty()
+    first.scheduled_new_reqs = [NewRequestData.from_request(preq, (p_table[:3],))]
+    second = SchedulerOutput.make_empty()
+    second.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["lw"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={}, new_block_ids=[(p_table[3:],)],
+        num_computed_tokens=[40], num_output_tokens=[0],
+    )  # fmt: skip
+    for out, tokens in ((first, range(0, 40)), (second, range(40, prompt))):
+        out.num_scheduled_tokens = {"lw": len(tokens)}
+        out.total_num_scheduled_tokens = len(tokens)
+        out.kv_connector_metadata = sched.build_connector_meta(out)
+        # Each layer's kernel writes the step's tokens into the cache, then vLLM's hook signals the layer.
+        pre.vllm_step(out, functools.partial(write_tokens, table=p_table, tokens=tokens, gen=gen))
+        preq.num_computed_tokens = tokens.stop
+    assert all(w.layer_signals == 2 * len(LAYERS) for w in pre.workers)
     loaded = range(prompt - 1)
-    # Chunked prefill: tokens [0, 40) in one step, [40, 75) in the next, as vLLM's scheduler reports them.
-    for new, computed, count, replace in (([p_table[:3]], 0, 40, True), ([p_table[3:]], 40, 35, False)):
-        pre.scheduler.step_streams([("lw", new, computed, count, replace)])
-        pre.step()
-        for layer in LAYERS:  # what vLLM's attention layers call after writing their KV
-            for w in pre.workers:
-                w.layer_saved(layer)
-        for w in pre.workers:
-            w.step_saved()
     deadline = time.monotonic() + 10
     while not all(torch.equal(rows(dec.engines, n_, d_table, loaded), rows(pre.engines, n_, p_table, loaded))
                   for n_ in LAYERS):  # fmt: skip
         assert time.monotonic() < deadline, "the streamed layers never landed"
         time.sleep(0.02)
-    # Only now does the prefill finish and publish; the decode load ends with its Landed.
+    # Only now does the prefill finish and publish (the next step has no forward); the decode load has ended.
     preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    preq.num_computed_tokens = prompt
-    keep, _ = pre.scheduler.request_finished(preq, [p_table])
+    keep, _ = sched.request_finished(preq, p_table)
     assert keep is True
-    pre.step()
+    last = SchedulerOutput.make_empty()
+    last.finished_req_ids = {"lw"}
+    last.kv_connector_metadata = sched.build_connector_meta(last)
+    pre.vllm_step(last)
     _, recving, failed = dec.finished(recving="lw-d")
     dec.scheduler.loads_finished(recving)
     assert failed == set()
     pre.finished(sending="lw")
-    assert all(w.layer_signals == 2 * len(LAYERS) for w in pre.workers)
     written = pd.sidecars.counter("pre1", "kvxfer_transfer_bytes_total", direction="write")
     assert written > 0
 
