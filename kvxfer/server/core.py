@@ -220,6 +220,10 @@ class SidecarCore:
             addresses = check_addresses(req.remote_addresses)
         resp = local_pb2.AbortResponse()
         resp.aborted_publish = self.publisher.abort(rid, reason)
+        if not resp.aborted_publish and self.settings.role in ("prefill", "both"):
+            # Push mode: a request aborted before it was published here never will be; the offers
+            # waiting for it fail now rather than at their deadline (a published one's fail with it).
+            self.pusher.abandon(rid, reason)
         resp.aborted_pulls = int(await self.puller.abort(rid, reason))
         if addresses:
             dropped = await asyncio.gather(*(self.outbox.drop_remote(a, rid, reason) for a in addresses))

@@ -207,3 +207,56 @@ def test_decode_abort_mid_push_fences_and_frees_the_prefill(pd: PD) -> None:
     for n_ in LAYERS:
         assert all(torch.equal(block_rows(dec.engines[0], n_, b), was) for b, was in zip(d_table, before[n_],
                                                                                       strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("offer_first", [True, False])
+def test_prefill_aborted_before_publishing_fails_the_decode_load_at_once(pd: PD, offer_first: bool) -> None:
+    """A push-mode prefill that vLLM aborts (its client went away) publishes nothing. Its scheduler tells
+    every rank's sidecar, whose offers for the push id fail at once (``Landed`` with ABORTED), and an offer
+    that comes after is refused: the decode load ends failed within a second or two, not at its 30 s
+    deadline, with nothing written into its blocks (``offer_first``: the decode side offered before the abort)."""
+    bs, prompt = 16, 70
+    rid = f"pab{int(offer_first)}"
+    pre = pd.instance("prefill", engines(tp=2, seed=5, spec_for=kv_spec(bs)))
+    dec = pd.instance("decode", engines(seed=15, spec_for=kv_spec(bs)))
+    assert dec.workers[0].settings.transfer_timeout_seconds == 30.0  # the deadline it would otherwise wait for
+    p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
+    before = {n: [block_rows(dec.engines[0], n, b) for b in d_table] for n in LAYERS}
+
+    def failures() -> list[float]:
+        return [pd.sidecars.counter("dec1", "kvxfer_transfers_total", direction="push", outcome="failed"),
+                pd.sidecars.counter("dec1", "kvxfer_transfer_failures_total", reason="aborted"),
+                pd.sidecars.counter("dec1", "kvxfer_transfer_failures_total", reason="timeout")]  # fmt: skip
+
+    was = failures()
+    pre_params, dec_params = pd.push_params(pre, rid)
+
+    def prefill_aborted() -> None:
+        sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
+        preq = Request(rid, list(range(100, 100 + prompt)), sp, None)
+        pre.scheduler.on_new_request(preq)
+        preq.status = RequestStatus.FINISHED_ABORTED
+        assert pre.scheduler.request_finished(preq, [p_table]) == (False, None)
+        pre.step()
+
+    if offer_first:
+        pd.offer(dec, f"{rid}-d", prompt, dec_params, [d_table])
+        time.sleep(0.3)  # the offers wait at both prefill ranks
+        t0 = time.monotonic()
+        prefill_aborted()
+    else:
+        prefill_aborted()
+        time.sleep(0.3)  # the prefill sidecars heard the abort
+        t0 = time.monotonic()
+        pd.offer(dec, f"{rid}-d", prompt, dec_params, [d_table])
+    _, recving, failed = dec.finished(recving=f"{rid}-d", timeout=5.0)
+    took = time.monotonic() - t0
+    dec.scheduler.loads_finished(recving)
+    assert took < 5.0
+    assert failed == set()  # one full-attention group: vLLM takes the failed blocks (and recomputes them)
+    assert dec.workers[0].load_errors() == set(d_table)
+    now = failures()
+    assert [now[0] - was[0], now[1] - was[1], now[2] - was[2]] == [1, 1, 0]  # ABORTED, not the deadline
+    for n_ in LAYERS:
+        assert all(torch.equal(block_rows(dec.engines[0], n_, b), w) for b, w in zip(d_table, before[n_],
+                                                                                   strict=True))  # fmt: skip

@@ -180,6 +180,16 @@ class SchedulerSide:
             return False, None
         if not wants_remote_decode(params):
             return False, None
+        keep, answer = self._finish_prefill(request, tables)
+        if not keep:
+            self._not_published(request)
+        return keep, answer
+
+    def _finish_prefill(
+        self, request: Any, tables: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        """A finished prefill for a remote decode: published (True, params), or not (False, None)."""
+        rid = request.request_id
         status = getattr(request.status, "name", str(request.status))
         if status not in _DONE or not any(tables):
             return False, None
@@ -200,6 +210,29 @@ class SchedulerSide:
             except KvxferError as exc:
                 log.error(f"request {rid}: publish failed ({exc.message}); the decode side computes the prompt")
                 return False, None
+
+    def _not_published(self, request: Any) -> None:
+        """A push-mode prefill ended without publishing (aborted, failed, nothing to publish): every rank's
+        sidecar is told (``Abort``; not waited for), so that the decode side's offers for its id fail now
+        (their readers hear ``Landed`` with ABORTED) instead of waiting for their deadline."""
+        params = request.kv_transfer_params
+        if not wants_push(params):
+            return
+        try:
+            pid = push_id(params)
+        except ParamsError:
+            return  # no decode side can have offered for an id that is not one
+        status = getattr(request.status, "name", str(request.status))
+        why = f"the prefill request {request.request_id} ended ({status}) without publishing its KV"
+        rid = request.request_id
+
+        def done(fut: cf.Future[tuple[int, bool]]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:  # the offers' deadline still ends them
+                log.warning(f"request {rid}: could not tell the sidecar that push {pid} will not be published: "
+                            f"{fut.exception()}")  # fmt: skip
+
+        for c in self._sidecars():
+            c.submit(c.aio.abort(pid, why)).add_done_callback(done)
 
     def _publish(self, request: Any, groups: list[RemoteGroup], computed: int) -> dict[str, Any]:
         rid = request.request_id
