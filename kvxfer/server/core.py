@@ -226,7 +226,9 @@ class SidecarCore:
             self.pusher.abandon(rid, reason)
         resp.aborted_pulls = int(await self.puller.abort(rid, reason))
         if addresses:
-            dropped = await asyncio.gather(*(self.outbox.drop_remote(a, rid, reason) for a in addresses))
+            reg = self.registry.registration
+            rank = reg.rank if reg is not None else None  # a publisher that has not published it yet hears a Revoke
+            dropped = await asyncio.gather(*(self.outbox.drop_remote(a, rid, reason, rank) for a in addresses))
             resp.remote_dropped = sum(dropped)
         return resp
 

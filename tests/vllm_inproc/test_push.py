@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.request import Request, RequestStatus
 
 from tests.vllm_inproc.engine import mla_spec
-from tests.vllm_inproc.pd import PD, block_rows, token_rows, write_tokens
+from tests.vllm_inproc.pd import PD, block_rows, decode_request, token_rows, write_tokens
 from tests.vllm_inproc.runners import RUNNERS, scheduler_connector
 from tests.vllm_inproc.test_pull import (
     D_POOL,
@@ -260,3 +260,39 @@ def test_prefill_aborted_before_publishing_fails_the_decode_load_at_once(pd: PD,
     for n_ in LAYERS:
         assert all(torch.equal(block_rows(dec.engines[0], n_, b), w) for b, w in zip(d_table, before[n_],
                                                                                    strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["prefix_hit", "aborted_while_queued"])
+def test_decode_drop_before_the_publish_frees_it_at_once(pd: PD, how: str) -> None:
+    """The decode side gives up on a push request before its prefill published it: vLLM's local prefix cache
+    covered every token to load (``prefix_hit``), or the request was aborted while it waited for blocks. Its
+    drop reaches every prefill rank before the publish, which is then freed at once (the prefill worker hears
+    the release) rather than held for the lease (20 s here)."""
+    bs, prompt = 16, 70
+    rid = f"pdrop{int(how == 'prefix_hit')}"
+    pre = pd.instance("prefill", engines(tp=2, seed=9, spec_for=kv_spec(bs)))
+    dec = pd.instance("decode", engines(seed=19, spec_for=kv_spec(bs)))
+    p_table = blocks_for(prompt, bs, P_POOL)
+    pre_params, dec_params = pd.push_params(pre, rid)
+    dreq = decode_request(f"{rid}-d", prompt, dec_params)
+    if how == "prefix_hit":
+        assert dec.scheduler.matched_tokens(dreq, prompt - 1) == (0, False)  # vLLM found every token locally
+        dec.scheduler.after_alloc(dreq, [], 0)
+    else:
+        assert dec.scheduler.matched_tokens(dreq, 0) == (prompt - 1, True)  # queued: no blocks for it yet
+        dreq.status = RequestStatus.FINISHED_ABORTED
+        assert dec.scheduler.request_finished(dreq, [[]]) == (False, None)
+    dec.step()  # rank 0's worker has its sidecar drop it at every prefill rank
+    time.sleep(1.0)  # the drop reached them
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
+    preq = Request(rid, list(range(100, 100 + prompt)), sp, None)
+    pre.scheduler.on_new_request(preq)
+    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    preq.num_computed_tokens = prompt
+    keep, _ = pre.scheduler.request_finished(preq, [p_table])
+    assert keep is True
+    pre.step()
+    t0 = time.monotonic()
+    pre.finished(sending=rid, timeout=5.0)  # released on every rank: its reader gave up before it existed
+    assert time.monotonic() - t0 < 5.0
+    assert pd.sidecars.counter("pre2", "kvxfer_leases_active") == 0

@@ -92,7 +92,9 @@ class SchedulerSide:
         self._loading: set[str] = set()  # decode requests whose KV is on its way
         #: Layer-wise push (prefill side): vLLM id -> (push id, prompt tokens, block table so far per group).
         self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
-        self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
+        #: Decode requests queued until vLLM allocates their blocks (in pull mode their publishes are held
+        #: meanwhile): one that finishes before is dropped at its publishers.
+        self._expected: set[str] = set()
         self._waker: LoadWaker | None = None  # started at the first nap (decode side)
         self._asked_groups: list[cf.Future[Any]] | None = None  # the sidecars' statuses (group names), for Prepare
         self._prepare_supported = True  # until a sidecar answers UNIMPLEMENTED (an older one)
@@ -301,7 +303,11 @@ class SchedulerSide:
             return 0, False
         if remote.push:  # nothing is published yet: the blocks are allocated now and offered
             count = self.tokens_to_load(request, remote) - num_computed_tokens
-            return (count, True) if count > 0 else (0, False)
+            if count <= 0:
+                return 0, False
+            # Nothing to hold yet; but a request aborted while queued must still tell the prefill side.
+            self._expected.add(rid)
+            return count, True
         why = self._unusable(remote, self.tokens_to_load(request, remote))
         if why:
             log.warning(f"request {rid}: {why}; computing the prompt here")
