@@ -220,9 +220,15 @@ class SidecarCore:
             addresses = check_addresses(req.remote_addresses)
         resp = local_pb2.AbortResponse()
         resp.aborted_publish = self.publisher.abort(rid, reason)
+        if not resp.aborted_publish and self.settings.role in ("prefill", "both"):
+            # Push mode: a request aborted before it was published here never will be; the offers
+            # waiting for it fail now rather than at their deadline (a published one's fail with it).
+            self.pusher.abandon(rid, reason)
         resp.aborted_pulls = int(await self.puller.abort(rid, reason))
         if addresses:
-            dropped = await asyncio.gather(*(self.outbox.drop_remote(a, rid, reason) for a in addresses))
+            reg = self.registry.registration
+            rank = reg.rank if reg is not None else None  # a publisher that has not published it yet hears a Revoke
+            dropped = await asyncio.gather(*(self.outbox.drop_remote(a, rid, reason, rank) for a in addresses))
             resp.remote_dropped = sum(dropped)
         return resp
 

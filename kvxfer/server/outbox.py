@@ -198,20 +198,46 @@ class Outbox:
             return False
         return True
 
-    async def drop_remote(self, address: str, request_id: str, reason: str) -> bool:
-        """Ask a publisher to drop a request this side will not read (handshaking first if needed)."""
+    async def drop_remote(self, address: str, request_id: str, reason: str, rank: RankInfo | None = None) -> bool:
+        """Ask a publisher to drop a request this side will not read (handshaking first if needed).
+
+        A publisher that does not hold it (``Abort`` found nothing) may not have published it *yet*: a
+        push-mode request whose decode side needs none of it, or gave up while queued, before its
+        prefill finished. An ``Abort`` of that is forgotten, so this side (``rank``: its own) then
+        takes back its claim on a push of it (``Revoke``), which a writer remembers: the publish, when
+        it comes, is freed at once instead of at its lease's end. A second ``Abort`` catches a publish
+        that came between the two.
+        """
         req = self._abort_request(request_id, reason)
-        try:
-            # A publisher takes aborts only from a reader that handshook with it.
-            await self.peers.session(address, budget=PEER_CALL_SECONDS)
+
+        async def abort() -> bool:
             resp = await self.peers.call(
                 address, "Abort", lambda s: s.Abort(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
             )
+            return bool(resp.found)
+
+        try:
+            # A publisher takes aborts only from a reader that handshook with it.
+            await self.peers.session(address, budget=PEER_CALL_SECONDS)
+            if await abort():
+                return True
+            if rank is None:
+                return False
+            revoke = peer_pb2.RevokeRequest(
+                request_id=request_id, engine_id=self.engine_id, instance_id=self.instance_id,
+                rank=rank_to_proto(rank), reason=reason,
+            )  # fmt: skip
+            try:
+                await self.peers.call(address, "Revoke", lambda s: s.Revoke(revoke, timeout=PEER_CALL_SECONDS,
+                                                                           metadata=self.peers.metadata))  # fmt: skip
+            except KvxferError as exc:  # an older publisher (no push), or one that refused: its lease frees it
+                log.info("could not tell a publisher that this side gave up on a request it may publish later",
+                         extra={"peer": address, "error": exc.message})  # fmt: skip
+            return await abort()
         except KvxferError as exc:
             log.warning("could not ask a publisher to drop a request; its lease will expire",
                         extra={"peer": address, "error": exc.message})  # fmt: skip
             return False
-        return bool(resp.found)
 
 
 def _notices_dropped(address: str, n: int) -> None:

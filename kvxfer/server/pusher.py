@@ -142,6 +142,10 @@ class Pusher:
         self._landed_early: dict[str, list[tuple[Identity, RankInfo, float]]] = {}
         #: Offers ended here whose layer WRITEs are still stopping: a Revoke of one waits for them.
         self._stopping: dict[tuple[str, ReaderKey], list[asyncio.Task[None]]] = {}
+        #: Requests the worker aborted before publishing them here (its prefill was aborted or failed):
+        #: request id -> (why, when), oldest first, bounded like the give-ups. An offer for one is
+        #: refused: nothing will ever be written into it.
+        self._abandoned: dict[str, tuple[str, float]] = {}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.offers.values())
@@ -181,6 +185,10 @@ class Pusher:
         if key in self.offers.get(rid, {}):
             raise AlreadyExistsError(f"request_id: {rid!r} is already offered by this reader rank", field="request_id")
         self.publisher.check_writable(rid, req.engine_id)
+        abandoned = self._abandoned.get(rid)
+        if abandoned is not None:
+            raise AbortedError(f"request_id: {rid!r} will not be published on {self.settings.engine_id}: "
+                               f"{abandoned[0]}", field="request_id")  # fmt: skip
         now = time.monotonic()
         offer = Offer(f"{self.registry.instance_id[:8]}-w{next(self._ids)}", rid, key, reader, rank, blocks,
                       token_spans(req.blocks, req.writer_blocks), given, now + timeout)  # fmt: skip
@@ -238,8 +246,35 @@ class Pusher:
         return peer_pb2.RevokeResponse(found=True, wrote=offer.wrote)
 
     # ------------------------------------------------------------------ local events
+    def abandon(self, rid: str, why: str) -> int:
+        """The worker aborted ``rid`` before publishing it here (its prefill ended otherwise): it never will.
+
+        Every offer waiting for it fails now (its reader hears ``Landed`` with ABORTED once the layer
+        WRITEs it was streamed stopped) rather than at its deadline, and an offer that comes later
+        is refused. Returns how many offers failed.
+        """
+        now = time.monotonic()
+        horizon = now - self._given_up_seconds()  # as long as an offer for it could still come
+        for old in [k for k, (_w, at) in self._abandoned.items() if at < horizon]:
+            del self._abandoned[old]
+        self._abandoned.pop(rid, None)
+        self._abandoned[rid] = (why, now)
+        while len(self._abandoned) > GIVEN_UP_KEPT:  # the oldest first
+            del self._abandoned[next(iter(self._abandoned))]
+        self._landed_early.pop(rid, None)  # its readers have every byte; no publish will count them
+        waiting = [o for o in self.offers.get(rid, {}).values() if o.task is None]
+        for offer in waiting:
+            self._fail(offer, AbortedError(f"request_id: the push of {rid!r} stopped before it was published: {why}",
+                                           field="request_id"))  # fmt: skip
+        if waiting:
+            with log_context(request_id=rid):
+                log.info("push offers failed: the request will not be published here",
+                         extra={"offers": len(waiting), "reason": why})  # fmt: skip
+        return len(waiting)
+
     def published(self, rid: str) -> None:
         """``rid`` was published here: write every offer that waited for it (or free it if all gave up)."""
+        self._abandoned.pop(rid, None)
         given_up = self._take_given_up(rid)
         if given_up is not None and not self.offers.get(rid):
             self.publisher.release_unwanted(rid, given_up)

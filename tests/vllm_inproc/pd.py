@@ -10,19 +10,22 @@ objects, driven through the calls vLLM's scheduler makes (``on_new_request``,
 
 from __future__ import annotations
 
+import functools
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from vllm import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from kvxfer.client import Client
 from kvxfer.harness.cluster import LocalCluster, SidecarProc
+from kvxfer.integrations.vllm.connector import KvxferConnector, KvxferConnectorMetadata
 from kvxfer.integrations.vllm.params import push_params
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
@@ -30,6 +33,7 @@ from kvxfer.integrations.vllm.spec import reports_failed_blocks, transfer_groups
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.topology import RankInfo
 from tests.vllm_inproc.engine import Engine, as_row_bytes, vllm_parts, write_random
+from tests.vllm_inproc.runners import RankRunner, results, worker_connector
 
 __all__ = [
     "PD",
@@ -41,6 +45,7 @@ __all__ = [
     "fill_random",
     "prefill_request",
     "token_rows",
+    "write_tokens",
 ]
 
 Tables = Sequence[Sequence[int]]
@@ -142,19 +147,33 @@ class Sidecars:
 
 @dataclass
 class Instance:
-    """One vLLM instance: its ranks' engines and workers, and its scheduler."""
+    """One vLLM instance: its ranks' engines and workers, and its scheduler.
+
+    ``connectors``: the connector class vLLM loads, around each rank's worker; ``runners``: vLLM's model-runner
+    code driving them (:meth:`vllm_step`), for an instance made with a ``runner``.
+    """
 
     engine_id: str
     engines: list[Engine]
     workers: list[WorkerSide]
     scheduler: SchedulerSide
+    connectors: list[KvxferConnector] = field(default_factory=list)
+    runners: list[RankRunner] = field(default_factory=list)
+    #: Per rank: what vLLM's runner collected in :meth:`vllm_step` (its get_transfer_results), for finished().
+    backlog: list[tuple[set[str], set[str], set[str]]] = field(default_factory=list)
 
     def finished(self, timeout: float = 20.0, **want: str) -> tuple[set[str], set[str], set[str]]:
         """Poll every worker's ``finished()`` (as vLLM does each step) until ``sending``/``recving`` ids show up.
 
-        A request counts once every rank reported it. Returns (sending, recving, failed) of all ranks.
+        A request counts once every rank reported it. Returns (sending, recving, failed) of all ranks,
+        with what the runner's steps collected before (failures there: those vLLM takes per request).
         """
         got: list[tuple[set[str], set[str], set[str]]] = [(set(), set(), set()) for _ in self.workers]
+        for i, (s, r, f) in enumerate(self.backlog):
+            got[i][0].update(s)
+            got[i][1].update(r)
+            got[i][2].update(f)
+        self.backlog = [(set(), set(), set()) for _ in self.workers]
         deadline = time.monotonic() + timeout
         while True:
             for i, w in enumerate(self.workers):
@@ -175,10 +194,28 @@ class Instance:
             time.sleep(0.02)
 
     def step(self) -> None:
-        """One engine step: the scheduler's plan goes to every worker."""
-        plan = self.scheduler.build_plan()
-        for w in self.workers:
-            w.on_step(plan)
+        """One engine step without a forward pass: the scheduler's plan goes to every worker through the
+        connector's hooks, in the order vLLM's model runners call them (what ended is polled by finished())."""
+        meta = KvxferConnectorMetadata(self.scheduler.build_plan())
+        for conn in self.connectors:
+            conn.bind_connector_metadata(meta)
+            conn.start_load_kv(None)  # type: ignore[arg-type]  # kvxfer does not read the forward context
+            conn.wait_for_save()
+            conn.clear_connector_metadata()
+
+    def vllm_step(self, out: SchedulerOutput, write_kv: Callable[[Engine, str], None] | None = None) -> None:
+        """One engine step run by vLLM's model-runner code on every rank (:mod:`tests.vllm_inproc.runners`).
+
+        ``out``: the scheduler's output, its ``kv_connector_metadata`` set; ``write_kv(engine, layer)``: what
+        each attention layer's kernel writes into that rank's cache in the forward pass (None: no forward).
+        """
+        assert self.runners, "an instance made with runner=... runs vLLM's runner code"
+        if not self.backlog:
+            self.backlog = [(set(), set(), set()) for _ in self.workers]
+        for i, runner in enumerate(self.runners):
+            each = None if write_kv is None else functools.partial(write_kv, runner.engine)
+            for have, new in zip(self.backlog[i], results(runner.step(out, each)), strict=True):
+                have.update(new)
 
 
 @dataclass
@@ -190,16 +227,17 @@ class PD:
 
     def instance(
         self, role: str, engines: Sequence[Engine], *, sidecars: str = "", engine_id: str = "", pp: int = 1,
-        **settings: Any,
+        runner: str = "", **settings: Any,
     ) -> Instance:  # fmt: skip
         """Workers for ``engines`` (one per rank, in rank order: pipeline stage by stage) registered with a
         sidecar set.
 
-        ``sidecars``: the set's name (default ``pre<tp>`` or ``dec<tp>``); ``pp``: pipeline stages.
+        ``sidecars``: the set's name (default ``pre<tp>`` or ``dec<tp>``); ``pp``: pipeline stages;
+        ``runner``: ``v1`` or ``v2``, vLLM's model runner whose code drives the connector (``Instance.vllm_step``).
         """
         tp = len(engines) // pp
         cs = ConnectorSettings(sidecar_socket=self.sidecars.socket(sidecars or f"{role[:3]}{tp}"), **settings)
-        workers = []
+        workers, runners = [], []
         for r, eng in enumerate(engines):
             w = WorkerSide(
                 cs,
@@ -209,12 +247,19 @@ class PD:
                 block_errors=reports_failed_blocks(eng.kv_cache_config),
             )  # as the connector does
             self.made.append(w)
-            w.register(eng.describe(), eng.kv_caches)
+            if runner:  # registered as that vLLM model runner registers the caches: through the connector
+                runners.append(RankRunner(runner, w, eng))
+                runners[-1].register()
+            else:
+                w.register(eng.describe(), eng.kv_caches)
             workers.append(w)
         sched = SchedulerSide(cs, engine_id=engine_id or f"vllm-{role}",
                               groups=transfer_groups(engines[0].kv_cache_config), tp_size=tp, pp_size=pp)  # fmt: skip
         self.made.append(sched)
-        return Instance(engine_id or f"vllm-{role}", list(engines), workers, sched)
+        connectors = [r.connector for r in runners] or [
+            worker_connector(w, e) for w, e in zip(workers, engines, strict=True)
+        ]
+        return Instance(engine_id or f"vllm-{role}", list(engines), workers, sched, connectors, runners)
 
     def publish(self, p: Instance, rid: str, prompt_len: int, tables: Tables) -> dict[str, Any]:
         """Run a prefill request through the prefill scheduler: published on every rank; returns the params."""
@@ -326,6 +371,17 @@ def token_rows(engine: Engine, layer: str, table: Sequence[int], tokens: range) 
         block, pos = table[t // bs], t % bs
         out.append(rows[block * r + pos // nk, :, pos % nk])
     return torch.stack(out)
+
+
+def write_tokens(engine: Engine, layer: str, table: Sequence[int], tokens: range, gen: torch.Generator) -> None:
+    """Random bytes into every (token, head) cell of ``tokens`` of a request, through vLLM's accessors (what the
+    attention kernel writes into the cache for the tokens a step computes)."""
+    bs, r, nk = _geometry(engine, layer)
+    parts = vllm_parts(engine, layer)
+    for t in tokens:
+        block, pos = table[t // bs], t % bs
+        kb, n = block * r + pos // nk, pos % nk
+        write_random({k: v[kb : kb + 1, :, n : n + 1] for k, v in parts.items()}, gen)
 
 
 def block_rows(engine: Engine, layer: str, block: int) -> torch.Tensor:

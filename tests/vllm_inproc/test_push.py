@@ -7,16 +7,19 @@ as the attention backends read them (``token_rows``), exactly as for a pull (tes
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.request import Request, RequestStatus
 
 from tests.vllm_inproc.engine import mla_spec
-from tests.vllm_inproc.pd import PD, block_rows, token_rows
+from tests.vllm_inproc.pd import PD, block_rows, decode_request, token_rows, write_tokens
+from tests.vllm_inproc.runners import RUNNERS, scheduler_connector
 from tests.vllm_inproc.test_pull import (
     D_POOL,
     LAYERS,
@@ -117,45 +120,59 @@ def test_push_attention_and_mamba_groups(pd: PD) -> None:
     assert_mamba_state_moved(pre.engines[0], dec.engines[0], mamba, p_state, d_state)
 
 
-def test_layerwise_push_lands_while_the_prefill_computes(pd: PD) -> None:
-    """``push_layerwise``: each step's layers are written as vLLM's hooks report them; before the publish,
-    the decode cache already holds every loaded token of every layer, as the attention backend reads it."""
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_layerwise_push_lands_while_the_prefill_computes(pd: PD, runner: str) -> None:
+    """``push_layerwise`` driven by vLLM's own model-runner code (V1's mixin, V2's ``ActiveKVConnector``), in its
+    call order: each step's metadata is bound, the attention layers write their KV and call ``save_kv_layer``
+    (vLLM's ``maybe_transfer_kv_layer``), and only then come ``start_load_kv`` and ``wait_for_save``. Every
+    layer of every step is signalled, and before the publish the decode cache already holds every loaded
+    token of every layer, as the attention backend reads it."""
     bs, prompt = 16, 75
-    pre = pd.instance("prefill", engines(seed=2, spec_for=kv_spec(bs)), push_layerwise=True)
+    pre = pd.instance("prefill", engines(seed=2, spec_for=kv_spec(bs)), push_layerwise=True, runner=runner)
     dec = pd.instance("decode", engines(seed=12, spec_for=kv_spec(bs)))
     p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
     pre_params, dec_params = pd.push_params(pre, "lw")
     pd.offer(dec, "lw-d", prompt, dec_params, [d_table])
     time.sleep(0.3)  # the offer reaches the prefill sidecar
+    sched = scheduler_connector(pre.scheduler, pre.engines[0])
     sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
     preq = Request("lw", list(range(100, 100 + prompt)), sp, None)
-    pre.scheduler.on_new_request(preq)
+    sched.on_new_request(preq)
+    gen = torch.Generator().manual_seed(22)
+    # Chunked prefill, as vLLM's scheduler reports it: tokens [0, 40) of a new request, then [40, 75).
+    first = SchedulerOutput.make_empty()
+    first.scheduled_new_reqs = [NewRequestData.from_request(preq, (p_table[:3],))]
+    second = SchedulerOutput.make_empty()
+    second.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["lw"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={}, new_block_ids=[(p_table[3:],)],
+        num_computed_tokens=[40], num_output_tokens=[0],
+    )  # fmt: skip
+    for out, tokens in ((first, range(0, 40)), (second, range(40, prompt))):
+        out.num_scheduled_tokens = {"lw": len(tokens)}
+        out.total_num_scheduled_tokens = len(tokens)
+        out.kv_connector_metadata = sched.build_connector_meta(out)
+        # Each layer's kernel writes the step's tokens into the cache, then vLLM's hook signals the layer.
+        pre.vllm_step(out, functools.partial(write_tokens, table=p_table, tokens=tokens, gen=gen))
+        preq.num_computed_tokens = tokens.stop
+    assert all(w.layer_signals == 2 * len(LAYERS) for w in pre.workers)
     loaded = range(prompt - 1)
-    # Chunked prefill: tokens [0, 40) in one step, [40, 75) in the next, as vLLM's scheduler reports them.
-    for new, computed, count, replace in (([p_table[:3]], 0, 40, True), ([p_table[3:]], 40, 35, False)):
-        pre.scheduler.step_streams([("lw", new, computed, count, replace)])
-        pre.step()
-        for layer in LAYERS:  # what vLLM's attention layers call after writing their KV
-            for w in pre.workers:
-                w.layer_saved(layer)
-        for w in pre.workers:
-            w.step_saved()
     deadline = time.monotonic() + 10
     while not all(torch.equal(rows(dec.engines, n_, d_table, loaded), rows(pre.engines, n_, p_table, loaded))
                   for n_ in LAYERS):  # fmt: skip
         assert time.monotonic() < deadline, "the streamed layers never landed"
         time.sleep(0.02)
-    # Only now does the prefill finish and publish; the decode load ends with its Landed.
+    # Only now does the prefill finish and publish (the next step has no forward); the decode load has ended.
     preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    preq.num_computed_tokens = prompt
-    keep, _ = pre.scheduler.request_finished(preq, [p_table])
+    keep, _ = sched.request_finished(preq, p_table)
     assert keep is True
-    pre.step()
+    last = SchedulerOutput.make_empty()
+    last.finished_req_ids = {"lw"}
+    last.kv_connector_metadata = sched.build_connector_meta(last)
+    pre.vllm_step(last)
     _, recving, failed = dec.finished(recving="lw-d")
     dec.scheduler.loads_finished(recving)
     assert failed == set()
     pre.finished(sending="lw")
-    assert all(w.layer_signals == 2 * len(LAYERS) for w in pre.workers)
     written = pd.sidecars.counter("pre1", "kvxfer_transfer_bytes_total", direction="write")
     assert written > 0
 
@@ -190,3 +207,92 @@ def test_decode_abort_mid_push_fences_and_frees_the_prefill(pd: PD) -> None:
     for n_ in LAYERS:
         assert all(torch.equal(block_rows(dec.engines[0], n_, b), was) for b, was in zip(d_table, before[n_],
                                                                                       strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("offer_first", [True, False])
+def test_prefill_aborted_before_publishing_fails_the_decode_load_at_once(pd: PD, offer_first: bool) -> None:
+    """A push-mode prefill that vLLM aborts (its client went away) publishes nothing. Its scheduler tells
+    every rank's sidecar, whose offers for the push id fail at once (``Landed`` with ABORTED), and an offer
+    that comes after is refused: the decode load ends failed within a second or two, not at its 30 s
+    deadline, with nothing written into its blocks (``offer_first``: the decode side offered before the abort)."""
+    bs, prompt = 16, 70
+    rid = f"pab{int(offer_first)}"
+    pre = pd.instance("prefill", engines(tp=2, seed=5, spec_for=kv_spec(bs)))
+    dec = pd.instance("decode", engines(seed=15, spec_for=kv_spec(bs)))
+    assert dec.workers[0].settings.transfer_timeout_seconds == 30.0  # the deadline it would otherwise wait for
+    p_table, d_table = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
+    before = {n: [block_rows(dec.engines[0], n, b) for b in d_table] for n in LAYERS}
+
+    def failures() -> list[float]:
+        return [pd.sidecars.counter("dec1", "kvxfer_transfers_total", direction="push", outcome="failed"),
+                pd.sidecars.counter("dec1", "kvxfer_transfer_failures_total", reason="aborted"),
+                pd.sidecars.counter("dec1", "kvxfer_transfer_failures_total", reason="timeout")]  # fmt: skip
+
+    was = failures()
+    pre_params, dec_params = pd.push_params(pre, rid)
+
+    def prefill_aborted() -> None:
+        sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
+        preq = Request(rid, list(range(100, 100 + prompt)), sp, None)
+        pre.scheduler.on_new_request(preq)
+        preq.status = RequestStatus.FINISHED_ABORTED
+        assert pre.scheduler.request_finished(preq, [p_table]) == (False, None)
+        pre.step()
+
+    if offer_first:
+        pd.offer(dec, f"{rid}-d", prompt, dec_params, [d_table])
+        time.sleep(0.3)  # the offers wait at both prefill ranks
+        t0 = time.monotonic()
+        prefill_aborted()
+    else:
+        prefill_aborted()
+        time.sleep(0.3)  # the prefill sidecars heard the abort
+        t0 = time.monotonic()
+        pd.offer(dec, f"{rid}-d", prompt, dec_params, [d_table])
+    _, recving, failed = dec.finished(recving=f"{rid}-d", timeout=5.0)
+    took = time.monotonic() - t0
+    dec.scheduler.loads_finished(recving)
+    assert took < 5.0
+    assert failed == set()  # one full-attention group: vLLM takes the failed blocks (and recomputes them)
+    assert dec.workers[0].load_errors() == set(d_table)
+    now = failures()
+    assert [now[0] - was[0], now[1] - was[1], now[2] - was[2]] == [1, 1, 0]  # ABORTED, not the deadline
+    for n_ in LAYERS:
+        assert all(torch.equal(block_rows(dec.engines[0], n_, b), w) for b, w in zip(d_table, before[n_],
+                                                                                   strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["prefix_hit", "aborted_while_queued"])
+def test_decode_drop_before_the_publish_frees_it_at_once(pd: PD, how: str) -> None:
+    """The decode side gives up on a push request before its prefill published it: vLLM's local prefix cache
+    covered every token to load (``prefix_hit``), or the request was aborted while it waited for blocks. Its
+    drop reaches every prefill rank before the publish, which is then freed at once (the prefill worker hears
+    the release) rather than held for the lease (20 s here)."""
+    bs, prompt = 16, 70
+    rid = f"pdrop{int(how == 'prefix_hit')}"
+    pre = pd.instance("prefill", engines(tp=2, seed=9, spec_for=kv_spec(bs)))
+    dec = pd.instance("decode", engines(seed=19, spec_for=kv_spec(bs)))
+    p_table = blocks_for(prompt, bs, P_POOL)
+    pre_params, dec_params = pd.push_params(pre, rid)
+    dreq = decode_request(f"{rid}-d", prompt, dec_params)
+    if how == "prefix_hit":
+        assert dec.scheduler.matched_tokens(dreq, prompt - 1) == (0, False)  # vLLM found every token locally
+        dec.scheduler.after_alloc(dreq, [], 0)
+    else:
+        assert dec.scheduler.matched_tokens(dreq, 0) == (prompt - 1, True)  # queued: no blocks for it yet
+        dreq.status = RequestStatus.FINISHED_ABORTED
+        assert dec.scheduler.request_finished(dreq, [[]]) == (False, None)
+    dec.step()  # rank 0's worker has its sidecar drop it at every prefill rank
+    time.sleep(1.0)  # the drop reached them
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
+    preq = Request(rid, list(range(100, 100 + prompt)), sp, None)
+    pre.scheduler.on_new_request(preq)
+    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    preq.num_computed_tokens = prompt
+    keep, _ = pre.scheduler.request_finished(preq, [p_table])
+    assert keep is True
+    pre.step()
+    t0 = time.monotonic()
+    pre.finished(sending=rid, timeout=5.0)  # released on every rank: its reader gave up before it existed
+    assert time.monotonic() - t0 < 5.0
+    assert pd.sidecars.counter("pre2", "kvxfer_leases_active") == 0

@@ -159,6 +159,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                         field="kv_caches",
                     )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's plan, bound before the forward pass: its layer-wise streams are announced now.
+
+        vLLM's model runners call ``start_load_kv`` after the forward when the step has no
+        synchronous load (none of kvxfer's is), and ``wait_for_save`` right after it: the step's
+        ``save_kv_layer`` calls all come between this call and those.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvxferConnectorMetadata):
+            self._worker.bind_step(connector_metadata.plan)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's pulls (they complete asynchronously, between steps)."""
         assert self._worker is not None

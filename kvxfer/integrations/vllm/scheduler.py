@@ -92,7 +92,9 @@ class SchedulerSide:
         self._loading: set[str] = set()  # decode requests whose KV is on its way
         #: Layer-wise push (prefill side): vLLM id -> (push id, prompt tokens, block table so far per group).
         self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
-        self._expected: set[str] = set()  # decode requests whose publishes this side holds until allocated
+        #: Decode requests queued until vLLM allocates their blocks (in pull mode their publishes are held
+        #: meanwhile): one that finishes before is dropped at its publishers.
+        self._expected: set[str] = set()
         self._waker: LoadWaker | None = None  # started at the first nap (decode side)
         self._asked_groups: list[cf.Future[Any]] | None = None  # the sidecars' statuses (group names), for Prepare
         self._prepare_supported = True  # until a sidecar answers UNIMPLEMENTED (an older one)
@@ -180,6 +182,16 @@ class SchedulerSide:
             return False, None
         if not wants_remote_decode(params):
             return False, None
+        keep, answer = self._finish_prefill(request, tables)
+        if not keep:
+            self._not_published(request)
+        return keep, answer
+
+    def _finish_prefill(
+        self, request: Any, tables: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        """A finished prefill for a remote decode: published (True, params), or not (False, None)."""
+        rid = request.request_id
         status = getattr(request.status, "name", str(request.status))
         if status not in _DONE or not any(tables):
             return False, None
@@ -200,6 +212,29 @@ class SchedulerSide:
             except KvxferError as exc:
                 log.error(f"request {rid}: publish failed ({exc.message}); the decode side computes the prompt")
                 return False, None
+
+    def _not_published(self, request: Any) -> None:
+        """A push-mode prefill ended without publishing (aborted, failed, nothing to publish): every rank's
+        sidecar is told (``Abort``; not waited for), so that the decode side's offers for its id fail now
+        (their readers hear ``Landed`` with ABORTED) instead of waiting for their deadline."""
+        params = request.kv_transfer_params
+        if not wants_push(params):
+            return
+        try:
+            pid = push_id(params)
+        except ParamsError:
+            return  # no decode side can have offered for an id that is not one
+        status = getattr(request.status, "name", str(request.status))
+        why = f"the prefill request {request.request_id} ended ({status}) without publishing its KV"
+        rid = request.request_id
+
+        def done(fut: cf.Future[tuple[int, bool]]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:  # the offers' deadline still ends them
+                log.warning(f"request {rid}: could not tell the sidecar that push {pid} will not be published: "
+                            f"{fut.exception()}")  # fmt: skip
+
+        for c in self._sidecars():
+            c.submit(c.aio.abort(pid, why)).add_done_callback(done)
 
     def _publish(self, request: Any, groups: list[RemoteGroup], computed: int) -> dict[str, Any]:
         rid = request.request_id
@@ -268,7 +303,11 @@ class SchedulerSide:
             return 0, False
         if remote.push:  # nothing is published yet: the blocks are allocated now and offered
             count = self.tokens_to_load(request, remote) - num_computed_tokens
-            return (count, True) if count > 0 else (0, False)
+            if count <= 0:
+                return 0, False
+            # Nothing to hold yet; but a request aborted while queued must still tell the prefill side.
+            self._expected.add(rid)
+            return count, True
         why = self._unusable(remote, self.tokens_to_load(request, remote))
         if why:
             log.warning(f"request {rid}: {why}; computing the prompt here")

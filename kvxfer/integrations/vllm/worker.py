@@ -92,8 +92,10 @@ class WorkerSide:
         self._layers: dict[str, tuple[str, int]] = {}  # vLLM layer name -> (kvxfer group, layer index)
         #: GPU workers, layer-wise push: one interprocess CUDA event per layer, recorded after it wrote its KV.
         self._events: dict[str, tuple[Any, local_pb2.LayerEvent]] = {}
-        #: Layer-wise push: the step being computed (0: none streams), and what the signals cost.
+        #: Layer-wise push: the step being computed (0: none streams), the plan it was bound with, and what
+        #: the signals cost.
         self._stream_step = 0
+        self._bound: StepPlan | None = None
         self._steps = 0
         self.layer_signals = 0
         self.layer_signal_seconds = 0.0
@@ -216,8 +218,29 @@ class WorkerSide:
                     log.warning(f"the sidecar {self.target} is unreachable ({failures} attempts): {exc.message}")
 
     # ------------------------------------------------------------------ per step
+    def bind_step(self, plan: StepPlan) -> None:
+        """The step's plan, before its forward pass (vLLM's ``bind_connector_metadata``).
+
+        Announces the requests the step computes whose KV streams layer by layer, so that the
+        layers' signals during the forward (:meth:`layer_saved`) name this step. It cannot wait for
+        :meth:`on_step`: vLLM calls ``start_load_kv`` only after the forward when no load of the step
+        is synchronous, as none of kvxfer's is. Binding the same plan again announces nothing.
+        """
+        if plan is self._bound:
+            return
+        self._bound = plan
+        self._stream_step = 0
+        if plan.streams:
+            self._steps += 1
+            self._stream_step = self._steps
+            self.sidecar.submit(self._announce(self._steps, plan.streams))
+
     def on_step(self, plan: StepPlan) -> None:
-        """Start this step's pulls and aborts; remember what the prefill side published."""
+        """Start this step's pulls and aborts; remember what the prefill side published.
+
+        vLLM calls it (``start_load_kv``) after the step's forward pass; the step's layer-wise
+        streams were announced before it (:meth:`bind_step`).
+        """
         with self._lock:
             self._published.update(plan.published)
             self._publish_ids.update(plan.publish_ids)
@@ -235,11 +258,6 @@ class WorkerSide:
         if self.rank.tp_rank == 0:  # one rank per pipeline stage tells that stage's prefill ranks
             for remote in plan.drops:
                 self.sidecar.submit(self._drop(remote))
-        self._stream_step = 0
-        if plan.streams:
-            self._steps += 1
-            self._stream_step = self._steps
-            self.sidecar.submit(self._announce(self._steps, plan.streams))
 
     async def _announce(self, step: int, streams: Sequence[StreamSpec]) -> None:
         reqs = []
