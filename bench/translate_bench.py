@@ -35,7 +35,12 @@ def measure(reps: int) -> dict[str, Any]:
 
     bases = np.array([0x7F00_0000_0000 + i * REGION_BYTES for i in range(REGIONS)], dtype=np.uint64)
     exports = [_Export(int(b), REGION_BYTES, bytes([i]) * 64, i * REGION_BYTES, "GPU-0") for i, b in enumerate(bases)]
-    peer = _Peer(bases, bases + np.uint64(REGION_BYTES), exports)
+    try:  # since stop 38 a peer's exports are searched through a RegionIndex; --compare may time an older tree
+        from kvxfer.topology import RegionIndex
+    except ImportError:
+        peer = _Peer(bases, bases + np.uint64(REGION_BYTES), exports)
+    else:
+        peer = _Peer(bases, RegionIndex.of(bases, np.full(REGIONS, REGION_BYTES, np.uint64)), exports)
     reader = CudaIpcDirect.__new__(CudaIpcDirect)  # _translate needs no backend; mapping is stubbed below
     reader._open = lambda e, ordinal: (ordinal, 0x5000_0000_0000)  # type: ignore[method-assign]
     rng = np.random.default_rng(0)

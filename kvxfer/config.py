@@ -236,8 +236,8 @@ class Settings(BaseModel):
     tls_ca: Path | None = Field(None, description="PEM CA bundle: client-cert checks and peer verification")
     tls_server_name: str | None = Field(
         None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9*]([A-Za-z0-9.*-]*[A-Za-z0-9])?$",
-        description="name a peer's certificate must carry when this sidecar dials it (default: the address's "
-        "host; set it when peers advertise pod IPs and share one certificate)",
+        description="name a peer's certificate must carry when this sidecar dials it (none: the dialed "
+        "address's host; set it when peers advertise pod IPs and share one certificate)",
     )  # fmt: skip
     token_file: Path | None = Field(None, description="file holding the shared bearer token")
     insecure: bool = Field(
