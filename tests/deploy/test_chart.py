@@ -679,17 +679,63 @@ def test_schema_bounds_start_the_sidecar(bound: str, helm_render: Path, tmp_path
             assert getattr(settings, field) == sidecar[key], key
 
 
+def _data_plane_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
+    return [e for e in vllm["env"] if e["name"] == "KVXFER_VLLM_DATA_PLANE"]
+
+
+WORKER = [{"name": "KVXFER_VLLM_DATA_PLANE", "value": "worker"}]
+
+
 def test_worker_backend_tells_the_connector(helm_render: Path, tmp_path: Path) -> None:
     """sidecar.backend worker: every sidecar runs --backend=worker and vLLM's connector gets data_plane worker."""
     docs = _render_values(helm_render, tmp_path, {"sidecar": {"backend": "worker"}})
     validate_manifests(docs, tmp_path)
     for spec in pod_specs(docs).values():
         assert all(_opts(s)["--backend"] == "worker" for s in sidecars(spec))
-        (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
-        assert {"name": "KVXFER_VLLM_DATA_PLANE", "value": "worker"} in vllm["env"]
+        assert _data_plane_env(spec) == WORKER
     for spec in pod_specs(_render(helm_render, CHART / "values.yaml")).values():
-        (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
-        assert all(e["name"] != "KVXFER_VLLM_DATA_PLANE" for e in vllm["env"])
+        assert _data_plane_env(spec) == []
+
+
+@pytest.mark.parametrize(
+    ("values", "backends"),
+    [
+        ({"decode": {"sidecar": {"backend": "worker"}}}, {"prefill": "nixl", "decode": "worker"}),
+        ({"sidecar": {"backend": "worker"}, "prefill": {"sidecar": {"backend": "nixl"}}},
+         {"prefill": "nixl", "decode": "worker"}),
+    ],
+    ids=["role-worker-global-nixl", "global-worker-role-nixl"],
+)  # fmt: skip
+def test_worker_backend_per_role(values: dict[str, Any], backends: dict[str, str], helm_render: Path,
+                                 tmp_path: Path) -> None:  # fmt: skip
+    """A role's own sidecar.backend decides both its sidecars' --backend and its vLLM container's
+    KVXFER_VLLM_DATA_PLANE: a worker-mode sidecar whose worker has no agent refuses its registration."""
+    pods = pod_specs(_render_values(helm_render, tmp_path, values))
+    for role, spec in pods.items():
+        assert [_opts(s)["--backend"] for s in sidecars(spec)] == [backends[role]], role
+        assert _data_plane_env(spec) == (WORKER if backends[role] == "worker" else []), role
+
+
+def test_notes_give_each_roles_ports(helm_render: Path, tmp_path: Path) -> None:
+    """NOTES name each role's backend and ports (a role may override sidecar.ports and sidecar.backend)."""
+    path = tmp_path / "values.yaml"
+    decode = {"sidecar": {"backend": "worker", "ports": {"peer": 51051, "metrics": 9500}}}
+    path.write_text(yaml.safe_dump({"decode": decode}))
+    out = render_chart(helm_render, path, extra=["-notes"])
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("\nNOTES:\n", 1)[1]
+    assert (
+        "  prefill: deployment/kvxfer-prefill (1 replica(s)),\n"
+        "    1 worker rank(s) per pod, sidecars kvxfer-0..kvxfer-0 (backend nixl),\n"
+        "    rank r's peer port 50051+r, metrics port 9400+r,\n"
+    ) in notes
+    assert (
+        "  decode: deployment/kvxfer-decode (1 replica(s)),\n"
+        "    1 worker rank(s) per pod, sidecars kvxfer-0..kvxfer-0 (backend worker),\n"
+        "    rank r's peer port 51051+r, metrics port 9500+r,\n"
+    ) in notes
+    assert "Metrics:         each role's metrics port + r for rank r" in notes
 
 
 def test_busy_poll_is_off_unless_asked(helm_render: Path, tmp_path: Path) -> None:
