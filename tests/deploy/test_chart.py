@@ -545,6 +545,14 @@ def test_mps_joins_both_containers_to_the_node_daemon(helm_render: Path, tmp_pat
             "sidecar.mooncake.deviceByRank has 1 entries for 2 ranks",
         ),
         (
+            {
+                "vllm": {"tensorParallelSize": 2},
+                "decode": {"sidecar": {"backend": "worker", "ucx": {"netDevicesByRank": ["mlx5_0:1", "mlx5_1:1"]}}},
+            },
+            "decode: sidecar.ucx.netDevicesByRank cannot be applied with sidecar.backend worker: every rank's "
+            "agent runs in the one vLLM container and shares its environment (one UCX_NET_DEVICES)",
+        ),
+        (
             {"sidecar": {"extraArgs": ["--local-socket=/run/kvxfer/kvxfer.sock"]}},
             "sidecar.extraArgs: --local-socket is set by the chart, per rank",
         ),
@@ -567,6 +575,7 @@ def test_mps_joins_both_containers_to_the_node_daemon(helm_render: Path, tmp_pat
         "port-above-65535",
         "net-devices-short",
         "mooncake-devices-short",
+        "worker-agent-per-rank-devices",
         "extra-args-chart-flag",
         "grace-not-above-drain",
     ],
@@ -715,6 +724,84 @@ def test_worker_backend_per_role(values: dict[str, Any], backends: dict[str, str
     for role, spec in pods.items():
         assert [_opts(s)["--backend"] for s in sidecars(spec)] == [backends[role]], role
         assert _data_plane_env(spec) == (WORKER if backends[role] == "worker" else []), role
+
+
+RDMA_VALUES: dict[str, Any] = {
+    "vllm": {"tensorParallelSize": 2},
+    "sidecar": {
+        "nixlPluginDir": "/opt/nixl/plugins",
+        "ucx": {"tls": "rc,ud,sm,self,cuda_copy,cuda_ipc", "netDevices": "mlx5_0:1,mlx5_1:1", "gidIndex": 3},
+    },
+    "rdma": {"enabled": True, "resources": {"rdma/ib": 1}, "ipcLock": True},
+}
+UCX_ENV = [
+    {"name": "UCX_TLS", "value": "rc,ud,sm,self,cuda_copy,cuda_ipc"},
+    {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1,mlx5_1:1"},
+    {"name": "UCX_IB_GID_INDEX", "value": "3"},
+    {"name": "NIXL_PLUGIN_DIR", "value": "/opt/nixl/plugins"},
+]
+
+
+def _data_plane_env_of(container: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in container["env"] if e["name"].startswith(("UCX_", "NIXL_", "KVXFER_VLLM_DATA_PLANE"))]
+
+
+@pytest.mark.parametrize("worker_role", ["decode", "both"])
+def test_worker_backend_gives_vllm_the_rdma_devices(worker_role: str, helm_render: Path, tmp_path: Path) -> None:
+    """sidecar.backend worker with rdma.enabled: the vLLM process's own NIXL agent does the READs, so
+    the vLLM container gets the RDMA device (the device plugin exposes /dev/infiniband only to the
+    containers that ask for it; count x ranks), IPC_LOCK and the UCX/NIXL environment; its sidecars,
+    which then move nothing, get none of them. A role on the sidecar's own agent keeps them there."""
+    values = json.loads(json.dumps(RDMA_VALUES))
+    if worker_role == "both":
+        values["sidecar"]["backend"] = "worker"
+    else:
+        values[worker_role] = {"sidecar": {"backend": "worker"}}
+    docs = _render_values(helm_render, tmp_path, values)
+    validate_manifests(docs, tmp_path)
+    for role, spec in pod_specs(docs).items():
+        check_worker_pod(role, spec)
+        (vllm,) = spec["containers"]
+        worker = worker_role in (role, "both")
+        for sidecar in sidecars(spec):
+            assert _opts(sidecar)["--backend"] == ("worker" if worker else "nixl")
+            if worker:
+                assert sidecar["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"},
+                                                "limits": {"memory": "4Gi"}}  # fmt: skip
+                assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+                assert _data_plane_env_of(sidecar) == []
+            else:
+                assert sidecar["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi", "rdma/ib": 1},
+                                                "limits": {"memory": "4Gi", "rdma/ib": 1}}  # fmt: skip
+                assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+                assert _data_plane_env_of(sidecar) == UCX_ENV
+        if worker:
+            assert vllm["resources"] == {"requests": {"rdma/ib": 2, "nvidia.com/gpu": 2},
+                                         "limits": {"rdma/ib": 2, "nvidia.com/gpu": 2}}  # fmt: skip
+            assert vllm["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+            assert _data_plane_env_of(vllm) == WORKER + UCX_ENV
+        else:
+            assert vllm["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+            assert "securityContext" not in vllm
+            assert _data_plane_env_of(vllm) == []
+
+
+def test_worker_backend_keeps_vllms_own_security_context(helm_render: Path, tmp_path: Path) -> None:
+    """IPC_LOCK joins what vllm.securityContext already adds; without RDMA no device and no IPC_LOCK,
+    but the UCX settings still go to the agent's container, vLLM's."""
+    vllm_values = {"securityContext": {"runAsUser": 10001, "capabilities": {"add": ["SYS_NICE"]}}}
+    values = {**RDMA_VALUES, "sidecar": {**RDMA_VALUES["sidecar"], "backend": "worker"}, "vllm": vllm_values}
+    for spec in pod_specs(_render_values(helm_render, tmp_path, values)).values():
+        (vllm,) = spec["containers"]
+        assert vllm["securityContext"] == {"runAsUser": 10001, "capabilities": {"add": ["SYS_NICE", "IPC_LOCK"]}}
+        assert vllm["resources"]["limits"] == {"rdma/ib": 1, "nvidia.com/gpu": 1}
+    values["rdma"] = {"enabled": False}
+    for spec in pod_specs(_render_values(helm_render, tmp_path, values)).values():
+        (vllm,) = spec["containers"]
+        assert vllm["securityContext"] == {"runAsUser": 10001, "capabilities": {"add": ["SYS_NICE"]}}
+        assert vllm["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+        assert _data_plane_env_of(vllm) == WORKER + UCX_ENV
+        assert _data_plane_env_of(sidecars(spec)[0]) == []
 
 
 def test_notes_give_each_roles_ports(helm_render: Path, tmp_path: Path) -> None:

@@ -192,3 +192,28 @@ authorization:
     key: {{ .Values.auth.tokenKey }}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The data plane's UCX/NIXL environment (sidecar.ucx, sidecar.nixlPluginDir) as env entries, for the
+container whose process runs the NIXL agent: each sidecar, or with sidecar.backend worker the vLLM
+container. (dict "sc" $sc "netDevices" "<UCX_NET_DEVICES of this container>"); empty settings are
+left out.
+*/}}
+{{- define "kvxfer.ucxEnv" -}}
+{{- with .sc.ucx.tls }}
+- name: UCX_TLS
+  value: {{ . | quote }}
+{{- end }}
+{{- with .netDevices }}
+- name: UCX_NET_DEVICES
+  value: {{ . | quote }}
+{{- end }}
+{{- if ne (toString .sc.ucx.gidIndex) "" }}
+- name: UCX_IB_GID_INDEX
+  value: {{ toString .sc.ucx.gidIndex | quote }}
+{{- end }}
+{{- with .sc.nixlPluginDir }}
+- name: NIXL_PLUGIN_DIR
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
