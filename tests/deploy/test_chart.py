@@ -188,10 +188,28 @@ def kv_transfer_config(role: str) -> dict[str, str]:
     return json.loads(KV_TRANSFER_CONFIG.replace("kv_both", "kv_producer" if role == "prefill" else "kv_consumer"))
 
 
+# The users the images run as when neither the container nor the pod names one: root in the vLLM
+# images, 10001 in kvxfer's (docker/Dockerfile's USER).
+IMAGE_UID = {"vllm": 0, "kvxfer": 10001}
+
+
+def effective_uid(spec: dict[str, Any], container: dict[str, Any]) -> int:
+    """The UID a container's processes run as: its runAsUser, else the pod's, else its image's."""
+    for ctx in (container.get("securityContext", {}), spec.get("securityContext", {})):
+        if "runAsUser" in ctx:
+            return int(ctx["runAsUser"])
+    return IMAGE_UID["kvxfer" if container["name"].startswith("kvxfer") else "vllm"]
+
+
 def check_mps_pod(spec: dict[str, Any], pipe: str) -> None:
     """A pod whose CUDA containers (vLLM and every sidecar) join the node's MPS daemon at ``pipe``:
-    the host's IPC namespace, the pipe directory mounted once in each, CUDA_MPS_PIPE_DIRECTORY."""
+    the host's IPC namespace, the pipe directory mounted once in each, CUDA_MPS_PIPE_DIRECTORY, and
+    one UID for all (the daemon runs one server per UID; a client of another UID waits for the
+    running server's clients to exit)."""
     assert spec["hostIPC"] is True
+    containers = [*sidecars(spec), *spec["containers"]]
+    assert len({effective_uid(spec, c) for c in containers}) == 1, {c["name"]: effective_uid(spec, c)
+                                                                    for c in containers}  # fmt: skip
     (volume,) = [v for v in spec["volumes"] if v["name"] == "mps-pipe"]
     assert volume["hostPath"] == {"path": pipe, "type": "Directory"}
     for c in [*sidecars(spec), *spec["containers"]]:
@@ -481,16 +499,44 @@ def test_mps_joins_both_containers_to_the_node_daemon(helm_render: Path, tmp_pat
     for spec in pod_specs(_render(helm_render, CHART / "values.yaml")).values():
         assert "hostIPC" not in spec
         assert "mps-pipe" not in [v["name"] for v in spec["volumes"]]
-    docs = _render_values(helm_render, tmp_path, {"vllm": {"tensorParallelSize": 2}, "gpu": {"mps": {
-        "enabled": True, "pipeDirectory": "/run/nvidia/mps/pipe"}}})  # fmt: skip
+    as_sidecar = {"runAsUser": 10001}
+    mps = {"enabled": True, "pipeDirectory": "/run/nvidia/mps/pipe"}
+    values = {"vllm": {"tensorParallelSize": 2, "securityContext": as_sidecar}, "gpu": {"mps": mps}}
+    docs = _render_values(helm_render, tmp_path, values)
     validate_manifests(docs, tmp_path)
     for spec in pod_specs(docs).values():
         assert [c["name"] for c in [*sidecars(spec), *spec["containers"]]] == ["kvxfer-0", "kvxfer-1", "vllm"]
         check_mps_pod(spec, "/run/nvidia/mps/pipe")
-    docs = _render_values(helm_render, tmp_path, {"gpu": {"mps": {"enabled": True, "hostIPC": False}}})
+    docs = _render_values(helm_render, tmp_path, {"gpu": {"mps": {"enabled": True, "hostIPC": False}},
+                                                  "vllm": {"securityContext": as_sidecar}})  # fmt: skip
     for spec in pod_specs(docs).values():
         assert "hostIPC" not in spec
         assert [v["hostPath"]["path"] for v in spec["volumes"] if v["name"] == "mps-pipe"] == ["/tmp/nvidia-mps"]
+
+
+@pytest.mark.parametrize(
+    ("values", "uids"),
+    [
+        ({"vllm": {"securityContext": {"runAsUser": 10001}}}, (10001, 10001)),
+        ({"sidecar": {"securityContext": {"runAsUser": 0, "runAsNonRoot": False}}}, (None, 0)),
+        ({"podSecurityContext": {"runAsUser": 10001}}, (None, 10001)),
+    ],
+    ids=["vllm-as-the-sidecars-uid", "sidecars-as-vllms-uid", "pod-level-uid"],
+)
+def test_mps_renders_when_vllm_and_sidecars_share_a_uid(
+    values: dict[str, Any], uids: tuple[int | None, int], helm_render: Path, tmp_path: Path
+) -> None:
+    """The two ways out of the MPS UID refusal (docs/gpu.md), and a pod-level runAsUser both inherit."""
+    docs = _render_values(helm_render, tmp_path, {"gpu": {"mps": {"enabled": True}}, **values})
+    validate_manifests(docs, tmp_path)
+    vllm_uid, sidecar_uid = uids
+    for role, spec in pod_specs(docs).items():
+        if sidecar_uid != 0:  # check_worker_pod holds sidecars to the chart's defaults: non-root
+            check_worker_pod(role, spec)
+        check_mps_pod(spec, "/tmp/nvidia-mps")
+        (vllm,) = spec["containers"]
+        assert vllm.get("securityContext", {}).get("runAsUser") == vllm_uid
+        assert [s["securityContext"]["runAsUser"] for s in sidecars(spec)] == [sidecar_uid]
 
 
 @pytest.mark.parametrize(
@@ -519,6 +565,24 @@ def test_mps_joins_both_containers_to_the_node_daemon(helm_render: Path, tmp_pat
             {"decode": {"gpu": {"sidecarAccess": "none", "mps": {"enabled": True}}}},
             "decode: gpu.mps.enabled needs GPU containers that both see the GPU "
             "(variant is cuda, gpu.sidecarAccess is none)",
+        ),
+        (
+            {"gpu": {"mps": {"enabled": True}}},
+            "prefill: gpu.mps.enabled needs vLLM and the sidecars to run as one UID, but vLLM runs as 0 "
+            "(vllm.securityContext.runAsUser unset: the vLLM images' root) and the sidecars as 10001 "
+            "(sidecar.securityContext.runAsUser). The MPS control daemon runs one server per UID: a client of "
+            "another UID hangs in CUDA context creation until the running server's clients exit. Set "
+            "vllm.securityContext.runAsUser: 10001 (the sidecars' UID), or run the sidecars as vLLM's UID "
+            "(sidecar.securityContext.runAsUser: 0, with runAsNonRoot: false for 0)",
+        ),
+        (
+            {
+                "gpu": {"mps": {"enabled": True}},
+                "podSecurityContext": {"runAsUser": 10001},
+                "decode": {"vllm": {"securityContext": {"runAsUser": 1000}}},
+            },
+            "decode: gpu.mps.enabled needs vLLM and the sidecars to run as one UID, but vLLM runs as 1000 "
+            "(vllm.securityContext.runAsUser) and the sidecars as 10001 (sidecar.securityContext.runAsUser)",
         ),
         (
             {"vllm": {"tensorParallelSize": 2}, "sidecar": {"ports": {"data": 50052}}},
@@ -569,6 +633,8 @@ def test_mps_joins_both_containers_to_the_node_daemon(helm_render: Path, tmp_pat
         "two-monitors",
         "claims-without-claims",
         "mps-without-sidecar-gpu",
+        "mps-vllm-root-sidecars-10001",
+        "mps-role-vllm-uid-differs",
         "data-port-collides-with-rank-1",
         "vllm-port-collides-with-rank-2",
         "metrics-range-overlaps-peer-range",
