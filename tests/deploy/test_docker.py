@@ -120,3 +120,47 @@ def test_dockerignore_is_an_allow_list() -> None:
     for word, rest in [i for i in _instructions() if i[0] == "COPY" and "--from" not in i[1]]:
         for src in rest.split()[:-1]:
             assert f"!{src.rstrip('/')}" in {x.rstrip("/") for x in lines}, f"{word} {src} is ignored"
+
+
+def _global_args() -> dict[str, str]:
+    out = {}
+    for word, rest in _instructions():
+        if word == "FROM":
+            break
+        if word == "ARG" and "=" in rest:
+            k, v = rest.split("=", 1)
+            out[k] = v.strip('"')
+    return out
+
+
+def _stage(name: str) -> list[tuple[str, str]]:
+    (stage,) = [s for s in _stages() if s[0][1].split()[-1] == name]
+    return stage
+
+
+def test_vllm_worker_image_is_a_supported_vllm() -> None:
+    """The vllm-worker stage's default base is the vLLM release the repository pins for its vLLM 0.33
+    checks (the Makefile's VLLM033_SPEC), one the connector supports; docs/deploy.md builds the same."""
+    from kvxfer.integrations.vllm.spec import SUPPORTED_VLLM, vllm_version_supported
+
+    image = _global_args()["VLLM_IMAGE"]
+    assert _stage("vllm-worker")[0] == ("FROM", "${VLLM_IMAGE} AS vllm-worker")
+    m = re.fullmatch(r"vllm/vllm-openai:v(\d+\.\d+\.\d+)", image)
+    assert m, image
+    assert vllm_version_supported(m.group(1)), (image, SUPPORTED_VLLM)
+    (spec,) = re.findall(r"^VLLM033_SPEC \?= vllm==(\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m.group(1) == spec, (image, spec)
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"--build-arg VLLM_IMAGE={image}" in docs
+    assert set(re.findall(r"vllm/vllm-openai:v[\d.]+", docs + DOCKERFILE.read_text())) == {image}
+
+
+def test_vllm_worker_installs_with_constraints() -> None:
+    """kvxfer's dependencies in the vLLM image come at the versions its tests run beside vLLM
+    (constraints-vllm.txt, make vllm-setup), as docs/deploy.md says, not whatever pip picks that day."""
+    stage = _stage("vllm-worker")
+    (install,) = [rest for w, rest in stage if w == "RUN" and "pip install" in rest]
+    assert "pip install --no-cache-dir -c /tmp/constraints-vllm.txt /tmp/wheels/kvxfer-*.whl" in install, install
+    assert ("COPY", "constraints-vllm.txt /tmp/constraints-vllm.txt") in stage
+    assert "make vllm-setup" in " ".join((ROOT / "constraints-vllm.txt").read_text().splitlines()[:2])
+    assert "`constraints-vllm.txt`" in (ROOT / "docs" / "deploy.md").read_text()
