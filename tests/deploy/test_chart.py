@@ -476,6 +476,27 @@ def test_rdma_and_per_role_overrides(helm_render: Path) -> None:
         assert "--transfer-timeout-seconds=30" in pre["args"]
 
 
+def test_rdma_gpu_example_uses_the_workers_agent(helm_render: Path) -> None:
+    """examples/rdma-gpu-1p1d.yaml: GPU to GPU over RDMA through each worker's own NIXL agent
+    (docs/gpu.md calls that route sure; a sidecar cannot register the worker's IPC-opened VRAM with
+    a NIC), so vLLM holds the NIC, IPC_LOCK and the UCX settings, and the sidecars none of them."""
+    for spec in pod_specs(_render(helm_render, CHART / "examples" / "rdma-gpu-1p1d.yaml")).values():
+        (vllm,) = spec["containers"]
+        (sidecar,) = sidecars(spec)
+        assert _opts(sidecar)["--backend"] == "worker"
+        assert _data_plane_env_of(vllm) == [
+            *WORKER,
+            {"name": "UCX_TLS", "value": "rc,ud,sm,self,cuda_copy,cuda_ipc"},
+            {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"},
+            {"name": "UCX_IB_GID_INDEX", "value": "3"},
+        ]
+        assert vllm["resources"]["requests"]["rdma/ib"] == vllm["resources"]["limits"]["rdma/ib"] == 1
+        assert vllm["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+        assert _data_plane_env_of(sidecar) == []
+        assert "rdma/ib" not in sidecar["resources"]["requests"]
+        assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
 def test_mooncake_devices_and_data_ports_per_rank(helm_render: Path) -> None:
     pods = pod_specs(_render(helm_render, CHART / "examples" / "mooncake-rdma.yaml"))
     data = {"prefill": 50100, "decode": 51100}

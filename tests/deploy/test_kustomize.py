@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import OVERLAYS, ROOT, load_docs, run, tool, validate_manifests
+from .conftest import OVERLAYS, ROOT, load_docs, render_chart, run, tool, validate_manifests
 from .test_chart import check_metrics_objects, check_mps_pod, check_worker_pod, pod_specs, sidecars
 
 
@@ -55,14 +55,51 @@ def test_cpu_overlay_has_no_gpu() -> None:
 
 
 def test_rdma_overlay_resources() -> None:
+    """GPU RDMA through the worker's own NIXL agent (the route docs/gpu.md calls sure): the sidecar
+    runs --backend=worker and moves no bytes, so the device, IPC_LOCK and the UCX settings are vLLM's."""
     docs = load_docs(_kustomize(ROOT / "deploy" / "overlays" / "rdma"))
     for spec in pod_specs(docs).values():
         (sidecar,) = sidecars(spec)
-        assert sidecar["resources"]["limits"]["rdma/ib"] == 1
-        assert sidecar["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-        env = {e["name"] for e in sidecar["env"]}
-        assert {"UCX_TLS", "UCX_NET_DEVICES", "UCX_IB_GID_INDEX"} <= env
+        (vllm,) = spec["containers"]
+        assert "--backend=worker" in sidecar["args"]
+        assert "rdma/ib" not in sidecar["resources"]["limits"]
+        assert "rdma/ib" not in sidecar["resources"]["requests"]
+        assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert [e["name"] for e in sidecar["env"] if e["name"].startswith(("UCX_", "NIXL_"))] == []
+        assert vllm["resources"]["limits"]["rdma/ib"] == vllm["resources"]["requests"]["rdma/ib"] == 1
+        assert vllm["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        env = {e["name"]: e.get("value") for e in vllm["env"]}
+        assert env["KVXFER_VLLM_DATA_PLANE"] == "worker"
+        assert {"UCX_TLS", "UCX_NET_DEVICES", "UCX_IB_GID_INDEX"} <= set(env)
     assert any(d["kind"] == "ServiceMonitor" for d in docs)
+
+
+def test_rdma_overlay_is_what_the_chart_renders(helm_render: Path, tmp_path: Path) -> None:
+    """The overlay's worker-mode pods say what the chart says for the same values (chart-values.yaml
+    plus worker backend and RDMA): sidecar args, and vLLM's data-plane env, RDMA device and IPC_LOCK."""
+    values = tmp_path / "rdma.yaml"
+    values.write_text(
+        "sidecar:\n  backend: worker\n  ucx: {tls: 'rc,ud,sm,self,cuda_copy,cuda_ipc', netDevices: 'mlx5_0:1',"
+        " gidIndex: 3}\nrdma: {enabled: true}\n"
+    )
+    out = render_chart(helm_render, ROOT / "deploy" / "base" / "chart-values.yaml", values)
+    assert out.returncode == 0, out.stderr
+    chart = pod_specs(load_docs(out.stdout))
+    overlay = pod_specs(load_docs(_kustomize(ROOT / "deploy" / "overlays" / "rdma")))
+    for role, spec in overlay.items():
+        want = chart[role]
+        assert sidecars(spec)[0]["args"] == sidecars(want)[0]["args"], role
+        (vllm,), (want_vllm,) = spec["containers"], want["containers"]
+
+        def data_plane(c: dict[str, Any]) -> list[dict[str, Any]]:
+            return [e for e in c["env"] if e["name"].startswith(("UCX_", "NIXL_", "KVXFER_VLLM_DATA_PLANE"))]
+
+        assert data_plane(vllm) == data_plane(want_vllm), role
+        assert data_plane(sidecars(spec)[0]) == data_plane(sidecars(want)[0]) == [], role
+        assert vllm["securityContext"] == want_vllm["securityContext"], role
+        for kind in ("requests", "limits"):
+            assert vllm["resources"][kind]["rdma/ib"] == want_vllm["resources"][kind]["rdma/ib"], role
+            assert "rdma/ib" not in sidecars(spec)[0]["resources"][kind], role
 
 
 def test_base_is_generated_from_the_chart(helm_render: Path) -> None:
