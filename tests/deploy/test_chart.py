@@ -945,3 +945,32 @@ def test_nixl_thread_posts_are_the_sidecars_default_unless_set(helm_render: Path
                 assert flags == ([] if want is None else [f"--nixl-thread-post-bytes={want}"])
                 assert settings.nixl_thread_post_bytes == (4 << 20 if want is None else want)
                 assert settings.transport_config().nixl_thread_post_bytes == settings.nixl_thread_post_bytes
+
+
+def _docs_extra_args() -> list[str]:
+    """Every sidecar flag the docs tell users to put in sidecar.extraArgs ("add `X` to `sidecar.extraArgs`")."""
+    text = "\n".join(p.read_text() for p in sorted((CHART.parents[1] / "docs").glob("*.md")))
+    return re.findall(r"add\s+`(--[^`]+)`\s+to\s+`sidecar\.extraArgs`", text)
+
+
+def test_docs_extra_args_start_the_sidecar(helm_render: Path, tmp_path: Path) -> None:
+    """What the docs tell users to add to sidecar.extraArgs is one argv item each (the chart renders
+    every list item as one argument) that `kvxfer serve`'s own parser accepts: `--peer-frames false`
+    as one item is an unknown flag, and the sidecar exits 2."""
+    from kvxfer.server.cli import parse_serve_args
+
+    suggested = _docs_extra_args()
+    assert suggested, "docs/*.md suggest no sidecar.extraArgs"
+    downward = {"POD_NAME": "kvxfer-decode-7c9f-abcde", "POD_IP": "10.1.2.3"}
+    token = tmp_path / "token"
+    token.write_text("stand-in\n")
+    for arg in suggested:
+        for spec in pod_specs(_render_values(helm_render, tmp_path, {"sidecar": {"extraArgs": [arg]}})).values():
+            (sidecar,) = sidecars(spec)
+            assert sidecar["args"][-1] == arg
+            argv = [_kubelet_expand(a, downward) for a in sidecar["args"][1:]]
+            argv = [f"--token-file={token}" if a.startswith("--token-file=") else a for a in argv]
+            settings = parse_serve_args(argv)
+            if arg == "--peer-frames=false":
+                assert settings.peer_frames is False
+    assert "--peer-frames=false" in suggested, suggested
