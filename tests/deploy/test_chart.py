@@ -974,3 +974,22 @@ def test_docs_extra_args_start_the_sidecar(helm_render: Path, tmp_path: Path) ->
             if arg == "--peer-frames=false":
                 assert settings.peer_frames is False
     assert "--peer-frames=false" in suggested, suggested
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["cleartext", "tls"])
+def test_peer_ports_app_protocol(tls: bool, helm_render: Path, tmp_path: Path) -> None:
+    """The headless Services declare the peer ports as kubernetes.io/h2c (gRPC over cleartext HTTP/2)
+    only without TLS: with tls.enabled they speak TLS, and h2c would make a mesh or gateway that
+    trusts the declaration send them cleartext."""
+    values: dict[str, Any] = {"vllm": {"tensorParallelSize": 2}}
+    if tls:
+        values["tls"] = {"enabled": True, "secretName": "t"}
+    docs = _render_values(helm_render, tmp_path, values)
+    for role in ("prefill", "decode"):
+        (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == f"kvxfer-{role}"]
+        peers = [p for p in svc["spec"]["ports"] if p["name"] != "http"]
+        assert [p["name"] for p in peers] == ["kvxfer-peer", "peer-1"]
+        if tls:
+            assert [p.get("appProtocol") for p in peers] == [None, None], peers
+        else:
+            assert [p["appProtocol"] for p in peers] == ["kubernetes.io/h2c"] * 2, peers
