@@ -166,22 +166,32 @@ def worker_ranks(vllm: dict[str, Any]) -> int:
     return tp * pp
 
 
-def parse_drain(command: list[str]) -> dict[str, Any]:
-    """Parse a preStop command with kvxfer's own CLI (`kvxfer drain`), without running it."""
+def parse_kvxfer(command: list[str], name: str) -> dict[str, Any]:
+    """Parse a `kvxfer <name> ...` command (preStop, exec probe) with kvxfer's own CLI, without running it."""
     import typer.main
 
     from kvxfer.cli import app
 
-    assert command[:2] == ["kvxfer", "drain"], command
-    # Typer's click (vendored in recent typer) parses exactly as `kvxfer drain` would.
-    drain = typer.main.get_command(app).get_command(None, "drain")  # type: ignore[attr-defined]
-    assert drain is not None, "kvxfer has no drain command"
+    assert command[:2] == ["kvxfer", name], command
+    # Typer's click (vendored in recent typer) parses exactly as `kvxfer <name>` would.
+    cmd = typer.main.get_command(app).get_command(None, name)  # type: ignore[attr-defined]
+    assert cmd is not None, f"kvxfer has no {name} command"
     try:
-        ctx = drain.make_context("drain", list(command[2:]))
+        ctx = cmd.make_context(name, list(command[2:]))
     except Exception as exc:  # the CLI's usage error: unknown option, bad value
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         raise AssertionError(f"`{' '.join(command)}`: {message}") from None
     return dict(ctx.params)
+
+
+def parse_drain(command: list[str]) -> dict[str, Any]:
+    """Parse a preStop command with kvxfer's own CLI (`kvxfer drain`), without running it."""
+    return parse_kvxfer(command, "drain")
+
+
+# What the kubelet leaves an exec probe beyond the answer's own deadline (`kvxfer health
+# --timeout-seconds`): the CLI's start.
+EXEC_PROBE_MARGIN_S = 3
 
 
 def kv_transfer_config(role: str) -> dict[str, str]:
@@ -274,9 +284,15 @@ def check_worker_pod(role: str, spec: dict[str, Any]) -> None:
         # the worker's start: it must not wait for the worker (liveness, not readiness).
         for probe, service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"), ("readinessProbe", "")):
             if "--tls-cert" in opts:
-                assert sidecar[probe]["exec"]["command"] == [
+                command = sidecar[probe]["exec"]["command"]
+                assert command[:4] == [
                     "kvxfer", "health", f"--target={opts['--local-socket']}", f"--service={service}"
                 ], (where, probe)  # fmt: skip
+                # The kubelet waits longer than the CLI waits for its answer: a slow sidecar fails
+                # the probe with the CLI's message, not with a kill halfway through its start.
+                params = parse_kvxfer(command, "health")
+                assert sidecar[probe]["timeoutSeconds"] >= params["timeout_seconds"] + EXEC_PROBE_MARGIN_S, (
+                    where, probe, params)  # fmt: skip
             else:
                 assert sidecar[probe]["grpc"] == {"port": base_peer + r, "service": service}, (where, probe)
         # Drain this rank's sidecar on the way out (with the token when there is one), with time for it.
@@ -993,3 +1009,24 @@ def test_peer_ports_app_protocol(tls: bool, helm_render: Path, tmp_path: Path) -
             assert [p.get("appProtocol") for p in peers] == [None, None], peers
         else:
             assert [p["appProtocol"] for p in peers] == ["kubernetes.io/h2c"] * 2, peers
+
+
+def test_tls_exec_probes_outwait_the_cli(helm_render: Path, tmp_path: Path) -> None:
+    """With TLS the probes run `kvxfer health`: the sidecar gets the probe's timeoutSeconds to answer
+    (--timeout-seconds), the kubelet 3 s more for the CLI's start (2 and 5 by default). Equal, the
+    kubelet killed a probe whose CLI was still starting or about to report its own timeout."""
+    values: dict[str, Any] = {"tls": {"enabled": True, "secretName": "t"}}
+    values["sidecar"] = {"livenessProbe": {"timeoutSeconds": 4}}
+    for spec in pod_specs(_render_values(helm_render, tmp_path, values)).values():
+        (sidecar,) = sidecars(spec)
+        got = {p: (sidecar[p]["exec"]["command"][-1], sidecar[p]["timeoutSeconds"])
+               for p in ("startupProbe", "livenessProbe", "readinessProbe")}  # fmt: skip
+        assert got == {
+            "startupProbe": ("--timeout-seconds=2", 5),
+            "livenessProbe": ("--timeout-seconds=4", 7),
+            "readinessProbe": ("--timeout-seconds=2", 5),
+        }
+    # Kubernetes' own gRPC probes keep the value as it is.
+    for spec in pod_specs(_render(helm_render, CHART / "values.yaml")).values():
+        (sidecar,) = sidecars(spec)
+        assert [sidecar[p]["timeoutSeconds"] for p in ("startupProbe", "livenessProbe", "readinessProbe")] == [2] * 3

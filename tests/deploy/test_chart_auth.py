@@ -215,5 +215,6 @@ def test_with_tls_the_probes_ask_the_local_socket(helm_render: Path, tmp_path: P
             for probe, service in (("startupProbe", "liveness"), ("livenessProbe", "liveness"), ("readinessProbe", "")):
                 assert "grpc" not in sidecar[probe], (sidecar["name"], probe)
                 assert sidecar[probe]["exec"]["command"] == [
-                    "kvxfer", "health", f"--target={socket}", f"--service={service}"
+                    "kvxfer", "health", f"--target={socket}", f"--service={service}", "--timeout-seconds=2"
                 ]  # fmt: skip
+                assert sidecar[probe]["timeoutSeconds"] == 5, (sidecar["name"], probe)

@@ -217,3 +217,25 @@ left out.
   value: {{ . | quote }}
 {{- end }}
 {{- end -}}
+
+{{/*
+One sidecar probe's body: grpc.health.v1 on the rank's peer port, or with TLS there (which
+Kubernetes' gRPC probes cannot speak) `kvxfer health` on the rank's local socket. The exec probe
+starts a Python process before it asks: the sidecar gets the probe's timeoutSeconds to answer
+(--timeout-seconds), and the kubelet 3 s more, so that a slow answer fails with the CLI's own
+message rather than a kill at the kubelet's timeout.
+(dict "probe" <sidecar.*Probe> "tls" <bool> "socket" <path> "port" <int> "service" "liveness"|"")
+*/}}
+{{- define "kvxfer.sidecarProbe" -}}
+{{- if .tls -}}
+exec:
+  command: ["kvxfer", "health", "--target={{ .socket }}", "--service={{ .service }}", "--timeout-seconds={{ int .probe.timeoutSeconds }}"]
+{{- else -}}
+grpc:
+  port: {{ .port }}
+  service: {{ .service | quote }}
+{{- end }}
+periodSeconds: {{ int .probe.periodSeconds }}
+failureThreshold: {{ int .probe.failureThreshold }}
+timeoutSeconds: {{ ternary (add (int .probe.timeoutSeconds) 3) (int .probe.timeoutSeconds) (and .tls true) }}
+{{- end -}}
