@@ -47,6 +47,7 @@ BAD_VALUES = {
     "net-devices-by-rank-not-a-list": ({"sidecar": {"ucx": {"netDevicesByRank": "mlx5_0:1"}}}, "mlx5_0:1"),
     "message-size-below-the-sidecars-minimum": ({"sidecar": {"maxMessageBytes": 1024}}, "1024"),
     "lease-above-the-sidecars-maximum": ({"sidecar": {"leaseSeconds": 100000}}, "100000"),
+    "tls-server-name-not-a-dns-name": ({"tls": {"serverName": "kvxfer peer"}}, "kvxfer peer"),
 }
 
 
@@ -714,6 +715,7 @@ def test_tls_and_token_files(helm_render: Path, tmp_path: Path) -> None:
             assert "--tls-cert=/etc/kvxfer/tls/tls.crt" in args
             assert "--tls-key=/etc/kvxfer/tls/tls.key" in args
             assert "--tls-ca=/etc/kvxfer/tls/ca.crt" in args
+            assert "--tls-server-name=kvxfer-peer" in args
             assert "--token-file=/etc/kvxfer/auth/token" in args
             # The preStop drain calls the local API, which wants the token too.
             assert "--token-file=/etc/kvxfer/auth/token" in sidecar["lifecycle"]["preStop"]["exec"]["command"]
@@ -721,6 +723,7 @@ def test_tls_and_token_files(helm_render: Path, tmp_path: Path) -> None:
         assert secrets == {"t", "a"}
         for settings in sidecar_settings(spec, tmp_path):
             assert settings.tls_ca is not None
+            assert settings.tls_server_name == "kvxfer-peer"
             assert settings.token_file is not None
 
 
@@ -1030,3 +1033,50 @@ def test_tls_exec_probes_outwait_the_cli(helm_render: Path, tmp_path: Path) -> N
     for spec in pod_specs(_render(helm_render, CHART / "values.yaml")).values():
         (sidecar,) = sidecars(spec)
         assert [sidecar[p]["timeoutSeconds"] for p in ("startupProbe", "livenessProbe", "readinessProbe")] == [2] * 3
+
+
+@pytest.mark.parametrize(
+    ("tls", "want"),
+    [
+        ({"enabled": True, "secretName": "t"}, ["--tls-server-name=kvxfer-peer"]),
+        ({"enabled": True, "secretName": "t", "serverName": "peers.kvxfer.example"},
+         ["--tls-server-name=peers.kvxfer.example"]),
+        ({"enabled": True, "secretName": "t", "serverName": ""}, []),
+        ({"enabled": False, "serverName": "peers.kvxfer.example"}, []),
+    ],
+    ids=["default", "own-name", "empty", "no-tls"],
+)  # fmt: skip
+def test_tls_server_name_on_every_sidecar(tls: dict[str, Any], want: list[str], helm_render: Path,
+                                          tmp_path: Path) -> None:  # fmt: skip
+    """tls.serverName: every sidecar of every role and rank expects that name in a peer's certificate
+    (--tls-server-name), since peers advertise pod IPs that a shared certificate cannot list; only
+    with TLS (the sidecar refuses the flag without it), and not when set empty."""
+    values = {"tls": tls, "prefill": {"vllm": {"tensorParallelSize": 2}}}
+    for role, spec in pod_specs(_render_values(helm_render, tmp_path, values)).items():
+        check_worker_pod(role, spec)
+        for sidecar, settings in zip(sidecars(spec), sidecar_settings(spec, tmp_path), strict=True):
+            assert [a for a in sidecar["args"] if a.startswith("--tls-server-name")] == want
+            assert settings.tls_server_name == (want[0].split("=", 1)[1] if want else None)
+
+
+def test_notes_name_the_tls_server_name(helm_render: Path, tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"tls": {"enabled": True, "secretName": "kvxfer-peer-tls"}}))
+    out = render_chart(helm_render, path, extra=["-notes"])
+    assert out.returncode == 0, out.stderr
+    assert (
+        "Sidecars check a peer's certificate for the DNS name kvxfer-peer (tls.serverName):\n"
+        "                 the certificate of Secret kvxfer-peer-tls must carry it as a subject alternative name."
+    ) in out.stdout
+
+
+def test_tls_server_name_schema_is_the_sidecars() -> None:
+    """A tls.serverName the schema lets through must start the sidecar: same pattern and length."""
+    from kvxfer.config import Settings
+
+    schema = json.loads(SCHEMA.read_text())["properties"]["tls"]["properties"]["serverName"]
+    field = Settings.model_fields["tls_server_name"]
+    (pattern,) = [m.pattern for m in field.metadata if getattr(m, "pattern", None)]
+    (max_length,) = [m.max_length for m in field.metadata if getattr(m, "max_length", None)]
+    assert schema["pattern"] == "^$|" + pattern
+    assert schema["maxLength"] == max_length
