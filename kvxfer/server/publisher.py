@@ -52,9 +52,9 @@ MAX_BATCH = 1024  # items in one PullBatch, GetPublishedBatch, NotifyBatch or Ho
 #: The largest TP size a reader's handshake may claim (its expected readers are worked out rank by rank).
 MAX_TP_SIZE = 256
 #: Reader ranks kept per engine id (one per rank of its live instance, and a restarting one's): the
-#: oldest handshake is forgotten first (that reader handshakes again when it is next refused).
+#: longest unused is forgotten first (that reader handshakes again when it is next refused).
 READERS_PER_ENGINE = 2 * MAX_TP_SIZE
-#: Reader ranks kept in all, every engine together; the oldest handshake is forgotten first.
+#: Reader ranks kept in all, every engine together; the longest unused is forgotten first.
 READERS_KEPT = 4096
 
 
@@ -75,7 +75,7 @@ class Publisher:
         #: Dropped publishes whose blocks are not the worker's yet: their readers are being told
         #: (see _free_after_readers). GetStatus still reports them as held.
         self.freeing: dict[str, PublishEntry] = {}
-        #: Sidecars that handshook us, oldest handshake first (see _add_reader for the bounds).
+        #: Sidecars that handshook us, the longest unused first (see _add_reader for the bounds).
         self.readers: dict[ReaderKey, Identity] = {}
         self._by_engine: dict[str, dict[ReaderKey, None]] = {}  # engine id -> its keys in readers, oldest first
         self._instances: dict[tuple[str, str], int] = {}  # (engine id, instance id) -> its keys in readers
@@ -223,8 +223,10 @@ class Publisher:
 
         A restarted reader gets a new instance id: its old instance at this rank is forgotten. At
         most :data:`READERS_PER_ENGINE` ranks of one engine and :data:`READERS_KEPT` in all are kept,
-        the oldest handshakes going first, so no peer can grow the table (each entry holds its
-        data-plane metadata) without bound.
+        the longest unused going first (a lookup, a Hold or an Offer counts as use, see
+        :meth:`reader`), so no peer can grow the table (each entry holds its data-plane metadata)
+        without bound, and a reader in use is not forgotten for the readers that came and went since
+        its handshake (decode pods replaced under new engine ids).
         """
         self._forget_reader(key)
         same_rank = [k for k in self._by_engine.get(key[0], ()) if k[2:] == key[2:]]
@@ -238,6 +240,16 @@ class Publisher:
             self._forget_reader(next(iter(ranks)))
         while len(self.readers) > READERS_KEPT:
             self._forget_reader(next(iter(self.readers)))
+
+    def reader(self, key: ReaderKey) -> Identity | None:
+        """The handshaken reader rank ``key``, now the last to be forgotten; None if it is not known."""
+        reader = self.readers.pop(key, None)
+        if reader is not None:
+            self.readers[key] = reader  # dicts keep insertion order: last in, last out
+            ranks = self._by_engine[key[0]]
+            del ranks[key]
+            ranks[key] = None
+        return reader
 
     def _forget_reader(self, key: ReaderKey) -> None:
         if self.readers.pop(key, None) is None:
@@ -267,7 +279,7 @@ class Publisher:
         reg = self.registry.require()
         rank = rank_from_proto(req.rank, "rank")
         key = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
-        reader = self.readers.get(key)
+        reader = self.reader(key)
         if reader is None:
             raise FailedPreconditionError(
                 f"engine_id: reader {req.engine_id!r} (instance {req.instance_id}) has not handshaken with this "
@@ -487,7 +499,7 @@ class Publisher:
             raise InvalidArgumentError(f"request_ids: {len(req.request_ids)} ids in one Hold; at most {MAX_BATCH}",
                                        field="request_ids")  # fmt: skip
         rank = rank_from_proto(req.rank, "rank") if req.HasField("rank") else None
-        reader = self.readers.get((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)) if rank else None
+        reader = self.reader((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)) if rank else None
         if not self.knows(req.engine_id, req.instance_id) or (rank is not None and reader is None):
             raise FailedPreconditionError(
                 f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "

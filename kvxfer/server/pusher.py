@@ -164,7 +164,7 @@ class Pusher:
             )  # fmt: skip
         rank = rank_from_proto(req.rank, "rank")
         key: ReaderKey = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
-        reader = self.publisher.readers.get(key)
+        reader = self.publisher.reader(key)
         if reader is None or req.epoch != reader.epoch:
             seen = "has not handshaken" if reader is None else f"handshook at epoch {reader.epoch}, not {req.epoch},"
             raise FailedPreconditionError(

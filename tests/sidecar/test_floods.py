@@ -343,7 +343,9 @@ async def _silent_connections(harness: Harness) -> None:
                 "code": "RESOURCE_EXHAUSTED",
             }
             assert s.recv(4096) == b""  # and closed
-        assert evicted == 8
+        # 8 beyond the limit; one more when the worker's connection was accepted before its hello arrived
+        # (it then waited, 33rd, and pushed the oldest silent one out before saying hello).
+        assert evicted in (8, 9)
     finally:
         own.shutdown(wait=False)
         for s in silent:

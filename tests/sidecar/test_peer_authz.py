@@ -242,17 +242,42 @@ async def test_one_engine_cannot_grow_the_readers_table_past_its_share(
     res = await dw[0].pull("r1", ps, {"kv": [4]})
     assert dw[0].verify({"kv": [4]}, 2) == (res.bytes, 0)
     assert ds[0].metrics.handshakes.labels(outcome="ok")._value.get() == handshakes  # type: ignore[union-attr]
-    # Every engine together: the oldest handshakes go first.
+    # Every engine together: the longest unused go first (the decode sidecar's lookup of r1 was the last use).
     monkeypatch.setattr(publisher_module, "READERS_KEPT", 4, raising=False)
     async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
         stub = peer_pb2_grpc.PeerStub(ch)
         for k in range(3):
             info = _flood_info(ds[0], f"e{k}", "other", 0, 1)
             await stub.Handshake(peer_pb2.HandshakeRequest(info=info), timeout=5)
-    assert list(publisher.readers) == [("rogue", "flood", 19, 0), ("e0", "other", 0, 0), ("e1", "other", 0, 0),
-                                       ("e2", "other", 0, 0)]  # fmt: skip
-    assert not publisher.knows("decode", decode.instance_id)
+    assert list(publisher.readers) == [("decode", decode.instance_id, 0, 0), ("e0", "other", 0, 0),
+                                       ("e1", "other", 0, 0), ("e2", "other", 0, 0)]  # fmt: skip
+    assert publisher.knows("decode", decode.instance_id)
+    assert not publisher.knows("rogue", "flood")
     assert publisher.count_readers() == 4
+
+
+async def test_a_reader_in_use_outlives_the_readers_that_came_and_went_since_its_handshake(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table forgets the longest unused reader first, not the oldest handshake: decode pods that
+    are replaced (new engine ids) do not push out a long-lived reader that keeps pulling (it used
+    to be forgotten, then refused, its data-plane peer torn down under its other READs)."""
+    monkeypatch.setattr(publisher_module, "READERS_KEPT", 3, raising=False)
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    publisher = ps[0].core.publisher  # type: ignore[union-attr]
+    assert ds[0].core is not None
+    decode = ds[0].core.identity()
+    handshakes = ds[0].metrics.handshakes.labels(outcome="ok")._value.get()  # type: ignore[union-attr]
+    async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        for k in range(6):  # pods that come and go, one pull of the long-lived reader between each
+            await _publish(pw[0], f"u{k}", [1 + k], salt=10 + k)
+            res = await dw[0].pull(f"u{k}", ps, {"kv": [2 + k]})
+            assert dw[0].verify({"kv": [2 + k]}, 10 + k) == (res.bytes, 0)
+            await stub.Handshake(peer_pb2.HandshakeRequest(info=_flood_info(ds[0], f"gone{k}", "x", 0, 1)), timeout=5)
+    assert publisher.knows("decode", decode.instance_id)
+    assert ds[0].metrics.handshakes.labels(outcome="ok")._value.get() == handshakes + 1  # type: ignore[union-attr]
+    assert publisher.count_readers() == 3
 
 
 async def test_a_lookup_counts_the_readers_of_the_handshake_not_the_tp_size_it_names(harness: Harness) -> None:
