@@ -91,7 +91,8 @@ def test_prefill_response_round_trips() -> None:
     assert params["kvxfer_groups"] == [{"name": "g0", "block_size": 32, "first_block": 0},
                                        {"name": "g1", "block_size": 32, "first_block": 1}]  # fmt: skip
     got = RemotePrefill.parse(params)
-    assert got == RemotePrefill("cmpl-1", "vllm-p", ("10.0.0.7:50051", "10.0.0.7:50052"), tuple(groups), 70, "pod-a")
+    assert got == RemotePrefill("cmpl-1", "vllm-p", ("10.0.0.7:50051", "10.0.0.7:50052"), tuple(groups), 70, "pod-a",
+                                tp_size=2, pp_size=1)  # fmt: skip
     assert (got.block_ids, got.block_size) == ((4, 5, 9), 32)
 
 
