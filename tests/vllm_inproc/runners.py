@@ -31,6 +31,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 
 from kvxfer.integrations.vllm.connector import KvxferConnector
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.worker import WorkerSide
 from tests.vllm_inproc.engine import Engine
 
@@ -50,12 +51,7 @@ def worker_connector(worker: WorkerSide, engine: Engine) -> KvxferConnector:
     Built without ``__init__``, which reads the rank from vLLM's initialized TP/PP groups (this process
     holds every rank of both instances): the attributes it sets come from ``worker`` and ``engine``.
     """
-    conn = KvxferConnector.__new__(KvxferConnector)
-    conn._connector_metadata = None
-    conn._vllm_config = engine.vllm_config
-    conn._kv_cache_config = engine.kv_cache_config
-    conn._role = KVConnectorRole.WORKER
-    conn.settings = worker.settings
+    conn = _bare_connector(engine, KVConnectorRole.WORKER, worker.settings)
     conn._scheduler, conn._worker, conn._rank = None, worker, worker.rank
     return conn
 
@@ -63,13 +59,19 @@ def worker_connector(worker: WorkerSide, engine: Engine) -> KvxferConnector:
 def scheduler_connector(scheduler: SchedulerSide, engine: Engine) -> KvxferConnector:
     """The connector class vLLM loads, for an engine's scheduler, around ``scheduler`` (built as
     :func:`worker_connector` is: its ``__init__`` needs a whole ``VllmConfig``)."""
+    conn = _bare_connector(engine, KVConnectorRole.SCHEDULER, scheduler.settings)
+    conn._scheduler, conn._worker = scheduler, None
+    return conn
+
+
+def _bare_connector(engine: Engine, role: KVConnectorRole, settings: ConnectorSettings) -> KvxferConnector:
+    """What ``KvxferConnector.__init__`` sets for every role, from ``engine`` (its halves come after)."""
     conn = KvxferConnector.__new__(KvxferConnector)
     conn._connector_metadata = None
     conn._vllm_config = engine.vllm_config
     conn._kv_cache_config = engine.kv_cache_config
-    conn._role = KVConnectorRole.SCHEDULER
-    conn.settings = scheduler.settings
-    conn._scheduler, conn._worker = scheduler, None
+    conn._role = role
+    conn.settings = settings
     return conn
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.request import Request, RequestStatus
 
 from tests.vllm_inproc.engine import mla_spec
-from tests.vllm_inproc.pd import PD, block_rows, decode_request, token_rows, write_tokens
+from tests.vllm_inproc.pd import PD, Instance, block_rows, decode_request, token_rows, write_tokens
 from tests.vllm_inproc.runners import RUNNERS, scheduler_connector
 from tests.vllm_inproc.test_pull import (
     D_POOL,
@@ -177,6 +178,17 @@ def test_layerwise_push_lands_while_the_prefill_computes(pd: PD, runner: str) ->
     assert written > 0
 
 
+def _prefill_published(pre: Instance, rid: str, params: dict[str, Any], prompt: int, table: list[int]) -> None:
+    """The prefill request ``rid`` ends normally and its scheduler publishes it (push-mode ``params``)."""
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(params)})
+    req = Request(rid, list(range(100, 100 + prompt)), sp, None)
+    pre.scheduler.on_new_request(req)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    req.num_computed_tokens = prompt
+    keep, _ = pre.scheduler.request_finished(req, [table])
+    assert keep is True
+
+
 def test_decode_abort_mid_push_fences_and_frees_the_prefill(pd: PD) -> None:
     """A decode request aborted while its offer waits: the load ends only after the offer is revoked,
     its blocks stay untouched, and the prefill's later publish is freed at once (not at lease expiry)."""
@@ -194,13 +206,7 @@ def test_decode_abort_mid_push_fences_and_frees_the_prefill(pd: PD) -> None:
     _, recving, failed = dec.finished(recving="ab-d")
     assert failed == set()  # an abort is no load failure (vLLM frees the blocks itself)
     dec.scheduler.loads_finished(recving)
-    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
-    preq = Request("ab", list(range(100, 100 + prompt)), sp, None)
-    pre.scheduler.on_new_request(preq)
-    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    preq.num_computed_tokens = prompt
-    keep, _ = pre.scheduler.request_finished(preq, [p_table])
-    assert keep is True
+    _prefill_published(pre, "ab", pre_params, prompt, p_table)
     pre.step()
     pre.finished(sending="ab", timeout=5.0)  # freed at once: its reader gave up before it was published
     time.sleep(0.2)
@@ -284,13 +290,7 @@ def test_decode_drop_before_the_publish_frees_it_at_once(pd: PD, how: str) -> No
         assert dec.scheduler.request_finished(dreq, [[]]) == (False, None)
     dec.step()  # rank 0's worker has its sidecar drop it at every prefill rank
     time.sleep(1.0)  # the drop reached them
-    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(pre_params)})
-    preq = Request(rid, list(range(100, 100 + prompt)), sp, None)
-    pre.scheduler.on_new_request(preq)
-    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    preq.num_computed_tokens = prompt
-    keep, _ = pre.scheduler.request_finished(preq, [p_table])
-    assert keep is True
+    _prefill_published(pre, rid, pre_params, prompt, p_table)
     pre.step()
     t0 = time.monotonic()
     pre.finished(sending=rid, timeout=5.0)  # released on every rank: its reader gave up before it existed
