@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +48,7 @@ from kvxfer.server.outbox import PEER_CALL_SECONDS, Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
+from kvxfer.server.recent import RecentMemo
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
@@ -132,20 +132,20 @@ class Pusher:
         self._loaded: dict[ReaderKey, tuple[str, int, str]] = {}
         self._ids = itertools.count(1)
         #: Requests whose every offer was revoked before they were published here: (request id, the
-        #: engine that gave up) -> (why, when), oldest first. Their publish, when it comes unbound or
-        #: bound to that engine, is released at once (nobody will take it). See _remember_given_up.
-        self._given_up: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
-        self._given_up_engines: dict[str, set[str]] = {}  # request id -> the engines in _given_up
-        self._given_up_timer: asyncio.TimerHandle | None = None
+        #: engine that gave up) -> why. Their publish, when it comes unbound or bound to that engine, is
+        #: released at once (nobody will take it). Kept as long as their reader could have waited for it.
+        remembered = settings.transfer_timeout_seconds + settings.lease_seconds
+        self._given_up: RecentMemo[tuple[str, str], str] = RecentMemo(kept=GIVEN_UP_KEPT, seconds=remembered,
+                                                                     group=lambda key: key[0])  # fmt: skip
         #: Offers the layer-wise stream completed before their publish (Landed already sent): request id
         #: -> [(reader, its rank, when)]. The publish, when it comes, counts them as done readers.
         self._landed_early: dict[str, list[tuple[Identity, RankInfo, float]]] = {}
         #: Offers ended here whose layer WRITEs are still stopping: a Revoke of one waits for them.
         self._stopping: dict[tuple[str, ReaderKey], list[asyncio.Task[None]]] = {}
         #: Requests the worker aborted before publishing them here (its prefill was aborted or failed):
-        #: request id -> (why, when), oldest first, bounded like the give-ups. An offer for one is
-        #: refused: nothing will ever be written into it.
-        self._abandoned: dict[str, tuple[str, float]] = {}
+        #: request id -> why, kept like the give-ups (as long as an offer for one could still come). An
+        #: offer for one is refused: nothing will ever be written into it.
+        self._abandoned: RecentMemo[str, str] = RecentMemo(kept=GIVEN_UP_KEPT, seconds=remembered)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.offers.values())
@@ -188,7 +188,7 @@ class Pusher:
         abandoned = self._abandoned.get(rid)
         if abandoned is not None:
             raise AbortedError(f"request_id: {rid!r} will not be published on {self.settings.engine_id}: "
-                               f"{abandoned[0]}", field="request_id")  # fmt: skip
+                               f"{abandoned}", field="request_id")  # fmt: skip
         now = time.monotonic()
         offer = Offer(f"{self.registry.instance_id[:8]}-w{next(self._ids)}", rid, key, reader, rank, blocks,
                       token_spans(req.blocks, req.writer_blocks), given, now + timeout)  # fmt: skip
@@ -253,14 +253,7 @@ class Pusher:
         WRITEs it was streamed stopped) rather than at its deadline, and an offer that comes later
         is refused. Returns how many offers failed.
         """
-        now = time.monotonic()
-        horizon = now - self._given_up_seconds()  # as long as an offer for it could still come
-        for old in [k for k, (_w, at) in self._abandoned.items() if at < horizon]:
-            del self._abandoned[old]
-        self._abandoned.pop(rid, None)
-        self._abandoned[rid] = (why, now)
-        while len(self._abandoned) > GIVEN_UP_KEPT:  # the oldest first
-            del self._abandoned[next(iter(self._abandoned))]
+        self._abandoned.put(rid, why)
         self._landed_early.pop(rid, None)  # its readers have every byte; no publish will count them
         waiting = [o for o in self.offers.get(rid, {}).values() if o.task is None]
         for offer in waiting:
@@ -274,7 +267,7 @@ class Pusher:
 
     def published(self, rid: str) -> None:
         """``rid`` was published here: write every offer that waited for it (or free it if all gave up)."""
-        self._abandoned.pop(rid, None)
+        self._abandoned.pop(rid)
         given_up = self._take_given_up(rid)
         if given_up is not None and not self.offers.get(rid):
             self.publisher.release_unwanted(rid, given_up)
@@ -320,9 +313,8 @@ class Pusher:
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
         """Stop every push (shutdown); returns the tasks to wait for. Every reader hears ABORTED."""
-        if self._given_up_timer is not None:
-            self._given_up_timer.cancel()
-            self._given_up_timer = None
+        self._given_up.close()
+        self._abandoned.close()
         tasks = []
         for per_reader in list(self.offers.values()):
             for offer in list(per_reader.values()):
@@ -522,17 +514,7 @@ class Pusher:
 
     def _remember_given_up(self, rid: str, engine_id: str, why: str) -> None:
         """``engine_id`` gave up on ``rid`` before it was published here (see the module docs)."""
-        now = time.monotonic()
-        self._prune_given_up(now)
-        key = (rid, engine_id)
-        self._given_up.pop(key, None)
-        self._given_up[key] = (why, now)
-        self._given_up_engines.setdefault(rid, set()).add(engine_id)
-        while len(self._given_up) > GIVEN_UP_KEPT:
-            self._drop_given_up(next(iter(self._given_up)))
-        if self._given_up_timer is None:
-            self._given_up_timer = asyncio.get_running_loop().call_later(self._given_up_seconds(),
-                                                                         self._expire_given_up)  # fmt: skip
+        self._given_up.put((rid, engine_id), why)
 
     def _take_given_up(self, rid: str) -> str | None:
         """At ``rid``'s publish: why it is unwanted (None: it is not), forgetting who gave up on it.
@@ -540,49 +522,14 @@ class Pusher:
         Only the engine it is bound to (``reader_engine_id``), or any engine while it is unbound, can
         have given it up: a reader may not give up a publish meant for another.
         """
-        engines = self._given_up_engines.get(rid)
-        if not engines:
-            return None
-        self._prune_given_up(time.monotonic())
         entry = self.publisher.publishes.get(rid)
         bound = entry.reader_engine if entry is not None else ""
         why = None
-        for engine_id in sorted(self._given_up_engines.get(rid, ())):
-            gave_up = self._given_up.get((rid, engine_id))
-            if gave_up is not None and why is None and bound in ("", engine_id):
-                why = gave_up[0]
-            self._drop_given_up((rid, engine_id))
+        for key in sorted(self._given_up.keys_of(rid)):
+            gave_up = self._given_up.pop(key)
+            if gave_up is not None and why is None and bound in ("", key[1]):
+                why = gave_up
         return why
-
-    def _given_up_seconds(self) -> float:
-        """How long a give-up is remembered: as long as its reader could still have waited for the publish."""
-        return self.settings.transfer_timeout_seconds + self.settings.lease_seconds
-
-    def _prune_given_up(self, now: float) -> None:
-        horizon = now - self._given_up_seconds()
-        while self._given_up:
-            key, (_why, at) = next(iter(self._given_up.items()))
-            if at >= horizon:
-                break
-            self._drop_given_up(key)
-
-    def _drop_given_up(self, key: tuple[str, str]) -> None:
-        self._given_up.pop(key, None)
-        engines = self._given_up_engines.get(key[0])
-        if engines is not None:
-            engines.discard(key[1])
-            if not engines:
-                del self._given_up_engines[key[0]]
-
-    def _expire_given_up(self) -> None:
-        """Forget the give-ups that are too old, with or without new ones coming (re-armed for the next)."""
-        self._given_up_timer = None
-        now = time.monotonic()
-        self._prune_given_up(now)
-        if self._given_up:
-            _why, oldest = next(iter(self._given_up.values()))
-            delay = max(oldest + self._given_up_seconds() - now, 0.0) + 0.001
-            self._given_up_timer = asyncio.get_running_loop().call_later(delay, self._expire_given_up)
 
     def _lapse(self, offer: Offer) -> None:
         """The offer's deadline passed before its publish came: the reader is told (its own deadline ends it)."""
