@@ -192,7 +192,7 @@ class Settings(BaseModel):
     )  # fmt: skip
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
     metrics_auth: Literal["token", "none"] | None = Field(
-        None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"
+        None, description="/metrics: token (needs the bearer token) or none (open)"
     )
     backend: str = Field(
         "nixl",

@@ -30,8 +30,8 @@ def _metavar(name: str, f: FieldInfo) -> str:
     ann = f.annotation
     args = [a for a in typing.get_args(ann) if a is not type(None)]
     inner = args[0] if args and typing.get_origin(ann) is not typing.Literal else ann
-    if typing.get_origin(ann) is typing.Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(ann)) + "}"
+    if typing.get_origin(inner) is typing.Literal:  # also an optional one (``Literal[...] | None``)
+        return "{" + ",".join(str(a) for a in typing.get_args(inner)) + "}"
     if inner is bool:
         return "{true,false}"
     if inner is Path:
@@ -49,8 +49,17 @@ def _metavar(name: str, f: FieldInfo) -> str:
     return "LIST" if typing.get_origin(inner) is tuple else "TEXT"
 
 
-def _default(f: FieldInfo) -> str:
-    """A setting's default as a user would type it."""
+#: Settings whose default is "not given": what the sidecar then does ("none" would read as a value).
+_NOT_GIVEN = {
+    "advertise_host": "--peer-listen's host, this host's name where that is 0.0.0.0 or ::",
+    "metrics_auth": "token with --token-file, else none",
+}
+
+
+def _default(f: FieldInfo, name: str = "") -> str:
+    """A setting's default as a user would type it (docs/sidecar-contract.md's table says the same)."""
+    if name in _NOT_GIVEN:
+        return _NOT_GIVEN[name]
     if f.default_factory is not None:
         return "this host's name"
     value = f.default
@@ -85,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, f in Settings.model_fields.items():
         p.add_argument(
             flag_name(name), dest=name, default=None, metavar=_metavar(name, f),
-            help=f"{f.description} (default: {_default(f)}; env {env_name(name)})",
+            help=f"{f.description} (default: {_default(f, name)}; env {env_name(name)})",
         )  # fmt: skip
     return p
 

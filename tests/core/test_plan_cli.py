@@ -229,6 +229,11 @@ def test_serve_help_shows_every_setting_its_default_and_env() -> None:
     for default in shown:
         assert default in flat, default
     assert "--role {prefill,decode,both}" in text
+    # A setting whose default is "not given" shows what the sidecar then does, not "none", which
+    # for --metrics-auth is a value with the opposite meaning (an open /metrics).
+    assert "--metrics-auth {token,none}" in text
+    assert "(default: token with --token-file, else none; env KVXFER_METRICS_AUTH)" in flat
+    assert "(default: --peer-listen's host" in flat
 
 
 def test_core_imports_nothing_heavy() -> None:
