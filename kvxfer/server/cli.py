@@ -71,7 +71,7 @@ def _default(f: FieldInfo, name: str = "") -> str:
         return ",".join(str(v) for v in value)
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return repr(value) if value == "" else str(value)
+    return "empty" if value == "" else str(value)
 
 
 class _Parser(argparse.ArgumentParser):
