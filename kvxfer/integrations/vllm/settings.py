@@ -15,7 +15,7 @@ from typing import Any
 
 from kvxfer.errors import KvxferError, Reason
 
-__all__ = ["DEFAULT_SOCKET", "ConnectorSettings", "ConnectorSettingsError"]
+__all__ = ["DEFAULT_SOCKET", "ConnectorSettings", "ConnectorSettingsError", "env_var"]
 
 #: One sidecar per worker rank; ``{rank}`` is the worker's rank inside its vLLM instance.
 DEFAULT_SOCKET = "/run/kvxfer/kvxfer-{rank}.sock"
@@ -137,7 +137,7 @@ class ConnectorSettings:
         for name, f in fields.items():
             raw: Any = extra.get(name)
             if raw is None:
-                raw = env.get(_ENV.get(name, "KVXFER_VLLM_" + name.upper()))
+                raw = env.get(env_var(name))
             if raw is None:
                 continue
             values[name] = _coerce(name, raw, type(f.default))
@@ -165,6 +165,11 @@ class ConnectorSettings:
 
 # The sidecar's own variables where both sides of the pod share one meaning.
 _ENV = {"sidecar_socket": "KVXFER_LOCAL_SOCKET", "token_file": "KVXFER_TOKEN_FILE"}
+
+
+def env_var(name: str) -> str:
+    """The environment variable of the connector setting ``name`` (``KVXFER_VLLM_<NAME>`` or the sidecar's)."""
+    return _ENV.get(name, "KVXFER_VLLM_" + name.upper())
 
 
 def _coerce(name: str, raw: Any, kind: type) -> Any:
