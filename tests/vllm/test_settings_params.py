@@ -85,6 +85,24 @@ def test_bad_settings_name_the_key(extra: dict[str, Any], fragment: str) -> None
     assert fragment in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"KVXFER_VLLM_IDLE_WAIT_MS": "soon"}, "KVXFER_VLLM_IDLE_WAIT_MS: must be a number, got 'soon'"),
+        ({"KVXFER_VLLM_LEASE_SECONDS": "-1"}, "KVXFER_VLLM_LEASE_SECONDS: must be a number >= 0, got -1.0"),
+        ({"KVXFER_VLLM_PREPARE_PULLS": "maybe"}, "KVXFER_VLLM_PREPARE_PULLS: must be true or false, got 'maybe'"),
+        ({"KVXFER_LOCAL_SOCKET": "/run/{node}.sock"}, "KVXFER_LOCAL_SOCKET: unknown placeholder {node}"),
+        ({"KVXFER_VLLM_GATHER": "worker", "KVXFER_VLLM_DATA_PLANE": "worker"}, "KVXFER_VLLM_GATHER: 'worker' needs"),
+    ],
+)
+def test_bad_environment_names_the_variable(env: dict[str, str], fragment: str) -> None:
+    """A bad value from the environment is reported under its variable, which is what the user set."""
+    with pytest.raises(ConnectorSettingsError) as info:
+        ConnectorSettings.load({}, env=env)
+    assert fragment in info.value.message
+    assert info.value.field in ConnectorSettings.__dataclass_fields__  # the setting, as before
+
+
 def test_token_file_problems_are_named(tmp_path: Path) -> None:
     missing = ConnectorSettings(token_file=str(tmp_path / "none"))
     with pytest.raises(ConnectorSettingsError, match="token_file: cannot read"):

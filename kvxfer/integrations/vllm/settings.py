@@ -134,14 +134,23 @@ class ConnectorSettings:
                 field=unknown[0],
             )
         values: dict[str, Any] = {}
-        for name, f in fields.items():
-            raw: Any = extra.get(name)
-            if raw is None:
-                raw = env.get(env_var(name))
-            if raw is None:
-                continue
-            values[name] = _coerce(name, raw, type(f.default))
-        return cls(**values)
+        from_env: set[str] = set()
+        try:
+            for name, f in fields.items():
+                raw: Any = extra.get(name)
+                if raw is None and env_var(name) in env:
+                    raw = env[env_var(name)]
+                    from_env.add(name)
+                if raw is None:
+                    continue
+                values[name] = _coerce(name, raw, type(f.default))
+            return cls(**values)
+        except ConnectorSettingsError as exc:
+            if exc.field not in from_env:
+                raise
+            # The user set the variable, not the key: name what they set.
+            message = f"{env_var(exc.field)}: {exc.message.removeprefix(exc.field + ': ')}"
+            raise ConnectorSettingsError(message, field=exc.field, reason=exc.reason) from None
 
     def socket_for(self, *, rank: int, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0) -> str:
         """The sidecar address of one worker rank."""
