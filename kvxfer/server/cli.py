@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 from kvxfer.cli_errors import EXIT_USAGE, report
 from kvxfer.config import ConfigError, Settings, env_name, flag_name, load_settings, parse_address
 
-__all__ = ["DrainUsageError", "build_parser", "check_drain_args", "drain_main", "parse_serve_args"]
+__all__ = ["DrainUsageError", "build_parser", "check_drain_args", "check_target", "drain_main", "parse_serve_args"]
 
 USAGE = "kvxfer serve [--flag VALUE ...]"
 
@@ -123,6 +123,24 @@ class DrainUsageError(ConfigError):
     """``kvxfer drain`` was given a bad option (``field`` is the option, e.g. ``timeout_seconds``)."""
 
 
+def check_target(target: str) -> str:
+    """``--target`` of ``kvxfer drain`` and ``kvxfer health``, checked: the gRPC target.
+
+    ``target`` is a Unix socket path (absolute, relative or ``unix:...``) or ``host:port``; raises
+    :class:`DrainUsageError` (field ``target``) for anything else.
+    """
+    if not target.strip():
+        raise DrainUsageError("--target: must not be empty (a Unix socket path or host:port)", field="target")
+    if target.startswith("unix:") or "/" in target or target.endswith(".sock"):
+        socket_path = target.removeprefix("unix://").removeprefix("unix:")
+        return f"unix://{os.path.abspath(socket_path)}"
+    try:
+        parse_address(target, setting="--target", dial=True)
+    except ConfigError as exc:
+        raise DrainUsageError(f"{exc.message}; --target is a Unix socket path or host:port", field="target") from None
+    return target
+
+
 def check_drain_args(target: str, token_file: str | None, timeout_seconds: float) -> tuple[str, str | None]:
     """``kvxfer drain``'s options, checked before anything is sent: (gRPC target, token).
 
@@ -134,19 +152,7 @@ def check_drain_args(target: str, token_file: str | None, timeout_seconds: float
             f"got {timeout_seconds}",
             field="timeout_seconds",
         )
-    if not target.strip():
-        raise DrainUsageError("--target: must not be empty (a Unix socket path or host:port)", field="target")
-    if target.startswith("unix:") or "/" in target or target.endswith(".sock"):
-        socket_path = target.removeprefix("unix://").removeprefix("unix:")
-        grpc_target = f"unix://{os.path.abspath(socket_path)}"
-    else:
-        try:
-            parse_address(target, setting="--target", dial=True)
-        except ConfigError as exc:
-            raise DrainUsageError(
-                f"{exc.message}; --target is a Unix socket path or host:port", field="target"
-            ) from None
-        grpc_target = target
+    grpc_target = check_target(target)
     token = None
     if token_file is not None:
         path = Path(token_file)
