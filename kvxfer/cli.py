@@ -305,14 +305,18 @@ def health(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvxfer.client import normalize_target
+    from kvxfer.server.cli import DrainUsageError, check_target
 
     if not math.isfinite(timeout_seconds) or timeout_seconds <= 0:
         _usage_error(f"--timeout-seconds: must be a finite number > 0, got {timeout_seconds}")
     if service not in ("", "liveness"):
         _usage_error(f"--service: must be 'liveness' or '' (readiness), got {service!r}")
+    try:
+        grpc_target = check_target(target)  # as kvxfer drain reads it (a relative socket path included)
+    except DrainUsageError as exc:
+        _usage_error(exc.message)
     # Health needs no token: Kubernetes probes carry none, and the sidecar exempts it.
-    with grpc.insecure_channel(normalize_target(target)) as channel:
+    with grpc.insecure_channel(grpc_target) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_seconds

@@ -192,7 +192,7 @@ class Settings(BaseModel):
     )  # fmt: skip
     metrics_listen: str = Field("127.0.0.1:9400", description="Prometheus /metrics (host:port; '' disables)")
     metrics_auth: Literal["token", "none"] | None = Field(
-        None, description="/metrics: token (needs the bearer token) or none (open); default: token with --token-file"
+        None, description="/metrics: token (needs the bearer token) or none (open)"
     )
     backend: str = Field(
         "nixl",
@@ -470,7 +470,11 @@ def _load_yaml(text: str, path: Path) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config: {path}: not valid YAML: {exc}", field="config") from None
+        # PyYAML's own text spans lines (it quotes the line and draws a caret): one line, as every error here.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(f"config: {path}: not valid YAML{where}: {what}", field="config") from None
 
 
 # ---------------------------------------------------------------------------- merging

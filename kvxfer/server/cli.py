@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 from kvxfer.cli_errors import EXIT_USAGE, report
 from kvxfer.config import ConfigError, Settings, env_name, flag_name, load_settings, parse_address
 
-__all__ = ["DrainUsageError", "build_parser", "check_drain_args", "drain_main", "parse_serve_args"]
+__all__ = ["DrainUsageError", "build_parser", "check_drain_args", "check_target", "drain_main", "parse_serve_args"]
 
 USAGE = "kvxfer serve [--flag VALUE ...]"
 
@@ -30,8 +30,8 @@ def _metavar(name: str, f: FieldInfo) -> str:
     ann = f.annotation
     args = [a for a in typing.get_args(ann) if a is not type(None)]
     inner = args[0] if args and typing.get_origin(ann) is not typing.Literal else ann
-    if typing.get_origin(ann) is typing.Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(ann)) + "}"
+    if typing.get_origin(inner) is typing.Literal:  # also an optional one (``Literal[...] | None``)
+        return "{" + ",".join(str(a) for a in typing.get_args(inner)) + "}"
     if inner is bool:
         return "{true,false}"
     if inner is Path:
@@ -49,8 +49,17 @@ def _metavar(name: str, f: FieldInfo) -> str:
     return "LIST" if typing.get_origin(inner) is tuple else "TEXT"
 
 
-def _default(f: FieldInfo) -> str:
-    """A setting's default as a user would type it."""
+#: Settings whose default is "not given": what the sidecar then does ("none" would read as a value).
+_NOT_GIVEN = {
+    "advertise_host": "--peer-listen's host, this host's name where that is 0.0.0.0 or ::",
+    "metrics_auth": "token with --token-file, else none",
+}
+
+
+def _default(f: FieldInfo, name: str = "") -> str:
+    """A setting's default as a user would type it (docs/sidecar-contract.md's table says the same)."""
+    if name in _NOT_GIVEN:
+        return _NOT_GIVEN[name]
     if f.default_factory is not None:
         return "this host's name"
     value = f.default
@@ -62,7 +71,7 @@ def _default(f: FieldInfo) -> str:
         return ",".join(str(v) for v in value)
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return repr(value) if value == "" else str(value)
+    return "empty" if value == "" else str(value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, f in Settings.model_fields.items():
         p.add_argument(
             flag_name(name), dest=name, default=None, metavar=_metavar(name, f),
-            help=f"{f.description} (default: {_default(f)}; env {env_name(name)})",
+            help=f"{f.description} (default: {_default(f, name)}; env {env_name(name)})",
         )  # fmt: skip
     return p
 
@@ -114,6 +123,24 @@ class DrainUsageError(ConfigError):
     """``kvxfer drain`` was given a bad option (``field`` is the option, e.g. ``timeout_seconds``)."""
 
 
+def check_target(target: str) -> str:
+    """``--target`` of ``kvxfer drain`` and ``kvxfer health``, checked: the gRPC target.
+
+    ``target`` is a Unix socket path (absolute, relative or ``unix:...``) or ``host:port``; raises
+    :class:`DrainUsageError` (field ``target``) for anything else.
+    """
+    if not target.strip():
+        raise DrainUsageError("--target: must not be empty (a Unix socket path or host:port)", field="target")
+    if target.startswith("unix:") or "/" in target or target.endswith(".sock"):
+        socket_path = target.removeprefix("unix://").removeprefix("unix:")
+        return f"unix://{os.path.abspath(socket_path)}"
+    try:
+        parse_address(target, setting="--target", dial=True)
+    except ConfigError as exc:
+        raise DrainUsageError(f"{exc.message}; --target is a Unix socket path or host:port", field="target") from None
+    return target
+
+
 def check_drain_args(target: str, token_file: str | None, timeout_seconds: float) -> tuple[str, str | None]:
     """``kvxfer drain``'s options, checked before anything is sent: (gRPC target, token).
 
@@ -125,19 +152,7 @@ def check_drain_args(target: str, token_file: str | None, timeout_seconds: float
             f"got {timeout_seconds}",
             field="timeout_seconds",
         )
-    if not target.strip():
-        raise DrainUsageError("--target: must not be empty (a Unix socket path or host:port)", field="target")
-    if target.startswith("unix:") or "/" in target or target.endswith(".sock"):
-        socket_path = target.removeprefix("unix://").removeprefix("unix:")
-        grpc_target = f"unix://{os.path.abspath(socket_path)}"
-    else:
-        try:
-            parse_address(target, setting="--target", dial=True)
-        except ConfigError as exc:
-            raise DrainUsageError(
-                f"{exc.message}; --target is a Unix socket path or host:port", field="target"
-            ) from None
-        grpc_target = target
+    grpc_target = check_target(target)
     token = None
     if token_file is not None:
         path = Path(token_file)

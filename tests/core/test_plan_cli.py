@@ -172,6 +172,9 @@ def test_every_command_reports_errors_in_one_style() -> None:
         "error: --timeout-seconds: must be a finite number >= 0 (0: the sidecar's --drain-seconds), got nan"
     )
     assert error_line("drain", "--target", "127.0.0.1:0").startswith("error: --target: port 0 in '127.0.0.1:0'")
+    # health checks --target as drain does: a bad one is a usage error (2), not "no answer" (1).
+    assert error_line("health", "--target", "").startswith("error: --target: must not be empty (a Unix socket path")
+    assert error_line("health", "--target", "foo:bar").startswith("error: --target: 'foo:bar' has port 'bar'")
     assert (
         error_line("serve", "--lease-seconds", "nan")
         == "error: --lease-seconds: Input should be a finite number (got 'nan')"
@@ -229,6 +232,11 @@ def test_serve_help_shows_every_setting_its_default_and_env() -> None:
     for default in shown:
         assert default in flat, default
     assert "--role {prefill,decode,both}" in text
+    # A setting whose default is "not given" shows what the sidecar then does, not "none", which
+    # for --metrics-auth is a value with the opposite meaning (an open /metrics).
+    assert "--metrics-auth {token,none}" in text
+    assert "(default: token with --token-file, else none; env KVXFER_METRICS_AUTH)" in flat
+    assert "(default: --peer-listen's host" in flat
 
 
 def test_core_imports_nothing_heavy() -> None:

@@ -45,6 +45,16 @@ def flags() -> frozenset[str]:
     return frozenset(out)
 
 
+@cache
+def flag_defaults() -> dict[str, str]:
+    """`--flag` -> its default as the Settings table writes it (backticks dropped)."""
+    out: dict[str, str] = {}
+    for row in _table("Settings"):
+        for flag in re.findall(r"`(--[a-z0-9-]+)`", row[0]):
+            out[flag] = row[1].replace("`", "")
+    return out
+
+
 def env_var(flag: str) -> str:
     """The environment variable of a flag: KVXFER_<FLAG>, upper case, dashes as underscores."""
     return "KVXFER_" + flag.removeprefix("--").replace("-", "_").upper()

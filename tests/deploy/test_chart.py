@@ -124,6 +124,19 @@ def test_contract_flags_are_the_sidecars_settings() -> None:
     assert contract.flags() == {flag_name(f) for f in Settings.model_fields}
 
 
+def test_contract_defaults_are_the_sidecars_defaults() -> None:
+    """The contract's default column says what `kvxfer serve --help` shows (it may add a note in parentheses)."""
+    from kvxfer.config import Settings, flag_name
+    from kvxfer.server.cli import _default
+
+    wrong = {}
+    for name, field in Settings.model_fields.items():
+        shown, written = _default(field, name), contract.flag_defaults()[flag_name(name)]
+        if written != shown and not written.startswith(shown + " ("):
+            wrong[flag_name(name)] = (written, shown)
+    assert not wrong, f"docs/sidecar-contract.md's defaults differ from the sidecar's (table, code): {wrong}"
+
+
 def test_chart_needs_native_sidecars(helm_render: Path) -> None:
     """Native sidecars (restartPolicy: Always init containers) are on by default from 1.29."""
     out = render_chart(helm_render, extra=["-kube-version", "1.28.15"])

@@ -164,3 +164,23 @@ def test_vllm_worker_installs_with_constraints() -> None:
     assert ("COPY", "constraints-vllm.txt /tmp/constraints-vllm.txt") in stage
     assert "make vllm-setup" in " ".join((ROOT / "constraints-vllm.txt").read_text().splitlines()[:2])
     assert "`constraints-vllm.txt`" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_image_settings_are_documented_and_valid() -> None:
+    """Every KVXFER_* variable the image sets is one the sidecar reads, and docs/deploy.md says it
+    (the image then behaves unlike `kvxfer serve` with its defaults)."""
+    from kvxfer.config import Settings, env_name
+
+    known = {env_name(f) for f in Settings.model_fields}
+    image_env = [
+        pair
+        for word, rest in _instructions()
+        if word == "ENV"
+        for pair in shlex.split(rest)
+        if pair.startswith("KVXFER_")
+    ]
+    assert image_env, "the image sets no KVXFER_* variable"
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    for pair in image_env:
+        assert pair.partition("=")[0] in known, pair
+        assert f"`{pair}`" in docs, f"docs/deploy.md does not say that the image sets {pair}"

@@ -142,6 +142,11 @@ def test_settings_precedence_and_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown setting 'bogus'") as info:
         load_settings({"config": str(tmp_path / "c.json")}, env={})
     assert info.value.field == "bogus"
+    # A file that does not parse: one line (kvxfer's error style) with where it broke, not PyYAML's drawing.
+    (tmp_path / "broken.yaml").write_text("lease_seconds: 5\nrole: [prefill\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: not valid YAML at line 3, column 1: ") as info3:
+        load_settings({"config": str(tmp_path / "broken.yaml")}, env={})
+    assert "\n" not in info3.value.message, info3.value.message
     with pytest.raises(ConfigError, match=r"KVXFER_TRANSFER_TIMEOUT_SECONDS: .*greater than 0") as info2:
         load_settings({}, env={"KVXFER_TRANSFER_TIMEOUT_SECONDS": "-1"})
     assert info2.value.field == "transfer_timeout_seconds"

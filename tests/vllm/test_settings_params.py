@@ -15,7 +15,9 @@ from kvxfer.integrations.vllm.params import (
     push_params,
     wants_push,
 )
-from kvxfer.integrations.vllm.settings import DEFAULT_SOCKET, ConnectorSettings, ConnectorSettingsError
+from kvxfer.integrations.vllm.settings import DEFAULT_SOCKET, ConnectorSettings, ConnectorSettingsError, env_var
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_match_the_chart() -> None:
@@ -25,6 +27,21 @@ def test_defaults_match_the_chart() -> None:
     assert s.token() is None
     assert (s.lease_seconds, s.transfer_timeout_seconds, s.kv_cache_layout) == (0.0, 30.0, "HND")
     assert (s.data_plane, s.gather) == ("sidecar", "sidecar")
+
+
+def test_docs_table_lists_every_setting_with_its_variable_and_default() -> None:
+    """docs/vllm.md's table of connector settings: every key, its environment variable and its default."""
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    start = text.index("| key | environment | default | meaning |")
+    rows = [ln.strip().strip("|").split("|") for ln in text[start:].split("\n\n", 1)[0].splitlines()[2:]]
+    table = {r[0].strip().strip("`"): (r[1].strip().strip("`"), r[2].replace("`", "").strip()) for r in rows}
+    assert set(table) == set(ConnectorSettings.__dataclass_fields__), sorted(table)
+    for name, f in ConnectorSettings.__dataclass_fields__.items():
+        d = f.default
+        shown = str(d).lower() if isinstance(d, bool) else f"{d:g}" if isinstance(d, float) else d or "none"
+        env, written = table[name]
+        assert env == env_var(name), (name, env)
+        assert written == shown or written.startswith(f"{shown} ("), (name, written, shown)
 
 
 def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
@@ -66,6 +83,24 @@ def test_bad_settings_name_the_key(extra: dict[str, Any], fragment: str) -> None
     with pytest.raises(ConnectorSettingsError) as info:
         ConnectorSettings.load(extra, env={})
     assert fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"KVXFER_VLLM_IDLE_WAIT_MS": "soon"}, "KVXFER_VLLM_IDLE_WAIT_MS: must be a number, got 'soon'"),
+        ({"KVXFER_VLLM_LEASE_SECONDS": "-1"}, "KVXFER_VLLM_LEASE_SECONDS: must be a number >= 0, got -1.0"),
+        ({"KVXFER_VLLM_PREPARE_PULLS": "maybe"}, "KVXFER_VLLM_PREPARE_PULLS: must be true or false, got 'maybe'"),
+        ({"KVXFER_LOCAL_SOCKET": "/run/{node}.sock"}, "KVXFER_LOCAL_SOCKET: unknown placeholder {node}"),
+        ({"KVXFER_VLLM_GATHER": "worker", "KVXFER_VLLM_DATA_PLANE": "worker"}, "KVXFER_VLLM_GATHER: 'worker' needs"),
+    ],
+)
+def test_bad_environment_names_the_variable(env: dict[str, str], fragment: str) -> None:
+    """A bad value from the environment is reported under its variable, which is what the user set."""
+    with pytest.raises(ConnectorSettingsError) as info:
+        ConnectorSettings.load({}, env=env)
+    assert fragment in info.value.message
+    assert info.value.field in ConnectorSettings.__dataclass_fields__  # the setting, as before
 
 
 def test_token_file_problems_are_named(tmp_path: Path) -> None:

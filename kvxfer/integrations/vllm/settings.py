@@ -15,7 +15,7 @@ from typing import Any
 
 from kvxfer.errors import KvxferError, Reason
 
-__all__ = ["DEFAULT_SOCKET", "ConnectorSettings", "ConnectorSettingsError"]
+__all__ = ["DEFAULT_SOCKET", "ConnectorSettings", "ConnectorSettingsError", "env_var"]
 
 #: One sidecar per worker rank; ``{rank}`` is the worker's rank inside its vLLM instance.
 DEFAULT_SOCKET = "/run/kvxfer/kvxfer-{rank}.sock"
@@ -134,14 +134,23 @@ class ConnectorSettings:
                 field=unknown[0],
             )
         values: dict[str, Any] = {}
-        for name, f in fields.items():
-            raw: Any = extra.get(name)
-            if raw is None:
-                raw = env.get(_ENV.get(name, "KVXFER_VLLM_" + name.upper()))
-            if raw is None:
-                continue
-            values[name] = _coerce(name, raw, type(f.default))
-        return cls(**values)
+        from_env: set[str] = set()
+        try:
+            for name, f in fields.items():
+                raw: Any = extra.get(name)
+                if raw is None and env_var(name) in env:
+                    raw = env[env_var(name)]
+                    from_env.add(name)
+                if raw is None:
+                    continue
+                values[name] = _coerce(name, raw, type(f.default))
+            return cls(**values)
+        except ConnectorSettingsError as exc:
+            if exc.field not in from_env:
+                raise
+            # The user set the variable, not the key: name what they set.
+            message = f"{env_var(exc.field)}: {exc.message.removeprefix(exc.field + ': ')}"
+            raise ConnectorSettingsError(message, field=exc.field, reason=exc.reason) from None
 
     def socket_for(self, *, rank: int, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0) -> str:
         """The sidecar address of one worker rank."""
@@ -165,6 +174,11 @@ class ConnectorSettings:
 
 # The sidecar's own variables where both sides of the pod share one meaning.
 _ENV = {"sidecar_socket": "KVXFER_LOCAL_SOCKET", "token_file": "KVXFER_TOKEN_FILE"}
+
+
+def env_var(name: str) -> str:
+    """The environment variable of the connector setting ``name`` (``KVXFER_VLLM_<NAME>`` or the sidecar's)."""
+    return _ENV.get(name, "KVXFER_VLLM_" + name.upper())
 
 
 def _coerce(name: str, raw: Any, kind: type) -> Any:
