@@ -355,7 +355,7 @@ def demo(
     prefill_tp: Annotated[int, typer.Option(help="Prefill TP size (one worker + sidecar per rank).")] = 1,
     decode_tp: Annotated[int, typer.Option(help="Decode TP size (one worker + sidecar per rank).")] = 1,
     layout: Annotated[str, typer.Option(help="Physical order: HND or NHD.")] = "HND",
-    kind: Annotated[str, typer.Option(help="attention, quantized, mla or mamba.")] = "attention",
+    kind: Annotated[str, typer.Option(help=f"What the cache holds: {', '.join(CacheKind)}.")] = "attention",
     layers: Annotated[int, typer.Option(help="Model layers.")] = 32,
     kv_heads: Annotated[int, typer.Option(help="Model KV heads (before TP).")] = 8,
     head_size: Annotated[int, typer.Option(help="Head size.")] = 128,

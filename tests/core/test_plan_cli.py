@@ -273,3 +273,12 @@ def test_plan_json_lists_where_an_nvfp4_head_slice_moves() -> None:
         (4608, 13312, 4096),  # V data
         (8704, 17920, 512),  # V scales
     ]
+
+
+def test_python_dash_m_kvxfer_is_the_kvxfer_command() -> None:
+    """Where the console script is not on PATH (a bare `pip install --target`), `python -m kvxfer` runs it."""
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "--help"], capture_output=True, text=True, timeout=60,
+                         check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for command in ("serve", "demo", "plan", "bench", "health", "drain"):
+        assert f" {command} " in out.stdout, command
