@@ -38,8 +38,9 @@ one per (head, token), at ``offset + head * head_stride + (token // kernel_block
 kernel_stride + (token % kernel_block_size) * token_stride`` from the start of a block. Packed
 attention has one plane, fp8/int8 head groups two (K, V), kv_planes two (a head's slice of each
 plane), and nvfp4 four: within each side vLLM stores the 4-bit data of every (head, token) row
-first, then every row's fp8 scales (``vllm.utils.torch_utils.nvfp4_split_data_scale``), so a head
-slice of an nvfp4 page is two spans per side.
+first, then every row's fp8 scales, the rows in the page's own order (FlashInfer's ``_nvfp4_kv_views``
+over ``vllm.utils.torch_utils.nvfp4_split_data_scale``), so a head slice of an HND nvfp4 page is two
+spans per side. nvfp4 pages are whole inside a block (LBHNC, LBNHC, BLHNC, BLNHC), never heads_outer.
 """
 
 from kvxfer.layout.kinds import CacheKind, DType, Order, Packing, head_range

@@ -170,10 +170,10 @@ class KVCacheLayout:
                     f"head_size: nvfp4 needs a multiple of {NVFP4_GROUP}, got {self.head_size}",
                     field="head_size",
                 )
-            if self.order is not Order.HND or self.heads_outer:
+            if self.heads_outer:
                 raise LayoutError(
-                    f"order: nvfp4 keeps each side's data rows and then its scale rows inside an HND page "
-                    f"(LBHNC or BLHNC); {self.stride_order} does not describe where they are",
+                    f"order: nvfp4 keeps each side's data rows and then its scale rows inside a page (LBHNC, LBNHC, "
+                    f"BLHNC or BLNHC); {self.stride_order} does not describe where they are",
                     field="order",
                 )
         if self.num_kv_heads > self.total_kv_heads:
@@ -512,13 +512,16 @@ class KVCacheLayout:
             return tuple(Plane(part, i * slot, head, tok, kblock, head) for i, part in enumerate(("k", "v")))
         if self.dtype is not DType.NVFP4:
             return tuple(Plane(part, i * h * slot, slot, tok, kblock, c) for i, part in enumerate(("k", "v")))
-        # nvfp4 (HND pages only): per side, the data of every (head, token) row, then every row's scales.
+        # nvfp4 (FlashInfer's _nvfp4_kv_views): per side, the data of every (head, token) row, then every
+        # row's scales, the rows in the page's order (HND: a head's tokens, NHD: a token's heads).
         nk, data, scale = self.tokens_per_kernel_block, self.head_size // 2, self.head_size // NVFP4_GROUP
+        hnd = self.order is Order.HND
         out = []
         for i, side in enumerate(("k", "v")):
             start = i * h * nk * c
-            out.append(Plane(f"{side}_data", start, nk * data, data, kblock, data))
-            out.append(Plane(f"{side}_scale", start + h * nk * data, nk * scale, scale, kblock, scale))
+            for part, offset, n in (("data", start, data), ("scale", start + h * nk * data, scale)):
+                head, token = (nk * n, n) if hnd else (n, h * n)
+                out.append(Plane(f"{side}_{part}", offset, head, token, kblock, n))
         return tuple(out)
 
     def regions(self) -> tuple[RegionSpec, ...]:

@@ -33,9 +33,11 @@ What a slot and a cell hold (``g`` = global head, ``h`` = the rank's local head)
 * kv_planes: slot 0 is the K plane, slot 1 the V plane; cell = that vector of every head of the
   rank, head after head;
 * mla: one slot, cell = the latent; mamba: one slot, one token, cell = the page;
-* nvfp4 (LBHNC/BLHNC only): a kernel page is the K side (the first ``H * N * full`` bytes, ``full =
-  head_size/2 + head_size/16``) then the V side; inside a side, the data of row (h, t) is at ``(h * N
-  + t) * data`` and its scales at ``H * N * data + (h * N + t) * scale``.
+* nvfp4 (the HND and NHD orders with L and B outside the page: FlashInfer's ``_nvfp4_kv_views``): a
+  kernel page is the K side (the first ``H * N * full`` bytes, ``full = head_size/2 + head_size/16``)
+  then the V side; inside a side every row's data, then every row's scales, the rows in the page's
+  own order: with HND row (h, t) is row ``i = h * N + t``, with NHD ``i = t * H + h``; its data is at
+  ``i * data`` and its scales at ``H * N * data + i * scale``.
 
 Transfers. A decode (local) rank pulls a request: token ``k`` of the local block list (in local
 block size) takes the record bytes of its own heads from token ``k`` of the remote block list (in
@@ -55,6 +57,7 @@ GUARD = 64  # bytes around every region, so that an overrun lands in noise and i
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 NVFP4_GROUP = 16  # elements per fp8 scale
+NVFP4_ORDERS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")  # a page is whole inside a block (FlashInfer needs it dense)
 
 # vLLM's physical orders over the logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py)
 STRIDE_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -121,7 +124,7 @@ class Side:
             assert self.kernel_tokens == self.block_size
         if self.dtype == "nvfp4":
             assert self.kind == "quantized"
-            assert self.stride_order in ("LBHNC", "BLHNC")
+            assert self.stride_order in NVFP4_ORDERS
             assert self.head_size % NVFP4_GROUP == 0
 
     # ------------------------------------------------------------------ sizes
@@ -258,18 +261,22 @@ class Side:
             b = np.arange(self.cell)
             add(b * s["C"], s["N"], b, 0, 0)
         elif self.dtype == "nvfp4":
-            # nvfp4_split_data_scale: per side, every row's data, then every row's scales
+            # _nvfp4_kv_views + nvfp4_split_data_scale: per side, every row's data, then every row's
+            # scales; rows head-major (HND) or token-major (NHD), as the page orders its cells.
             n, data, scale, full = self.kernel_tokens, self.nvfp4_data, self.nvfp4_scale, self.cell
+            nhd = "NH" in self.stride_order
             for kv in range(2):
                 side = kv * self.heads * n * full
                 for h in range(self.heads):
                     g = self.head_start + h
                     first = (kv * th + g) * full  # the row's first record byte
                     row = kv * self.heads + h
+                    # row index of (h, token 0), and how far the next token's row is
+                    r0, step = (h, self.heads) if nhd else (h * n, 1)
                     i = np.arange(data)
-                    add(side + h * n * data + i, data, first + i, g, row)
+                    add(side + r0 * data + i, step * data, first + i, g, row)
                     j = np.arange(scale)
-                    add(side + self.heads * n * data + h * n * scale + j, scale, first + data + j, g, row)
+                    add(side + self.heads * n * data + r0 * scale + j, step * scale, first + data + j, g, row)
         else:
             for kv in range(2):
                 size = hs if kv == 0 or self.kind != "attention" else hsv

@@ -121,8 +121,7 @@ def test_attention_from_numbers_equals_from_tensor(dtype: str, order: str, cross
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize(
     ("dtype", "order"),
-    # nvfp4 is HND only (NHD is refused: see test_nvfp4_is_hnd_only)
-    [(d, o) for d in ("fp8_e4m3", "fp8_e5m2", "int8", "nvfp4") for o in ("HND", "NHD") if (d, o) != ("nvfp4", "NHD")],
+    [(d, o) for d in ("fp8_e4m3", "fp8_e5m2", "int8", "nvfp4") for o in ("HND", "NHD")],
 )
 def test_quantized_from_numbers_equals_from_tensor(dtype: str, order: str, cross: bool) -> None:
     # 2 kv heads -> 4 entries (K heads, then V heads); head size 32; nvfp4 rows are 16 + 2 bytes
@@ -373,30 +372,39 @@ def test_nvfp4_kernel_blocks_split_each_kernel_page() -> None:
     assert q.spans(0, 1, heads=(4, 8)) == [(2 * 18432 + k * 18432 + o, n) for k in (0, 1) for o, n in NVFP4_ISSUE_SPANS]
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"order": "NHD"}, {"order": "NHD", "cross_layer": True}, {"heads_outer": True},
-     {"heads_outer": True, "cross_layer": True}],
-)  # fmt: skip
-def test_nvfp4_is_hnd_only(kwargs: dict[str, object]) -> None:
+@pytest.mark.parametrize("kwargs", [{"heads_outer": True}, {"heads_outer": True, "cross_layer": True}])
+def test_nvfp4_heads_outer_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(LayoutError) as err:
         KVCacheLayout.quantized(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_size=64,
                                 dtype="nvfp4", **kwargs)  # type: ignore[arg-type]  # fmt: skip
     assert err.value.field == "order"
-    name = {("NHD", False, False): "LBNHC", ("NHD", True, False): "BLNHC", ("HND", False, True): "LHBNC",
-            ("HND", True, True): "BHLNC"}[(str(kwargs.get("order", "HND")), bool(kwargs.get("cross_layer")),
-                                           bool(kwargs.get("heads_outer")))]  # fmt: skip
+    name = "BHLNC" if kwargs.get("cross_layer") else "LHBNC"
     assert str(err.value) == (
-        "order: nvfp4 keeps each side's data rows and then its scale rows inside an HND page (LBHNC or BLHNC); "
-        f"{name} does not describe where they are"
+        "order: nvfp4 keeps each side's data rows and then its scale rows inside a page (LBHNC, LBNHC, BLHNC or "
+        f"BLNHC); {name} does not describe where they are"
     )
 
 
-def test_nvfp4_nhd_tensor_is_refused() -> None:
+def test_nvfp4_nhd_rows_are_token_major_per_side() -> None:
+    # FlashInfer's _nvfp4_kv_views on an NHD page: per side the data of row (token t, head h) at
+    # (t * H + h) * 32, then the scales at H * N * 32 + (t * H + h) * 4 (head_size 64: 32 + 4 bytes).
+    q = KVCacheLayout.quantized(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=2, head_size=64,
+                                dtype="nvfp4", order="NHD")  # fmt: skip
+    side = 2 * 4 * 36
+    offs, lens = q.row_offsets(np.array([1]), np.array([2]))
+    assert offs.tolist() == [(2 * 2 + 1) * 32, 8 * 32 + (2 * 2 + 1) * 4, side + (2 * 2 + 1) * 32,
+                             side + 8 * 32 + (2 * 2 + 1) * 4]  # fmt: skip
+    assert lens.tolist() == [32, 4, 32, 4]
+    # every head of a token range is one span per part and side
+    assert q.spans(0, 1, tokens=(1, 3)) == [
+        (2 * side + o, n) for o, n in ((64, 128), (256 + 8, 16), (side + 64, 128), (side + 256 + 8, 16))
+    ]
+
+
+def test_nvfp4_nhd_tensor_is_read() -> None:
     nhd = torch.empty(4, 16, 4, 36, dtype=torch.uint8).permute(0, 2, 1, 3)  # (B, 2H, N, 36) stored token-major
-    with pytest.raises(LayoutError) as err:
-        KVCacheLayout.from_tensor(nhd, "quantized", dtype="nvfp4", head_size=64)
-    assert err.value.field == "order"
+    lay = KVCacheLayout.from_tensor(nhd, "quantized", dtype="nvfp4", head_size=64)
+    assert (lay.order, lay.num_kv_heads, lay.block_size, lay.row_bytes) == (Order.NHD, 2, 16, 36)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.topology import RankInfo, RegionTable, TransferPlan, TransferTopology
 
 from .reference import (
+    NVFP4_ORDERS,
     PADDABLE_ORDERS,
     STRIDE_ORDERS,
     Side,
@@ -91,7 +92,9 @@ def _block_list(draw: st.DrawFn, n_avail: int, m: int) -> tuple[int, ...]:
 
 def _orders(kind: str, dtype: str) -> list[str]:
     """Stride orders each constructor can describe for this kind."""
-    if dtype == "nvfp4" or kind == "mamba":
+    if dtype == "nvfp4":
+        return list(NVFP4_ORDERS)
+    if kind == "mamba":
         return ["LBHNC", "BLHNC"]
     if kind == "mla":
         return ["LBNHC", "BLNHC"]

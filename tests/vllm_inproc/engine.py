@@ -8,14 +8,17 @@ resolved layout) and the per-layer ``[B, H, N, C]`` views from ``allocate_kv_cac
 
 Results are read back through the accessors vLLM's backends use (:func:`vllm_parts`): the K|V
 cells of the standard layout, the CPU kernels' transposed K, FlashInfer's nvfp4 data and scales
-(``nvfp4_split_data_scale``), the K and V planes, MLA's squeezed latent rows and the conv/ssm
+(``_nvfp4_kv_views``), the K and V planes, MLA's squeezed latent rows and the conv/ssm
 states a Mamba layer cuts from its page (``MambaBase.bind_kv_cache``).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-from collections.abc import Sequence
+import functools
+import importlib.util
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -108,6 +111,22 @@ class MiniMaxMsaName:
     @staticmethod
     def get_name() -> str:
         return "CUTLASS_MSA"
+
+
+@functools.cache
+def nvfp4_kv_views() -> Callable[[torch.Tensor, int], Any]:
+    """vLLM's own ``_nvfp4_kv_views`` (FlashInfer's reading of an nvfp4 page, HND or NHD), taken from
+    the source of ``vllm/v1/attention/backends/flashinfer.py``: that module imports the flashinfer
+    package, which a CPU host does not have, so the function is compiled alone with what it uses."""
+    spec = importlib.util.find_spec("vllm.v1.attention.backends.flashinfer")
+    assert spec is not None
+    assert spec.origin is not None
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_nvfp4_kv_views")
+    namespace: dict[str, Any] = {"torch": torch, "nvfp4_split_data_scale": nvfp4_split_data_scale, "_KVPair": Any}
+    exec(compile(ast.Module([fn], []), spec.origin, "exec"), namespace)  # vLLM's own code
+    return namespace["_nvfp4_kv_views"]  # type: ignore[no-any-return]
 
 
 def nvfp4_spec(*, block_size: int, heads: int, head_size: int, window: int | None = None) -> AttentionSpec:
@@ -265,11 +284,10 @@ def vllm_parts(engine: Engine, layer: str) -> dict[str, torch.Tensor]:
         return {"latent": view.squeeze(1)[:, None]}  # MLAAttention.bind_kv_cache: [B, 1, N, C] -> [B, N, C]
     heads, d = spec.num_kv_heads, spec.head_size
     if spec.kv_quant_mode.is_nvfp4:
-        out: dict[str, torch.Tensor] = {}
-        for side, half in zip(("k", "v"), (view[:, :heads], view[:, heads:]), strict=True):  # cache.split(H, dim=1)
-            data, scale = nvfp4_split_data_scale(half)
-            out[f"{side}_data"], out[f"{side}_scale"] = data, scale
-        return out
+        # FlashInfer: each side's data then scales, its rows in the page's order (HND or NHD).
+        (k_data, v_data), (k_scale, v_scale), order = nvfp4_kv_views()(view, heads)
+        parts = {"k_data": k_data, "k_scale": k_scale, "v_data": v_data, "v_scale": v_scale}
+        return {p: t.transpose(1, 2) if order == "NHD" else t for p, t in parts.items()}
     if spec.num_head_slots == 2:  # a K plane and a V plane, each (N, H, D) per block
         return {p: view[:, i].view(bk, n, heads, d).transpose(1, 2) for i, p in enumerate(("k", "v"))}
     module = engine.vllm_config.compilation_config.static_forward_context[layer]
