@@ -203,6 +203,19 @@ class MooncakeTransport(Transport):
                 backend="mooncake",
                 peer=peer,
             ) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if fut.cancelled() and (task is None or not task.cancelling()):
+                # Not our caller's cancel: remove_peer shut the peer's pool down while this transfer
+                # waited for a worker, so it never ran. A bare CancelledError would read as the
+                # caller's own cancel (a TaskGroup even counts such a task as fine).
+                raise TransferFailedError(
+                    f"{self._describe(op, local, remote)} did not run: the peer was removed while it waited for a "
+                    "worker",
+                    backend="mooncake",
+                    peer=peer,
+                ) from None
+            raise
         finally:
             stop.set()
         if rc != 0:

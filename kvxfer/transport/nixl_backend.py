@@ -225,8 +225,10 @@ class NixlTransport(Transport):
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as first:
-            # A restarted peer comes back under its old name with new metadata: replace it.
-            known = [p for p in self._peers if p.encode() in metadata]
+            # A restarted peer comes back under its old name with new metadata: replace it. Its name is
+            # matched as the metadata's whole agent field, length included: a peer whose name is only
+            # part of it (``dec-1`` in ``dec-10``'s) is another agent and stays.
+            known = [p for p in self._peers if _agent_field(p) in metadata]
             for p in known:
                 self.remove_peer(p)
             try:
@@ -356,6 +358,12 @@ class NixlTransport(Transport):
         for peer in list(self._peers):
             self.remove_peer(peer)
         self._agent = None
+
+
+def _agent_field(name: str) -> bytes:
+    """How NIXL's serialized metadata carries the agent's name: ``|Agent``, its length (8 bytes, little-endian), it."""
+    raw = name.encode()
+    return b"|Agent" + len(raw).to_bytes(8, "little") + raw + b"|"
 
 
 async def _posted(post: concurrent.futures.Future[str]) -> str:

@@ -389,6 +389,58 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(
     assert asyncio.run(killed()) < 3  # the library notices the closed connection; no wait for the timeout
 
 
+def test_removing_a_peer_fails_its_transfers_with_a_transport_error(
+    backend: str, silent_capable: tuple[Transport, Cache, Peer]
+) -> None:
+    """More transfers than a Mooncake peer has workers, so one of them waits for a worker when the peer
+    is removed (the sidecar does so after another pull's READ from it failed): every one ends with a
+    TransportError, none as if its caller had cancelled it (a TaskGroup takes such a READ for done)."""
+    transport, cache, peer = silent_capable
+    name = transport.add_peer(peer.metadata)
+    ld, rd, _ = descriptors(cache, peer)
+    asyncio.run(transport.read(name, ld, rd, timeout=30))
+    assert peer.proc.pid
+    freeze(peer.proc.pid)
+
+    async def removed() -> list[BaseException | None]:
+        tasks = [asyncio.create_task(transport.read(name, ld, rd, timeout=3)) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in tasks)
+        transport.remove_peer(name)
+        await asyncio.wait(tasks)
+        assert not any(t.cancelled() for t in tasks)
+        return [t.exception() for t in tasks]
+
+    for err in asyncio.run(removed()):
+        assert isinstance(err, TransportError), repr(err)
+        assert name in str(err)
+
+
+def test_a_restarted_nixl_peer_replaces_itself_only() -> None:
+    """A peer restarted under its old name (a container's fixed pid) comes back with new metadata, which
+    NIXL refuses to load over the old: the old is dropped, and only it, not a peer whose name is a
+    prefix of the restarted one's."""
+    transport = create_transport("nixl", f"local-restart-{time.monotonic_ns()}", TransportConfig())
+    cache = Cache(cache_layout(), seed=None)
+    transport.register(cache.table)
+    base = f"dec-{time.monotonic_ns()}"
+    short, long = Peer("nixl", base, seed=7), Peer("nixl", base + "0", seed=11)
+    try:
+        assert transport.add_peer(short.metadata) == base
+        assert transport.add_peer(long.metadata) == base + "0"
+        long.stop()
+        long = Peer("nixl", base + "0", seed=13)  # restarted: same name, new metadata
+        assert transport.add_peer(long.metadata) == base + "0"
+        for p in (short, long):
+            ld, rd, _ = descriptors(cache, p)
+            asyncio.run(transport.read(base if p is short else base + "0", ld, rd, timeout=30))
+            assert bytes(cache.page(1, 9)) == bytes(p.expected.page(1, 7))
+    finally:
+        short.stop()
+        long.stop()
+        transport.close()
+
+
 def test_nixl_backend_list_is_configurable_and_missing_plugins_are_named() -> None:
     with pytest.raises(TransportError) as err:
         create_transport("nixl", f"plugins-{time.monotonic_ns()}", TransportConfig(nixl_backends=("UCX", "NOPE")))
