@@ -555,16 +555,37 @@ def _done(
 
 
 async def _gather_or_cancel(coros: list[Any]) -> None:
-    """Run all; on the first failure cancel the rest and raise it."""
+    """Run all; on the first failure cancel the rest and raise it.
+
+    A task group takes a child that ended cancelled for one that ended well. A READ cancelled by
+    anything but this pull (a backend that cancels its own waits) moved nothing for sure, so it
+    fails the pull instead of leaving its bytes unmoved under a pull that reports success.
+    """
     if len(coros) == 1:
-        await coros[0]
+        try:
+            await coros[0]
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is None or me.cancelling():
+                raise
+            raise _cancelled_reads(1, 1) from None
         return
+    tasks: list[asyncio.Task[Any]] = []
     try:
         async with asyncio.TaskGroup() as tg:
-            for c in coros:
-                tg.create_task(c)
+            tasks = [tg.create_task(c) for c in coros]
     except BaseExceptionGroup as group:
         raise _first_failure(group) from None
+    cancelled = sum(t.cancelled() for t in tasks)
+    if cancelled:
+        raise _cancelled_reads(cancelled, len(tasks))
+
+
+def _cancelled_reads(cancelled: int, of: int) -> PeerUnavailableError:
+    return PeerUnavailableError(
+        f"{cancelled} of {of} data plane READs ended cancelled although the pull was not: their bytes may be missing",
+        field="remote_addresses", reason=Reason.DATA_PLANE,
+    )  # fmt: skip
 
 
 def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -204,7 +204,9 @@ class Transport(abc.ABC):
 
         Raises :class:`~kvxfer.transport.errors.TransferTimeoutError` after ``timeout`` seconds (the
         transfer is cancelled), :class:`~kvxfer.transport.errors.TransferFailedError` when the library
-        reports an error. Cancelling the awaiting task cancels the transfer.
+        reports an error. Cancelling the awaiting task cancels the transfer. A READ a stalled peer
+        serves may still land after the error (docs/transports.md, "What a cancel or a timeout does
+        not guarantee").
         """
 
     async def read(
