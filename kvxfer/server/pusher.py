@@ -484,6 +484,11 @@ class Pusher:
         key: ReaderKey = (reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank)
         for old in [k for k in self._loaded if k[0] == key[0] and k[2:] == key[2:] and k != key]:
             self._unload(old)  # a restarted reader: its old agent is gone
+        # Readers the publisher forgot (decode pods replaced under new engine ids) with no offer left:
+        # without this, every reader ever written into would stay loaded on the data plane.
+        offered = {k for per_reader in self.offers.values() for k in per_reader}
+        for old in [k for k in self._loaded if k != key and k not in self.publisher.readers and k not in offered]:
+            self._unload(old)
         loaded = self._loaded.get(key)
         if loaded is not None and loaded[1:] == (reader.epoch, reader.instance_id):
             return loaded[0]

@@ -467,3 +467,24 @@ async def test_a_notice_from_a_caller_that_never_handshook_tells_it_nothing(harn
                                         rank=RANK0, outcome=peer_pb2.NotifyRequest.DONE)  # fmt: skip
         assert not (await stub.Notify(notice, timeout=5)).released
     assert await _leases(pw[0]) == 1
+
+
+async def test_a_writer_unloads_the_readers_the_publisher_forgot(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode engines replaced under new engine ids: the writer's data plane keeps only the readers the
+    publisher still knows (or that hold an offer), not every reader it ever wrote into."""
+    monkeypatch.setattr(publisher_module, "READERS_KEPT", 1, raising=False)
+    p = await harness.sidecar("p", role="prefill", engine_id="prefill")
+    pw = await harness.worker(p, {"kv": LAY})
+    pusher = p.core.pusher  # type: ignore[union-attr]
+    for n in range(3):
+        d = await harness.sidecar(f"d{n}", role="decode", engine_id=f"decode{n}")
+        dw = await harness.worker(d, {"kv": LAY})
+        dw.poison({"kv": [4, 5]})
+        pull = asyncio.ensure_future(dw.client.pull(f"q{n}", [p.peer_address], {"kv": [4, 5]}, push=True))
+        await asyncio.sleep(0.2)
+        await _publish(pw, f"q{n}", [6, 7], salt=n + 1)
+        res = await pull
+        assert dw.verify({"kv": [4, 5]}, n + 1) == (res.bytes, 0)
+        assert [k[0] for k in pusher._loaded] == [f"decode{n}"]
