@@ -87,7 +87,7 @@ class SidecarCore:
             me=self.registry.identity, load_peer=data_plane.add_peer, forget_peer=data_plane.remove_peer,
             channel_options=channel_options, credentials=channel_credentials, metadata=md,
             on_handshake=lambda outcome: self.metrics.handshakes.labels(outcome=outcome).inc(),
-            frames=FramesDialer.of(settings),
+            frames=FramesDialer.of(settings), longest_transfer=settings.transfer_timeout_seconds,
         )  # fmt: skip
         self.topologies = TopologyCache()
         self.outbox = Outbox(self.peers, engine_id=settings.engine_id, instance_id=self.instance_id)

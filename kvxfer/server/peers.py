@@ -3,7 +3,8 @@
 A session is handshaken on first use and reused; it is dropped (and the peer re-handshaken on
 next use) when a call to it fails at the transport level, when the peer's instance id changes
 (it restarted) or when its registration epoch changes (its memory, hence its data-plane metadata,
-changed). Concurrent first uses of one address share a single handshake.
+changed). Concurrent first uses of one address share a single handshake. A peer not called for
+:data:`IDLE_SECONDS` (and twice the longest transfer) is let go the same way, its channel closed.
 
 A peer whose handshake names a frames address gets a frames connection too, opened in the
 background after the handshake (:mod:`kvxfer.server.peer_frames`): from then on its hot calls go
@@ -42,6 +43,10 @@ T = TypeVar("T")
 log = get_logger("kvxfer.server.peers")
 #: Seconds after a failed attempt to open a peer's frames connection before the next.
 FRAMES_RETRY_S = 5.0
+#: A peer not called for this long (and for at least twice the longest transfer) is let go: its
+#: session, channel, frames connection and data-plane peer. Prefill pods that were replaced would
+#: otherwise stay loaded here for the sidecar's life (Mooncake keeps threads per peer).
+IDLE_SECONDS = 600.0
 
 
 @dataclass
@@ -90,6 +95,7 @@ class PeerDirectory:
         on_handshake: Callable[[str], None],
         handshake_timeout: float = 10.0,
         frames: FramesDialer | None = None,
+        longest_transfer: float = 0.0,
     ) -> None:
         self._me = me
         self._load_peer = load_peer
@@ -109,12 +115,17 @@ class PeerDirectory:
         self._opening: dict[str, asyncio.Task[None]] = {}
         self._frames_retry: dict[str, float] = {}  # by address: no new attempt before this time
         self._closed = False
+        #: How long a peer may go uncalled before it is let go (see IDLE_SECONDS).
+        self.idle_seconds = max(IDLE_SECONDS, 2 * longest_transfer)
+        self._used: dict[str, float] = {}  # by address: when it was last called (or handshaken)
+        self._sweep: asyncio.TimerHandle | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def stub(self, address: str) -> peer_pb2_grpc.PeerAsyncStub:
         """The Peer stub on the (shared) channel to ``address``."""
+        self._touch(address)
         # A stub builds one callable per method: made once per channel, not on every call of the hot path.
         stub = self._stubs.get(address)
         if stub is None:
@@ -128,6 +139,7 @@ class PeerDirectory:
 
     async def session(self, address: str, *, budget: float | None = None) -> PeerSession:
         """The handshaken session to ``address`` (handshaking now if there is none)."""
+        self._touch(address)
         s = self._sessions.get(address)
         if s is not None and s.alive and s.my_epoch == self._me().epoch:
             return s
@@ -262,6 +274,24 @@ class PeerDirectory:
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
+    def _touch(self, address: str) -> None:
+        self._used[address] = time.monotonic()
+        if self._sweep is None and not self._closed:
+            self._sweep = asyncio.get_running_loop().call_later(self.idle_seconds / 4, self._let_go_idle)
+
+    def _let_go_idle(self) -> None:
+        """Let go of the peers not called for ``idle_seconds``; re-armed while any peer is left."""
+        self._sweep = None
+        horizon = time.monotonic() - self.idle_seconds
+        for address in [a for a, at in self._used.items() if at < horizon and a not in self._pending]:
+            del self._used[address]
+            self._frames_retry.pop(address, None)
+            if address in self._sessions or address in self._channels:
+                log.info("idle peer let go", extra={"address": address, "idle_seconds": self.idle_seconds})
+                self.invalidate(address, reconnect=True)
+        if self._used and not self._closed:
+            self._sweep = asyncio.get_running_loop().call_later(self.idle_seconds / 4, self._let_go_idle)
+
     def sessions(self) -> list[PeerSession]:
         """Live sessions."""
         return list(self._sessions.values())
@@ -312,6 +342,9 @@ class PeerDirectory:
     async def close(self) -> None:
         """Close every channel."""
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for addr in list(self._sessions):
             self.invalidate(addr)
         for task in list(self._opening.values()):

@@ -17,6 +17,7 @@ import pytest
 
 from kvxfer.errors import Reason
 from kvxfer.layout import KVCacheLayout
+from kvxfer.server import peers as peers_module
 from kvxfer.server import publisher as publisher_module
 from kvxfer.server import pusher as pusher_module
 from kvxfer.server.app import Sidecar
@@ -488,3 +489,28 @@ async def test_a_writer_unloads_the_readers_the_publisher_forgot(
         res = await pull
         assert dw.verify({"kv": [4, 5]}, n + 1) == (res.bytes, 0)
         assert [k[0] for k in pusher._loaded] == [f"decode{n}"]
+
+
+async def test_a_reader_lets_go_of_publishers_it_no_longer_calls(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill pods replaced under new addresses: a publisher not called for a while (IDLE_SECONDS, here 0.4 s,
+    and at least twice the longest transfer) loses its session, channel and data-plane peer here; the next pull
+    handshakes again and reads."""
+    monkeypatch.setattr(peers_module, "IDLE_SECONDS", 0.4, raising=False)
+    ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, transfer_timeout_seconds=0.5)
+    reader = ds[0].core
+    assert reader is not None
+    await _publish(pw[0], "i1", [3], salt=1)
+    res = await dw[0].pull("i1", ps, {"kv": [4]})
+    assert dw[0].verify({"kv": [4]}, 1) == (res.bytes, 0)
+    assert len(reader.peers) == 1
+    session = reader.peers.current(ps[0].peer_address)
+    assert session is not None
+    nixl: Any = getattr(reader.dp, "inner", reader.dp)
+    assert session.dp_name in nixl._peers
+    await _until(lambda: len(reader.peers) == 0, within=5.0)
+    assert session.dp_name not in nixl._peers
+    await _publish(pw[0], "i2", [5], salt=2)
+    res = await dw[0].pull("i2", ps, {"kv": [6]})
+    assert dw[0].verify({"kv": [6]}, 2) == (res.bytes, 0)
