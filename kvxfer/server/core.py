@@ -163,6 +163,8 @@ class SidecarCore:
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None
     ) -> local_pb2.PullBatchResponse:
         """PullBatch: every pull runs as if it came alone; each gets its own result, in order."""
+        self._refuse_if_draining("PullBatch")  # refused whole, as each of its pulls would be
+        self._require_role("decode", "PullBatch")
         promises = {p.request_id: self.holds.take(p.request_id) for p in req.pulls}
         return await self.puller.pull_batch(req, client_timeout, promises)
 
