@@ -152,8 +152,7 @@ class SidecarCore:
         """Pull: validate, start the transfer, and answer when posted (or done, with ``wait``)."""
         self._refuse_if_draining("Pull")
         self._require_role("decode", "Pull")
-        grants, due = self.holds.take(req.request_id)
-        return await self.puller.pull(req, client_timeout, grants, due)
+        return await self.puller.pull(req, client_timeout, self.holds.take)
 
     async def gather_done(self, req: local_pb2.GatherDoneRequest) -> local_pb2.PullResponse:
         """GatherDone: the worker's report on a pull it moved itself; answers the pull's outcome."""
@@ -165,8 +164,7 @@ class SidecarCore:
         """PullBatch: every pull runs as if it came alone; each gets its own result, in order."""
         self._refuse_if_draining("PullBatch")  # refused whole, as each of its pulls would be
         self._require_role("decode", "PullBatch")
-        promises = {p.request_id: self.holds.take(p.request_id) for p in req.pulls}
-        return await self.puller.pull_batch(req, client_timeout, promises)
+        return await self.puller.pull_batch(req, client_timeout, self.holds.take)
 
     async def expect(self, req: local_pb2.ExpectRequest) -> local_pb2.ExpectResponse:
         """Expect: keep a queued request's publishes alive until its Pull starts (see kvxfer.server.holds)."""
