@@ -211,13 +211,13 @@ class SidecarCore:
     async def abort(self, req: local_pb2.AbortRequest) -> local_pb2.AbortResponse:
         """Abort: stop a request here and on its peers; frees blocks on both sides."""
         rid = check_id(req.request_id, "request_id")
-        self.holds.discard(rid)
-        self.puller.prepared.discard(rid)
         reason = req.reason or "aborted by the worker"
         addresses: list[str] = []
         if req.remote_addresses:  # checked before anything is stopped
             self._require_role("decode", "Abort with remote_addresses")
             addresses = check_addresses(req.remote_addresses)
+        self.holds.discard(rid)
+        self.puller.prepared.discard(rid)
         resp = local_pb2.AbortResponse()
         resp.aborted_publish = self.publisher.abort(rid, reason)
         if not resp.aborted_publish and self.settings.role in ("prefill", "both"):
