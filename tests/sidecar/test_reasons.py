@@ -76,6 +76,22 @@ async def test_unauthenticated_calls_say_so_in_the_reason(harness: Harness, toke
         await c.close()
 
 
+async def test_a_refused_handshake_keeps_the_publishers_reason(harness: Harness) -> None:
+    """A publisher whose worker has not registered refuses the handshake with NOT_REGISTERED (it may
+    come up any moment): the pull says so, not INCOMPATIBLE_PEER (layouts, roles or versions that
+    differ, which no wait cures). A real incompatibility still reads INCOMPATIBLE_PEER."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    dw = await harness.worker(d, {"kv": LAY})
+    err = await expect_error(OK.FAILED_PRECONDITION, dw.pull("r1", [p], {"kv": [1]}), "handshake with",
+                             "no KV caches registered")  # fmt: skip
+    assert (err.reason, err.field) == (Reason.NOT_REGISTERED, "remote_addresses")
+    pw = await harness.worker(p, {"kv": attention(head_size=128)})
+    await pw.prefill("r2", {"kv": [1]}, salt=1)
+    err = await expect_error(OK.FAILED_PRECONDITION, dw.pull("r2", [p], {"kv": [1]}), "head_size")
+    assert (err.reason, err.field) == (Reason.INCOMPATIBLE_PEER, "remote_addresses")
+
+
 async def test_a_restarted_publisher_is_rehandshaken_on_its_reason(harness: Harness) -> None:
     """The reader's cached session outlives the publisher: the new one answers NOT_HANDSHAKEN, the
     reader handshakes again and the pull succeeds (restart recovery rides on the reason)."""
