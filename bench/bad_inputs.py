@@ -475,6 +475,8 @@ def local_cases() -> list[Case]:
     add(pu, "local repeated block id", inv, "local_blocks[kv]", "block id 4", pl(local_blocks=[bl([4, 4])]))
     add(pu, "local empty block list", inv, "local_blocks[kv]", "empty", pl(local_blocks=[bl([])]))
     add(pu, "remote unknown group", inv, "remote_blocks[0].group", "'nope'", pl(remote_blocks=[bl([1], "nope")]))
+    add(pu, "remote group twice", inv, "remote_blocks[1].group", "'kv'",
+        pl(remote_blocks=[bl([1]), bl([2])]))  # fmt: skip
     add(pu, "remote negative block id", inv, "remote_blocks[kv]", "-2", pl(remote_blocks=[bl([1, -2])]))
     add(pu, "remote repeated block id", inv, "remote_blocks[kv]", "block id 1", pl(remote_blocks=[bl([1, 1])]))
     for shown, v in (("-1", -1.0), ("nan", math.nan), ("inf", math.inf), ("-inf", -math.inf)):

@@ -25,7 +25,7 @@ from kvxfer.errors import Reason
 from kvxfer.fastsock import BlockingFastConnection, FastCallError, FastHelloRefusedError
 from kvxfer.logs import get_logger
 from kvxfer.wire.frames import FastMethod
-from kvxfer.wire.status import error_from_status, error_from_status_message
+from kvxfer.wire.status import error_from_status_message
 
 __all__ = ["ThreadCalls", "decode_answer", "lost_error", "timeout_error"]
 
@@ -50,11 +50,8 @@ def decode_answer(method: FastMethod, code: int, payload: bytes) -> Message:
 
 def lost_error(method: FastMethod, exc: FastCallError) -> KvxferRpcError:
     """A call that was sent when its connection failed: it may have started, so it fails as an
-    unreachable sidecar fails it over gRPC (UNAVAILABLE), never retried on another path."""
-    return KvxferRpcError(
-        grpc.StatusCode.UNAVAILABLE, str(exc), method.name,
-        reason=error_from_status(grpc.StatusCode.UNAVAILABLE, "", None)[0],
-    )  # fmt: skip
+    unreachable sidecar fails it over gRPC (UNAVAILABLE, SIDECAR_UNREACHABLE), never retried on another path."""
+    return KvxferRpcError(grpc.StatusCode.UNAVAILABLE, str(exc), method.name, reason=Reason.SIDECAR_UNREACHABLE)
 
 
 def timeout_error(method: FastMethod) -> KvxferRpcError:

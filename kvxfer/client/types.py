@@ -20,7 +20,7 @@ from kvxfer.wire.convert import (
     layout_to_proto,
     memory_to_proto,
 )
-from kvxfer.wire.status import error_from_status, parse_reason, status_code
+from kvxfer.wire.status import DETAILS_KEY, error_from_status, parse_reason, status_code
 
 __all__ = [
     "BlockMap",
@@ -55,8 +55,11 @@ class KvxferRpcError(KvxferError):
     @classmethod
     def of_call(cls, exc: grpc.aio.AioRpcError, method: str) -> KvxferRpcError:
         """The error of a failed call, with the reason and field from its status details."""
-        code, details = exc.code(), exc.details() or ""
-        reason, field = error_from_status(code, details, exc.trailing_metadata())
+        code, details, md = exc.code(), exc.details() or "", exc.trailing_metadata()
+        reason, field = error_from_status(code, details, md)
+        if code == grpc.StatusCode.UNAVAILABLE and not any(key == DETAILS_KEY for key, _ in md or ()):
+            # gRPC's own (the sidecar sends its reason with every failure): the worker's sidecar is not there.
+            reason = Reason.SIDECAR_UNREACHABLE
         return cls(code, details, method, reason=reason, field=field)
 
 

@@ -152,8 +152,7 @@ class SidecarCore:
         """Pull: validate, start the transfer, and answer when posted (or done, with ``wait``)."""
         self._refuse_if_draining("Pull")
         self._require_role("decode", "Pull")
-        grants, due = self.holds.take(req.request_id)
-        return await self.puller.pull(req, client_timeout, grants, due)
+        return await self.puller.pull(req, client_timeout, self.holds.take)
 
     async def gather_done(self, req: local_pb2.GatherDoneRequest) -> local_pb2.PullResponse:
         """GatherDone: the worker's report on a pull it moved itself; answers the pull's outcome."""
@@ -163,8 +162,9 @@ class SidecarCore:
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None
     ) -> local_pb2.PullBatchResponse:
         """PullBatch: every pull runs as if it came alone; each gets its own result, in order."""
-        promises = {p.request_id: self.holds.take(p.request_id) for p in req.pulls}
-        return await self.puller.pull_batch(req, client_timeout, promises)
+        self._refuse_if_draining("PullBatch")  # refused whole, as each of its pulls would be
+        self._require_role("decode", "PullBatch")
+        return await self.puller.pull_batch(req, client_timeout, self.holds.take)
 
     async def expect(self, req: local_pb2.ExpectRequest) -> local_pb2.ExpectResponse:
         """Expect: keep a queued request's publishes alive until its Pull starts (see kvxfer.server.holds)."""
@@ -211,13 +211,13 @@ class SidecarCore:
     async def abort(self, req: local_pb2.AbortRequest) -> local_pb2.AbortResponse:
         """Abort: stop a request here and on its peers; frees blocks on both sides."""
         rid = check_id(req.request_id, "request_id")
-        self.holds.discard(rid)
-        self.puller.prepared.discard(rid)
         reason = req.reason or "aborted by the worker"
         addresses: list[str] = []
         if req.remote_addresses:  # checked before anything is stopped
             self._require_role("decode", "Abort with remote_addresses")
             addresses = check_addresses(req.remote_addresses)
+        self.holds.discard(rid)
+        self.puller.prepared.discard(rid)
         resp = local_pb2.AbortResponse()
         resp.aborted_publish = self.publisher.abort(rid, reason)
         if not resp.aborted_publish and self.settings.role in ("prefill", "both"):

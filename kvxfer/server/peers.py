@@ -173,10 +173,12 @@ class PeerDirectory:
             self._on_handshake("refused" if refused else "failed")
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.invalidate(address, reconnect=True)
-            if refused:
+            if refused:  # the publisher's reason: INCOMPATIBLE_PEER, or NOT_REGISTERED (its worker is not up yet)
+                reason, _ = error_from_status(exc.code(), exc.details() or "", exc.trailing_metadata())
+                if reason is Reason.INTERNAL:  # none given (an older peer): a refusal
+                    reason = Reason.INCOMPATIBLE_PEER
                 raise FailedPreconditionError(
-                    f"handshake with {address} refused: {exc.details()}", field="remote_addresses",
-                    reason=Reason.INCOMPATIBLE_PEER,
+                    f"handshake with {address} refused: {exc.details()}", field="remote_addresses", reason=reason,
                 ) from None  # fmt: skip
             raise peer_error(exc, address, "handshake") from None
         try:

@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -58,6 +59,8 @@ log = get_logger("kvxfer.server")
 ENDED_KEPT = 4096
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
+#: Ends a request's holds as its pull starts: (grants, answers due) by address (kvxfer.server.holds.Holds.take).
+TakeHolds = Callable[[str], tuple[dict[str, Grant], dict[str, Due]]]
 
 
 class Puller:
@@ -87,18 +90,19 @@ class Puller:
 
     # ------------------------------------------------------------------ local API
     async def pull(
-        self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant] | None = None,
-        due: dict[str, Due] | None = None, *, gathers: bool = True,
+        self, req: local_pb2.PullRequest, client_timeout: float | None, take: TakeHolds | None = None, *,
+        gathers: bool = True,
     ) -> local_pb2.PullResponse:  # fmt: skip
         """Validate, start the transfer, and answer when posted (or done, with ``wait``).
 
-        ``grants``: the publishers' promises from holding the request (kvxfer.server.holds), by address;
-        ``due``: the answers still due to its first Holds, by address (the pull waits for them).
+        ``take``: ends the holds of the request once its pull is admitted (:meth:`kvxfer.server.holds.Holds.take`),
+        giving the publishers' promises (grants) by address, and the answers still due to its first
+        Holds (the pull waits for them); a Pull refused for its input ends nothing.
         ``gathers``: whether ``worker_gather`` may be honoured (not within a PullBatch, whose client
         runs no gathers; and only for a pull the worker waits for).
         """
         entered = time.monotonic()
-        entry = self._start(req, client_timeout, grants or {}, due or {})
+        entry = self._start(req, client_timeout, take)
         entry.waited = req.wait
         wait_for = entry.done if req.wait else asyncio.ensure_future(_first(entry.posted, entry.done))
         if gathers and req.worker_gather and req.wait and not req.push:
@@ -162,9 +166,7 @@ class Puller:
             resp.stats.CopyFrom(entry.done.result())
         return resp
 
-    def _start(
-        self, req: local_pb2.PullRequest, client_timeout: float | None, grants: dict[str, Grant], due: dict[str, Due]
-    ) -> PullEntry:
+    def _start(self, req: local_pb2.PullRequest, client_timeout: float | None, take: TakeHolds | None) -> PullEntry:
         reg = self.registry.require()
         rid = check_id(req.request_id, "request_id")
         plan = None
@@ -182,8 +184,8 @@ class Puller:
             entry.prepared = plan
         if rid in self.pulls:
             raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
-        entry.grants = grants
-        entry.grants_due = due
+        if take is not None:  # admitted: its holds end here, and their promises are the pull's
+            entry.grants, entry.grants_due = take(rid)
         if req.push:
             entry.offer = (list(req.local_blocks), list(req.remote_blocks))
         self.pulls[rid] = entry
@@ -258,7 +260,7 @@ class Puller:
 
     async def pull_batch(
         self, req: local_pb2.PullBatchRequest, client_timeout: float | None,
-        promises: dict[str, tuple[dict[str, Grant], dict[str, Due]]] | None = None,
+        take: TakeHolds | None = None,
     ) -> local_pb2.PullBatchResponse:  # fmt: skip
         """Every pull runs as if it came alone; each gets its own result, in order."""
         n = len(req.pulls)
@@ -268,9 +270,7 @@ class Puller:
         async def one(p: local_pb2.PullRequest) -> local_pb2.PullResult:
             with log_context(request_id=p.request_id or None, peer=p.remote_engine_id or None):
                 try:
-                    grants, due = (promises or {}).get(p.request_id, ({}, {}))
-                    return local_pb2.PullResult(response=await self.pull(p, client_timeout, grants, due,
-                                                                         gathers=False))  # fmt: skip
+                    return local_pb2.PullResult(response=await self.pull(p, client_timeout, take, gathers=False))
                 except KvxferError as exc:
                     return local_pb2.PullResult(code=code_of(exc).value[0], message=exc.message,
                                                 reason=exc.reason.value, field=exc.field or "")  # fmt: skip

@@ -150,12 +150,17 @@ def remote_blocks(
     With ``push`` a list without ids names only a skip (the writer's published ids are not known yet).
     """
     out: dict[str, I64] = {}
+    given: set[str] = set()
     for i, bl in enumerate(lists):
         if bl.group not in layouts:
             raise InvalidArgumentError(
                 f"{field}[{i}].group: unknown cache group {bl.group!r}; registered: {', '.join(layouts)}",
                 field=f"{field}[{i}].group",
             )
+        if bl.group in given:  # a second list would silently replace the first
+            raise InvalidArgumentError(f"{field}[{i}].group: cache group {bl.group!r} given twice",
+                                       field=f"{field}[{i}].group")  # fmt: skip
+        given.add(bl.group)
         if push and not bl.block_ids:
             continue
         ids = ids_array(bl.block_ids)

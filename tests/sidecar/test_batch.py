@@ -197,3 +197,23 @@ async def test_many_lookups_to_one_publisher_go_in_bounded_batches(
     assert sorted(lookups.sizes) == [6, 64]
     for i in range(70):
         assert dw.verify({"kv": [100 + i]}, 100 + i) == (lay.page_bytes * lay.num_layers, 0)
+
+
+async def test_pull_batch_is_refused_where_pull_is_by_role_and_drain(harness: Harness) -> None:
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    pw = await harness.worker(p, {"kv": LAY})
+    await pw.prefill("r1", {"kv": [1, 2]}, salt=1)
+    # A prefill-only sidecar pulls nothing, alone or in a batch: the same status, reason and field.
+    other = await harness.sidecar(role="prefill", engine_id="prefill-2")
+    ow = await harness.worker(other, {"kv": LAY})
+    err = await expect_error(OK.FAILED_PRECONDITION, ow.client.pull_batch([_item("r1", p, [3, 4])]), "--role prefill")
+    assert (err.reason, err.field) == (Reason.WRONG_ROLE, "role")
+    # A draining sidecar starts no new pull, alone or in a batch.
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    dw = await harness.worker(d, {"kv": LAY})
+    await pw.prefill("r2", {"kv": [5, 6]}, salt=2)
+    await dw.client.drain(0.5)
+    err = await expect_error(OK.UNAVAILABLE, dw.client.pull_batch([_item("r2", p, [3, 4])]), "draining")
+    assert (err.reason, err.field) == (Reason.DRAINING, "draining")
+    assert (await dw.client.status())["transfers_in_flight"] == 0
+    assert (await pw.client.status(publishes=["r2"]))["publishes"], "the refused batch must not have read r2"

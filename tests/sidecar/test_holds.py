@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvxfer.client import PullItem
 from kvxfer.errors import FailedPreconditionError
 from kvxfer.metrics import PULL_PATHS
 from kvxfer.server import holds as holds_module
@@ -402,3 +403,39 @@ async def _first_event(worker: Worker, kind: str) -> Any:
         if ev.kind == kind:
             return ev
     raise AssertionError("stream ended")
+
+
+async def test_a_refused_pull_leaves_its_request_held(harness: Harness) -> None:
+    """A Pull refused for its own input (a bad field, or a batch refused whole) starts nothing, so it
+    must not end the request's holds: the corrected Pull that follows still finds the publish."""
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=LEASE, max_hold_seconds=10.0)
+    assert ds[0].core is not None
+    await pw[0].prefill("held", {"kv": [1, 2]}, salt=1)
+    assert await dw[0].client.expect("held", [ps[0].peer_address])
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].pull("held", ps, {"kv": [7, 8]}, deadline=-1.0),
+                       "timeout_seconds")  # fmt: skip
+    address = ps[0].peer_address
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client.pull("held", [address], {"kv": [lay.num_blocks]}),
+                       "local_blocks[kv]")  # fmt: skip
+    too_many = [PullItem("held", [address], {"kv": [7, 8]})] * 1025
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client.pull_batch(too_many), "1025 pulls")
+    assert "held" in ds[0].core.holds.expected
+    await asyncio.sleep(2.5 * LEASE)  # queued for 2.5 leases after its refused pulls
+    res = await dw[0].pull("held", ps, {"kv": [7, 8]})
+    assert dw[0].verify({"kv": [7, 8]}, 1) == (res.bytes, 0)
+
+
+async def test_a_refused_abort_leaves_its_request_held(harness: Harness) -> None:
+    """An Abort refused for a malformed remote address stops nothing: the request stays expected (held)."""
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=LEASE, max_hold_seconds=10.0)
+    assert ds[0].core is not None
+    await pw[0].prefill("held", {"kv": [1, 2]}, salt=1)
+    assert await dw[0].client.expect("held", [ps[0].peer_address])
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client.drop_remote("held", ["127.0.0.1:0"]),
+                       "remote_addresses[0]")  # fmt: skip
+    assert "held" in ds[0].core.holds.expected
+    await asyncio.sleep(2.5 * LEASE)
+    res = await dw[0].pull("held", ps, {"kv": [7, 8]})
+    assert dw[0].verify({"kv": [7, 8]}, 1) == (res.bytes, 0)

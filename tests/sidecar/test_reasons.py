@@ -8,9 +8,11 @@ call, and in the ``reason``/``field`` of one failed item of a batch; the client 
 from __future__ import annotations
 
 import ast
+import asyncio
 from pathlib import Path
 
 import grpc
+import pytest
 
 from kvxfer.client import AsyncClient, KvxferRpcError, PullItem, PullResult
 from kvxfer.errors import NotFoundError, Reason
@@ -74,6 +76,48 @@ async def test_unauthenticated_calls_say_so_in_the_reason(harness: Harness, toke
         assert (err.reason, err.field) == (Reason.UNAUTHENTICATED, "authorization")
     finally:
         await c.close()
+
+
+async def test_a_refused_handshake_keeps_the_publishers_reason(harness: Harness) -> None:
+    """A publisher whose worker has not registered refuses the handshake with NOT_REGISTERED (it may
+    come up any moment): the pull says so, not INCOMPATIBLE_PEER (layouts, roles or versions that
+    differ, which no wait cures). A real incompatibility still reads INCOMPATIBLE_PEER."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    dw = await harness.worker(d, {"kv": LAY})
+    err = await expect_error(OK.FAILED_PRECONDITION, dw.pull("r1", [p], {"kv": [1]}), "handshake with",
+                             "no KV caches registered")  # fmt: skip
+    assert (err.reason, err.field) == (Reason.NOT_REGISTERED, "remote_addresses")
+    pw = await harness.worker(p, {"kv": attention(head_size=128)})
+    await pw.prefill("r2", {"kv": [1]}, salt=1)
+    err = await expect_error(OK.FAILED_PRECONDITION, dw.pull("r2", [p], {"kv": [1]}), "head_size")
+    assert (err.reason, err.field) == (Reason.INCOMPATIBLE_PEER, "remote_addresses")
+
+
+async def test_a_worker_that_cannot_reach_its_own_sidecar_is_told_so(harness: Harness) -> None:
+    """gRPC's own UNAVAILABLE on a local call (no sidecar at the socket), and a fast-socket call whose
+    connection the sidecar closed, read SIDECAR_UNREACHABLE: not PEER_UNREACHABLE, which says a
+    remote sidecar cannot be reached (the sidecar's own UNAVAILABLE keeps the reason it sent)."""
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    dw = await harness.worker(d, {"kv": LAY})
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    await harness.worker(p, {"kv": LAY})
+    # A push pull waits for a publish that never comes: the sidecar stops under it.
+    pulling = asyncio.ensure_future(dw.pull("never", [p], {"kv": [1]}, push=True, deadline=20.0))
+    await asyncio.sleep(0.3)
+    assert dw.client.fast_active
+    await d.stop(0)
+    harness.sidecars.remove(d)
+    with pytest.raises(KvxferRpcError) as info:
+        await pulling
+    assert (info.value.code, info.value.reason) == (OK.UNAVAILABLE, Reason.SIDECAR_UNREACHABLE), info.value
+    err = await expect_error(OK.UNAVAILABLE, dw.client.status(deadline=2.0))
+    assert err.reason is Reason.SIDECAR_UNREACHABLE
+    # A peer that cannot be reached is still PEER_UNREACHABLE.
+    q = await harness.sidecar(role="decode", engine_id="decode-2")
+    qw = await harness.worker(q, {"kv": LAY})
+    err = await expect_error(OK.UNAVAILABLE, qw.pull("r", ["127.0.0.1:1"], {"kv": [1]}, deadline=5.0))
+    assert err.reason is Reason.PEER_UNREACHABLE
 
 
 async def test_a_restarted_publisher_is_rehandshaken_on_its_reason(harness: Harness) -> None:
