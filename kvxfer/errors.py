@@ -42,6 +42,7 @@ class Reason(enum.StrEnum):
     REGISTRATION_BUSY = "REGISTRATION_BUSY"  # cannot replace a registration with work in flight
     RANK_TAKEN = "RANK_TAKEN"  # another worker rank holds this sidecar
     WRONG_ROLE = "WRONG_ROLE"  # the sidecar's --role does not allow the call
+    WRONG_BACKEND = "WRONG_BACKEND"  # the sidecar's --backend does not fit the call or the worker's agent
     DRAINING = "DRAINING"  # the sidecar is draining
     DUPLICATE = "DUPLICATE"  # a request id already published or being pulled
     NOT_PUBLISHED = "NOT_PUBLISHED"  # no publish under that id (unknown, released, expired)

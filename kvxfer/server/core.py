@@ -286,7 +286,7 @@ class SidecarCore:
             raise FailedPreconditionError(
                 f"{what}: this sidecar's data plane ({self.dp.backend}) runs in the sidecar; only --backend worker "
                 "hands jobs to the worker's agent",
-                field="backend",
+                field="backend", reason=Reason.WRONG_BACKEND,
             )  # fmt: skip
         return self.dp
 

@@ -126,8 +126,8 @@ class Registry:
             raise FailedPreconditionError(
                 "worker_agent: this sidecar runs --backend worker, so the worker runs the data plane and must register "
                 "its agent (vLLM connector: data_plane 'worker'; kvxfer.worker_agent.WorkerAgent)",
-                field="worker_agent",
-            )
+                field="worker_agent", reason=Reason.WRONG_BACKEND,
+            )  # fmt: skip
         return agent
 
     def _worker_leases(self, req: local_pb2.RegisterCachesRequest) -> frozenset[str]:

@@ -16,6 +16,7 @@ import pytest
 from kvxfer.client import AsyncClient
 from kvxfer.errors import FailedPreconditionError, Reason
 from kvxfer.memory import LibraryRef
+from kvxfer.topology import RegionTable
 from kvxfer.transport import TransferFailedError, TransferTimeoutError, WorkerAgentInfo, create_transport
 from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
 from kvxfer.wire import local_pb2
@@ -67,11 +68,11 @@ async def test_registration_mismatches_are_refused_naming_worker_agent(harness: 
     # An agent offered to a sidecar whose data plane runs in the sidecar.
     w = await harness.worker(plain, {"kv": LAY}, agent=True, register=False)
     exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, w.register(), "--backend worker", "nixl")
-    assert exc.field == "worker_agent"
+    assert (exc.field, exc.reason) == ("worker_agent", Reason.WRONG_BACKEND)
     # No agent, to a sidecar that needs one.
     w2 = await harness.worker(hosted, {"kv": LAY}, register=False)
     exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, w2.register(), "must register its agent")
-    assert exc.field == "worker_agent"
+    assert (exc.field, exc.reason) == ("worker_agent", Reason.WRONG_BACKEND)
     # An agent, but memory the sidecar would have to map (shared memory).
     w3 = await harness.worker(hosted, {"kv": LAY}, agent=True, register=False)
     assert w3.agent is not None
@@ -99,7 +100,7 @@ async def test_registration_mismatches_are_refused_naming_worker_agent(harness: 
     # AgentJobs on a sidecar without a worker-hosted data plane.
     exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, AsyncClient(plain.local_target).agent_jobs(),
                              "AgentJobs", "(nixl) runs in the sidecar")  # fmt: skip
-    assert exc.field == "backend"
+    assert (exc.field, exc.reason) == ("backend", Reason.WRONG_BACKEND)
 
 
 async def test_agent_jobs_checks_its_fields(harness: Harness) -> None:
@@ -157,6 +158,11 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     t.bind_worker(None)
     with pytest.raises(TransferFailedError, match="'w' went away"):
         await task
-    with pytest.raises(FailedPreconditionError, match="no worker agent"):
+    with pytest.raises(FailedPreconditionError, match="no worker agent") as refused:
         await t.next_jobs(0, 0.0)
+    assert refused.value.reason is Reason.NOT_REGISTERED
+    # Memory registered with no agent bound: a --backend worker sidecar whose worker brought none.
+    with pytest.raises(FailedPreconditionError, match="registered no agent") as refused:
+        t.register(RegionTable.for_layout(LAY, [4096 * (i + 1) for i in range(LAY.num_regions)]))
+    assert (refused.value.field, refused.value.reason) == ("worker_agent", Reason.WRONG_BACKEND)
     assert descriptors_to_bytes(desc) == desc.astype("<u8").tobytes()
