@@ -46,6 +46,7 @@ class Reason(enum.StrEnum):
     DRAINING = "DRAINING"  # the sidecar is draining
     DUPLICATE = "DUPLICATE"  # a request id already published or being pulled
     NOT_PUBLISHED = "NOT_PUBLISHED"  # no publish under that id (unknown, released, expired)
+    UNKNOWN_TICKET = "UNKNOWN_TICKET"  # GatherDone names a gather no pull waits for (the pull ended, or never was)
     NOT_HANDSHAKEN = "NOT_HANDSHAKEN"  # a peer called before handshaking (or the callee restarted)
     INCOMPATIBLE_PEER = "INCOMPATIBLE_PEER"  # handshake refused: layouts, roles, versions differ
     PEER_MISMATCH = "PEER_MISMATCH"  # a remote sidecar is not the rank or engine it should be

@@ -147,7 +147,7 @@ class Puller:
         if entry is None or entry.gathered is None:
             raise NotFoundError(
                 f"ticket: no pull waits for gather {req.ticket} (it ended: timed out, aborted or reported)",
-                field="ticket",
+                field="ticket", reason=Reason.UNKNOWN_TICKET,
             )  # fmt: skip
         if not entry.gathered.done():
             entry.gathered.set_result(req)

@@ -258,7 +258,8 @@ async def test_a_report_for_no_waiting_pull_is_not_found(harness: Harness, drive
     with pytest.raises(KvxferRpcError) as err:
         await dw.client.gather_done(local_pb2.GatherDoneRequest(ticket=12345, ok=True, ended=time.monotonic()))
     assert err.value.code == grpc.StatusCode.NOT_FOUND
-    assert err.value.field == "ticket"
+    # Not NOT_PUBLISHED ("no publish under that id"): the ticket names no waiting gather.
+    assert (err.value.field, err.value.reason) == ("ticket", Reason.UNKNOWN_TICKET)
 
 
 async def test_a_worker_that_never_reports_times_the_pull_out(harness: Harness, driver: MemmoveDriver) -> None:
@@ -277,7 +278,7 @@ async def test_a_worker_that_never_reports_times_the_pull_out(harness: Harness, 
     with pytest.raises(KvxferRpcError) as err:  # too late: the pull has timed out
         await dw.client.gather_done(local_pb2.GatherDoneRequest(ticket=answer.gather.ticket, ok=True,
                                                                 ended=time.monotonic()))  # fmt: skip
-    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.NOT_FOUND, Reason.UNKNOWN_TICKET)
 
 
 async def _event(w: Worker, rid: str, kind: str) -> Any:
