@@ -182,9 +182,14 @@ def _event(ev: local_pb2.Completion) -> CompletionEvent:
     )  # fmt: skip
 
 
-def _pull_request(item: PullItem) -> local_pb2.PullRequest:
+def _pull_request(item: PullItem, method: str = "Pull") -> local_pb2.PullRequest:
+    """The PullRequest of ``item``; raises INVALID_ARGUMENT (as the sidecar would) for arguments it cannot carry."""
     if item.spans and not item.remote_blocks and not item.push:
-        raise ValueError("spans: name remote_blocks too when moving part of a group's tokens")
+        raise KvxferRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"spans: name remote_blocks too when moving part of a group's tokens (spans of {sorted(item.spans)})",
+            method, reason=Reason.INVALID_FIELD, field="spans",
+        )  # fmt: skip
     remote = item.remote_blocks
     if remote is None and item.push and item.spans:
         remote = {g: [] for g in item.spans}  # push: the writer's ids are its publish; only the skip is named
