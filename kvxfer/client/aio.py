@@ -121,8 +121,12 @@ class AsyncClient:
             raise KvxferRpcError.of_call(exc, type(req).DESCRIPTOR.name.removesuffix("Request")) from None
 
     def call_timeout(self, req: Message, deadline: float | None) -> float:
-        """The seconds a call of ``req`` may take: ``deadline``, else the client's timeout; checked."""
-        timeout = deadline or self.timeout
+        """The seconds a call of ``req`` may take: ``deadline``, else the client's timeout; checked.
+
+        ``deadline`` 0 is refused like any other that is no positive number of seconds (it used to
+        mean the client's timeout).
+        """
+        timeout = self.timeout if deadline is None else deadline
         if not math.isfinite(timeout) or timeout <= 0:
             # gRPC would end such a call at once with DEADLINE_EXCEEDED, which reads like a slow sidecar.
             raise KvxferRpcError(
@@ -296,8 +300,8 @@ class AsyncClient:
     def pull_timeout(self, deadline: float | None) -> float:
         """The call's timeout for a pull of ``deadline`` (its ``timeout_seconds``), plus a second.
 
-        A deadline that is no number of seconds is left to the sidecar, which refuses it naming
-        ``timeout_seconds`` and the value: the call itself keeps the client's timeout.
+        A deadline that is no positive number of seconds never gets here: the request's making
+        refuses it (:func:`~kvxfer.client.types._pull_request`).
         """
         if deadline is not None and math.isfinite(deadline) and deadline > 0:
             return deadline + 1.0

@@ -190,6 +190,13 @@ def _pull_request(item: PullItem, method: str = "Pull") -> local_pb2.PullRequest
             f"spans: name remote_blocks too when moving part of a group's tokens (spans of {sorted(item.spans)})",
             method, reason=Reason.INVALID_FIELD, field="spans",
         )  # fmt: skip
+    if item.deadline is not None and not (math.isfinite(item.deadline) and item.deadline > 0):
+        # 0 would go as timeout_seconds 0, which means the sidecar's own default: refused as < 0 is.
+        raise KvxferRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"deadline: must be a finite number of seconds > 0 (None: the sidecar's --transfer-timeout-seconds), "
+            f"got {item.deadline}", method, reason=Reason.INVALID_FIELD, field="deadline",
+        )  # fmt: skip
     remote = item.remote_blocks
     if remote is None and item.push and item.spans:
         remote = {g: [] for g in item.spans}  # push: the writer's ids are its publish; only the skip is named
@@ -198,7 +205,7 @@ def _pull_request(item: PullItem, method: str = "Pull") -> local_pb2.PullRequest
         remote_addresses=list(item.remote_addresses),
         remote_blocks=blocks_to_proto(remote or {}, _spans(item.spans, local=False)),
         local_blocks=blocks_to_proto(item.local_blocks, _spans(item.spans, local=True)), wait=item.wait,
-        timeout_seconds=item.deadline or 0.0, push=item.push,
+        timeout_seconds=0.0 if item.deadline is None else item.deadline, push=item.push,
     )  # fmt: skip
 
 

@@ -243,3 +243,27 @@ async def test_an_item_the_client_cannot_send_fails_alone(harness: Harness) -> N
     (only,) = await dw[0].client.pull_batch([PullItem("x", [ps[0].peer_address], {"kv": [5]}, spans=half)])
     assert isinstance(only, KvxferRpcError)
     assert only.field == "spans"
+
+
+@pytest.mark.parametrize("deadline", [0.0, -1.0, float("nan"), float("inf")])
+async def test_a_deadline_that_is_no_positive_time_is_refused_naming_it(harness: Harness, deadline: float) -> None:
+    """``deadline=0`` silently became the client's 30 s timeout on a call (``deadline or self.timeout``) and
+    the sidecar's --transfer-timeout-seconds on a pull (timeout_seconds 0), while a negative one was
+    refused. Every deadline that is no finite number of seconds > 0 is now refused, naming ``deadline``
+    and the value, on a call, a pull and one item of a batch (the others run)."""
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    client = dw[0].client
+    address = ps[0].peer_address
+    await pw[0].prefill("r", {"kv": [1]}, salt=2)
+    shown = str(deadline)
+    err = await expect_error(OK.INVALID_ARGUMENT, client.status(deadline=deadline), "deadline", shown)
+    assert (err.reason, err.field) == (Reason.INVALID_FIELD, "deadline")
+    err = await expect_error(OK.INVALID_ARGUMENT, client.pull("r", [address], {"kv": [3]}, deadline=deadline),
+                             "deadline", shown)  # fmt: skip
+    assert (err.reason, err.field) == (Reason.INVALID_FIELD, "deadline")
+    bad, good = await client.pull_batch([PullItem("r", [address], {"kv": [3]}, deadline=deadline),
+                                         PullItem("r", [address], {"kv": [4]}, deadline=5.0)])  # fmt: skip
+    assert isinstance(bad, KvxferRpcError)
+    assert (bad.code, bad.field) == (OK.INVALID_ARGUMENT, "deadline")
+    assert isinstance(good, PullResult)
+    assert dw[0].verify({"kv": [4]}, 2)[1] == 0

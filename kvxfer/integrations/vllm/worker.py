@@ -318,8 +318,8 @@ class WorkerSide:
             addresses = self._stage_addresses(remote.addresses)
             return await self.sidecar.aio.pull(
                 remote.request_id, addresses, args.local_blocks, remote_blocks=args.remote_blocks, spans=args.spans,
-                remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
-                push=spec.push, gather=self.gather,
+                remote_engine_id=remote.sidecar_engine_id, wait=True,
+                deadline=self.settings.transfer_timeout_seconds or None, push=spec.push, gather=self.gather,
             )  # fmt: skip
 
     def _stage_addresses(self, addresses: tuple[str, ...]) -> list[str]:
