@@ -72,7 +72,8 @@ class Reason(enum.StrEnum):
 class KvxferError(Exception):
     """Base class of every error kvxfer raises on purpose."""
 
-    status: ClassVar[str] = "INTERNAL"
+    #: The gRPC status name: the class's, or (an error received from a call) the one it came with.
+    status: str = "INTERNAL"
     default_reason: ClassVar[Reason] = Reason.INTERNAL
 
     def __init__(self, message: str, *, field: str | None = None, reason: Reason | None = None) -> None:

@@ -49,6 +49,7 @@ class KvxferRpcError(KvxferError):
         text = f"{method}: {code.name}: {message}" if method else f"{code.name}: {message}"
         super().__init__(text, field=field, reason=reason or parse_reason("", code))
         self.code = code
+        self.status = code.name  # what code_of() and every KvxferError reader take the code from
         self.details = message
         self.method = method
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvxfer.client import AsyncClient, KvxferRpcError, PullItem, PullResult
 from kvxfer.errors import NotFoundError, Reason
-from kvxfer.wire.status import error_from_status, error_of, status_of
+from kvxfer.wire.status import code_of, error_from_status, error_of, status_of
 from tests.sidecar.helpers import Harness, attention, expect_error
 
 OK = grpc.StatusCode
@@ -37,6 +37,8 @@ async def test_a_failed_call_carries_its_reason_and_field(harness: Harness) -> N
     pw = await harness.worker(p, {"kv": LAY})
     err = await expect_error(OK.NOT_FOUND, dw.pull("missing", [p], {"kv": [1]}), "missing")
     assert (err.reason, err.field) == (Reason.NOT_PUBLISHED, "request_id")
+    # Read as any KvxferError (its status, code_of), the error has the code it came with, not INTERNAL.
+    assert (err.status, code_of(err)) == ("NOT_FOUND", OK.NOT_FOUND)
     err = await expect_error(OK.FAILED_PRECONDITION, dw.client.publish("r1", {"kv": [1]}), "role")
     assert err.reason is Reason.WRONG_ROLE
     err = await expect_error(OK.INVALID_ARGUMENT, pw.client.publish("r2", {"kv": [LAY.num_blocks]}), "out of range")
