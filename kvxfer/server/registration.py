@@ -92,6 +92,8 @@ class Registry:
         if self.registration is not None and busy:
             raise FailedPreconditionError(f"groups: cannot replace the registration while {busy}", field="groups",
                                           reason=Reason.REGISTRATION_BUSY)  # fmt: skip
+        if req.worker_id:  # optional; it goes into logs and messages, so checked as every id is
+            check_id(req.worker_id, "worker_id")
         rank = rank_from_proto(req.rank, "rank")
         self._refuse_other_rank(req.worker_id, rank.tp_rank, rank.pp_rank, rank.tp_size, rank.pp_size)
         if not req.groups:
