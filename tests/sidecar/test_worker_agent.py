@@ -20,6 +20,7 @@ from kvxfer.topology import RegionTable
 from kvxfer.transport import TransferFailedError, TransferTimeoutError, WorkerAgentInfo, create_transport
 from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
 from kvxfer.wire import local_pb2
+from kvxfer.worker_agent import WorkerAgent
 from tests.sidecar.helpers import Harness, attention, expect_error, transfer
 
 LAY = attention()
@@ -166,3 +167,29 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
         t.register(RegionTable.for_layout(LAY, [4096 * (i + 1) for i in range(LAY.num_regions)]))
     assert (refused.value.field, refused.value.reason) == ("worker_agent", Reason.WRONG_BACKEND)
     assert descriptors_to_bytes(desc) == desc.astype("<u8").tobytes()
+
+
+async def test_a_refused_re_registration_leaves_the_data_plane_to_the_registered_agent(harness: Harness) -> None:
+    """A RegisterCaches with another agent whose groups are then refused bound the data plane to that agent
+    first: the registration stayed the old one, but the sidecar's data plane now named the stranger's agent
+    (its jobs queue cleared, its handshake metadata the stranger's), so the next reader loaded an agent
+    that holds none of the worker's memory and every READ failed. Refused, it changes nothing."""
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, agent=True, backend="worker")
+    p = pw[0]
+    dp = ps[0].core.dp
+    assert isinstance(dp, WorkerAgentTransport)
+    bound, metadata = dp.worker, dp.metadata()
+    stranger = WorkerAgent()
+    try:
+        stranger.register(LAY, p.buffers["kv"].regions)
+        groups = {"kv": (LAY, p.buffers["kv"].ref())}  # shared memory: refused for --backend worker
+        exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                 p.client.register_caches(groups, rank=p.rank, worker_agent=stranger.info()),
+                                 "groups[0].memory")  # fmt: skip
+        assert exc.field == "groups[0].memory"
+    finally:
+        stranger.close()
+    assert (dp.worker, dp.metadata()) == (bound, metadata)
+    # The first reader handshakes now, and reads from the worker's own agent.
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=7)
+    assert res.done
