@@ -299,12 +299,13 @@ def pull(env: Env, **kw: Any) -> local_pb2.PullRequest:
 
 def reg(env: Env, *, layout: common_pb2.Layout | None = None, rank: common_pb2.Rank | None = None,
         memory: local_pb2.Memory | None = None, name: str = G, groups: list[Any] | None = None,
-        ) -> local_pb2.RegisterCachesRequest:  # fmt: skip
+        worker_id: str = "bad") -> local_pb2.RegisterCachesRequest:  # fmt: skip
     """A RegisterCaches for the fresh sidecar, with one part changed."""
     if groups is None:
         mem = memory if memory is not None else memory_to_proto(env.buffers[2].ref())
         groups = [local_pb2.CacheGroup(name=name, layout=layout or layout_to_proto(LAYOUT), memory=mem)]
-    return local_pb2.RegisterCachesRequest(worker_id="bad", rank=rank or rank_to_proto(RankInfo(0, 1)), groups=groups)
+    return local_pb2.RegisterCachesRequest(worker_id=worker_id, rank=rank or rank_to_proto(RankInfo(0, 1)),
+                                           groups=groups)  # fmt: skip
 
 
 def lay(**changes: Any) -> common_pb2.Layout:
@@ -342,6 +343,10 @@ def local_cases() -> list[Case]:
     # ---- RegisterCaches (the fresh sidecar: nobody registered)
     rc = "RegisterCaches"
     add(rc, "no cache groups", inv, "groups", None, lambda e: reg(e, groups=[]), on="fresh")
+    add(rc, "worker_id with a newline", inv, "worker_id", "\\n", lambda e: reg(e, worker_id="w\nforged log line"),
+        on="fresh")  # fmt: skip
+    add(rc, "worker_id of 2400 characters", inv, "worker_id", "2400", lambda e: reg(e, worker_id="w" * 2400),
+        on="fresh")  # fmt: skip
     add(rc, "empty group name", inv, "groups[0].name", None, lambda e: reg(e, name=""), on="fresh")
     add(rc, "group name with a newline", inv, "groups[0].name", "\\n", lambda e: reg(e, name="k\nv"), on="fresh")
     add(rc, "group name of 600 characters", inv, "groups[0].name", "600", lambda e: reg(e, name="g" * 600), on="fresh")

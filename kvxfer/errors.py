@@ -42,9 +42,11 @@ class Reason(enum.StrEnum):
     REGISTRATION_BUSY = "REGISTRATION_BUSY"  # cannot replace a registration with work in flight
     RANK_TAKEN = "RANK_TAKEN"  # another worker rank holds this sidecar
     WRONG_ROLE = "WRONG_ROLE"  # the sidecar's --role does not allow the call
+    WRONG_BACKEND = "WRONG_BACKEND"  # the sidecar's --backend does not fit the call or the worker's agent
     DRAINING = "DRAINING"  # the sidecar is draining
     DUPLICATE = "DUPLICATE"  # a request id already published or being pulled
     NOT_PUBLISHED = "NOT_PUBLISHED"  # no publish under that id (unknown, released, expired)
+    UNKNOWN_TICKET = "UNKNOWN_TICKET"  # GatherDone names a gather no pull waits for (the pull ended, or never was)
     NOT_HANDSHAKEN = "NOT_HANDSHAKEN"  # a peer called before handshaking (or the callee restarted)
     INCOMPATIBLE_PEER = "INCOMPATIBLE_PEER"  # handshake refused: layouts, roles, versions differ
     PEER_MISMATCH = "PEER_MISMATCH"  # a remote sidecar is not the rank or engine it should be
@@ -70,7 +72,8 @@ class Reason(enum.StrEnum):
 class KvxferError(Exception):
     """Base class of every error kvxfer raises on purpose."""
 
-    status: ClassVar[str] = "INTERNAL"
+    #: The gRPC status name: the class's, or (an error received from a call) the one it came with.
+    status: str = "INTERNAL"
     default_reason: ClassVar[Reason] = Reason.INTERNAL
 
     def __init__(self, message: str, *, field: str | None = None, reason: Reason | None = None) -> None:

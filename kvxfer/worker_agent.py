@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from kvxfer.client import AsyncClient, KvxferRpcError
-from kvxfer.errors import KvxferError, Reason
+from kvxfer.errors import InvalidArgumentError, KvxferError, Reason
 from kvxfer.layout import KVCacheLayout
 from kvxfer.logs import get_logger
 from kvxfer.memory import LibraryRef
@@ -75,8 +75,8 @@ class WorkerAgent:
     def register_addresses(self, layout: KVCacheLayout, ref: LibraryRef) -> LibraryRef:
         """Register regions given by address (they must stay allocated while registered)."""
         if ref.pid != os.getpid():
-            raise KvxferError(f"memory.library.pid: {ref.pid} is not this process ({os.getpid()})",
-                              field="memory.library.pid")  # fmt: skip
+            raise InvalidArgumentError(f"memory.library.pid: {ref.pid} is not this process ({os.getpid()})",
+                                       field="memory.library.pid")  # fmt: skip
         table = RegionTable.for_layout(layout, list(ref.addresses), device=ref.device)
         self._registrations.append(self.transport.register(table, "VRAM" if ref.memory_type == "VRAM" else "DRAM"))
         return ref

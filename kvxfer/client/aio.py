@@ -121,8 +121,12 @@ class AsyncClient:
             raise KvxferRpcError.of_call(exc, type(req).DESCRIPTOR.name.removesuffix("Request")) from None
 
     def call_timeout(self, req: Message, deadline: float | None) -> float:
-        """The seconds a call of ``req`` may take: ``deadline``, else the client's timeout; checked."""
-        timeout = deadline or self.timeout
+        """The seconds a call of ``req`` may take: ``deadline``, else the client's timeout; checked.
+
+        ``deadline`` 0 is refused like any other that is no positive number of seconds (it used to
+        mean the client's timeout).
+        """
+        timeout = self.timeout if deadline is None else deadline
         if not math.isfinite(timeout) or timeout <= 0:
             # gRPC would end such a call at once with DEADLINE_EXCEEDED, which reads like a slow sidecar.
             raise KvxferRpcError(
@@ -273,18 +277,31 @@ class AsyncClient:
         """Several pulls in one call (e.g. all a worker starts in one step), one result or error each, in order.
 
         Each pull runs and fails on its own, as with :meth:`pull`; the call returns once all have
-        answered. It raises only when the batch itself is refused (empty, over 1024 pulls, no sidecar).
+        answered. It raises only when the batch itself is refused (empty, over 1024 pulls, no sidecar);
+        an item whose arguments cannot be sent (spans without remote_blocks) gets its own error and
+        the others go.
         """
-        req = local_pb2.PullBatchRequest(pulls=[_pull_request(i) for i in items])
-        # The call lasts as long as its longest pull, plus a second.
-        call_timeout = max((self.pull_timeout(i.deadline) for i in items), default=self.timeout + 1.0)
-        return _batch_results(await self._call(self._stub.PullBatch, req, call_timeout))
+        results: list[PullResult | KvxferRpcError | None] = [None] * len(items)
+        sent: list[tuple[int, local_pb2.PullRequest]] = []
+        for n, item in enumerate(items):
+            try:
+                sent.append((n, _pull_request(item, "PullBatch")))
+            except KvxferRpcError as exc:
+                results[n] = exc
+        if sent or not items:  # an empty batch goes, for the sidecar to refuse
+            req = local_pb2.PullBatchRequest(pulls=[r for _, r in sent])
+            # The call lasts as long as its longest pull, plus a second.
+            call_timeout = max((self.pull_timeout(items[n].deadline) for n, _ in sent), default=self.timeout + 1.0)
+            answers = _batch_results(await self._call(self._stub.PullBatch, req, call_timeout))
+            for (n, _), answer in zip(sent, answers, strict=True):
+                results[n] = answer
+        return [r for r in results if r is not None]
 
     def pull_timeout(self, deadline: float | None) -> float:
         """The call's timeout for a pull of ``deadline`` (its ``timeout_seconds``), plus a second.
 
-        A deadline that is no number of seconds is left to the sidecar, which refuses it naming
-        ``timeout_seconds`` and the value: the call itself keeps the client's timeout.
+        A deadline that is no positive number of seconds never gets here: the request's making
+        refuses it (:func:`~kvxfer.client.types._pull_request`).
         """
         if deadline is not None and math.isfinite(deadline) and deadline > 0:
             return deadline + 1.0
@@ -414,7 +431,7 @@ class AsyncClient:
         """
         item = PullItem(request_id, remote_addresses, local_blocks, remote_blocks, remote_engine_id, True, deadline,
                         spans, False)  # fmt: skip
-        req = local_pb2.PrepareRequest(pull=_pull_request(item))
+        req = local_pb2.PrepareRequest(pull=_pull_request(item, "Prepare"))
         resp: local_pb2.PrepareResponse = await self._call(self._stub.Prepare, req, deadline)
         return bool(resp.prepared)
 

@@ -49,6 +49,7 @@ class KvxferRpcError(KvxferError):
         text = f"{method}: {code.name}: {message}" if method else f"{code.name}: {message}"
         super().__init__(text, field=field, reason=reason or parse_reason("", code))
         self.code = code
+        self.status = code.name  # what code_of() and every KvxferError reader take the code from
         self.details = message
         self.method = method
 
@@ -182,9 +183,21 @@ def _event(ev: local_pb2.Completion) -> CompletionEvent:
     )  # fmt: skip
 
 
-def _pull_request(item: PullItem) -> local_pb2.PullRequest:
+def _pull_request(item: PullItem, method: str = "Pull") -> local_pb2.PullRequest:
+    """The PullRequest of ``item``; raises INVALID_ARGUMENT (as the sidecar would) for arguments it cannot carry."""
     if item.spans and not item.remote_blocks and not item.push:
-        raise ValueError("spans: name remote_blocks too when moving part of a group's tokens")
+        raise KvxferRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"spans: name remote_blocks too when moving part of a group's tokens (spans of {sorted(item.spans)})",
+            method, reason=Reason.INVALID_FIELD, field="spans",
+        )  # fmt: skip
+    if item.deadline is not None and not (math.isfinite(item.deadline) and item.deadline > 0):
+        # 0 would go as timeout_seconds 0, which means the sidecar's own default: refused as < 0 is.
+        raise KvxferRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"deadline: must be a finite number of seconds > 0 (None: the sidecar's --transfer-timeout-seconds), "
+            f"got {item.deadline}", method, reason=Reason.INVALID_FIELD, field="deadline",
+        )  # fmt: skip
     remote = item.remote_blocks
     if remote is None and item.push and item.spans:
         remote = {g: [] for g in item.spans}  # push: the writer's ids are its publish; only the skip is named
@@ -193,7 +206,7 @@ def _pull_request(item: PullItem) -> local_pb2.PullRequest:
         remote_addresses=list(item.remote_addresses),
         remote_blocks=blocks_to_proto(remote or {}, _spans(item.spans, local=False)),
         local_blocks=blocks_to_proto(item.local_blocks, _spans(item.spans, local=True)), wait=item.wait,
-        timeout_seconds=item.deadline or 0.0, push=item.push,
+        timeout_seconds=0.0 if item.deadline is None else item.deadline, push=item.push,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.cli_errors import EXIT_FAILURE, EXIT_USAGE, describe, report
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.harness.cluster import BlockAllocator, ClusterError, LocalCluster
 from kvxfer.layout import CacheKind, DType, KVCacheLayout, Order
 from kvxfer.planning import ModelShape
@@ -65,6 +65,7 @@ class DemoOptionError(KvxferError):
     """A demo option the demo cannot run with; the message names the command-line flag."""
 
     status = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_FIELD
 
 
 #: The flag of each option (and of the layout fields the core names in its errors).

@@ -286,7 +286,7 @@ class SidecarCore:
             raise FailedPreconditionError(
                 f"{what}: this sidecar's data plane ({self.dp.backend}) runs in the sidecar; only --backend worker "
                 "hands jobs to the worker's agent",
-                field="backend",
+                field="backend", reason=Reason.WRONG_BACKEND,
             )  # fmt: skip
         return self.dp
 
@@ -369,13 +369,14 @@ class SidecarCore:
                 field="engine_id", reason=Reason.NOT_HANDSHAKEN,
             )  # fmt: skip
         reason = f"aborted by peer {req.engine_id}" + (f": {req.reason}" if req.reason else "")
+        # First the one step that may refuse (PERMISSION_DENIED when the publish is bound to another
+        # reader), and it refuses before it changes anything: a refused Abort cancels no pull, drops no hold.
+        found = self.publisher.peer_abort(req, reason) if reader else False
         if publishers:
             # A publisher the request is expected from dropped it: its grants no longer hold, and a pull
             # to come must ask it (and fail). Any other caller's abort leaves the holds alone.
             self.holds.drop_publishers(rid, publishers)
-        found = self.puller.peer_abort(rid, publishers, reason)
-        if reader:  # refused (PERMISSION_DENIED) when the publish is bound to another reader
-            found = self.publisher.peer_abort(req, reason) or found
+        found = self.puller.peer_abort(rid, publishers, reason) or found
         return peer_pb2.PeerAbortResponse(found=found)
 
     # ================================================================== worker liveness

@@ -147,7 +147,7 @@ class Puller:
         if entry is None or entry.gathered is None:
             raise NotFoundError(
                 f"ticket: no pull waits for gather {req.ticket} (it ended: timed out, aborted or reported)",
-                field="ticket",
+                field="ticket", reason=Reason.UNKNOWN_TICKET,
             )  # fmt: skip
         if not entry.gathered.done():
             entry.gathered.set_result(req)
@@ -169,8 +169,12 @@ class Puller:
     def _start(self, req: local_pb2.PullRequest, client_timeout: float | None, take: TakeHolds | None) -> PullEntry:
         reg = self.registry.require()
         rid = check_id(req.request_id, "request_id")
+        if rid in self.pulls:
+            raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
         plan = None
         if rid in self.prepared:
+            # Checked before the plan is taken: a Pull refused here leaves it to the corrected one.
+            timeout = self._timeout(req, client_timeout)
             plan = self.prepared.take(rid, plan_key(req))
             if plan is None or plan.epoch != reg.epoch:
                 plan = None
@@ -178,12 +182,9 @@ class Puller:
         if plan is None:
             entry, local_blocks, remote_given, timeout = self._parse(req, reg, client_timeout)
         else:  # the Prepare checked these very fields
-            timeout = self._timeout(req, client_timeout)
             entry = self._entry(req, list(req.remote_addresses), timeout)
             local_blocks, remote_given = dict(plan.local_blocks), dict(plan.remote_given)
             entry.prepared = plan
-        if rid in self.pulls:
-            raise AlreadyExistsError(f"request_id: a pull of {rid!r} is already in flight", field="request_id")
         if take is not None:  # admitted: its holds end here, and their promises are the pull's
             entry.grants, entry.grants_due = take(rid)
         if req.push:

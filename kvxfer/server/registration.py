@@ -15,8 +15,9 @@ from typing import Any
 from kvxfer import PROTOCOL_VERSION
 from kvxfer.config import Settings
 from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, Reason
+from kvxfer.layout import KVCacheLayout
 from kvxfer.logs import get_logger
-from kvxfer.memory import FdLookup, attach
+from kvxfer.memory import AttachedMemory, FdLookup, attach
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.identity import Identity, check_group_count
 from kvxfer.server.state import Group, Registration
@@ -92,6 +93,8 @@ class Registry:
         if self.registration is not None and busy:
             raise FailedPreconditionError(f"groups: cannot replace the registration while {busy}", field="groups",
                                           reason=Reason.REGISTRATION_BUSY)  # fmt: skip
+        if req.worker_id:  # optional; it goes into logs and messages, so checked as every id is
+            check_id(req.worker_id, "worker_id")
         rank = rank_from_proto(req.rank, "rank")
         self._refuse_other_rank(req.worker_id, rank.tp_rank, rank.pp_rank, rank.tp_size, rank.pp_size)
         if not req.groups:
@@ -99,8 +102,16 @@ class Registry:
         check_group_count(len(req.groups), "groups")  # what a handshake carries: peers refuse more
         leases = self._worker_leases(req)
         agent = self._worker_agent(req)
-        self.dp.bind_worker(agent)
-        groups = self._attach_groups(req, rank, agent.pid if agent is not None else None)
+        # Every group is checked and mapped before the data plane takes the agent: binding it ends the
+        # registered agent's work, so a refused registration must not get that far.
+        attached = self._attach_groups(req, rank, agent.pid if agent is not None else None)
+        try:
+            self.dp.bind_worker(agent)
+        except BaseException:
+            for _, memory in attached.values():
+                memory.close()
+            raise
+        groups = self._register_groups(attached)
         old = self.registration
         self._epoch += 1
         self.registration = Registration(req.worker_id, rank, groups, self._epoch, leases)
@@ -126,8 +137,8 @@ class Registry:
             raise FailedPreconditionError(
                 "worker_agent: this sidecar runs --backend worker, so the worker runs the data plane and must register "
                 "its agent (vLLM connector: data_plane 'worker'; kvxfer.worker_agent.WorkerAgent)",
-                field="worker_agent",
-            )
+                field="worker_agent", reason=Reason.WRONG_BACKEND,
+            )  # fmt: skip
         return agent
 
     def _worker_leases(self, req: local_pb2.RegisterCachesRequest) -> frozenset[str]:
@@ -185,25 +196,37 @@ class Registry:
 
     def _attach_groups(
         self, req: local_pb2.RegisterCachesRequest, rank: Any, agent_pid: int | None
-    ) -> dict[str, Group]:
-        groups: dict[str, Group] = {}
+    ) -> dict[str, tuple[KVCacheLayout, AttachedMemory]]:
+        """Check every group and map its memory (registering nothing); raises naming the field."""
+        attached: dict[str, tuple[KVCacheLayout, AttachedMemory]] = {}
         try:
             for i, g in enumerate(req.groups):
                 name = check_id(g.name, f"groups[{i}].name")
-                if name in groups:
+                if name in attached:
                     raise InvalidArgumentError(f"groups[{i}].name: group {name!r} given twice", field="groups")
                 layout = layout_from_proto(g.layout, f"groups[{i}].layout")
                 check_rank_heads(layout, rank, f"groups[{i}].layout")
-                memory = attach(memory_from_proto(g.memory, f"groups[{i}].memory"), layout,
-                                field=f"groups[{i}].memory", fds=self._fd_lookup, agent_pid=agent_pid)  # fmt: skip
-                try:
-                    handle = self.dp.register(memory.table, "VRAM" if memory.mem_type == "VRAM" else "DRAM")
-                except BaseException:
-                    memory.close()
-                    raise
+                attached[name] = (layout, attach(memory_from_proto(g.memory, f"groups[{i}].memory"), layout,
+                                                 field=f"groups[{i}].memory", fds=self._fd_lookup,
+                                                 agent_pid=agent_pid))  # fmt: skip
+        except BaseException:
+            for _, memory in attached.values():
+                memory.close()
+            raise
+        return attached
+
+    def _register_groups(self, attached: dict[str, tuple[KVCacheLayout, AttachedMemory]]) -> dict[str, Group]:
+        """Register the mapped groups with the data plane (all or none)."""
+        groups: dict[str, Group] = {}
+        try:
+            for name, (layout, memory) in attached.items():
+                handle = self.dp.register(memory.table, "VRAM" if memory.mem_type == "VRAM" else "DRAM")
                 groups[name] = Group(name, layout, memory, handle)
         except BaseException:
             self.release(groups.values())
+            for name, (_, memory) in attached.items():
+                if name not in groups:
+                    memory.close()
             raise
         return groups
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import DeadlineError, PeerUnavailableError, Reason
+from kvxfer.errors import DeadlineError, InvalidArgumentError, PeerUnavailableError, Reason
 from kvxfer.logs import get_logger
 from kvxfer.server.peers import PeerSession
 from kvxfer.server.state import PullEntry, Registration
@@ -61,6 +63,7 @@ class WorkerGathers:
         loop = asyncio.get_running_loop()
         entry.gathered = loop.create_future()
         self.waiting[ticket] = entry
+        handed = time.monotonic()  # the copies cannot end before the worker is handed them
         try:
             entry.handoff.set_result(local_pb2.WorkerGather(
                 ticket=ticket, spans=np.ascontiguousarray(spans, dtype="<u8").tobytes(), deadline=entry.deadline,
@@ -77,6 +80,13 @@ class WorkerGathers:
             raise PeerUnavailableError(
                 f"the worker's gather of the READ from {s.identity.label} at {s.address} failed: {report.error}",
                 field="remote_addresses", reason=Reason.DATA_PLANE,
+            )  # fmt: skip
+        if not (math.isfinite(report.ended) and report.ended >= handed):
+            # NaN or unset (0) would pass the deadline check below: no success without a time it ended.
+            raise InvalidArgumentError(
+                f"ended: the worker's gather of the READ from {s.identity.label} at {s.address} reports it ended at "
+                f"{report.ended!r}, not a CLOCK_MONOTONIC time after it was handed out ({handed:.6f}); the pull fails",
+                field="ended",
             )  # fmt: skip
         if report.ended > entry.deadline:
             raise DeadlineError(

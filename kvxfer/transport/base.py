@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import FailedPreconditionError
+from kvxfer.errors import FailedPreconditionError, Reason
 from kvxfer.topology import RegionTable
 from kvxfer.transport.errors import describe_transfer
 
@@ -164,8 +164,8 @@ class Transport(abc.ABC):
                 f"worker_agent: the worker registered an agent of its own ({info.backend} {info.agent_name!r}), but "
                 f"this sidecar's data plane ({self.name}) runs in the sidecar: start it with --backend worker, or let "
                 "the worker register without one",
-                field="worker_agent",
-            )
+                field="worker_agent", reason=Reason.WRONG_BACKEND,
+            )  # fmt: skip
 
     @abc.abstractmethod
     def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:

@@ -146,8 +146,8 @@ class WorkerAgentTransport(Transport):
             raise FailedPreconditionError(
                 "worker_agent: the worker registered no agent of its own; with --backend worker the worker runs the "
                 "data plane (vLLM connector: data_plane 'worker'; kvxfer.worker_agent.WorkerAgent)",
-                field="worker_agent",
-            )
+                field="worker_agent", reason=Reason.WRONG_BACKEND,
+            )  # fmt: skip
         self._track(table)
         return Registration(table, mem_type, None)
 

@@ -156,7 +156,7 @@ def error_of(code: grpc.StatusCode | int, message: str, reason: str = "", field:
     cls = _CLASS_OF_CODE.get(code)
     if cls is None:
         out = KvxferError(message, field=field, reason=why)
-        out.status = code.name  # type: ignore[misc]  # keep the peer's code
+        out.status = code.name  # keep the peer's code
         return out
     return cls(message, field=field, reason=why)
 

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxfer.client import KvxferRpcError, PullItem, PullResult
+from kvxfer.client import KvxferRpcError, PullItem, PullResult, TokenSpan
 from kvxfer.errors import KvxferError, Reason
 from kvxfer.server.app import Sidecar
 from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
@@ -217,3 +217,53 @@ async def test_pull_batch_is_refused_where_pull_is_by_role_and_drain(harness: Ha
     assert (err.reason, err.field) == (Reason.DRAINING, "draining")
     assert (await dw.client.status())["transfers_in_flight"] == 0
     assert (await pw.client.status(publishes=["r2"]))["publishes"], "the refused batch must not have read r2"
+
+
+async def test_an_item_the_client_cannot_send_fails_alone(harness: Harness) -> None:
+    """``spans`` without ``remote_blocks`` raised a plain ValueError while building the batch: the whole
+    PullBatch failed, no pull ran, and no status or reason said which field. That item now gets its own
+    INVALID_ARGUMENT (field ``spans``, reason INVALID_FIELD) and the others run; ``pull`` raises the same."""
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    await pw[0].prefill("good", {"kv": [1, 2]}, salt=3)
+    half = {"kv": TokenSpan(LAY.block_size, 0, 0)}
+    results = await dw[0].client.pull_batch([
+        PullItem("spans-alone", [ps[0].peer_address], {"kv": [5]}, spans=half),
+        PullItem("good", [ps[0].peer_address], {"kv": [6, 7]}),
+    ])  # fmt: skip
+    bad, good = results
+    assert isinstance(bad, KvxferRpcError), bad
+    assert (bad.code, bad.reason, bad.field) == (OK.INVALID_ARGUMENT, Reason.INVALID_FIELD, "spans")
+    assert "remote_blocks" in bad.details
+    assert isinstance(good, PullResult)
+    assert dw[0].verify({"kv": [6, 7]}, 3)[1] == 0
+    err = await expect_error(OK.INVALID_ARGUMENT, dw[0].client.pull("r", [ps[0].peer_address], {"kv": [5]},
+                                                                    spans=half), "spans", "remote_blocks")  # fmt: skip
+    assert (err.reason, err.field) == (Reason.INVALID_FIELD, "spans")
+    # A batch of such items only is answered without a call.
+    (only,) = await dw[0].client.pull_batch([PullItem("x", [ps[0].peer_address], {"kv": [5]}, spans=half)])
+    assert isinstance(only, KvxferRpcError)
+    assert only.field == "spans"
+
+
+@pytest.mark.parametrize("deadline", [0.0, -1.0, float("nan"), float("inf")])
+async def test_a_deadline_that_is_no_positive_time_is_refused_naming_it(harness: Harness, deadline: float) -> None:
+    """``deadline=0`` silently became the client's 30 s timeout on a call (``deadline or self.timeout``) and
+    the sidecar's --transfer-timeout-seconds on a pull (timeout_seconds 0), while a negative one was
+    refused. Every deadline that is no finite number of seconds > 0 is now refused, naming ``deadline``
+    and the value, on a call, a pull and one item of a batch (the others run)."""
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
+    client = dw[0].client
+    address = ps[0].peer_address
+    await pw[0].prefill("r", {"kv": [1]}, salt=2)
+    shown = str(deadline)
+    err = await expect_error(OK.INVALID_ARGUMENT, client.status(deadline=deadline), "deadline", shown)
+    assert (err.reason, err.field) == (Reason.INVALID_FIELD, "deadline")
+    err = await expect_error(OK.INVALID_ARGUMENT, client.pull("r", [address], {"kv": [3]}, deadline=deadline),
+                             "deadline", shown)  # fmt: skip
+    assert (err.reason, err.field) == (Reason.INVALID_FIELD, "deadline")
+    bad, good = await client.pull_batch([PullItem("r", [address], {"kv": [3]}, deadline=deadline),
+                                         PullItem("r", [address], {"kv": [4]}, deadline=5.0)])  # fmt: skip
+    assert isinstance(bad, KvxferRpcError)
+    assert (bad.code, bad.field) == (OK.INVALID_ARGUMENT, "deadline")
+    assert isinstance(good, PullResult)
+    assert dw[0].verify({"kv": [4]}, 2)[1] == 0

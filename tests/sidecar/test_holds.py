@@ -14,6 +14,7 @@ from kvxfer.errors import FailedPreconditionError
 from kvxfer.metrics import PULL_PATHS
 from kvxfer.server import holds as holds_module
 from kvxfer.server.app import Sidecar
+from kvxfer.wire import common_pb2, local_pb2
 from tests.sidecar.helpers import Harness, Worker, attention, expect_error, peer_lookups
 
 LEASE = 1.0  # seconds; holds go out every LEASE / 3
@@ -413,7 +414,10 @@ async def test_a_refused_pull_leaves_its_request_held(harness: Harness) -> None:
     assert ds[0].core is not None
     await pw[0].prefill("held", {"kv": [1, 2]}, salt=1)
     assert await dw[0].client.expect("held", [ps[0].peer_address])
-    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].pull("held", ps, {"kv": [7, 8]}, deadline=-1.0),
+    bad_timeout = local_pb2.PullRequest(request_id="held", remote_addresses=[ps[0].peer_address], wait=True,
+                                        timeout_seconds=-1.0,
+                                        local_blocks=[common_pb2.BlockList(group="kv", block_ids=[7, 8])])  # fmt: skip
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client._call(dw[0].client._stub.Pull, bad_timeout, 10.0),
                        "timeout_seconds")  # fmt: skip
     address = ps[0].peer_address
     await expect_error(grpc.StatusCode.INVALID_ARGUMENT, dw[0].client.pull("held", [address], {"kv": [lay.num_blocks]}),

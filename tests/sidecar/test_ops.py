@@ -569,21 +569,23 @@ def test_listen_and_advertise_settings_are_checked() -> None:
 
 
 async def test_bad_seconds_from_the_client_are_refused_by_name(harness: Harness) -> None:
-    # Lease, pull timeout and drain budget are checked by the sidecar (NaN, infinite, negative); the
-    # client's own deadlines never become a gRPC timeout that ends the call at once as DEADLINE_EXCEEDED.
+    # Lease and drain budget are checked by the sidecar (NaN, infinite, negative), a raw Pull's
+    # timeout_seconds too (bench/bad_inputs.py); the client's own deadlines, a pull's included, are
+    # refused by the client naming ``deadline``, and never become a gRPC timeout that ends the call at
+    # once as DEADLINE_EXCEEDED.
     ps, pw, _ds, dw = await harness.deployment({"kv": attention()}, {"kv": attention()})
     await pw[0].prefill("r1", {"kv": [1, 2]}, salt=1)
     for bad in (math.nan, math.inf, -1.0):
         await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pw[0].client.publish("r2", {"kv": [3]}, lease_seconds=bad),
                            f"lease_seconds: must be in [0, 86400], got {bad}")  # fmt: skip
         pull = dw[0].client.pull("r1", [ps[0].peer_address], {"kv": [3, 4]}, deadline=bad)
-        await expect_error(
-            grpc.StatusCode.INVALID_ARGUMENT, pull,
-            f"timeout_seconds: must be a finite number >= 0 (0: the sidecar's --transfer-timeout-seconds), got {bad}",
-        )  # fmt: skip
+        exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pull,
+                                 f"deadline: must be a finite number of seconds > 0 (None: the sidecar's "
+                                 f"--transfer-timeout-seconds), got {bad}")  # fmt: skip
+        assert exc.field == "deadline"
         (item,) = await dw[0].client.pull_batch([PullItem("r1", [ps[0].peer_address], {"kv": [3, 4]}, deadline=bad)])
         assert isinstance(item, KvxferRpcError)
-        assert (item.code, item.field) == (grpc.StatusCode.INVALID_ARGUMENT, "timeout_seconds")
+        assert (item.code, item.field) == (grpc.StatusCode.INVALID_ARGUMENT, "deadline")
         exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, pw[0].client.release("r1", deadline=bad),
                                  f"deadline: must be a finite number of seconds > 0, got {bad}")  # fmt: skip
         assert exc.field == "deadline"

@@ -514,3 +514,50 @@ async def test_a_reader_lets_go_of_publishers_it_no_longer_calls(
     await _publish(pw[0], "i2", [5], salt=2)
     res = await dw[0].pull("i2", ps, {"kv": [6]})
     assert dw[0].verify({"kv": [6]}, 2) == (res.bytes, 0)
+
+
+# ---------------------------------------------------------------------- Abort: a refusal changes nothing
+async def test_an_abort_the_publisher_side_refuses_cancels_no_pull_and_drops_no_hold(harness: Harness) -> None:
+    """Two sidecars of role both, each the other's reader and publisher. Y aborts requests X publishes
+    bound to another reader ("c"): X refuses (PERMISSION_DENIED, NOT_BOUND_READER), but had already
+    dropped its holds at Y and cancelled its own pull from Y of that id. A refused call changes nothing:
+    the holds stay and the pull completes, every byte right."""
+    x = await harness.sidecar("x", role="both", engine_id="x", lease_seconds=30)
+    y = await harness.sidecar("y", role="both", engine_id="y", lease_seconds=30)
+    xw, yw = await harness.worker(x, {"kv": LAY}), await harness.worker(y, {"kv": LAY})
+    xc, yc = x.core, y.core
+    assert xc is not None
+    assert yc is not None
+    await _publish(xw, "a", [1], salt=1)
+    await yw.pull("a", [x], {"kv": [2]})  # y handshook with x as a reader
+    await _publish(yw, "b", [3], salt=2)
+    await xw.pull("b", [y], {"kv": [4]})  # x has a session with publisher y
+    abort = {"engine_id": "y", "instance_id": yc.instance_id, "reason": "not mine to abort"}
+    # Holds: x expects "r" from y, and publishes its own "r" for reader "c".
+    await _publish(yw, "r", [5, 6], salt=3)
+    assert await xw.client.expect("r", [y.peer_address])
+    await _until(lambda: "r" in xc.holds.grants)
+    await _publish(xw, "r", [7], salt=4, reader_engine_id="c")
+    async with grpc.aio.insecure_channel(x.peer_address) as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        code, _, reason, field = await _refused(stub.Abort(peer_pb2.PeerAbortRequest(request_id="r", **abort),
+                                                           timeout=5))  # fmt: skip
+        assert (code, reason, field) == (OK.PERMISSION_DENIED, Reason.NOT_BOUND_READER, "engine_id")
+        assert list(xc.holds.grants["r"]) == [y.peer_address]
+        assert xc.holds.expected["r"].addresses == (y.peer_address,)
+        # A pull: x pulls "q" from y in push mode (y has not published it yet) and publishes its own "q" for "c".
+        yw.fill({"kv": [8, 9]}, 5)
+        xw.poison({"kv": [10, 11]})
+        pulling = asyncio.ensure_future(xw.client.pull("q", [y.peer_address], {"kv": [10, 11]}, push=True,
+                                                       deadline=20.0))  # fmt: skip
+        await _until(lambda: "q" in xc.puller.pulls)
+        await _publish(xw, "q", [12], salt=6, reader_engine_id="c")
+        code, _, reason, _ = await _refused(stub.Abort(peer_pb2.PeerAbortRequest(request_id="q", **abort), timeout=5))
+        assert (code, reason) == (OK.PERMISSION_DENIED, Reason.NOT_BOUND_READER)
+    await asyncio.sleep(0.2)
+    assert not pulling.done()
+    await yw.client.publish("q", {"kv": [8, 9]})
+    res = await pulling
+    assert xw.verify({"kv": [10, 11]}, 5) == (res.bytes, 0)
+    res = await xw.pull("r", [y], {"kv": [13, 14]})  # the request held at y is read on its grant
+    assert xw.verify({"kv": [13, 14]}, 3) == (res.bytes, 0)

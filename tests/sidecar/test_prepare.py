@@ -189,3 +189,29 @@ def test_plans_are_kept_up_to_a_cap_oldest_first() -> None:
     kept.put("big1", big)
     kept.put("big2", big)
     assert ("big1" in kept, "big2" in kept, kept.descriptors) == (False, True, half)
+
+
+async def test_a_pull_refused_for_its_input_leaves_the_plan_to_the_real_pull(harness: Harness) -> None:
+    """The plan was taken before the Pull's own checks (its timeout), so a Pull refused for a bad
+    ``timeout_seconds`` threw the request's plan away and the corrected Pull planned anew; the refusal
+    now leaves the plan, and the Pull that follows reads on it."""
+    lay = attention()
+    ps, pw, ds, dw = await harness.deployment({"kv": lay}, {"kv": lay}, lease_seconds=30)
+    address = ps[0].peer_address
+    await pw[0].prefill("r", {"kv": [1, 2]}, salt=3)
+    await dw[0].client.expect("r", [address])
+    await granted(ds[0], "r")
+    c = dw[0].client
+    assert await c.prepare("r", [address], {"kv": [5, 6]}, remote_blocks={"kv": [1, 2]})
+    assert ds[0].core is not None
+    for bad in (-1.0, float("nan")):
+        req = local_pb2.PullRequest(request_id="r", remote_addresses=[address], wait=True, timeout_seconds=bad,
+                                    local_blocks=[common_pb2.BlockList(group="kv", block_ids=[5, 6])],
+                                    remote_blocks=[common_pb2.BlockList(group="kv", block_ids=[1, 2])])  # fmt: skip
+        err = await expect_error(grpc.StatusCode.INVALID_ARGUMENT, c._call(c._stub.Pull, req, 10.0),
+                                 "timeout_seconds", str(bad))  # fmt: skip
+        assert err.field == "timeout_seconds"
+        assert "r" in ds[0].core.puller.prepared
+    res = await dw[0].pull("r", ps, {"kv": [5, 6]}, remote_blocks={"kv": [1, 2]})
+    assert dw[0].verify({"kv": [5, 6]}, 3) == (res.bytes, 0)
+    assert (plans(ds[0], "prepared"), plans(ds[0], "used"), plans(ds[0], "replanned")) == (1, 1, 0)

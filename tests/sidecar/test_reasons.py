@@ -16,7 +16,7 @@ import pytest
 
 from kvxfer.client import AsyncClient, KvxferRpcError, PullItem, PullResult
 from kvxfer.errors import NotFoundError, Reason
-from kvxfer.wire.status import error_from_status, error_of, status_of
+from kvxfer.wire.status import code_of, error_from_status, error_of, status_of
 from tests.sidecar.helpers import Harness, attention, expect_error
 
 OK = grpc.StatusCode
@@ -37,6 +37,8 @@ async def test_a_failed_call_carries_its_reason_and_field(harness: Harness) -> N
     pw = await harness.worker(p, {"kv": LAY})
     err = await expect_error(OK.NOT_FOUND, dw.pull("missing", [p], {"kv": [1]}), "missing")
     assert (err.reason, err.field) == (Reason.NOT_PUBLISHED, "request_id")
+    # Read as any KvxferError (its status, code_of), the error has the code it came with, not INTERNAL.
+    assert (err.status, code_of(err)) == ("NOT_FOUND", OK.NOT_FOUND)
     err = await expect_error(OK.FAILED_PRECONDITION, dw.client.publish("r1", {"kv": [1]}), "role")
     assert err.reason is Reason.WRONG_ROLE
     err = await expect_error(OK.INVALID_ARGUMENT, pw.client.publish("r2", {"kv": [LAY.num_blocks]}), "out of range")
@@ -185,3 +187,45 @@ def test_the_text_check_finds_a_decision_on_text(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("def f(exc):\n    return 'has not handshaken' in exc.message or 'x' in str(exc)\n")
     assert len(_decisions_on_message_text(sample, tmp_path)) == 2
+
+
+def _errors_without_a_reason(path: Path, root: Path = ROOT) -> list[str]:
+    """``FailedPreconditionError(...)`` raised without ``reason=``: it reads as
+    reason INTERNAL ("a bug"), and FAILED_PRECONDITION has no one reason that fits all its causes."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
+            continue
+        call = node.exc
+        named = isinstance(call.func, ast.Name) and call.func.id == "FailedPreconditionError"
+        if named and not any(k.arg == "reason" for k in call.keywords):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: FailedPreconditionError(...)")
+    return found
+
+
+def test_every_failed_precondition_says_which_reason() -> None:
+    found = [hit for p in sorted((ROOT / "kvxfer").rglob("*.py")) if "_proto" not in p.parts
+             for hit in _errors_without_a_reason(p)]  # fmt: skip
+    assert found == []
+
+
+def test_no_error_class_of_a_caller_mistake_defaults_to_a_bug() -> None:
+    """Every error class whose status is not INTERNAL has a reason of its own (INTERNAL means a bug)."""
+    import importlib
+    import pkgutil
+
+    import kvxfer
+    from kvxfer.errors import FailedPreconditionError, KvxferError
+
+    for mod in pkgutil.walk_packages(kvxfer.__path__, "kvxfer."):
+        if "_proto" in mod.name or mod.name.endswith("__main__") or mod.name.startswith("kvxfer.integrations"):
+            continue
+        importlib.import_module(mod.name)
+
+    def subclasses(cls: type[KvxferError]) -> list[type[KvxferError]]:
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    defaulting = [f"{c.__module__}.{c.__qualname__}" for c in subclasses(KvxferError)
+                  if c.status != "INTERNAL" and c.default_reason is Reason.INTERNAL
+                  and c is not FailedPreconditionError]  # fmt: skip
+    assert defaulting == []

@@ -16,9 +16,11 @@ import pytest
 from kvxfer.client import AsyncClient
 from kvxfer.errors import FailedPreconditionError, Reason
 from kvxfer.memory import LibraryRef
+from kvxfer.topology import RegionTable
 from kvxfer.transport import TransferFailedError, TransferTimeoutError, WorkerAgentInfo, create_transport
 from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
 from kvxfer.wire import local_pb2
+from kvxfer.worker_agent import WorkerAgent
 from tests.sidecar.helpers import Harness, attention, expect_error, transfer
 
 LAY = attention()
@@ -67,11 +69,11 @@ async def test_registration_mismatches_are_refused_naming_worker_agent(harness: 
     # An agent offered to a sidecar whose data plane runs in the sidecar.
     w = await harness.worker(plain, {"kv": LAY}, agent=True, register=False)
     exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, w.register(), "--backend worker", "nixl")
-    assert exc.field == "worker_agent"
+    assert (exc.field, exc.reason) == ("worker_agent", Reason.WRONG_BACKEND)
     # No agent, to a sidecar that needs one.
     w2 = await harness.worker(hosted, {"kv": LAY}, register=False)
     exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, w2.register(), "must register its agent")
-    assert exc.field == "worker_agent"
+    assert (exc.field, exc.reason) == ("worker_agent", Reason.WRONG_BACKEND)
     # An agent, but memory the sidecar would have to map (shared memory).
     w3 = await harness.worker(hosted, {"kv": LAY}, agent=True, register=False)
     assert w3.agent is not None
@@ -99,7 +101,7 @@ async def test_registration_mismatches_are_refused_naming_worker_agent(harness: 
     # AgentJobs on a sidecar without a worker-hosted data plane.
     exc = await expect_error(grpc.StatusCode.FAILED_PRECONDITION, AsyncClient(plain.local_target).agent_jobs(),
                              "AgentJobs", "(nixl) runs in the sidecar")  # fmt: skip
-    assert exc.field == "backend"
+    assert (exc.field, exc.reason) == ("backend", Reason.WRONG_BACKEND)
 
 
 async def test_agent_jobs_checks_its_fields(harness: Harness) -> None:
@@ -157,6 +159,37 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     t.bind_worker(None)
     with pytest.raises(TransferFailedError, match="'w' went away"):
         await task
-    with pytest.raises(FailedPreconditionError, match="no worker agent"):
+    with pytest.raises(FailedPreconditionError, match="no worker agent") as refused:
         await t.next_jobs(0, 0.0)
+    assert refused.value.reason is Reason.NOT_REGISTERED
+    # Memory registered with no agent bound: a --backend worker sidecar whose worker brought none.
+    with pytest.raises(FailedPreconditionError, match="registered no agent") as refused:
+        t.register(RegionTable.for_layout(LAY, [4096 * (i + 1) for i in range(LAY.num_regions)]))
+    assert (refused.value.field, refused.value.reason) == ("worker_agent", Reason.WRONG_BACKEND)
     assert descriptors_to_bytes(desc) == desc.astype("<u8").tobytes()
+
+
+async def test_a_refused_re_registration_leaves_the_data_plane_to_the_registered_agent(harness: Harness) -> None:
+    """A RegisterCaches with another agent whose groups are then refused bound the data plane to that agent
+    first: the registration stayed the old one, but the sidecar's data plane now named the stranger's agent
+    (its jobs queue cleared, its handshake metadata the stranger's), so the next reader loaded an agent
+    that holds none of the worker's memory and every READ failed. Refused, it changes nothing."""
+    ps, pw, _ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY}, agent=True, backend="worker")
+    p = pw[0]
+    dp = ps[0].core.dp
+    assert isinstance(dp, WorkerAgentTransport)
+    bound, metadata = dp.worker, dp.metadata()
+    stranger = WorkerAgent()
+    try:
+        stranger.register(LAY, p.buffers["kv"].regions)
+        groups = {"kv": (LAY, p.buffers["kv"].ref())}  # shared memory: refused for --backend worker
+        exc = await expect_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                 p.client.register_caches(groups, rank=p.rank, worker_agent=stranger.info()),
+                                 "groups[0].memory")  # fmt: skip
+        assert exc.field == "groups[0].memory"
+    finally:
+        stranger.close()
+    assert (dp.worker, dp.metadata()) == (bound, metadata)
+    # The first reader handshakes now, and reads from the worker's own agent.
+    (res,) = await transfer(pw, ps, dw, "r1", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=7)
+    assert res.done

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import math
 import threading
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from kvxfer import cuda_ipc
 from kvxfer.client import Client, KvxferRpcError
 from kvxfer.client import gather as gather_module
 from kvxfer.client.gather import MAX_SOURCE_SETS, WorkerGather
+from kvxfer.errors import Reason
 from kvxfer.server.app import Sidecar
 from kvxfer.server.core import SidecarCore
 from kvxfer.transport import (
@@ -256,7 +258,8 @@ async def test_a_report_for_no_waiting_pull_is_not_found(harness: Harness, drive
     with pytest.raises(KvxferRpcError) as err:
         await dw.client.gather_done(local_pb2.GatherDoneRequest(ticket=12345, ok=True, ended=time.monotonic()))
     assert err.value.code == grpc.StatusCode.NOT_FOUND
-    assert err.value.field == "ticket"
+    # Not NOT_PUBLISHED ("no publish under that id"): the ticket names no waiting gather.
+    assert (err.value.field, err.value.reason) == ("ticket", Reason.UNKNOWN_TICKET)
 
 
 async def test_a_worker_that_never_reports_times_the_pull_out(harness: Harness, driver: MemmoveDriver) -> None:
@@ -275,7 +278,48 @@ async def test_a_worker_that_never_reports_times_the_pull_out(harness: Harness, 
     with pytest.raises(KvxferRpcError) as err:  # too late: the pull has timed out
         await dw.client.gather_done(local_pb2.GatherDoneRequest(ticket=answer.gather.ticket, ok=True,
                                                                 ended=time.monotonic()))  # fmt: skip
-    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.NOT_FOUND, Reason.UNKNOWN_TICKET)
+
+
+async def _event(w: Worker, rid: str, kind: str) -> Any:
+    """The first completion event of ``kind`` for ``rid`` on ``w``'s sidecar (replayed)."""
+
+    async def first() -> Any:
+        async for ev in w.client.watch_completions(replay=True):
+            if (ev.request_id, ev.kind) == (rid, kind):
+                return ev
+        raise AssertionError("the stream ended")
+
+    return await asyncio.wait_for(first(), 5.0)
+
+
+async def test_a_report_with_no_usable_end_time_is_no_success(harness: Harness, driver: MemmoveDriver) -> None:
+    """A GatherDone with ok=True whose ``ended`` is NaN, unset (0), infinite or before the gather was handed
+    out passed the deadline check (``ended > deadline`` is false for all but inf) and the pull counted as a
+    success, its publisher told DONE. Such a report fails the pull: INVALID_ARGUMENT naming ``ended`` and
+    the value, the publisher told FAILED, and the next pull is unharmed."""
+    ps, pw, ds, dw, _plane = await _pair(harness)
+    for n, ended in enumerate((math.nan, 0.0, -1.0, 1.0, math.inf)):
+        rid = f"e{n}"
+        await pw.prefill(rid, {"kv": [1]}, salt=n)
+        req = local_pb2.PullRequest(request_id=rid, remote_addresses=[ps.peer_address], wait=True,
+                                    timeout_seconds=5.0, worker_gather=True,
+                                    local_blocks=[common_pb2.BlockList(group="kv", block_ids=[2])])  # fmt: skip
+        answer = await dw.client._call(dw.client._stub.Pull, req, 10.0)
+        assert answer.HasField("gather")
+        report = local_pb2.GatherDoneRequest(ticket=answer.gather.ticket, ok=True, launched=True, ended=ended)
+        with pytest.raises(KvxferRpcError) as err:
+            await dw.client.gather_done(report)
+        assert (err.value.code, err.value.reason, err.value.field) == (
+            grpc.StatusCode.INVALID_ARGUMENT, Reason.INVALID_FIELD, "ended"), err.value  # fmt: skip
+        assert f"ended at {ended!r}" in err.value.details
+        assert (await _event(dw, rid, "PULL_FAILED")).code == grpc.StatusCode.INVALID_ARGUMENT
+        released = await _event(pw, rid, "RELEASED")
+        assert released.code != grpc.StatusCode.OK, released  # told FAILED, not DONE
+    await eventually(lambda: not core(ds).puller.pulls and not core(ds).puller.steps.worker.waiting)
+    await pw.prefill("good", {"kv": [6]}, salt=4)
+    assert (await dw.pull("good", [ps], {"kv": [8]}, gather=_gather(dw))).done
+    assert dw.verify({"kv": [8]}, 4)[1] == 0
 
 
 async def test_without_the_capability_the_sidecar_moves_the_bytes(harness: Harness, driver: MemmoveDriver) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvxfer.errors import KvxferError, Reason
 from kvxfer.integrations.vllm.params import RemoteGroup
 from kvxfer.integrations.vllm.plan import (
     NULL_BLOCK,
@@ -20,6 +22,7 @@ from kvxfer.integrations.vllm.plan import (
     group_offer,
     group_pull,
     published_blocks,
+    stage_addresses,
 )
 from kvxfer.integrations.vllm.spec import TransferGroup
 
@@ -69,3 +72,11 @@ def test_a_state_group_offers_its_one_block_whole() -> None:
     assert got == GroupPull(1, (7,), ())
     assert published_blocks(group, [0, 0, 7], 200) == RemoteGroup("g1", (7,), 96, 2)
     assert group_offer(group, [0, 0, 0], 0, 200) == "no state block is allocated for the request"
+
+
+def test_addresses_that_do_not_split_into_stages_are_the_callers_mistake() -> None:
+    # A plain KvxferError read as status and reason INTERNAL ("a bug").
+    with pytest.raises(KvxferError) as refused:
+        stage_addresses(["a:1", "b:1", "c:1"], 0, 2)
+    assert (refused.value.status, refused.value.reason, refused.value.field) == (
+        "INVALID_ARGUMENT", Reason.INVALID_FIELD, "kvxfer_addresses")  # fmt: skip

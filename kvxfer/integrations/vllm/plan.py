@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvxfer.client.types import TokenSpan
-from kvxfer.errors import KvxferError
+from kvxfer.errors import InvalidArgumentError
 from kvxfer.integrations.vllm.params import RemoteGroup, RemotePrefill
 from kvxfer.integrations.vllm.spec import TransferGroup
 
@@ -242,7 +242,7 @@ def stage_addresses(addresses: Sequence[str], pp_rank: int, pp_size: int) -> lis
     ``kvxfer_addresses`` lists every prefill rank, pipeline stage by stage.
     """
     if len(addresses) % pp_size:
-        raise KvxferError(
+        raise InvalidArgumentError(
             f"kvxfer_addresses: {len(addresses)} prefill sidecars do not split into {pp_size} pipeline stages",
             field="kvxfer_addresses",
         )

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from kvxfer.client import Client, KvxferRpcError
-from kvxfer.errors import KvxferError
+from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, KvxferError, Reason
 from kvxfer.integrations.vllm.idle import LoadWaker
 from kvxfer.integrations.vllm.params import (
     ParamsError,
@@ -74,7 +74,8 @@ class SchedulerSide:
         pp_size: int = 1, dp_rank: int = 0,
     ) -> None:  # fmt: skip
         if not groups:
-            raise KvxferError("kv_cache_groups: the engine has no KV-cache group to transfer", field="kv_cache_groups")
+            raise FailedPreconditionError("kv_cache_groups: the engine has no KV-cache group to transfer",
+                                          field="kv_cache_groups", reason=Reason.LAYOUT)  # fmt: skip
         self.settings = settings
         self.engine_id = engine_id
         self.groups = tuple(groups)
@@ -123,7 +124,8 @@ class SchedulerSide:
             status = [c.status() for c in self._sidecars()]
             missing = [i for i, s in enumerate(status) if not s["registered"]]
             if missing:
-                raise KvxferError(f"sidecar of rank {missing[0]} has no KV caches registered", field="sidecar_socket")
+                raise FailedPreconditionError(f"sidecar of rank {missing[0]} has no KV caches registered",
+                                              field="sidecar_socket", reason=Reason.NOT_REGISTERED)  # fmt: skip
             self._addresses = [s["peer_address"] for s in status]
             engines = {s["engine_id"] for s in status}
             self._sidecar_engine = engines.pop() if len(engines) == 1 else ""
@@ -246,8 +248,8 @@ class SchedulerSide:
         # A proxy that knows which decode engine will read binds the publish to it (docs/security.md).
         reader = request.kv_transfer_params.get("kvxfer_reader_engine_id") or ""
         if not isinstance(reader, str):
-            raise KvxferError(f"kvxfer_reader_engine_id: must be a string, got {reader!r}",
-                              field="kvxfer_reader_engine_id")  # fmt: skip
+            raise InvalidArgumentError(f"kvxfer_reader_engine_id: must be a string, got {reader!r}",
+                                       field="kvxfer_reader_engine_id")  # fmt: skip
         try:
             for c, names in zip(self._sidecars(), self._rank_groups, strict=True):
                 # Each rank publishes the groups its sidecar holds (a stage may hold none of a group's layers).

@@ -19,7 +19,7 @@ import grpc
 
 from kvxfer.client import Client, KvxferRpcError, PullResult
 from kvxfer.client.gather import WorkerGather
-from kvxfer.errors import KvxferError, Reason
+from kvxfer.errors import InvalidArgumentError, KvxferError, Reason
 from kvxfer.integrations.vllm.kvcache import SharedCaches, own_caches, share_caches
 from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.plan import PullSpec, StepPlan, StreamSpec, pull_arguments, stage_addresses
@@ -312,14 +312,15 @@ class WorkerSide:
     async def _pull(self, spec: PullSpec) -> PullResult:
         remote = spec.remote
         if remote is None or spec.error:
-            raise KvxferError(f"cannot load the KV of {spec.request_id!r}: {spec.error}", field="kv_transfer_params")
+            raise InvalidArgumentError(f"cannot load the KV of {spec.request_id!r}: {spec.error}",
+                                       field="kv_transfer_params")  # fmt: skip
         args = pull_arguments(spec, lambda group: self._names.get(group, ()))
         with log_context(request_id=spec.request_id, peer=remote.sidecar_engine_id or remote.engine_id or None):
             addresses = self._stage_addresses(remote.addresses)
             return await self.sidecar.aio.pull(
                 remote.request_id, addresses, args.local_blocks, remote_blocks=args.remote_blocks, spans=args.spans,
-                remote_engine_id=remote.sidecar_engine_id, wait=True, deadline=self.settings.transfer_timeout_seconds,
-                push=spec.push, gather=self.gather,
+                remote_engine_id=remote.sidecar_engine_id, wait=True,
+                deadline=self.settings.transfer_timeout_seconds or None, push=spec.push, gather=self.gather,
             )  # fmt: skip
 
     def _stage_addresses(self, addresses: tuple[str, ...]) -> list[str]:
