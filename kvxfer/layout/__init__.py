@@ -52,9 +52,10 @@ rank of one TP size reads the slices it needs of each segment from the ranks of 
 """
 
 from kvxfer.layout.kinds import CacheKind, DType, Order, Packing, head_range
-from kvxfer.layout.model import KVCacheLayout, Plane, RegionSpec
+from kvxfer.layout.model import MAX_SEGMENTS, KVCacheLayout, Plane, RegionSpec
 
 __all__ = [
+    "MAX_SEGMENTS",
     "CacheKind",
     "DType",
     "KVCacheLayout",

@@ -24,9 +24,12 @@ from kvxfer.layout.kinds import (
     parse_enum,
 )
 
-__all__ = ["KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
+__all__ = ["MAX_SEGMENTS", "KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
 
 I64 = npt.NDArray[np.int64]
+
+#: Segments one mamba page may be split in (vLLM's have at most four: x, B, C and the SSM state).
+MAX_SEGMENTS = 16
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,8 @@ class KVCacheLayout:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"segments: every size must be a positive integer, got {list(segments)!r}",
                                   field="segments")  # fmt: skip
+        if len(segments) > MAX_SEGMENTS:
+            raise LayoutError(f"segments: {len(segments)} segments, at most {MAX_SEGMENTS}", field="segments")
         object.__setattr__(self, "segments", tuple(int(v) for v in segments))
 
     def _validate_segments(self) -> None:
@@ -748,7 +753,11 @@ class KVCacheLayout:
             ]
         # One side opaque: whole pages, which must be the same size (and the TP sizes equal).
         if self.head_size != other.head_size:
-            return [f"page_size_bytes: local {self.head_size}, remote {other.head_size}"]
+            side = "remote" if self.segments else "local"
+            return [
+                f"page_size_bytes: local {self.head_size}, remote {other.head_size} (the {side} page has no TP "
+                "segments: it moves whole, between equal TP sizes only)"
+            ]
         return []
 
     def resharded(self, tp_size: int, new_tp_size: int) -> KVCacheLayout:

@@ -197,7 +197,10 @@ def test_opaque_pages_keep_todays_rule() -> None:
     plan = TransferTopology(split, opaque, RankInfo(1, 2), 2).plan([0], [1])
     assert plan.per_rank[0].remote_rank == 1
     assert plan.per_rank[0].length.tolist() == [30]
-    assert split.incompatibilities(dataclass_page(opaque, 60)) == ["page_size_bytes: local 30, remote 60"]
+    assert split.incompatibilities(dataclass_page(opaque, 60)) == [
+        "page_size_bytes: local 30, remote 60 (the remote page has no TP segments: it moves whole, between equal TP "
+        "sizes only)"
+    ]
     for a, b in ((split, opaque), (opaque, opaque)):
         with pytest.raises(TopologyError) as err:
             TransferTopology(a, b, RankInfo(0, 2), 1)
