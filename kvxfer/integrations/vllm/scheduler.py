@@ -357,11 +357,14 @@ class SchedulerSide:
                 f"the prefill instance runs {remote.pp_size} pipeline stages, this one {self.pp_size} (a stage "
                 "reads the same stage's layers)"
             )
-        state = [g.name for g in self.groups if g.role == "state"]
+        # A state group whose split over TP is known moves between any TP sizes (the sidecars check
+        # at the handshake that both sides split it alike); an opaque one only between equal ones.
+        state = [g.name for g in self.groups if g.role == "state" and not g.tp_split]
         if state and remote.tp_size and remote.tp_size != self.tp_size:
             return (
                 f"group {state[0]}: Mamba state moves only between equal tensor-parallel sizes (prefill "
-                f"{remote.tp_size}, here {self.tp_size})"
+                f"{remote.tp_size}, here {self.tp_size}) unless vLLM's conv state layout is DS "
+                "(VLLM_SSM_CONV_STATE_LAYOUT=DS) and the layers are Mamba1, Mamba2 or GDN"
             )
         if self.prefill_backoff and remote.num_tokens and remote.num_tokens < tokens:
             return f"the prefill side computed {remote.num_tokens} tokens, {tokens} are needed"
