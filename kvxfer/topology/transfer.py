@@ -136,8 +136,8 @@ class TransferTopology:
         if self._mamba_split:
             lt, rt, n = local_tp, self.remote_tp_size, len(self.local.segments)
             return tuple(
-                Source(p, 0, 0, 1, 0, f"mamba state in {n} segments, each split over TP: remote rank {p} holds its "
-                                      f"{p}/{rt} slice of each, local rank {rank} needs its {rank}/{lt} slice")
+                Source(p, 0, 0, 1, 0, f"mamba state in {n} segments, each split evenly over TP: remote rank {p} "
+                                      f"holds slice {p} of {rt} of each, local rank {rank} needs slice {rank} of {lt}")
                 for p in self._mamba_pieces
             )  # fmt: skip
         if self._mamba_replicated:
