@@ -738,6 +738,13 @@ def test_mamba_state_whose_tp_split_is_known_loads_from_another_tp_size(monkeypa
         req = SimpleNamespace(request_id=f"d{tp}", kv_transfer_params=dict(params, tp_size=tp),
                               prompt_token_ids=list(range(3 * BS)))  # fmt: skip
         assert sched.matched_tokens(req, 0) == (3 * BS - 1, True), tp
+    # A prefill instance that says its state is opaque (another conv layout there): computed here.
+    groups_params = [{"name": "g0", "block_size": BS}, {"name": "g1", "block_size": BS, "first_block": 2}]
+    for split, want in ((False, (0, False)), (True, (3 * BS - 1, True))):
+        groups_params[1]["tp_split"] = split
+        req = SimpleNamespace(request_id=f"s{split}", prompt_token_ids=list(range(3 * BS)),
+                              kv_transfer_params=dict(params, tp_size=1, kvxfer_groups=groups_params))  # fmt: skip
+        assert sched.matched_tokens(req, 0) == want, split
 
 
 def test_a_publish_whose_answer_came_too_late_is_released_before_vllm_frees_its_blocks(pd: PD) -> None:

@@ -481,6 +481,7 @@ def test_mamba2_state_between_tp_sizes(pd: PD, p_tp: int, d_tp: int) -> None:
     p_state, d_state = 22, 23
     params = pd.publish(pre, "m2tp", prompt, [p_attn, [p_state]])
     assert params["tp_size"] == p_tp
+    assert params["kvxfer_groups"][1]["tp_split"] is True  # the prefill side knows its state's split too
     before = global_mamba2_state(dec.engines, mamba, d_state)
     assert pd.load(dec, "m2tp-d", prompt, params, [d_attn, [d_state]]) == set()
     pre.finished(sending="m2tp")
