@@ -155,9 +155,9 @@ PLAN_FLAGS: Mapping[str, str] = {
     "head_size": "--head-size", "head_size_v": "--head-size", "dtype": "--dtype", "block_size": "--block-size",
     "order": "--layout", "kind": "--kind", "cross_layer": "--cross-layer", "tp_size": "--decode-tp",
     "tp_rank": "--decode-rank", "remote_tp_size": "--prefill-tp", "blocks": "--blocks", "local_blocks": "--blocks",
-    "remote_blocks": "--remote-blocks", "num_blocks": "--num-blocks",
+    "remote_blocks": "--remote-blocks", "num_blocks": "--num-blocks", "segments": "--mamba-segments",
 }  # fmt: skip
-_TP_FIELDS = frozenset({"tp_size", "tp_rank", "total_kv_heads", "num_kv_heads"})
+_TP_FIELDS = frozenset({"tp_size", "tp_rank", "total_kv_heads", "num_kv_heads", "segments"})
 #: The same for the prefill (remote) side's layout, where the TP size and block size are its own.
 PLAN_REMOTE_FLAGS: Mapping[str, str] = {
     **PLAN_FLAGS, "tp_size": "--prefill-tp", "block_size": "--remote-block-size", "num_blocks": "--remote-blocks",
@@ -177,6 +177,10 @@ def plan(
     layout: Annotated[Order, typer.Option(help="Physical order of heads and tokens.")] = Order.HND,
     kind: Annotated[CacheKind, typer.Option(help="What the cache holds.", case_sensitive=False)] = CacheKind.ATTENTION,
     cross_layer: Annotated[bool, typer.Option(help="Cross-layer (block-major) cache on both sides.")] = False,
+    mamba_segments: Annotated[
+        str | None,
+        typer.Option(help="Mamba: the state's parts split over TP, global bytes in page order ('384,96,96,1024')."),
+    ] = None,
     prefill_tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size of the prefill (remote) side.")] = 1,
     decode_tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size of the decode (local) side.")] = 1,
     decode_rank: Annotated[int, typer.Option(min=0, help="The decode rank to plan for.")] = 0,
@@ -197,11 +201,19 @@ def plan(
     rbs = remote_block_size or block_size
     if max(rbs, block_size) % min(rbs, block_size):
         _usage_error(f"--remote-block-size: {rbs} and --block-size {block_size}: neither is a multiple of the other")
+    segments: tuple[int, ...] = ()
+    if mamba_segments is not None:
+        try:
+            segments = tuple(int(v) for v in mamba_segments.split(","))
+        except ValueError:
+            _usage_error(f"--mamba-segments: {mamba_segments!r} is not a comma-separated list of byte sizes")
+        if kind is not CacheKind.MAMBA:
+            _usage_error(f"--mamba-segments: only for --kind mamba, got --kind {kind.value}")
     flags, side = PLAN_FLAGS, ""
     try:
         local_ids = parse_block_ids(blocks)
         remote_ids = parse_block_ids(remote_blocks, name="remote_blocks") if remote_blocks else local_ids
-        shape = ModelShape(kind, layers, kv_heads, head_size, DType.parse(dtype), layout, cross_layer)
+        shape = ModelShape(kind, layers, kv_heads, head_size, DType.parse(dtype), layout, cross_layer, segments)
         # Each side's layout on its own first, so that an error names that side's flags.
         side = f" (decode side, --decode-tp {decode_tp})"
         shape.layout(tp_size=decode_tp, num_blocks=num_blocks or int(local_ids.max()) + 1, block_size=block_size)

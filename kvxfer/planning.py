@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.errors import LayoutError
 from kvxfer.layout import CacheKind, DType, KVCacheLayout, Order, head_range
 from kvxfer.topology import RankInfo, TransferPlan, TransferTopology
 
@@ -23,9 +24,23 @@ class ModelShape:
     dtype: DType
     order: Order
     cross_layer: bool
+    #: Mamba: the state's parts split over TP ranks, as global byte sizes in page order (``head_size`` unused).
+    segments: tuple[int, ...] = ()
 
     def layout(self, *, tp_size: int, num_blocks: int, block_size: int) -> KVCacheLayout:
         """The per-rank layout of this model at ``tp_size``."""
+        if self.kind is CacheKind.MAMBA and self.segments:
+            for i, size in enumerate(self.segments):
+                if size % tp_size:
+                    raise LayoutError(
+                        f"segments: segment {i} of {size} bytes does not split evenly over tp_size {tp_size}",
+                        field="segments",
+                    )
+            local = tuple(size // tp_size for size in self.segments)
+            return KVCacheLayout.mamba(
+                num_layers=self.layers, num_blocks=num_blocks, page_size_bytes=sum(local),
+                cross_layer=self.cross_layer, segments=local,
+            )  # fmt: skip
         if self.kind is CacheKind.MLA:
             return KVCacheLayout.mla(
                 num_layers=self.layers, num_blocks=num_blocks, block_size=block_size, latent_dim=self.head_size,

@@ -2,7 +2,8 @@
 
 The content of a request's KV cache is a function of *logical* coordinates only - layer, plane
 (K|V, K, V, nvfp4 data or scales...), token position in the request, global KV head and word
-within the row - and a per-request salt. Any rank of any TP size, block size or physical order
+within the row (a Mamba state split in TP segments: the byte's place in the whole state) - and a
+per-request salt. Any rank of any TP size, block size or physical order
 (any of vLLM's six, padded pages, kernel blocks) can therefore write its share
 (:func:`fill_blocks`) or check what it received (:func:`verify_blocks`) without knowing the other
 side: a decode rank that got every byte from the right place of the right prefill rank sees
@@ -41,8 +42,9 @@ POISON = 0xA5  # what a decode rank writes into its destination blocks before a 
 
 
 def global_heads(layout: KVCacheLayout, rank: RankInfo) -> I64:
-    """Global index of each local head; for Mamba the rank itself (its page is its own state)."""
-    if layout.kind is CacheKind.MLA:
+    """Global index of each local head; for an opaque Mamba page the rank itself (its page is its own
+    state), 0 for a Mamba state split in TP segments or replicated (one state, see :func:`_state_bytes`)."""
+    if layout.kind is CacheKind.MLA or layout.segments or layout.replicated:
         return np.zeros(1, dtype=np.int64)
     if layout.kind is CacheKind.MAMBA:
         return np.array([rank.tp_rank], dtype=np.int64)
@@ -50,19 +52,29 @@ def global_heads(layout: KVCacheLayout, rank: RankInfo) -> I64:
     return h0 + np.arange(layout.num_kv_heads, dtype=np.int64)
 
 
-def _word(row_bytes: int) -> type[np.unsignedinteger[Any]]:
-    return np.uint32 if row_bytes % 4 == 0 else np.uint8
+def _word(layout: KVCacheLayout, row_bytes: int) -> type[np.unsignedinteger[Any]]:
+    # A Mamba state split in TP segments is addressed byte by byte (a rank's slice need not be whole words).
+    return np.uint32 if row_bytes % 4 == 0 and not layout.segments else np.uint8
+
+
+def _state_bytes(layout: KVCacheLayout, rank: RankInfo) -> npt.NDArray[np.uint64]:
+    """A Mamba page split in TP segments: the index of each of its bytes in the whole (global) state."""
+    out, start = [], 0
+    for size in layout.segments:
+        out.append(start + rank.tp_rank * size + np.arange(size, dtype=np.uint64))
+        start += size * rank.tp_size
+    return np.concatenate(out)
 
 
 def _expected(
     layout: KVCacheLayout, rank: RankInfo, layer: int, part: int, row_bytes: int, ntok: int, salt: int
 ) -> npt.NDArray[Any]:
     """(tokens, heads, words) of the request's content for one plane of one layer on this rank."""
-    w = _word(row_bytes)
+    w = _word(layout, row_bytes)
     words = row_bytes // np.dtype(w).itemsize
     mask = np.uint64((1 << (8 * np.dtype(w).itemsize)) - 1)
     gh = global_heads(layout, rank).astype(np.uint64)
-    j = np.arange(words, dtype=np.uint64)
+    j = _state_bytes(layout, rank) if layout.segments else np.arange(words, dtype=np.uint64)
     t = np.arange(ntok, dtype=np.uint64)
     # Odd multipliers spread layer, part, head, word, token and salt over all bits of the word; the
     # small tables are built in uint64 and the big sum wraps in the word type (one pass).
@@ -127,7 +139,7 @@ def verify_blocks(buf: Any, rank: RankInfo, blocks: Sequence[int] | I64, salt: i
     for layer in range(layout.num_layers):
         for part, plane in enumerate(layout.planes):
             exp = _expected(layout, rank, layer, part, plane.row_bytes * plane.elements, ntok, salt)
-            got = _from_rows(np.asarray(buf.rows(layer, plane)[ids]), _word(plane.row_bytes * plane.elements))
+            got = _from_rows(np.asarray(buf.rows(layer, plane)[ids]), _word(layout, plane.row_bytes * plane.elements))
             if not np.array_equal(got, exp):
                 g8 = np.ascontiguousarray(got).view(np.uint8)
                 e8 = np.ascontiguousarray(exp).view(np.uint8)

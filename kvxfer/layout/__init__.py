@@ -14,7 +14,7 @@ attention     one per KV head          K then V of that head (``head_size + head
 quantized     2 x KV heads (K, then V) K or V of one head: fp8/int8 codes, or nvfp4 (see below)
 kv_planes     2 (a K plane, a V plane) K or V of *every* head of the rank, head after head
 mla           1                        the latent of one token (``kv_lora_rank + rope_dim``)
-mamba         1 (one token)            the whole state page of one block (opaque bytes)
+mamba         1 (one token)            the whole state page of one block (bytes; see TP below)
 ============  =======================  ==========================================================
 
 Physical order. Within one layer the axes are laid out in one of vLLM's stride orders over the
@@ -41,12 +41,21 @@ plane), and nvfp4 four: within each side vLLM stores the 4-bit data of every (he
 first, then every row's fp8 scales, the rows in the page's own order (FlashInfer's ``_nvfp4_kv_views``
 over ``vllm.utils.torch_utils.nvfp4_split_data_scale``), so a head slice of an HND nvfp4 page is two
 spans per side. nvfp4 pages are whole inside a block (LBHNC, LBNHC, BLHNC, BLNHC), never heads_outer.
+
+Mamba state across TP sizes. An opaque mamba page moves only between equal TP sizes (rank r reads
+rank r). A mamba layout may say how its state is split over TP ranks: ``segments``, the page's
+parts in page order as this rank's byte sizes, each split evenly and contiguously over the ranks
+(a segment is ``size x tp_size`` bytes, rank r holding ``[r * size, (r + 1) * size)`` of it: vLLM's
+conv sub-projections x / B / C or Q / K / V in its DS conv layout, then the SSM state), so that a
+rank of one TP size reads the slices it needs of each segment from the ranks of another; or
+``replicated``: every rank holds the whole state, read from one rank as MLA's latent is.
 """
 
 from kvxfer.layout.kinds import CacheKind, DType, Order, Packing, head_range
-from kvxfer.layout.model import KVCacheLayout, Plane, RegionSpec
+from kvxfer.layout.model import MAX_SEGMENTS, KVCacheLayout, Plane, RegionSpec
 
 __all__ = [
+    "MAX_SEGMENTS",
     "CacheKind",
     "DType",
     "KVCacheLayout",

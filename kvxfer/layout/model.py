@@ -24,9 +24,12 @@ from kvxfer.layout.kinds import (
     parse_enum,
 )
 
-__all__ = ["KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
+__all__ = ["MAX_SEGMENTS", "KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
 
 I64 = npt.NDArray[np.int64]
+
+#: Segments one mamba page may be split in (vLLM's have at most four: x, B, C and the SSM state).
+MAX_SEGMENTS = 16
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,10 @@ class KVCacheLayout:
     kernel_block_size: int = 0  # 0: blocks not split; else tokens per kernel block (vLLM's splitting)
     packing: Packing = Packing.KV  # attention only: K and V inside a (block, head) page
     block_bytes: int = 0  # block-major only; 0: a block is its layers' pages, else bytes from block to block
+    #: mamba only: the page's TP-sharded segments as this rank's byte sizes, in page order (each
+    #: split evenly and contiguously over the TP ranks); empty: an opaque page (equal TP only).
+    segments: tuple[int, ...] = ()
+    replicated: bool = False  # mamba only: every TP rank holds the whole state (read from any one)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", parse_enum(CacheKind, self.kind, "kind"))
@@ -110,7 +117,8 @@ class KVCacheLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise LayoutError(f"{name}: must be an integer >= 0, got {value!r}", field=name)
-        for name in ("cross_layer", "heads_outer"):
+        self._normalize_segments()
+        for name in ("cross_layer", "heads_outer", "replicated"):
             if not isinstance(getattr(self, name), bool):
                 raise LayoutError(f"{name}: must be a bool, got {getattr(self, name)!r}", field=name)
         if self.total_kv_heads == 0:
@@ -124,6 +132,7 @@ class KVCacheLayout:
         if self.kind in (CacheKind.MLA, CacheKind.MAMBA):
             object.__setattr__(self, "heads_outer", False)  # one slot: the head axis changes no byte
         self._validate_kind()
+        self._validate_segments()
         if self.page_stride == self.page_bytes:
             object.__setattr__(self, "page_stride", 0)
         self._validate_geometry()
@@ -187,6 +196,40 @@ class KVCacheLayout:
             if self.order is not Order.HND:
                 raise LayoutError(f"packing: {self.packing} keeps each head's block together (an HND order), got "
                                   f"{self.stride_order}", field="packing")  # fmt: skip
+
+    def _normalize_segments(self) -> None:
+        segments = self.segments
+        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+            raise LayoutError(f"segments: must be a sequence of byte sizes, got {segments!r}", field="segments")
+        for value in segments:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(f"segments: every size must be a positive integer, got {list(segments)!r}",
+                                  field="segments")  # fmt: skip
+        if len(segments) > MAX_SEGMENTS:
+            raise LayoutError(f"segments: {len(segments)} segments, at most {MAX_SEGMENTS}", field="segments")
+        object.__setattr__(self, "segments", tuple(int(v) for v in segments))
+
+    def _validate_segments(self) -> None:
+        if self.kind is not CacheKind.MAMBA:
+            if self.segments:
+                raise LayoutError(f"segments: only a mamba page is split into TP segments, not a {self.kind} cache",
+                                  field="segments")  # fmt: skip
+            if self.replicated:
+                raise LayoutError(f"replicated: only a mamba page carries this flag, not a {self.kind} cache",
+                                  field="replicated")  # fmt: skip
+            return
+        if self.segments and self.replicated:
+            raise LayoutError(
+                f"segments: a replicated mamba page (replicated=True) is not split over TP ranks, got segments "
+                f"{list(self.segments)}",
+                field="segments",
+            )
+        if self.segments and sum(self.segments) != self.head_size:
+            raise LayoutError(
+                f"segments: {list(self.segments)} sum to {sum(self.segments)} bytes, the mamba page holds "
+                f"page_size_bytes={self.head_size}",
+                field="segments",
+            )
 
     def _validate_geometry(self) -> None:
         if self.heads_outer and self.order is not Order.HND:
@@ -356,14 +399,21 @@ class KVCacheLayout:
         cross_layer: bool = False,
         page_stride: int = 0,
         block_bytes: int = 0,
+        segments: Sequence[int] = (),
+        replicated: bool = False,
     ) -> KVCacheLayout:
         """Mamba page tensors: (B, 1, 1, page_size_bytes) int8, one region per layer.
 
         ``page_stride`` is the padded page vLLM allocates when it aligns Mamba pages with attention pages.
+        How the state is split over TP ranks: ``segments`` are the page's parts in page order as this
+        rank's byte sizes (they sum to ``page_size_bytes``), each split evenly and contiguously over
+        the TP ranks (rank r holds bytes ``[r * size, (r + 1) * size)`` of a segment of ``size x
+        tp_size`` bytes), so any two TP sizes can exchange pages; ``replicated``: every rank holds the
+        whole state; neither: an opaque page, moved only between equal TP sizes.
         """
         return cls(
             CacheKind.MAMBA, num_layers, num_blocks, 1, 1, page_size_bytes, DType.INT8, Order.HND, cross_layer, 1, 0,
-            False, page_stride, block_bytes=block_bytes,
+            False, page_stride, block_bytes=block_bytes, segments=tuple(segments), replicated=replicated,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- derived sizes
@@ -664,7 +714,10 @@ class KVCacheLayout:
         differ("num_layers", self.num_layers, other.num_layers)
         # head_size holds the latent dim of an MLA cache and the page bytes of a Mamba one.
         size_name = {CacheKind.MLA: "latent_dim", CacheKind.MAMBA: "page_size_bytes"}.get(self.kind, "head_size")
-        differ(size_name if self.kind is other.kind else "head_size", self.head_size, other.head_size)
+        if self.kind is other.kind is CacheKind.MAMBA and (self.segments or other.segments):
+            diffs.extend(self._segment_incompatibilities(other))
+        else:
+            differ(size_name if self.kind is other.kind else "head_size", self.head_size, other.head_size)
         if self.head_size == other.head_size:
             differ("head_size_v", self.v_head_size, other.v_head_size)
         differ("total_kv_heads", self.total_kv_heads, other.total_kv_heads)
@@ -684,6 +737,49 @@ class KVCacheLayout:
             )
         return diffs
 
+    def _segment_incompatibilities(self, other: KVCacheLayout) -> list[str]:
+        """Two mamba pages of which at least one is split into TP segments (page sizes then differ by TP size)."""
+        if self.segments and other.segments:
+            if len(self.segments) == len(other.segments):
+                return []  # the global sizes need both TP sizes: TransferTopology checks them
+            return [
+                f"segments: local {len(self.segments)} segments {list(self.segments)}, remote "
+                f"{len(other.segments)} segments {list(other.segments)} (the mamba states are split differently)"
+            ]
+        if self.replicated or other.replicated:
+            return [
+                f"replicated: local {self.replicated}, remote {other.replicated} (one side holds the whole mamba state "
+                "on every rank, the other splits it in segments)"
+            ]
+        # One side opaque: whole pages, which must be the same size (and the TP sizes equal).
+        if self.head_size != other.head_size:
+            side = "remote" if self.segments else "local"
+            return [
+                f"page_size_bytes: local {self.head_size}, remote {other.head_size} (the {side} page has no TP "
+                "segments: it moves whole, between equal TP sizes only)"
+            ]
+        return []
+
+    def resharded(self, tp_size: int, new_tp_size: int) -> KVCacheLayout:
+        """This rank's layout of a ``tp_size``-way split as a rank of a ``new_tp_size``-way split holds it.
+
+        Only a mamba page split in :attr:`segments` changes (each segment scaled, without padding);
+        raises :class:`LayoutError` naming ``segments`` when a segment does not split evenly.
+        """
+        if not self.segments or tp_size == new_tp_size:
+            return self
+        out = []
+        for i, size in enumerate(self.segments):
+            total = size * tp_size
+            if total % new_tp_size:
+                raise LayoutError(
+                    f"segments: segment {i} of the mamba state is {total} bytes ({size} per rank x tp_size "
+                    f"{tp_size}), which does not split evenly over tp_size {new_tp_size}",
+                    field="segments",
+                )
+            out.append(total // new_tp_size)
+        return dataclasses.replace(self, head_size=sum(out), segments=tuple(out), page_stride=0, block_bytes=0)
+
     def is_compatible(self, other: KVCacheLayout) -> bool:
         """True when :meth:`incompatibilities` finds nothing."""
         return not self.incompatibilities(other)
@@ -694,6 +790,7 @@ class KVCacheLayout:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["kind"], out["dtype"], out["order"] = self.kind.value, self.dtype.value, self.order.value
         out["packing"] = self.packing.value
+        out["segments"] = list(self.segments)
         return out
 
     @classmethod

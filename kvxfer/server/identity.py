@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvxfer import PROTOCOL_VERSION
-from kvxfer.errors import InvalidArgumentError, KvxferError
+from kvxfer.errors import InvalidArgumentError, KvxferError, LayoutError, TopologyError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
 from kvxfer.server.validation import check_peer_address
 from kvxfer.topology import RankInfo, RegionTable, TransferTopology
@@ -135,13 +135,19 @@ def describe_differences(diffs: Sequence[str], budget: int = DIFFERENCES_BYTES) 
     return f"{text}; and {left} more difference{'s' if left > 1 else ''}" if left else text
 
 
-def _rank_view(layout: KVCacheLayout, tp_size: int) -> KVCacheLayout:
-    """``layout`` as a rank of a ``tp_size``-way split holds it (head count per rank).
+def _rank_view(layout: KVCacheLayout, local_tp: int, tp_size: int) -> KVCacheLayout:
+    """``layout`` (of a ``local_tp``-way split) as a rank of a ``tp_size``-way split holds it (head
+    count per rank, or a mamba page's segment sizes).
 
     Only the heads matter to which ranks are read: the local rank's padding (``page_stride``,
     ``block_bytes``) is sized for its own pages and would not fit a rank holding more heads.
     """
-    if layout.kind in (CacheKind.MLA, CacheKind.MAMBA):
+    if layout.kind is CacheKind.MAMBA:
+        try:
+            return layout.resharded(local_tp, tp_size)
+        except LayoutError as exc:
+            raise TopologyError(exc.message, field=exc.field) from None
+    if layout.kind is CacheKind.MLA:
         return layout
     h0, h1 = head_range(layout.total_kv_heads, tp_size, 0)
     return dataclasses.replace(layout, num_kv_heads=h1 - h0, page_stride=0, block_bytes=0)
@@ -153,7 +159,8 @@ def remote_sources(local: KVCacheLayout, local_rank: RankInfo, remote_tp: int) -
     Which ranks hold which heads depends only on the kind, the total head count and the TP sizes,
     so this works before any remote layout is known (it picks the ranks to handshake with).
     """
-    topo = TransferTopology(local, _rank_view(local, remote_tp), local_rank, remote_tp, local_rank.pp_size)
+    remote = _rank_view(local, local_rank.tp_size, remote_tp)
+    topo = TransferTopology(local, remote, local_rank, remote_tp, local_rank.pp_size)
     return {s.remote_rank for s in topo.sources()}
 
 

@@ -11,7 +11,9 @@ The construction is pure numpy. A transfer is a grid ``layers x chunks x units``
   (``min(local block_size, remote block_size)`` tokens);
 * a *unit* is the largest byte span inside a chunk that is contiguous on both sides for one
   source (a head slice of a whole HND block, one token of an NHD block, a side's data or scales
-  of an nvfp4 head slice, or one row when the two sides order heads and tokens differently).
+  of an nvfp4 head slice, one row when the two sides order heads and tokens differently, or the
+  intersection of the local and a remote rank's slices of one segment of a Mamba state split in
+  TP segments).
 
 Units are computed once per topology from the layouts' planes (:attr:`KVCacheLayout.planes`)
 for each *phase* (which slice of the larger block a chunk is, when block sizes differ); runs of

@@ -48,7 +48,11 @@ class TransferTopology:
         if self.remote_tp_size < 1:
             raise TopologyError(f"remote_tp_size: must be >= 1, got {self.remote_tp_size}", field="remote_tp_size")
         kind = self.local.kind
-        if kind is CacheKind.MAMBA and self.remote_tp_size != self.local_rank.tp_size:
+        if self._mamba_split:
+            self._check_segments()
+        elif kind is CacheKind.MAMBA and self._mamba_replicated:
+            pass  # every rank holds the whole state: any TP sizes
+        elif kind is CacheKind.MAMBA and self.remote_tp_size != self.local_rank.tp_size:
             raise TopologyError(
                 f"tp_size: a mamba page is opaque, so heterogeneous TP (local {self.local_rank.tp_size}, remote "
                 f"{self.remote_tp_size}) cannot be split per head; use the same TP size on both sides",
@@ -71,6 +75,50 @@ class TransferTopology:
                         field="num_kv_heads",
                     )
 
+    # ------------------------------------------------------------------ mamba state
+    @property
+    def _mamba_split(self) -> bool:
+        """Both sides split their mamba pages in TP segments: pieces of each segment move between any TP sizes."""
+        return bool(self.local.segments and self.remote.segments)
+
+    @property
+    def _mamba_replicated(self) -> bool:
+        return self.local.replicated and self.remote.replicated
+
+    def _check_segments(self) -> None:
+        lt, rt = self.local_rank.tp_size, self.remote_tp_size
+        for i, (a, b) in enumerate(zip(self.local.segments, self.remote.segments, strict=True)):
+            if a * lt != b * rt:
+                raise TopologyError(
+                    f"segments: segment {i} of the mamba state is {a} bytes per rank x local tp_size {lt} = {a * lt} "
+                    f"bytes, but {b} bytes per rank x remote tp_size {rt} = {b * rt} bytes (local segments "
+                    f"{list(self.local.segments)}, remote {list(self.remote.segments)})",
+                    field="segments",
+                )
+
+    @cached_property
+    def _mamba_pieces(self) -> dict[int, tuple[I64, I64, I64]]:
+        """Per remote rank: (local offset, remote offset, length) inside a page of each piece it gives.
+
+        Segment i is ``G = s_l * local_tp = s_r * remote_tp`` bytes; the local rank d holds its bytes
+        ``[d * s_l, (d + 1) * s_l)``, remote rank p ``[p * s_r, (p + 1) * s_r)``: their intersection
+        moves, each side's piece at the segment's offset inside its own page.
+        """
+        d = self.local_rank.tp_rank
+        pieces: dict[int, list[tuple[int, int, int]]] = {}
+        l_base = r_base = 0
+        for s_l, s_r in zip(self.local.segments, self.remote.segments, strict=True):
+            lo, hi = d * s_l, (d + 1) * s_l
+            for p in range(lo // s_r, -(-hi // s_r)):
+                a, b = max(lo, p * s_r), min(hi, (p + 1) * s_r)
+                pieces.setdefault(p, []).append((l_base + a - lo, r_base + a - p * s_r, b - a))
+            l_base, r_base = l_base + s_l, r_base + s_r
+        out = {}
+        for p, units in sorted(pieces.items()):
+            arr = np.array(units, dtype=np.int64).reshape(-1, 3)
+            out[p] = (arr[:, 0], arr[:, 1], arr[:, 2])
+        return out
+
     # ------------------------------------------------------------------ ranks and heads
     def sources(self) -> tuple[Source, ...]:
         """Which remote ranks the local rank reads, with each head slice and where it lands."""
@@ -85,6 +133,16 @@ class TransferTopology:
         if self.local.kind is CacheKind.MLA:
             r = rank % self.remote_tp_size
             return (Source(r, 0, 0, 1, 0, f"MLA latent is replicated on every rank: read it from remote rank {r}"),)
+        if self._mamba_split:
+            lt, rt, n = local_tp, self.remote_tp_size, len(self.local.segments)
+            return tuple(
+                Source(p, 0, 0, 1, 0, f"mamba state in {n} segments, each split evenly over TP: remote rank {p} "
+                                      f"holds slice {p} of {rt} of each, local rank {rank} needs slice {rank} of {lt}")
+                for p in self._mamba_pieces
+            )  # fmt: skip
+        if self._mamba_replicated:
+            r = rank % self.remote_tp_size
+            return (Source(r, 0, 0, 1, 0, f"mamba state is replicated on every rank: read it from remote rank {r}"),)
         if self.local.kind is CacheKind.MAMBA:
             return (Source(rank, 0, 0, 1, 0, f"mamba page of rank {rank} (same TP on both sides)"),)
         total = self.local.total_kv_heads
@@ -204,14 +262,17 @@ class TransferTopology:
 
     def _phase_units(self, src: Source, phase: int, layers: int) -> tuple[I64, I64, I64]:
         """Units of one chunk in ``phase`` (offsets from each side's block start), coalesced."""
-        g = self._granule
-        toks = np.arange(g, dtype=np.int64)
-        l_tok = toks + (phase * g if self.local.tokens_per_page > g else 0)
-        r_tok = toks + (phase * g if self.remote.tokens_per_page > g else 0)
-        lo, ln = self.local.row_offsets(np.arange(src.local_head, src.local_head + src.num_heads), l_tok)
-        ro, rn = self.remote.row_offsets(np.arange(src.remote_head, src.remote_head + src.num_heads), r_tok)
-        if not np.array_equal(ln, rn):  # pragma: no cover - compatible layouts have the same planes
-            raise TopologyError("planes: local and remote rows differ in size", field="layout")
+        if self._mamba_split:  # one page per block (block_size 1): its pieces from this source
+            lo, ro, ln = self._mamba_pieces[src.remote_rank]
+        else:
+            g = self._granule
+            toks = np.arange(g, dtype=np.int64)
+            l_tok = toks + (phase * g if self.local.tokens_per_page > g else 0)
+            r_tok = toks + (phase * g if self.remote.tokens_per_page > g else 0)
+            lo, ln = self.local.row_offsets(np.arange(src.local_head, src.local_head + src.num_heads), l_tok)
+            ro, rn = self.remote.row_offsets(np.arange(src.remote_head, src.remote_head + src.num_heads), r_tok)
+            if not np.array_equal(ln, rn):  # pragma: no cover - compatible layouts have the same planes
+                raise TopologyError("planes: local and remote rows differ in size", field="layout")
         if layers > 1:
             ly = np.arange(layers, dtype=np.int64)
             lo = (ly[:, None] * self.local.layer_stride + lo[None, :]).ravel()

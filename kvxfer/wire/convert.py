@@ -65,6 +65,8 @@ def layout_from_proto(msg: common_pb2.Layout, field: str) -> KVCacheLayout:
         "kernel_block_size": int(msg.kernel_block_size),
         "packing": msg.packing or "kv",
         "block_bytes": int(msg.block_bytes),
+        "segments": [int(v) for v in msg.segments],
+        "replicated": bool(msg.replicated),
     }
     try:
         return KVCacheLayout.from_dict(data)
@@ -81,7 +83,7 @@ def layout_to_proto(layout: KVCacheLayout) -> common_pb2.Layout:
         dtype=layout.dtype.value, order=layout.order.value, cross_layer=layout.cross_layer,
         total_kv_heads=layout.total_kv_heads, head_size_v=layout.head_size_v, heads_outer=layout.heads_outer,
         page_stride=layout.page_stride, kernel_block_size=layout.kernel_block_size, packing=layout.packing.value,
-        block_bytes=layout.block_bytes,
+        block_bytes=layout.block_bytes, segments=layout.segments, replicated=layout.replicated,
     )  # fmt: skip
 
 

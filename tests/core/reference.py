@@ -11,8 +11,12 @@ where it lives):
 * quantized fp8/int8 and kv_planes: K of every global head, then V of every global head;
 * quantized nvfp4: for K then V, for every global head, the 4-bit data bytes (two codes a byte,
   ``head_size / 2`` bytes) then the fp8 scale bytes (one per 16 elements);
-* mla: the latent vector of the token; mamba: the page of the block (one per TP rank: Mamba state
-  is not replicated, so every rank holds a record of its own).
+* mla: the latent vector of the token; mamba: the page of the block (one per TP rank: an opaque
+  Mamba page is not replicated, so every rank holds a record of its own). A Mamba state split in
+  TP *segments* is one global record: segment after segment, each ``local size x tp_size`` bytes,
+  rank ``r`` holding bytes ``[r * local size, (r + 1) * local size)`` of each, its page being its
+  slices of the segments one after the other; a *replicated* Mamba state is one record that every
+  rank's page holds whole.
 
 Physical placement. A rank's cache is the 5-D array ``[L, B, H, N, C]`` (layers, kernel blocks,
 slots, tokens per kernel block, content bytes of one (slot, token) cell), laid out row-major in
@@ -42,7 +46,9 @@ What a slot and a cell hold (``g`` = global head, ``h`` = the rank's local head)
 Transfers. A decode (local) rank pulls a request: token ``k`` of the local block list (in local
 block size) takes the record bytes of its own heads from token ``k`` of the remote block list (in
 remote block size); attention/quantized/kv_planes heads come from whichever remote rank holds them
-(split evenly, or replicated when TP > heads); MLA is replicated; Mamba reads the same rank.
+(split evenly, or replicated when TP > heads); MLA is replicated; an opaque Mamba page reads the
+same rank, a Mamba state split in segments each byte from the one remote rank holding it, a
+replicated one from any rank.
 """
 
 from __future__ import annotations
@@ -111,9 +117,16 @@ class Side:
     kernel_block_size: int = 0  # tokens per kernel block; 0: block_size (no splitting)
     block_bytes: int = 0  # B-first orders: bytes from one block to the next; 0: no slack
     rank: int = 0
+    segments: tuple[int, ...] = ()  # mamba: this rank's byte size of each TP segment, in page order
+    tp_size: int = 1  # mamba with segments: how many ranks split each segment
+    replicated: bool = False  # mamba: every rank holds the whole state
 
     def __post_init__(self) -> None:
         assert self.stride_order in STRIDE_ORDERS, self.stride_order
+        if self.segments:
+            assert self.kind == "mamba"
+            assert not self.replicated
+            assert sum(self.segments) == self.head_size
         assert self.block_size % self.kernel_tokens == 0
         if self.page_stride:
             assert self.stride_order in PADDABLE_ORDERS
@@ -176,7 +189,7 @@ class Side:
     def record_bytes(self) -> int:
         th = self.total_heads
         if self.kind == "mamba":
-            return self.head_size
+            return self.head_size * (self.tp_size if self.segments else 1)
         if self.dtype == "nvfp4":
             return 2 * th * self.cell
         eb = self.element_bytes
@@ -257,7 +270,14 @@ class Side:
             slots.append(np.full(offs[-1].size, slot, np.int64))
 
         hs, hsv = self.head_size, self.head_size_v
-        if self.kind in ("mla", "mamba"):
+        if self.kind == "mamba" and self.segments:
+            start = 0  # the segment's first record byte
+            page = 0  # its first byte in this rank's page
+            for size in self.segments:
+                b = np.arange(size)
+                add((page + b) * s["C"], s["N"], start + self.rank * size + b, 0, 0)
+                start, page = start + size * self.tp_size, page + size
+        elif self.kind in ("mla", "mamba"):
             b = np.arange(self.cell)
             add(b * s["C"], s["N"], b, 0, 0)
         elif self.dtype == "nvfp4":
@@ -335,10 +355,15 @@ def check_side(side: Side) -> None:
         assert addr.size == side.regions * side.region_bytes
 
 
+def _own_state(side: Side) -> bool:
+    """An opaque Mamba page: every rank holds a state of its own."""
+    return side.kind == "mamba" and not side.segments and not side.replicated
+
+
 def logical_values(rng: np.random.Generator, remote: Side, remote_tp: int) -> Bytes:
     """Random records of the remote cache: shape (variants, L, B, N, record bytes), where variants is
     the remote TP size for Mamba (each rank its own state) and 1 otherwise."""
-    variants = remote_tp if remote.kind == "mamba" else 1
+    variants = remote_tp if _own_state(remote) else 1
     shape = (variants, remote.layers, remote.blocks, remote.block_size, remote.record_bytes)
     return rng.integers(0, 256, shape, dtype=np.uint8)
 
@@ -348,7 +373,7 @@ def place(side: Side, values: Bytes, buf: Bytes, blocks: IntArray, src_block: In
     heads this side holds) of record (``src_block[j, t]``, ``src_token[j, t]``), in every layer."""
     layer, j, t = _grid(side.layers, len(blocks), side.block_size)
     addr = side.addresses(layer, np.asarray(blocks, np.int64)[j], t)
-    variant = side.rank if side.kind == "mamba" else 0
+    variant = side.rank if _own_state(side) else 0
     rec = side.elements.record
     buf[addr] = values[variant, layer[..., None], src_block[j, t][..., None], src_token[j, t][..., None], rec]
 
@@ -412,9 +437,14 @@ def byte_map(local: Side, remotes: list[Side], local_blocks: IntArray, remote_bl
     laddr = local.addresses(layer, lb[j], t)  # (L, J, T, E)
     el = local.elements
     shape = laddr.shape
-    if local.kind == "mamba":
+    if _own_state(local):
         ranks = np.full(el.head.size, local.rank)
-    elif local.kind == "mla":
+    elif local.kind == "mamba" and local.segments:
+        holder = np.full(local.record_bytes, -1, np.int64)  # the one remote rank holding each record byte
+        for q, side in enumerate(remotes):
+            holder[side.elements.record] = q
+        ranks = holder[el.record]
+    elif local.kind in ("mla", "mamba"):
         ranks = np.zeros(el.head.size, np.int64)
     else:
         first = {}

@@ -43,6 +43,25 @@ def test_plan_json_heterogeneous_tp_names_the_sources() -> None:
     assert r["warnings"]
 
 
+def test_plan_json_mamba_state_split_over_tp() -> None:
+    """A Mamba state in TP segments (vLLM's x, B, C, SSM): decode rank 3 of 4 reads its quarter of each
+    segment from prefill rank 1 of 2, one descriptor per segment, block and layer."""
+    r = plan_json("--kind", "mamba", "--mamba-segments", "384,96,96,1024", "--prefill-tp", "2", "--decode-tp", "4",
+                  "--decode-rank", "3", "--layers", "2", "--blocks", "0:4")  # fmt: skip
+    sources = r["sources"]
+    assert isinstance(sources, list)
+    assert [s["remote_rank"] for s in sources] == [1]
+    assert sources[0]["reason"] == (
+        "mamba state in 4 segments, each split evenly over TP: remote rank 1 holds slice 1 of 2 of each, local rank 3 "
+        "needs slice 3 of 4"
+    )
+    assert (r["descriptors"], r["bytes"]) == (4 * 4 * 2, 4 * 400 * 2)
+    first = sources[0]["first"][:4]
+    assert [(d["local_offset"], d["remote_offset"], d["length"]) for d in first] == [
+        (0, 96, 96), (96, 192 + 24, 24), (120, 240 + 24, 24), (144, 288 + 256, 256),
+    ]  # fmt: skip
+
+
 def test_plan_text_names_regions_descriptors_bytes_mean_and_per_block_count() -> None:
     args = ["plan", "--layers", "4", "--kv-heads", "8", "--head-size", "64", "--dtype", "fp16", "--block-size", "32",
             "--layout", "NHD", "--prefill-tp", "2", "--decode-tp", "4", "--decode-rank", "3", "--blocks", "0:3,7",
@@ -128,6 +147,12 @@ def test_plan_refuses_unknown_layout_and_dtype() -> None:
         (["--kind", "mamba", "--prefill-tp", "2"],
          "--prefill-tp: a mamba page is opaque, so heterogeneous TP (local 1, remote 2) cannot be split per head; use "
          "the same TP size on both sides"),
+        (["--kind", "mamba", "--mamba-segments", "384,96,96,1024", "--prefill-tp", "3"],
+         "--mamba-segments: segment 3 of 1024 bytes does not split evenly over tp_size 3 (prefill side, "
+         "--prefill-tp 3)"),
+        (["--kind", "mamba", "--mamba-segments", "38x"],
+         "--mamba-segments: '38x' is not a comma-separated list of byte sizes"),
+        (["--mamba-segments", "4"], "--mamba-segments: only for --kind mamba, got --kind attention"),
         (["--remote-block-size", "24"],
          "--remote-block-size: 24 and --block-size 16: neither is a multiple of the other"),
         (["--kind", "quantized", "--dtype", "bf16"],

@@ -67,6 +67,8 @@ class Case:
     remote: SideCase
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
+    segments: tuple[int, ...] = ()  # mamba: the global byte size of each TP segment (head_size unused)
+    replicated: bool = False  # mamba: every rank holds the whole state
 
 
 def _block_list(draw: st.DrawFn, n_avail: int, m: int) -> tuple[int, ...]:
@@ -171,6 +173,7 @@ def cases(draw: st.DrawFn) -> Case:
 
 def _side(case: Case, sc: SideCase, tp: int, rank: int) -> Side:
     h0, h1 = heads_of_rank(case.total_heads, tp, rank)
+    segments = tuple(g // tp for g in case.segments)
     side = Side(
         kind=case.kind,
         dtype=case.dtype,
@@ -180,11 +183,14 @@ def _side(case: Case, sc: SideCase, tp: int, rank: int) -> Side:
         heads=h1 - h0,
         head_start=h0,
         total_heads=case.total_heads,
-        head_size=case.head_size,
+        head_size=sum(segments) if segments else case.head_size,
         head_size_v=case.head_size_v or case.head_size,
         stride_order=sc.stride_order,
         kernel_block_size=sc.kernel,
         rank=rank,
+        segments=segments,
+        tp_size=tp,
+        replicated=case.replicated,
     )
     if sc.pad:
         side = dataclasses.replace(side, page_stride=side.page_bytes + sc.pad)
@@ -199,9 +205,9 @@ def _layout(case: Case, side: Side) -> KVCacheLayout:
     order, cross, heads_outer = ORDER_FIELDS[side.stride_order]
     layers, blocks, tokens, kernel = case.layers, side.blocks, side.block_size, side.kernel_block_size
     if case.kind == "mamba":
-        return KVCacheLayout.mamba(num_layers=layers, num_blocks=blocks, page_size_bytes=case.head_size,
-                                   cross_layer=cross, page_stride=side.page_stride,
-                                   block_bytes=side.block_bytes)  # fmt: skip
+        return KVCacheLayout.mamba(num_layers=layers, num_blocks=blocks, page_size_bytes=side.head_size,
+                                   cross_layer=cross, page_stride=side.page_stride, block_bytes=side.block_bytes,
+                                   segments=side.segments, replicated=side.replicated)  # fmt: skip
     if case.kind == "mla":
         return KVCacheLayout.mla(num_layers=layers, num_blocks=blocks, block_size=tokens, latent_dim=case.head_size,
                                  dtype=case.dtype, cross_layer=cross, page_stride=side.page_stride,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import numpy as np
@@ -96,6 +97,32 @@ async def test_hybrid_attention_plus_mamba_layer(harness: Harness) -> None:
         salt=6,
     )  # fmt: skip
     assert res.bytes == 12 * layouts["attention"].page_bytes * 3 + 2 * 4000
+
+
+#: A Mamba2 state in vLLM's DS conv layout, global bytes: x, B, C of the conv state, then the SSM state.
+MAMBA_SEGMENTS = (384, 96, 96, 1024)
+
+
+def mamba_split(tp: int, **kw: Any) -> KVCacheLayout:
+    """The Mamba layout of one of ``tp`` ranks, its state split in TP segments."""
+    local = tuple(s // tp for s in MAMBA_SEGMENTS)
+    return KVCacheLayout.mamba(num_layers=2, num_blocks=64, page_size_bytes=sum(local), segments=local, **kw)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 4), (4, 2)])
+async def test_mamba_state_split_between_tp_sizes(harness: Harness, p_tp: int, d_tp: int) -> None:
+    """Every decode rank's Mamba page is its slice of each segment of the state the prefill ranks hold
+    together (every byte checked against the global state), beside attention heads split the same way."""
+    p_lay = {"attention": attention(layers=2, tp=p_tp), "mamba": mamba_split(p_tp, page_stride=4096)}
+    d_lay = {"attention": attention(layers=2, tp=d_tp), "mamba": mamba_split(d_tp)}
+    ps, pw, _ds, dw = await harness.deployment(p_lay, d_lay, prefill_tp=p_tp, decode_tp=d_tp)
+    results = await transfer(
+        pw, ps, dw, "r1", {"attention": FRAGMENTED_P, "mamba": [7, 8]}, {"attention": FRAGMENTED_D, "mamba": [33, 1]},
+        salt=9,
+    )  # fmt: skip
+    for d, res in enumerate(results):
+        first = d * p_tp // d_tp
+        assert res.remote_ranks == tuple(range(first, max(first + 1, (d + 1) * p_tp // d_tp)))
 
 
 async def test_cross_layer_cache_one_descriptor_per_run(harness: Harness) -> None:

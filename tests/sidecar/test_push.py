@@ -50,6 +50,15 @@ async def test_push_writes_every_byte(harness: Harness, offer_first: bool) -> No
 MLA = KVCacheLayout.mla(num_layers=3, num_blocks=64, block_size=16, latent_dim=576)
 HYBRID = {"attention": attention(layers=3), "mamba": KVCacheLayout.mamba(num_layers=1, num_blocks=64,
                                                                           page_size_bytes=4000)}  # fmt: skip
+
+
+def _split(tp: int) -> dict[str, KVCacheLayout]:
+    """A hybrid rank of ``tp``: its heads, and its slice of each segment of a Mamba2 state (x, B, C, SSM)."""
+    local = tuple(s // tp for s in (384, 96, 96, 1024))
+    mamba = KVCacheLayout.mamba(num_layers=2, num_blocks=64, page_size_bytes=sum(local), segments=local)
+    return {"attention": attention(layers=2, tp=tp), "mamba": mamba}
+
+
 FP8_16 = KVCacheLayout.quantized(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=4, head_size=64)
 FP8_32 = KVCacheLayout.quantized(num_layers=2, num_blocks=64, block_size=32, num_kv_heads=4, head_size=64)
 CASES: dict[str, tuple[object, object, int, int, dict[str, list[int]], dict[str, list[int]]]] = {
@@ -62,6 +71,10 @@ CASES: dict[str, tuple[object, object, int, int, dict[str, list[int]], dict[str,
     "mla-tp2-to-1": ({"kv": MLA}, {"kv": MLA}, 2, 1, {"kv": FRAGMENTED_P}, {"kv": FRAGMENTED_D}),
     "hybrid-mamba": (HYBRID, HYBRID, 1, 1, {"attention": FRAGMENTED_P, "mamba": [7, 8]},
                      {"attention": FRAGMENTED_D, "mamba": [33, 1]}),
+    "mamba-split-tp2-to-1": (_split(2), _split(1), 2, 1, {"attention": FRAGMENTED_P, "mamba": [7, 8]},
+                             {"attention": FRAGMENTED_D, "mamba": [33, 1]}),
+    "mamba-split-tp1-to-4": (_split(1), _split(4), 1, 4, {"attention": FRAGMENTED_P, "mamba": [7, 8]},
+                             {"attention": FRAGMENTED_D, "mamba": [33, 1]}),
     "cross-layer": ({"kv": attention(layers=8, cross_layer=True)}, {"kv": attention(layers=8, cross_layer=True)}, 1,
                     1, {"kv": list(range(10, 30))}, {"kv": list(range(40, 60))}),
     "fp8-block-16-to-32": ({"kv": FP8_16}, {"kv": FP8_32}, 1, 1, {"kv": [3, 4, 9, 10, 20, 21]}, {"kv": [7, 2, 30]}),

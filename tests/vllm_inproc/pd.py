@@ -73,7 +73,7 @@ WORKER_HOSTED = ("--backend", "worker")
 #: restart test (which kills its sidecar).
 SIDECAR_SETS = {
     "pre1": ("prefill", 1), "pre2": ("prefill", 2), "dec1": ("decode", 1), "dec2": ("decode", 2),
-    "pre1kv": ("prefill", 1), "pre1fp4": ("prefill", 1), "pre1mla": ("prefill", 1),
+    "pre1kv": ("prefill", 1), "pre1fp4": ("prefill", 1), "pre1mla": ("prefill", 1), "pre1mamba": ("prefill", 1),
     "pre1cfg": ("prefill", 1), "dec2cfg": ("decode", 2), "pre2cfg": ("prefill", 2), "dec1cfg": ("decode", 1),
     "prst": ("prefill", 1), "pexit": ("prefill", 1),
     # Two pipeline stages of one rank each (a set's sockets are numbered by rank, stage by stage).
@@ -253,8 +253,8 @@ class PD:
             else:
                 w.register(eng.describe(), eng.kv_caches)
             workers.append(w)
-        sched = SchedulerSide(cs, engine_id=engine_id or f"vllm-{role}",
-                              groups=transfer_groups(engines[0].kv_cache_config), tp_size=tp, pp_size=pp)  # fmt: skip
+        groups = transfer_groups(engines[0].kv_cache_config, tp)
+        sched = SchedulerSide(cs, engine_id=engine_id or f"vllm-{role}", groups=groups, tp_size=tp, pp_size=pp)
         self.made.append(sched)
         connectors = [r.connector for r in runners] or [
             worker_connector(w, e) for w, e in zip(workers, engines, strict=True)

@@ -720,6 +720,33 @@ def test_mamba_state_from_another_tp_size_is_computed_here(monkeypatch: pytest.M
         assert sched.matched_tokens(req, 0) == want, tp
 
 
+def test_mamba_state_whose_tp_split_is_known_loads_from_another_tp_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mamba group whose split over TP is known (vLLM's DS conv layout, or a replicated state) moves
+    between TP sizes: the decode scheduler promises the load."""
+    from types import SimpleNamespace
+
+    from kvxfer.integrations.vllm.scheduler import SchedulerSide
+    from kvxfer.integrations.vllm.spec import TransferGroup
+
+    groups = [TransferGroup(0, "g0", "full", BS), TransferGroup(1, "g1", "state", BS, tp_split=True)]
+    sched = SchedulerSide(ConnectorSettings(sidecar_socket="/nonexistent/{rank}.sock", prepare_pulls=False),
+                          engine_id="d", groups=groups, tp_size=2)  # fmt: skip
+    monkeypatch.setattr(sched, "_expect", lambda rid, remote: None)  # no sidecar: nothing to hold
+    params = {"do_remote_prefill": True, "remote_request_id": "x", "remote_block_ids": [[1, 2, 3], [7]],
+              "kvxfer_addresses": ["127.0.0.1:1"], "remote_num_tokens": 3 * BS - 1}  # fmt: skip
+    for tp in (1, 2, 4):
+        req = SimpleNamespace(request_id=f"d{tp}", kv_transfer_params=dict(params, tp_size=tp),
+                              prompt_token_ids=list(range(3 * BS)))  # fmt: skip
+        assert sched.matched_tokens(req, 0) == (3 * BS - 1, True), tp
+    # A prefill instance that says its state is opaque (another conv layout there): computed here.
+    groups_params = [{"name": "g0", "block_size": BS}, {"name": "g1", "block_size": BS, "first_block": 2}]
+    for split, want in ((False, (0, False)), (True, (3 * BS - 1, True))):
+        groups_params[1]["tp_split"] = split
+        req = SimpleNamespace(request_id=f"s{split}", prompt_token_ids=list(range(3 * BS)),
+                              kv_transfer_params=dict(params, tp_size=1, kvxfer_groups=groups_params))  # fmt: skip
+        assert sched.matched_tokens(req, 0) == want, split
+
+
 def test_a_publish_whose_answer_came_too_late_is_released_before_vllm_frees_its_blocks(pd: PD) -> None:
     """The prefill sidecar stalls (SIGSTOP: a real stall, not a stand-in) past the scheduler's call
     timeout while a Publish is on its way: vLLM is told nothing was published and frees the blocks,

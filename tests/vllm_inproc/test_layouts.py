@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout as VLayout
 
 import kvxfer.integrations.vllm as integration
@@ -193,6 +193,60 @@ def test_kernel_blocks_and_padding_are_read_from_vllm() -> None:
     ms = mamba_spec(page_size_padded=8192)
     (g,) = build_engine(one(ms)()).describe()
     assert (g.layout.page_bytes, g.layout.padded_page_bytes) == (ms.state_content_size_bytes, 8192)
+
+
+def _conv_layout(monkeypatch: pytest.MonkeyPatch, name: str | None) -> None:
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    if name is None:
+        monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", name)
+    get_conv_state_layout.cache_clear()
+
+
+@pytest.fixture
+def conv_layout(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Sets vLLM's conv state layout (its value is cached by vLLM: cleared before and after)."""
+    yield lambda name: _conv_layout(monkeypatch, name)
+    _conv_layout(monkeypatch, None)
+
+
+def test_mamba_tp_split_is_vllms_own_conv_split(conv_layout: Any) -> None:
+    """With the DS conv layout the segments are vLLM's sub-projections (derive_mamba_conv_split) then the
+    temporal state, as this rank's bytes; the SD layout, other mamba types and a replicated state differ."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as M
+
+    from kvxfer.integrations.vllm.spec import mamba_tp_split, transfer_groups
+
+    conv_layout("DS")
+    # Mamba2 at TP 2: x 16 + B 4 + C 4 over 2 ranks, 3 conv rows of fp16; 1 head of (8, 16) fp32.
+    m2 = MambaSpec(block_size=16, shapes=((12, 3), (1, 8, 16)), dtypes=(torch.float16, torch.float32),
+                   mamba_type=M.MAMBA2)  # fmt: skip
+    assert mamba_tp_split(m2, 2) == ((8 * 6, 2 * 6, 2 * 6, 8 * 16 * 4), False)
+    # Mamba1: x only; its temporal state is (intermediate / TP, d_state).
+    m1 = MambaSpec(block_size=16, shapes=((32, 3), (32, 16)), dtypes=(torch.float16, torch.float32),
+                   mamba_type=M.MAMBA1)  # fmt: skip
+    assert mamba_tp_split(m1, 4) == ((32 * 6, 32 * 16 * 4), False)
+    # GDN: Q, K (equal), V; temporal (v heads, v dim, k dim).
+    gdn = MambaSpec(block_size=16, shapes=((2 * 8 + 16, 3), (2, 8, 4)), dtypes=(torch.bfloat16, torch.float32),
+                    mamba_type=M.GDN_ATTN)  # fmt: skip
+    assert mamba_tp_split(gdn, 2) == ((8 * 6, 8 * 6, 16 * 6, 2 * 8 * 4 * 4), False)
+    short = MambaSpec(block_size=16, shapes=((12, 3), (1, 8, 16)), dtypes=(torch.float16, torch.float32),
+                      mamba_type=M.SHORT_CONV)  # fmt: skip
+    assert mamba_tp_split(short, 2) == ((), False)  # vLLM's connector does not split it either
+    rep = MambaSpec(block_size=16, shapes=((12, 3),), dtypes=(torch.float16,), tp_replicated=True)
+    assert mamba_tp_split(rep, 2) == ((), True)
+    # Described from an engine: the layout carries the segments, the scheduler's group knows it moves.
+    eng = build_engine(one(m2)(), tp_size=2, tp_rank=1)
+    (g,) = eng.describe()
+    assert g.layout.segments == (48, 12, 12, 512)
+    assert [t.tp_split for t in transfer_groups(eng.kv_cache_config, 2)] == [True]
+    conv_layout("SD")
+    assert mamba_tp_split(m2, 2) == ((), False)
+    (g,) = eng.describe()
+    assert g.layout.segments == ()
+    assert [t.tp_split for t in transfer_groups(eng.kv_cache_config, 2)] == [False]
 
 
 # ------------------------------------------------------------------------------ refusals

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -421,6 +421,77 @@ def test_attention_and_mamba_groups(pd: PD) -> None:
         assert torch.equal(rows(dec.engines, n, d_attn, loaded), rows(pre.engines, n, p_attn, loaded))
     mamba = layers[2]
     assert_mamba_state_moved(pre.engines[0], dec.engines[0], mamba, p_state, d_state)
+
+
+# A Mamba2 layer in vLLM's DS conv layout (VLLM_SSM_CONV_STATE_LAYOUT=DS), global sizes: the conv state
+# is (x + B + C, conv rows) fp16, the SSM state (heads, head dim, d_state) fp32, each split over TP.
+MAMBA2_X, MAMBA2_B, CONV_ROWS, MAMBA2_HEADS, MAMBA2_HEAD_DIM, MAMBA2_D_STATE = 16, 4, 3, 2, 8, 16
+
+
+@pytest.fixture
+def ds_conv_layout(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    get_conv_state_layout.cache_clear()
+    yield
+    monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT")
+    get_conv_state_layout.cache_clear()
+
+
+def hybrid_ds_groups(bs: int, tp: int) -> list[GroupDef]:
+    """Two attention layers and a Mamba2 layer (DS conv layout) as one of ``tp`` ranks holds them."""
+    attn = attention_spec(block_size=bs, heads=HEADS // tp, head_size=HEAD)
+    conv = ((MAMBA2_X + 2 * MAMBA2_B) // tp, CONV_ROWS)
+    ssm = (MAMBA2_HEADS // tp, MAMBA2_HEAD_DIM, MAMBA2_D_STATE)
+    mamba = mamba_spec(shapes=(conv, ssm), block_size=bs, page_size_padded=attn.page_size_bytes)
+    return [GroupDef(MIXER_LAYERS[:2], attn), GroupDef(MIXER_LAYERS[2:], mamba)]
+
+
+def global_mamba2_state(insts: Sequence[Engine], layer: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole Mamba2 state of ``block`` as bytes, put together from every rank's conv and SSM states:
+    x of every rank, then B of every rank, then C; the SSM heads of every rank."""
+    tp = len(insts)
+    x, b = MAMBA2_X // tp, MAMBA2_B // tp
+    convs, ssms = [], []
+    for e in insts:
+        conv, ssm = e.mamba[layer].bind(e.kv_caches[layer])
+        convs.append(conv[block].view(torch.uint8))
+        ssms.append(ssm[block].view(torch.uint8))
+    parts = [c[:x] for c in convs] + [c[x : x + b] for c in convs] + [c[x + b :] for c in convs]
+    return torch.cat(parts), torch.cat(ssms)
+
+
+@pytest.mark.usefixtures("ds_conv_layout")
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_mamba2_state_between_tp_sizes(pd: PD, p_tp: int, d_tp: int) -> None:
+    """With the DS conv layout a Mamba2 state moves between TP sizes: each decode rank gets its slice of
+    x, B, C and the SSM heads from the prefill ranks holding them, and the state the decode ranks hold
+    together is the prefill ranks' state, byte for byte."""
+    bs = 16
+    pre = pd.instance("prefill", engines(groups=hybrid_ds_groups(bs, p_tp), tp=p_tp, seed=9),
+                      sidecars="pre1mamba" if d_tp > p_tp else "")  # fmt: skip
+    dec = pd.instance("decode", engines(groups=hybrid_ds_groups(bs, d_tp), tp=d_tp, seed=19))
+    mamba = MIXER_LAYERS[2]
+    segments = [g.layout.segments for g in dec.engines[0].describe() if g.layout.kind.value == "mamba"]
+    x, b, ssm = MAMBA2_X // d_tp, MAMBA2_B // d_tp, MAMBA2_HEADS // d_tp * MAMBA2_HEAD_DIM * MAMBA2_D_STATE * 4
+    assert segments == [(x * CONV_ROWS * 2, b * CONV_ROWS * 2, b * CONV_ROWS * 2, ssm)]
+    prompt = 70
+    p_attn, d_attn = blocks_for(prompt, bs, P_POOL), blocks_for(prompt, bs, D_POOL)
+    p_state, d_state = 22, 23
+    params = pd.publish(pre, "m2tp", prompt, [p_attn, [p_state]])
+    assert params["tp_size"] == p_tp
+    assert params["kvxfer_groups"][1]["tp_split"] is True  # the prefill side knows its state's split too
+    before = global_mamba2_state(dec.engines, mamba, d_state)
+    assert pd.load(dec, "m2tp-d", prompt, params, [d_attn, [d_state]]) == set()
+    pre.finished(sending="m2tp")
+    for n in MIXER_LAYERS[:2]:
+        loaded = range(prompt - 1)
+        assert torch.equal(rows(dec.engines, n, d_attn, loaded), rows(pre.engines, n, p_attn, loaded))
+    got, want = global_mamba2_state(dec.engines, mamba, d_state), global_mamba2_state(pre.engines, mamba, p_state)
+    assert not torch.equal(before[0], want[0])  # the random cells differed before the load
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
 
 
 # ------------------------------------------------------------------------------ sidecars that outlive a configuration

@@ -97,9 +97,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            groups = transfer_groups(kv_cache_config, par.tensor_parallel_size)
             self._scheduler = SchedulerSide(
-                self.settings, engine_id=self.engine_id, groups=transfer_groups(kv_cache_config),
-                tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size, dp_rank=par.data_parallel_rank,
+                self.settings, engine_id=self.engine_id, groups=groups, tp_size=par.tensor_parallel_size,
+                pp_size=par.pipeline_parallel_size, dp_rank=par.data_parallel_rank,
             )  # fmt: skip
         else:
             from vllm.distributed.parallel_state import (

@@ -11,7 +11,8 @@ uses the same names), plus a few of kvxfer's own, so existing routers work uncha
   API address of every prefill rank's sidecar, in rank order), ``kvxfer_engine_id`` (the engine
   id those sidecars handshake with) and ``kvxfer_groups`` (per group: its name, block size and
   the position of its first listed block in the request's block table, since sliding-window
-  groups publish only their tail and Mamba groups only their state block);
+  groups publish only their tail and Mamba groups only their state block, and for a Mamba group
+  ``tp_split``: whether its state's split over TP ranks is known, so that it moves between TP sizes);
 * proxy -> decode: that dict, unchanged.
 
 **Push mode** (:func:`push_params`): the proxy sends the request to both instances at once, with
@@ -75,6 +76,9 @@ class RemoteGroup:
     block_ids: tuple[int, ...]
     block_size: int  # tokens per block on the prefill side (0: not given)
     first_block: int = 0  # position of block_ids[0] in the request's block table
+    #: Mamba state: whether the prefill side knows the state's split over TP (it then moves between
+    #: TP sizes); None: not a state group, or not given (a prefill instance that predates the key).
+    tp_split: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -180,8 +184,15 @@ def prefill_response(
         "pp_size": pp_size,
         "kvxfer_addresses": list(addresses),
         "kvxfer_engine_id": sidecar_engine_id,
-        "kvxfer_groups": [{"name": g.name, "block_size": g.block_size, "first_block": g.first_block} for g in groups],
+        "kvxfer_groups": [_group_params(g) for g in groups],
     }
+
+
+def _group_params(g: RemoteGroup) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": g.name, "block_size": g.block_size, "first_block": g.first_block}
+    if g.tp_split is not None:
+        out["tp_split"] = g.tp_split
+    return out
 
 
 def _string(params: Mapping[str, Any], key: str) -> str:
@@ -259,5 +270,8 @@ def _groups(value: Any, lists: list[tuple[int, ...]], block_size: int) -> tuple[
         for k, v in nums.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ParamsError(f"kvxfer_groups[{i}].{k}: must be an integer >= 0, got {v!r}", field="kvxfer_groups")
-        out.append(RemoteGroup(g["name"], ids, nums["block_size"], nums["first_block"]))
+        tp_split = g.get("tp_split")
+        if tp_split is not None and not isinstance(tp_split, bool):
+            raise ParamsError(f"kvxfer_groups[{i}].tp_split: must be a bool, got {tp_split!r}", field="kvxfer_groups")
+        out.append(RemoteGroup(g["name"], ids, nums["block_size"], nums["first_block"], tp_split))
     return tuple(out)

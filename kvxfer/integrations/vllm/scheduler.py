@@ -359,11 +359,19 @@ class SchedulerSide:
                 f"the prefill instance runs {remote.pp_size} pipeline stages, this one {self.pp_size} (a stage "
                 "reads the same stage's layers)"
             )
-        state = [g.name for g in self.groups if g.role == "state"]
+        # A state group whose split over TP is known on both sides moves between any TP sizes (the
+        # sidecars check at the handshake that both sides split it alike); an opaque one only between
+        # equal ones. A prefill instance that does not say (older params) is left to the handshake.
+        remote_split = {r.name: r.tp_split for r in remote.groups}
+        state = [g.name for g in self.groups
+                 if g.role == "state" and not (g.tp_split and remote_split.get(g.name) is not False)]  # fmt: skip
         if state and remote.tp_size and remote.tp_size != self.tp_size:
+            where = "here" if not next(g for g in self.groups if g.name == state[0]).tp_split else "on the prefill side"
             return (
                 f"group {state[0]}: Mamba state moves only between equal tensor-parallel sizes (prefill "
-                f"{remote.tp_size}, here {self.tp_size})"
+                f"{remote.tp_size}, here {self.tp_size}) unless its split over TP is known on both sides; it is not "
+                f"{where} (vLLM's conv state layout DS, VLLM_SSM_CONV_STATE_LAYOUT=DS, with Mamba1, Mamba2 or GDN "
+                "layers)"
             )
         if self.prefill_backoff and remote.num_tokens and remote.num_tokens < tokens:
             return f"the prefill side computed {remote.num_tokens} tokens, {tokens} are needed"

@@ -30,6 +30,7 @@ __all__ = [
     "KVCacheDescriptionError",
     "TransferGroup",
     "describe_caches",
+    "mamba_tp_split",
     "reports_failed_blocks",
     "transfer_groups",
     "vllm_version_supported",
@@ -69,6 +70,9 @@ class TransferGroup:
     window: int = 0  # sliding window in tokens
     spec_blocks: int = 0  # Mamba: trailing speculative scratch blocks
     chunk: int = 0  # chunked local attention: tokens per chunk
+    #: Mamba: the state's split over TP ranks is known (segments, or replicated), so it moves
+    #: between any TP sizes; False: an opaque page, equal TP sizes only.
+    tp_split: bool = False
 
     @property
     def window_blocks(self) -> int:
@@ -76,16 +80,18 @@ class TransferGroup:
         return math.ceil(self.window / self.block_size) + 1 if self.window else 0
 
 
-def transfer_groups(kv_cache_config: Any) -> tuple[TransferGroup, ...]:
-    """The transfer groups of an engine, from its ``KVCacheConfig`` (scheduler or worker copy)."""
+def transfer_groups(kv_cache_config: Any, tp_size: int = 1) -> tuple[TransferGroup, ...]:
+    """The transfer groups of an engine, from its ``KVCacheConfig`` (scheduler or worker copy) and TP size."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     out = []
     for i, group in enumerate(_transfer_group_specs(kv_cache_config)):
         spec = _first_spec(group.kv_cache_spec)
         if isinstance(spec, MambaSpec):
+            segments, replicated = mamba_tp_split(spec, tp_size)
             out.append(TransferGroup(i, f"g{i}", "state", int(spec.block_size),
-                                     spec_blocks=int(spec.num_speculative_blocks)))  # fmt: skip
+                                     spec_blocks=int(spec.num_speculative_blocks),
+                                     tp_split=bool(segments) or replicated))  # fmt: skip
         elif isinstance(spec, SlidingWindowSpec):
             out.append(TransferGroup(i, f"g{i}", "window", int(spec.block_size), window=int(spec.sliding_window)))
         elif isinstance(spec, ChunkedLocalAttentionSpec):
@@ -93,6 +99,42 @@ def transfer_groups(kv_cache_config: Any) -> tuple[TransferGroup, ...]:
         else:
             out.append(TransferGroup(i, f"g{i}", "full", int(spec.block_size)))
     return tuple(out)
+
+
+def mamba_tp_split(spec: Any, tp_size: int) -> tuple[tuple[int, ...], bool]:
+    """How a Mamba layer's state is split over ``tp_size`` TP ranks: (segments, replicated).
+
+    ``MambaSpec.tp_replicated``: every rank holds the whole state. Otherwise, with vLLM's DS conv
+    state layout (``VLLM_SSM_CONV_STATE_LAYOUT=DS``: the conv state is (dim, state_len), so each
+    sub-projection is contiguous) and a Mamba1, Mamba2 or GDN layer, vLLM's own
+    ``derive_mamba_conv_split`` names the conv state's sub-projections (x; x, B, C; Q, K, V), each
+    split evenly over the ranks, and the temporal (SSM) state follows, split on its first dim: the
+    segments, as this rank's byte sizes in page order, as vLLM's NixlConnector reads them. Anything
+    else (the SD layout, other mamba types, states that do not add up): ``((), False)``, an opaque
+    page that moves only between equal TP sizes.
+    """
+    if getattr(spec, "tp_replicated", False):
+        return (), True
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:  # a vLLM without NIXL's conv split
+        return (), False
+    shapes = tuple(getattr(spec, "shapes", ()))
+    if not is_conv_state_dim_first() or len(shapes) != 2 or len(shapes[0]) != 2:
+        return (), False
+    try:
+        split = derive_mamba_conv_split(spec, tp_size)
+    except (NotImplementedError, AssertionError, ValueError, TypeError, ZeroDivisionError):
+        return (), False
+    segments = (*(int(b) for b in split.proj_bytes), int(split.ssm_sizes[1]))
+    # The conv state's parts and the temporal state are the whole page content, in this order
+    # (MambaSpec.shapes order, as the Mamba layer cuts its page); anything else stays opaque.
+    if min(segments) < 1 or sum(segments) != int(spec.state_content_size_bytes):
+        return (), False
+    if sum(segments[:-1]) != int(split.ssm_sizes[0]):
+        return (), False
+    return segments, False
 
 
 def reports_failed_blocks(kv_cache_config: Any) -> bool:
@@ -270,8 +312,10 @@ def _layout_of(spec: Any, facts: _EngineFacts, layer: str, module: Any) -> KVCac
         if isinstance(spec, MambaSpec):
             content = int(spec.state_content_size_bytes)
             padded = int(spec.page_size_bytes)
+            segments, replicated = mamba_tp_split(spec, facts.tp_size)
             return KVCacheLayout.mamba(num_layers=1, num_blocks=1, page_size_bytes=content,
-                                       page_stride=padded if padded != content else 0)  # fmt: skip
+                                       page_stride=padded if padded != content else 0, segments=segments,
+                                       replicated=replicated)  # fmt: skip
         if not isinstance(spec, AttentionSpec):
             raise KVCacheDescriptionError(f"{where}: {type(spec).__name__} is not a KV-cache kind kvxfer moves",
                                           field="kv_cache_spec")  # fmt: skip

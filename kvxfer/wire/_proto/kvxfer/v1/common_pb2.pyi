@@ -43,6 +43,8 @@ class Layout(_message.Message):
     KERNEL_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     PACKING_FIELD_NUMBER: _builtins.int
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """attention | quantized | kv_planes | mla | mamba"""
     num_layers: _builtins.int
@@ -73,6 +75,15 @@ class Layout(_message.Message):
     """attention: K and V inside a (block, head) page: kv (default) | cpu_kt | head_block"""
     block_bytes: _builtins.int
     """block-major: bytes from one block to the next (0: the block is its layers' pages)"""
+    replicated: _builtins.bool
+    """mamba: every TP rank holds the whole state"""
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """mamba: the page's TP-sharded parts in page order, as this rank's byte sizes (they sum to
+        head_size); each is split evenly and contiguously over the TP ranks. Empty: an opaque page
+        (equal TP sizes only).
+        """
+
     def __init__(
         self,
         *,
@@ -92,10 +103,12 @@ class Layout(_message.Message):
         kernel_block_size: _builtins.int = ...,
         packing: _builtins.str = ...,
         block_bytes: _builtins.int = ...,
+        segments: _abc.Iterable[_builtins.int] | None = ...,
+        replicated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size", b"block_size", "cross_layer", b"cross_layer", "dtype", b"dtype", "head_size", b"head_size", "head_size_v", b"head_size_v", "heads_outer", b"heads_outer", "kernel_block_size", b"kernel_block_size", "kind", b"kind", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "order", b"order", "packing", b"packing", "page_stride", b"page_stride", "total_kv_heads", b"total_kv_heads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_size", b"block_size", "cross_layer", b"cross_layer", "dtype", b"dtype", "head_size", b"head_size", "head_size_v", b"head_size_v", "heads_outer", b"heads_outer", "kernel_block_size", b"kernel_block_size", "kind", b"kind", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "order", b"order", "packing", b"packing", "page_stride", b"page_stride", "replicated", b"replicated", "segments", b"segments", "total_kv_heads", b"total_kv_heads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
