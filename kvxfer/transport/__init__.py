@@ -18,6 +18,7 @@ from kvxfer.transport.errors import (
     RegistrationError,
     TransferFailedError,
     TransferTimeoutError,
+    TransferUnfencedError,
     TransportError,
 )
 from kvxfer.transport.registry import available_transports, create_transport, register_transport, transport_class
@@ -34,6 +35,7 @@ __all__ = [
     "TransferFailedError",
     "TransferResult",
     "TransferTimeoutError",
+    "TransferUnfencedError",
     "Transport",
     "TransportConfig",
     "TransportError",
