@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
@@ -403,10 +404,11 @@ def test_a_failed_read_lands_nothing_after_it_raised(
     pid = peer.proc.pid
     freeze(pid)
 
+    resume = threading.Timer(1.5, os.kill, (pid, signal.SIGCONT))  # whether or not the READ returned by then
+
     async def failed() -> float:
-        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        loop.call_later(1.5, os.kill, pid, signal.SIGCONT)
+        resume.start()
         task = asyncio.create_task(transport.read(name, ld, rd, timeout=1.0 if how == "timeout" else 30))
         if how == "cancel":
             await asyncio.sleep(0.5)
@@ -417,10 +419,10 @@ def test_a_failed_read_lands_nothing_after_it_raised(
         return time.monotonic() - t0
 
     raised_after = asyncio.run(failed())
-    assert 1.5 <= raised_after < 5.0  # after the resume: the fence waited for the READ to end
     at_error = [r.copy() for r in cache.regions]
-    time.sleep(1.0)
+    time.sleep(max(2.5 - raised_after, 0) + 1.0)  # past the resume, and a second more
     assert all(np.array_equal(a, r) for a, r in zip(at_error, cache.regions, strict=True)), "bytes landed late"
+    assert 1.5 <= raised_after < 5.0  # after the resume: the fence waited for the READ to end
     assert transport.unfenced_total == 0
     assert transport.unfenced_live() == 0
 
