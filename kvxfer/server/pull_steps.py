@@ -503,6 +503,14 @@ class PullSteps:
                                remote_mem_type=mem_type(rmem))  # fmt: skip
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True)
+            if exc.reason == Reason.DATA_PLANE_UNFENCED:
+                # The READ was still in flight after the fence budget: its bytes may still land in these
+                # blocks, which the worker must not hand to another request until it knows they stopped.
+                raise PeerUnavailableError(
+                    f"data plane READ from {s.identity.label} at {s.address} failed and may still land: "
+                    f"{exc.message}",
+                    field="remote_addresses", reason=Reason.DATA_PLANE_UNFENCED,
+                ) from None  # fmt: skip
             if exc.status == "DEADLINE_EXCEEDED":
                 raise DeadlineError(
                     f"data plane READ from {s.identity.label} at {s.address} did not finish within {remaining:.3g}s "

@@ -451,7 +451,7 @@ def _metric_reason(err: KvxferError, outcome: str) -> str:
     """The ``reason`` label of kvxfer_transfer_failures_total (values the dashboard and contract name)."""
     if outcome in ("timeout", "aborted"):
         return outcome
-    if err.reason is Reason.DATA_PLANE:
+    if err.reason in (Reason.DATA_PLANE, Reason.DATA_PLANE_UNFENCED):
         return "data_plane"
     return err.status.lower()
 
