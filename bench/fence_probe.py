@@ -45,10 +45,15 @@ def nixl(scenario: str) -> None:
     assert pid
     freeze(pid)
     t0 = time.monotonic()
-    h = agent.initialize_xfer("READ", agent.get_xfer_descs(ld, "DRAM"), agent.get_xfer_descs(rd, "DRAM"), name, b"")
+    op = "WRITE" if scenario.startswith("write") else "READ"
+    if op == "WRITE":
+        for r, e in zip(cache.regions, peer.expected.regions, strict=True):
+            r[:] = 255 - e  # differs from every byte the peer holds
+    h = agent.initialize_xfer(op, agent.get_xfer_descs(ld, "DRAM"), agent.get_xfer_descs(rd, "DRAM"), name, b"")
     log(t0, f"posted: {agent.transfer(h)}; nonzero bytes {landed(cache)} of {int(ld[:, 1].sum())}")
-    time.sleep(1.0)
-    log(t0, f"peer stopped 1 s: state {agent.check_xfer_state(h)}, nonzero {landed(cache)}")
+    stop_s = float(os.environ.get("PROBE_STOP_S", "1"))
+    time.sleep(stop_s)
+    log(t0, f"peer stopped {stop_s:g} s: state {agent.check_xfer_state(h)}, nonzero {landed(cache)}")
     if scenario in ("release", "remove"):
         try:
             agent.release_xfer_handle(h)
@@ -64,6 +69,23 @@ def nixl(scenario: str) -> None:
                 log(t0, f"state after remove: {agent.check_xfer_state(h)}")
             except Exception as exc:  # noqa: BLE001
                 log(t0, f"check_xfer_state after remove raised {type(exc).__name__}: {exc}")
+    if op == "WRITE":
+        if scenario == "write-release":
+            agent.release_xfer_handle(h)
+            h = None
+            log(t0, "released the PROC handle")
+        os.kill(pid, signal.SIGCONT)
+        tc = time.monotonic()
+        state = "PROC"
+        while h is not None and state == "PROC" and time.monotonic() - tc < 10:
+            state = agent.check_xfer_state(h)
+            time.sleep(0.001)
+        log(t0, f"SIGCONT; handle state {state} after {time.monotonic() - tc:.3f}s")
+        time.sleep(1.0)
+        changed = [bytes(p) != bytes(e) for p, e in zip(peer.ask("pages", [(0, 50), (1, 7), (3, 62)]),
+                   [peer.expected.page(0, 50), peer.expected.page(1, 7), peer.expected.page(3, 62)], strict=True)]
+        log(t0, f"peer pages overwritten by the WRITE: {changed}")
+        return
     if scenario == "kill":
         os.kill(pid, signal.SIGKILL)
         tk = time.monotonic()
@@ -112,8 +134,12 @@ def mooncake(scenario: str) -> None:
     assert pid
     freeze(pid)
     t0 = time.monotonic()
-    read = t._ops["READ"]  # type: ignore[attr-defined]
-    batch = int(eng.batch_transfer_async(session, ld[:, 0].tolist(), rd[:, 0].tolist(), ld[:, 1].tolist(), read))
+    op = "WRITE" if scenario == "write" else "READ"
+    if op == "WRITE":
+        for r, e in zip(cache.regions, peer.expected.regions, strict=True):
+            r[:] = 255 - e  # differs from every byte the peer holds
+    opcode = t._ops[op]  # type: ignore[attr-defined]
+    batch = int(eng.batch_transfer_async(session, ld[:, 0].tolist(), rd[:, 0].tolist(), ld[:, 1].tolist(), opcode))
     log(t0, f"batch {batch} posted ({ld.shape[0]} transfers, {int(ld[:, 1].sum())} B)")
     if scenario == "kill":
         time.sleep(0.5)
@@ -139,6 +165,10 @@ def mooncake(scenario: str) -> None:
     log(t0, f"SIGCONT; nonzero then {before}")
     time.sleep(3)
     log(t0, f"3 s after SIGCONT: nonzero {landed(cache)} (were {before})")
+    if op == "WRITE":
+        pages = [(0, 50), (1, 7), (3, 62)]
+        changed = [bytes(p) != bytes(peer.expected.page(*lb)) for p, lb in zip(peer.ask("pages", pages), pages, strict=True)]
+        log(t0, f"peer pages overwritten by the WRITE: {changed}")
     if st == 0:
         log(t0, f"transfer_check_status now {int(eng.transfer_check_status(batch))}")
 
