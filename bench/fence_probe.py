@@ -16,11 +16,11 @@ import time
 os.environ.setdefault("UCX_MODULES", "^efa")
 os.environ.setdefault("UCX_TLS", "tcp")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from kvxfer.transport import TransportConfig, create_transport  # noqa: E402
-from tests.transport.peer import Cache, cache_layout  # noqa: E402
-from tests.transport.test_transports import Peer, descriptors, freeze  # noqa: E402
+from kvxfer.transport import TransportConfig, create_transport
+from tests.transport.peer import Cache, cache_layout
+from tests.transport.test_transports import Peer, descriptors, freeze
 
 
 def log(t0: float, msg: str) -> None:
@@ -58,7 +58,7 @@ def nixl(scenario: str) -> None:
         try:
             agent.release_xfer_handle(h)
             log(t0, "release_xfer_handle of the PROC handle: returned")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log(t0, f"release_xfer_handle raised {type(exc).__name__}: {exc}")
         h = None
     if scenario in ("remove", "remove-keep"):
@@ -67,7 +67,7 @@ def nixl(scenario: str) -> None:
         if h is not None:
             try:
                 log(t0, f"state after remove: {agent.check_xfer_state(h)}")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log(t0, f"check_xfer_state after remove raised {type(exc).__name__}: {exc}")
     if op == "WRITE":
         if scenario == "write-release":
@@ -82,8 +82,14 @@ def nixl(scenario: str) -> None:
             time.sleep(0.001)
         log(t0, f"SIGCONT; handle state {state} after {time.monotonic() - tc:.3f}s")
         time.sleep(1.0)
-        changed = [bytes(p) != bytes(e) for p, e in zip(peer.ask("pages", [(0, 50), (1, 7), (3, 62)]),
-                   [peer.expected.page(0, 50), peer.expected.page(1, 7), peer.expected.page(3, 62)], strict=True)]
+        changed = [
+            bytes(p) != bytes(e)
+            for p, e in zip(
+                peer.ask("pages", [(0, 50), (1, 7), (3, 62)]),
+                [peer.expected.page(0, 50), peer.expected.page(1, 7), peer.expected.page(3, 62)],
+                strict=True,
+            )
+        ]
         log(t0, f"peer pages overwritten by the WRITE: {changed}")
         return
     if scenario == "kill":
@@ -93,7 +99,7 @@ def nixl(scenario: str) -> None:
         while state == "PROC" and time.monotonic() - tk < 30:
             try:
                 state = agent.check_xfer_state(h)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 state = f"raised {type(exc).__name__}: {exc}"
             time.sleep(0.001)
         log(t0, f"SIGKILL: state {state} after {time.monotonic() - tk:.3f}s; nonzero {landed(cache)}")
@@ -107,7 +113,7 @@ def nixl(scenario: str) -> None:
         if h is not None and state in (None, "PROC"):
             try:
                 state = agent.check_xfer_state(h)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 state = f"raised {type(exc).__name__}: {exc}"
             if state != "PROC":
                 log(t0, f"handle state {state}; nonzero {landed(cache)}")
@@ -167,7 +173,8 @@ def mooncake(scenario: str) -> None:
     log(t0, f"3 s after SIGCONT: nonzero {landed(cache)} (were {before})")
     if op == "WRITE":
         pages = [(0, 50), (1, 7), (3, 62)]
-        changed = [bytes(p) != bytes(peer.expected.page(*lb)) for p, lb in zip(peer.ask("pages", pages), pages, strict=True)]
+        got = peer.ask("pages", pages)
+        changed = [bytes(p) != bytes(peer.expected.page(*lb)) for p, lb in zip(got, pages, strict=True)]
         log(t0, f"peer pages overwritten by the WRITE: {changed}")
     if st == 0:
         log(t0, f"transfer_check_status now {int(eng.transfer_check_status(batch))}")
