@@ -67,7 +67,7 @@ from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.server.worker_gathers import WorkerGathers
-from kvxfer.transport import Transport, mem_type
+from kvxfer.transport import Transport, cancelled_unfenced, mem_type
 from kvxfer.wire import local_pb2
 
 __all__ = ["PullSteps"]
@@ -501,6 +501,10 @@ class PullSteps:
         try:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
                                remote_mem_type=mem_type(rmem))  # fmt: skip
+        except asyncio.CancelledError as exc:
+            if cancelled_unfenced(exc):
+                entry.unfenced = True  # the pull's own error says so (Puller._failure)
+            raise
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True)
             if exc.reason == Reason.DATA_PLANE_UNFENCED:

@@ -11,6 +11,7 @@ exactly once.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -25,11 +26,31 @@ from kvxfer.topology import RegionTable
 from kvxfer.transport.errors import describe_transfer
 
 __all__ = [
-    "MemType", "Notification", "Op", "Registration", "SameHostGather", "TransferResult", "Transport",
-    "TransportConfig", "WorkerAgentInfo", "mem_type",
+    "UNFENCED_CANCEL",
+    "MemType",
+    "Notification",
+    "Op",
+    "Registration",
+    "SameHostGather",
+    "TransferResult",
+    "Transport",
+    "TransportConfig",
+    "WorkerAgentInfo",
+    "cancelled_unfenced",
+    "mem_type",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+#: The message of the CancelledError a cancelled transfer raises when its operation was still in flight
+#: after the fence budget (a cancel carries no reason otherwise): see :func:`cancelled_unfenced`.
+UNFENCED_CANCEL = "kvxfer: cancelled while its data-plane operation was still in flight after the fence budget"
+
+
+def cancelled_unfenced(exc: BaseException) -> bool:
+    """Whether ``exc`` is the CancelledError of a transfer cancelled unfenced (its bytes may still land)."""
+    return isinstance(exc, asyncio.CancelledError) and bool(exc.args) and exc.args[0] == UNFENCED_CANCEL
+
 
 U64 = npt.NDArray[np.uint64]
 Op = Literal["READ", "WRITE"]

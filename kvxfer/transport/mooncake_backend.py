@@ -40,6 +40,7 @@ from kvxfer.ports import free_port
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
+    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -232,7 +233,7 @@ class MooncakeTransport(Transport):
         if not ended:
             self._count_unfenced(op, peer)
         if cancelled:
-            raise asyncio.CancelledError
+            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
         assert failure is not None
         if ended:
             raise failure

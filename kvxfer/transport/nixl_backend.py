@@ -40,6 +40,7 @@ from kvxfer import cuda_ipc
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
+    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -390,7 +391,7 @@ class NixlTransport(Transport):
             self._unfenced.append((peer, handle))
             self._count_unfenced(op, peer)
         if cancelled:
-            raise asyncio.CancelledError
+            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
         assert failure is not None
         if ended:
             raise failure
