@@ -64,6 +64,8 @@ from kvxfer.transport.registry import register_transport
 
 __all__ = ["UCX_DEFAULTS", "NixlTransport", "ucx_engine_config"]
 
+log = logging.getLogger(__name__)
+
 # UCX settings (without the UCX_ prefix) that kvxfer needs for GPU memory; harmless on CPUs.
 UCX_DEFAULTS: dict[str, str] = {
     # READ of VRAM over cuda_ipc even when NVML shows no NVLink (see the module docstring).
@@ -284,22 +286,30 @@ class NixlTransport(Transport):
             return
         still = []
         for peer, handle in self._unfenced:
-            if _ended(self._agent, handle):
+            state = _state(self._agent, handle)
+            if state == "ended":
                 self._release(peer, handle)
-            else:
+            elif state == "live":
                 still.append((peer, handle))
+            else:  # NIXL no longer knows it (its peer was replaced): nothing left to watch or release
+                log.warning("nixl: an unfenced operation of peer %r can no longer be watched", peer)
+                self._drop(peer, handle)
         self._unfenced = still
         for peer in [p for p in self._retired if not self._live.get(p)]:
             self._forget(peer)
 
     def _release(self, peer: str, handle: Any) -> None:
         """Release an ended operation's handle (never a live one: releasing does not stop UCX's copy)."""
-        live = self._live.get(peer, [])
-        self._live[peer] = [h for h in live if h is not handle]
-        if not self._live[peer]:
-            del self._live[peer]
+        self._drop(peer, handle)
         with contextlib.suppress(Exception):
             self._agent.release_xfer_handle(handle)
+
+    def _drop(self, peer: str, handle: Any) -> None:
+        live = [h for h in self._live.get(peer, []) if h is not handle]
+        if live:
+            self._live[peer] = live
+        else:
+            self._live.pop(peer, None)
 
     # ------------------------------------------------------------------ transfers
     async def transfer(
@@ -448,14 +458,14 @@ def _agent_field(name: str) -> bytes:
     return b"|Agent" + len(raw).to_bytes(8, "little") + raw + b"|"
 
 
-def _ended(agent: Any, handle: Any) -> bool:
-    """Whether NIXL says the handle's operation ended (done, or failed: UCX no longer touches its memory).
-
-    ``NIXL_ERR_NOT_FOUND`` (the peer's agent was removed under it) says nothing: not ended."""
+def _state(agent: Any, handle: Any) -> str:
+    """``ended`` when NIXL says the handle's operation ended (done, or failed: UCX no longer touches its
+    memory), ``live`` while in progress, ``lost`` when NIXL no longer knows the handle
+    (``NIXL_ERR_NOT_FOUND``: the peer's agent was removed under it, while UCX still lands its bytes)."""
     try:
-        return bool(agent.check_xfer_state(handle) != "PROC")
+        return "live" if agent.check_xfer_state(handle) == "PROC" else "ended"
     except Exception as exc:
-        return "NotFound" not in type(exc).__name__  # e.g. nixlRemoteDisconnectError: ended in error
+        return "lost" if "NotFound" in type(exc).__name__ else "ended"  # e.g. nixlRemoteDisconnectError
 
 
 async def _fence(agent: Any, handle: Any, config: TransportConfig) -> tuple[bool, bool]:
@@ -466,8 +476,8 @@ async def _fence(agent: Any, handle: Any, config: TransportConfig) -> tuple[bool
     deadline = time.monotonic() + config.fence_budget_s
     delay = config.poll_min_s
     cancelled = False
-    while not _ended(agent, handle):
-        if time.monotonic() >= deadline:
+    while (state := _state(agent, handle)) != "ended":
+        if state == "lost" or time.monotonic() >= deadline:
             return False, cancelled
         try:
             await asyncio.sleep(delay)
