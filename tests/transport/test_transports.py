@@ -429,6 +429,32 @@ def test_a_failed_read_lands_nothing_after_it_raised(
     assert transport.unfenced_live() == 0
 
 
+@pytest.mark.parametrize("fence_budget", [5.0])
+def test_a_timed_out_write_changes_nothing_at_the_peer_after_it_raised(
+    backend: str, silent_capable: tuple[Transport, Cache, Peer]
+) -> None:
+    """A WRITE into a stopped peer times out; the peer resumes within the fence budget: the peer's pages
+    do not change after transfer() raised (a reader that revoked frees them then)."""
+    transport, cache, peer = silent_capable
+    name = transport.add_peer(peer.metadata)
+    ld, rd, _ = descriptors(cache, peer)
+    asyncio.run(transport.read(name, ld, rd, timeout=30))
+    for region in cache.regions:
+        region[:] = 255 - region  # differs from every byte the peer holds
+    assert peer.proc.pid
+    pid = peer.proc.pid
+    freeze(pid)
+    resume = threading.Timer(1.5, os.kill, (pid, signal.SIGCONT))
+    resume.start()
+    with pytest.raises(TransferTimeoutError):
+        asyncio.run(transport.transfer("WRITE", ld, rd, name, timeout=1.0))
+    pages = [(layer, block) for layer in range(4) for block in (int(b) for b in FRAGMENTED_REMOTE)]
+    at_error = peer.ask("pages", pages)
+    time.sleep(1.0)
+    assert peer.ask("pages", pages) == at_error, "the WRITE landed at the peer after it raised"
+    assert transport.unfenced_total == 0
+
+
 def test_an_unfenced_read_is_kept_until_it_ends(backend: str, silent_capable: tuple[Transport, Cache, Peer]) -> None:
     """The peer stays stopped past the fence budget: the error says unfenced, the transport keeps the
     READ's handle, removing the peer does not lose it, and once the peer resumes it is released."""
