@@ -219,6 +219,11 @@ class Settings(BaseModel):
         description="NIXL: DRAM transfers of at least this many bytes are posted from a thread of their own, so "
         "that their copy does not hold up the sidecar's event loop (0: never)",
     )  # fmt: skip
+    fence_budget_seconds: float = Field(
+        5.0, ge=0, le=3600, allow_inf_nan=False,
+        description="how long a failed or cancelled transfer waits for the data plane to say its operation ended "
+        "before it is reported as unfenced (reason DATA_PLANE_UNFENCED: its bytes may still land)",
+    )  # fmt: skip
     lease_seconds: float = Field(
         30.0, gt=0, le=86400, allow_inf_nan=False, description="how long published blocks are held"
     )
@@ -410,6 +415,7 @@ class Settings(BaseModel):
             mooncake_protocol=self.mooncake_protocol, mooncake_device=self.mooncake_device,
             cuda_ipc_direct=self.cuda_ipc_direct, cuda_gather=self.cuda_gather,
             nixl_progress_delay_us=self.nixl_progress_delay_us, nixl_thread_post_bytes=self.nixl_thread_post_bytes,
+            fence_budget_s=self.fence_budget_seconds,
         )  # fmt: skip
 
     def token(self) -> str | None:

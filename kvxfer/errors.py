@@ -56,6 +56,9 @@ class Reason(enum.StrEnum):
     PEER_INPUT = "PEER_INPUT"  # a peer answered something unusable (ids or regions out of its layout)
     DATA_PLANE = "DATA_PLANE"  # the data plane failed a transfer
     DATA_PLANE_START = "DATA_PLANE_START"  # the data plane could not be started
+    # a transfer failed, and its operation was still in flight when the fence budget ran out: its
+    # bytes may still land in (READ) or be written to (WRITE) the memory it named
+    DATA_PLANE_UNFENCED = "DATA_PLANE_UNFENCED"
     MEMORY = "MEMORY"  # memory a worker described cannot be used
     LAYOUT = "LAYOUT"  # a cache description is not a standardized layout, or two do not fit
     DEADLINE = "DEADLINE"  # ran past a deadline

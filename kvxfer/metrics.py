@@ -92,6 +92,10 @@ class SidecarMetrics:
             "(read ahead of the lookup), the lookup; or push", ["path"], registry=r,
         )  # fmt: skip
         self.peers = Gauge("kvxfer_peers", "Peers with a live handshake", registry=r)
+        self.unfenced = Counter(
+            "kvxfer_data_plane_unfenced_total", "Failed or cancelled data-plane transfers reported while their "
+            "operation was still in flight after the fence budget (their bytes may still land)", ["op"], registry=r,
+        )  # fmt: skip
         self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
         #: kvxfer_gc_pause_seconds; the sidecar starts and stops its timing (the collector is the process's).
         self.gc_pauses = GcPauses()
@@ -103,6 +107,8 @@ class SidecarMetrics:
                 self.transfers.labels(direction=d, outcome=o)
         for o in ("ok", "refused", "failed"):
             self.handshakes.labels(outcome=o)
+        for op in ("read", "write"):
+            self.unfenced.labels(op=op)
         for o in PREPARED_OUTCOMES:
             self.prepared_pulls.labels(outcome=o)
         for path in PULL_PATHS:

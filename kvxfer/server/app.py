@@ -112,6 +112,7 @@ class Sidecar:
         self.metrics = SidecarMetrics(s.backend)
         data_plane = self._dp if self._dp is not None else self._start_data_plane()
         self._dp = data_plane
+        data_plane.on_unfenced = self._unfenced
         for svc in HEALTH_SERVICES:
             await self.health.set(svc, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
@@ -193,6 +194,11 @@ class Sidecar:
                    "version": __version__, "protocol": PROTOCOL_VERSION, "auth": bool(token),
                    "tls": s.tls_enabled, "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0]},
         )  # fmt: skip
+
+    def _unfenced(self, op: str, peer: str) -> None:
+        """A transfer reported failed while its operation was still in flight (the transport logged it)."""
+        if self.metrics is not None:
+            self.metrics.unfenced.labels(op=op.lower()).inc()
 
     def _start_data_plane(self) -> Transport:
         s = self.settings

@@ -67,7 +67,7 @@ from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.server.worker_gathers import WorkerGathers
-from kvxfer.transport import Transport, mem_type
+from kvxfer.transport import Transport, cancelled_unfenced, mem_type
 from kvxfer.wire import local_pb2
 
 __all__ = ["PullSteps"]
@@ -501,8 +501,20 @@ class PullSteps:
         try:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
                                remote_mem_type=mem_type(rmem))  # fmt: skip
+        except asyncio.CancelledError as exc:
+            if cancelled_unfenced(exc):
+                entry.unfenced = True  # the pull's own error says so (Puller._failure)
+            raise
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True)
+            if exc.reason == Reason.DATA_PLANE_UNFENCED:
+                # The READ was still in flight after the fence budget: its bytes may still land in these
+                # blocks, which the worker must not hand to another request until it knows they stopped.
+                raise PeerUnavailableError(
+                    f"data plane READ from {s.identity.label} at {s.address} failed and may still land: "
+                    f"{exc.message}",
+                    field="remote_addresses", reason=Reason.DATA_PLANE_UNFENCED,
+                ) from None  # fmt: skip
             if exc.status == "DEADLINE_EXCEEDED":
                 raise DeadlineError(
                     f"data plane READ from {s.identity.label} at {s.address} did not finish within {remaining:.3g}s "

@@ -385,11 +385,14 @@ class Puller:
             if entry.stage.startswith("reading"):
                 for s in sessions.values():
                     self.peers.invalidate(s.address, reconnect=True)
-            return DeadlineError(f"pull of {rid!r} did not finish within {budget:.3g}s (while {entry.stage})",
-                                 field="timeout_seconds"), "timeout"  # fmt: skip
+            return DeadlineError(f"pull of {rid!r} did not finish within {budget:.3g}s (while {entry.stage})"
+                                 f"{_UNFENCED if entry.unfenced else ''}", field="timeout_seconds",
+                                 reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "timeout"  # fmt: skip
         if isinstance(exc, asyncio.CancelledError):
             why = entry.abort_reason or "the sidecar is shutting down"
-            return AbortedError(f"pull of {rid!r} aborted: {why}", field="request_id"), "aborted"
+            return AbortedError(f"pull of {rid!r} aborted: {why}{_UNFENCED if entry.unfenced else ''}",
+                                field="request_id",
+                                reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "aborted"  # fmt: skip
         if isinstance(exc, KvxferError):
             return exc, "failed"
         log.exception("pull failed unexpectedly", exc_info=exc)
@@ -443,6 +446,9 @@ class Puller:
             self.outbox.notify_publishers(entry, reg.rank, "done", "", stats.bytes)
 
 
+_UNFENCED = "; a READ of it was still in flight after the fence budget, so its bytes may still land in the blocks"
+
+
 def _peer_label(entry: PullEntry) -> str:
     """Who a pull's logs name as its peer: the remote engine, else the addresses it reads from."""
     return entry.remote_engine_id or ",".join(entry.addresses)
@@ -452,7 +458,7 @@ def _metric_reason(err: KvxferError, outcome: str) -> str:
     """The ``reason`` label of kvxfer_transfer_failures_total (values the dashboard and contract name)."""
     if outcome in ("timeout", "aborted"):
         return outcome
-    if err.reason is Reason.DATA_PLANE:
+    if err.reason in (Reason.DATA_PLANE, Reason.DATA_PLANE_UNFENCED):
         return "data_plane"
     return err.status.lower()
 

@@ -420,9 +420,11 @@ class Pusher:
                                    mem_type=mem, remote_mem_type=rmem)  # fmt: skip
         except KvxferError as exc:
             self._unload(offer.key)
+            unfenced = exc.reason == Reason.DATA_PLANE_UNFENCED  # the WRITE may still land in the reader's blocks
             raise PeerUnavailableError(
-                f"data plane WRITE into {offer.reader.label} at {offer.reader.address} failed: {exc.message}",
-                field="remote_addresses", reason=Reason.DATA_PLANE,
+                f"data plane WRITE into {offer.reader.label} at {offer.reader.address} failed"
+                f"{' and may still land' if unfenced else ''}: {exc.message}",
+                field="remote_addresses", reason=Reason.DATA_PLANE_UNFENCED if unfenced else Reason.DATA_PLANE,
             ) from None  # fmt: skip
 
     def _descriptors(

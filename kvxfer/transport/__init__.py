@@ -1,6 +1,7 @@
 """Data planes behind one interface: NIXL (default), the Mooncake transfer engine, and a worker's own agent."""
 
 from kvxfer.transport.base import (
+    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -10,6 +11,7 @@ from kvxfer.transport.base import (
     Transport,
     TransportConfig,
     WorkerAgentInfo,
+    cancelled_unfenced,
     mem_type,
 )
 from kvxfer.transport.errors import (
@@ -18,11 +20,13 @@ from kvxfer.transport.errors import (
     RegistrationError,
     TransferFailedError,
     TransferTimeoutError,
+    TransferUnfencedError,
     TransportError,
 )
 from kvxfer.transport.registry import available_transports, create_transport, register_transport, transport_class
 
 __all__ = [
+    "UNFENCED_CANCEL",
     "BackendUnavailableError",
     "MemType",
     "Notification",
@@ -34,11 +38,13 @@ __all__ = [
     "TransferFailedError",
     "TransferResult",
     "TransferTimeoutError",
+    "TransferUnfencedError",
     "Transport",
     "TransportConfig",
     "TransportError",
     "WorkerAgentInfo",
     "available_transports",
+    "cancelled_unfenced",
     "create_transport",
     "mem_type",
     "register_transport",

@@ -11,7 +11,10 @@ exactly once.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -23,9 +26,31 @@ from kvxfer.topology import RegionTable
 from kvxfer.transport.errors import describe_transfer
 
 __all__ = [
-    "MemType", "Notification", "Op", "Registration", "SameHostGather", "TransferResult", "Transport",
-    "TransportConfig", "WorkerAgentInfo", "mem_type",
+    "UNFENCED_CANCEL",
+    "MemType",
+    "Notification",
+    "Op",
+    "Registration",
+    "SameHostGather",
+    "TransferResult",
+    "Transport",
+    "TransportConfig",
+    "WorkerAgentInfo",
+    "cancelled_unfenced",
+    "mem_type",
 ]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+#: The message of the CancelledError a cancelled transfer raises when its operation was still in flight
+#: after the fence budget (a cancel carries no reason otherwise): see :func:`cancelled_unfenced`.
+UNFENCED_CANCEL = "kvxfer: cancelled while its data-plane operation was still in flight after the fence budget"
+
+
+def cancelled_unfenced(exc: BaseException) -> bool:
+    """Whether ``exc`` is the CancelledError of a transfer cancelled unfenced (its bytes may still land)."""
+    return isinstance(exc, asyncio.CancelledError) and bool(exc.args) and exc.args[0] == UNFENCED_CANCEL
+
 
 U64 = npt.NDArray[np.uint64]
 Op = Literal["READ", "WRITE"]
@@ -64,6 +89,11 @@ class TransportConfig:
     # Mooncake: how long its own synchronous wait lasts (plus 1 s per GiB) before it gives up on a
     # silent peer; its waiting thread spins until then (Mooncake enforces at least 5).
     mooncake_transfer_timeout_s: int = 5
+    # A transfer that failed or was cancelled is reported only once its operation has ended (the
+    # library says done or failed), so that none of its bytes lands after the caller heard of it;
+    # it waits at most this long for that, then reports TransferUnfencedError (a cancel: raises
+    # CancelledError and counts it) and keeps the operation's handle (docs/transports.md).
+    fence_budget_s: float = 5.0
 
     def replace(self, **changes: Any) -> TransportConfig:
         """A copy with ``changes`` applied."""
@@ -135,6 +165,10 @@ class Transport(abc.ABC):
         self.agent_name = agent_name
         self.config = config or TransportConfig()
         self._registered: list[RegionTable] = []  # what errors name as "local regions ..."
+        #: Failed or cancelled transfers reported before their operation ended (the fence budget ran out).
+        self.unfenced_total = 0
+        #: Called with (op, peer) for each of them (the sidecar counts them: kvxfer_data_plane_unfenced_total).
+        self.on_unfenced: Callable[[str, str], None] | None = None
 
     @classmethod
     def library_loggers(cls) -> tuple[str, ...]:
@@ -150,6 +184,17 @@ class Transport(abc.ABC):
     def _describe(self, op: str, local: U64, remote: U64) -> str:
         """The transfer in words, for error messages: sizes, local regions, address ranges."""
         return describe_transfer(op, self._registered, local, remote)
+
+    def unfenced_live(self) -> int:
+        """Operations reported as failed that the library has not yet seen end (their handles are kept)."""
+        return 0
+
+    def _count_unfenced(self, op: str, peer: str) -> None:
+        self.unfenced_total += 1
+        log.warning("%s: %s of peer %r reported failed while still in flight after the fence budget (%.3gs); its "
+                    "bytes may still land", self.name, op, peer, self.config.fence_budget_s)  # fmt: skip
+        if self.on_unfenced is not None:
+            self.on_unfenced(op, peer)
 
     def _track(self, table: RegionTable) -> None:
         self._registered.append(table)
@@ -202,11 +247,14 @@ class Transport(abc.ABC):
     ) -> TransferResult:
         """READ ``remote`` into ``local`` (or WRITE ``local`` to ``remote``) on ``peer``.
 
-        Raises :class:`~kvxfer.transport.errors.TransferTimeoutError` after ``timeout`` seconds (the
-        transfer is cancelled), :class:`~kvxfer.transport.errors.TransferFailedError` when the library
-        reports an error. Cancelling the awaiting task cancels the transfer. A READ a stalled peer
-        serves may still land after the error (docs/transports.md, "What a cancel or a timeout does
-        not guarantee").
+        Raises :class:`~kvxfer.transport.errors.TransferTimeoutError` after ``timeout`` seconds,
+        :class:`~kvxfer.transport.errors.TransferFailedError` when the library reports an error.
+        Cancelling the awaiting task cancels the transfer. Fence: an error (or the cancel) is raised
+        only once the library says the operation ended, so no byte of it lands afterwards; when that
+        takes longer than ``config.fence_budget_s`` the error is a
+        :class:`~kvxfer.transport.errors.TransferUnfencedError` (a cancel stays a CancelledError and
+        is counted in :attr:`unfenced_total`), and the operation's handle is kept until it ends
+        (docs/transports.md, "What a cancel or a timeout guarantees").
         """
 
     async def read(

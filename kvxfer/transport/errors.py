@@ -90,6 +90,7 @@ class TransportError(KvxferError):
         self.backend = backend
         self.peer = peer
         self.detail = detail
+        self.what = message  # the message without the backend and peer
 
 
 class TransferFailedError(TransportError):
@@ -101,6 +102,19 @@ class TransferTimeoutError(TransportError):
 
     status = "DEADLINE_EXCEEDED"
     default_reason = Reason.DEADLINE
+
+
+class TransferUnfencedError(TransportError):
+    """A transfer failed (timed out, errored) and its operation was still in flight when the fence budget
+    (``TransportConfig.fence_budget_s``) ran out: its bytes may still land. The transport keeps the
+    operation's handle until the library says it ended."""
+
+    default_reason = Reason.DATA_PLANE_UNFENCED
+
+    def __init__(self, message: str, *, backend: str, peer: str | None = None, detail: str = "",
+                 timed_out: bool = False) -> None:  # fmt: skip
+        super().__init__(message, backend=backend, peer=peer, detail=detail)
+        self.timed_out = timed_out  # the failure was the transfer's timeout
 
 
 class PeerUnknownError(TransportError):

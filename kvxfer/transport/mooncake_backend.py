@@ -3,23 +3,25 @@
 Mooncake addresses peers by a session name (``host:rpc_port``) and remote memory by its virtual
 address; the serving engine rejects addresses outside its registered buffers.
 
-Waiting for a batch: the binding's own waits (``batch_transfer_sync`` and
-``get_batch_transfer_status``) poll the batch's status in a loop without sleeping, so a thread
-waiting in them spins a core for as long as the batch is in flight, and on a 2-core host that
-thread competes with the engine's own transfer threads. The only status call that returns at once
-is ``transfer_check_status``, and it looks at the first transfer of a batch only. So each batch is
-submitted with ``batch_transfer_async`` and followed by a *sentinel*, a one-byte READ of the
-batch's last remote byte into a scratch byte of ours, submitted as its own batch: the worker polls
-the sentinel with a sleeping back-off and calls ``get_batch_transfer_status`` once the sentinel is
-done, when the batch is (nearly always) done as well. The completion notice rides on a one-byte
-synchronous READ sent after the last batch, so it is sent once, and only for a complete transfer.
+Waiting for transfers: the binding's own waits (``batch_transfer_sync`` and
+``get_batch_transfer_status``) poll a batch's status in a loop without sleeping, so a thread
+waiting in them spins a core for as long as the batch is in flight (on a 2-core host competing with
+the engine's own transfer threads), and they give up after ``MC_TRANSFER_TIMEOUT`` while the
+transfers go on: a READ from a stalled peer lands when the peer resumes, long after (measured:
+bench/fence_probe.py, docs/transports.md). The only status call that returns at once is
+``transfer_check_status``, and it looks at the first transfer of a batch only. So each descriptor
+is submitted as a batch of its own (``batch_transfer_async``), at most ``MAX_BATCH`` at a time, and
+the worker polls them in order with a sleeping back-off until each has ended, so that it knows when
+no byte can land any more. The completion notice rides on a one-byte synchronous READ sent after
+the last transfer, so it is sent once, and only for a complete transfer.
 
 Each transfer runs on a worker thread of its peer's small pool (a peer that stops answering ties
 up only its own workers, and at most ``WORKERS_PER_PEER`` transfers per peer are in flight, as
 Mooncake's TCP transport queues a bounded number of transfers per peer). The event loop awaits the
-worker with the timeout; after a timeout or a cancellation the worker submits no further batches
-and sends no notice, and lets the batch in flight finish or fail (within
-``mooncake_transfer_timeout_s`` plus one second per GiB), touching only registered memory.
+worker with the timeout; after a timeout or a cancellation the worker submits no further
+transfers, sends no notice, and waits for those in flight to end (the fence) for at most
+``fence_budget_s``; those still in flight then are kept and checked until they end, and the
+transfer is reported unfenced (:class:`~kvxfer.transport.errors.TransferUnfencedError`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvxfer.ports import free_port
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
+    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -53,6 +56,8 @@ from kvxfer.transport.errors import (
     RegistrationError,
     TransferFailedError,
     TransferTimeoutError,
+    TransferUnfencedError,
+    TransportError,
     describe_span,
 )
 from kvxfer.transport.registry import register_transport
@@ -63,7 +68,6 @@ __all__ = ["MAX_BATCH", "MooncakeTransport"]
 # transport queues at most 1024 transfers per peer); a batch plus its sentinel stays within that.
 MAX_BATCH = 1023
 WORKERS_PER_PEER = 2
-_GIB = 1 << 30
 
 
 def _new_engine(transfer_timeout_s: int) -> tuple[Any, int]:
@@ -120,7 +124,8 @@ class MooncakeTransport(Transport):
         self._scratch = np.zeros(64, dtype=np.uint8)
         if self._engine.register_memory(self._scratch.ctypes.data, self._scratch.size) != 0:
             raise BackendUnavailableError("register_memory of a 64-byte scratch buffer failed", backend="mooncake")
-        self._stale: list[int] = []  # sentinels given up on, freed once they resolve
+        # Per transfer reported unfenced, its Mooncake batches still in flight, freed once they ended.
+        self._stale: list[list[int]] = []
         self._stale_lock = threading.Lock()
         self._peers: dict[str, str] = {}  # peer name -> session
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # peer name -> its workers
@@ -191,21 +196,21 @@ class MooncakeTransport(Transport):
         notice = self._notify_cls(self.agent_name, notify.decode("latin-1")) if notify else None
         start = time.monotonic()
         stop = threading.Event()
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._pools[peer], self._run_batches, session, local, remote, self._ops[op], notice, stop
-        )
+        work = self._pools[peer].submit(self._run_batches, session, local, remote, self._ops[op], notice, stop)
+        done = asyncio.wrap_future(work)
+        failure: TransportError | None = None
+        cancelled = False
         try:
-            rc, failed = await asyncio.wait_for(fut, timeout)
+            rc, failed, _ = await asyncio.wait_for(asyncio.shield(done), timeout)
         except TimeoutError:
-            raise TransferTimeoutError(
-                f"{self._describe(op, local, remote)} did not complete within {timeout:.3f}s; no further batches "
-                "are submitted",
+            failure = TransferTimeoutError(
+                f"{self._describe(op, local, remote)} did not complete within {timeout:.3f}s",
                 backend="mooncake",
                 peer=peer,
-            ) from None
+            )
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if fut.cancelled() and (task is None or not task.cancelling()):
+            if done.cancelled() and (task is None or not task.cancelling()):
                 # Not our caller's cancel: remove_peer shut the peer's pool down while this transfer
                 # waited for a worker, so it never ran. A bare CancelledError would read as the
                 # caller's own cancel (a TaskGroup even counts such a task as fine).
@@ -215,9 +220,61 @@ class MooncakeTransport(Transport):
                     backend="mooncake",
                     peer=peer,
                 ) from None
-            raise
-        finally:
-            stop.set()
+            cancelled = True
+        if failure is None and not cancelled:
+            # The worker returns once every transfer it submitted ended (or, a transfer having failed,
+            # once the fence budget ran out on the others).
+            return self._result(op, local, remote, peer, session, start, rc, failed)
+        # The fence: Mooncake cannot stop a transfer it submitted (its own wait gives up and the bytes
+        # still land), so the error waits until the worker saw each of them end.
+        stop.set()
+        ended, unfenced, cancel_came = await self._fence(work, done)
+        cancelled = cancelled or cancel_came
+        if not ended:
+            self._count_unfenced(op, peer)
+        if cancelled:
+            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
+        assert failure is not None
+        if ended:
+            raise failure
+        raise TransferUnfencedError(
+            f"{failure.what}; {unfenced or 'some'} of its transfers were still in flight after the fence budget "
+            f"({self.config.fence_budget_s:.3g}s), so their bytes may still land",
+            backend="mooncake",
+            peer=peer,
+            timed_out=isinstance(failure, TransferTimeoutError),
+        )
+
+    async def _fence(
+        self, work: concurrent.futures.Future[tuple[int, int, int]], done: asyncio.Future[tuple[int, int, int]]
+    ) -> tuple[bool, int, bool]:
+        """Wait for the worker (told to stop) to see its transfers end. Returns (they all ended, how many
+        it left in flight, a cancel came meanwhile: re-raised by the caller once the wait is over)."""
+        if work.cancel():
+            return True, 0, False  # still waiting for a worker: nothing was submitted
+        # The worker gives up by itself after the budget; a worker stuck inside a library call (one
+        # opening a connection to a stopped peer) is waited for a little longer, then not at all.
+        deadline = time.monotonic() + self.config.fence_budget_s + 1.0
+        cancelled = False
+        while not done.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(done), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                return False, 0, cancelled
+            except asyncio.CancelledError:
+                if done.cancelled():
+                    return True, 0, cancelled  # the pool was shut down before the worker ran
+                cancelled = True
+            except Exception:
+                break
+        if done.cancelled() or done.exception() is not None:
+            return False, 0, cancelled
+        unfenced = done.result()[2]
+        return unfenced == 0, unfenced, cancelled
+
+    def _result(
+        self, op: Op, local: U64, remote: U64, peer: str, session: str, start: float, rc: int, failed: int
+    ) -> TransferResult:
         if rc != 0:
             n_batches = -(-local.shape[0] // MAX_BATCH)
             lo, hi = failed * MAX_BATCH, min(local.shape[0], (failed + 1) * MAX_BATCH)
@@ -236,52 +293,75 @@ class MooncakeTransport(Transport):
 
     def _run_batches(
         self, session: str, local: U64, remote: U64, opcode: Any, notice: Any, stop: threading.Event
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """Run ``MAX_BATCH``-sized batches one after the other until one fails or ``stop`` is set, then
         send the notice. Returns (return code, index of the batch it belongs to; the notice is the
-        batch after the last)."""
+        batch after the last, transfers left in flight when the fence budget ran out)."""
         n = local.shape[0]
         for i, lo in enumerate(range(0, n, MAX_BATCH)):
             if stop.is_set():
-                return -1, i
-            rc = self._one_batch(session, local[lo : lo + MAX_BATCH], remote[lo : lo + MAX_BATCH], opcode)
-            if rc != 0:
-                return rc, i
+                return -1, i, 0
+            rc, unfenced = self._one_batch(session, local[lo : lo + MAX_BATCH], remote[lo : lo + MAX_BATCH], opcode,
+                                           stop)  # fmt: skip
+            if rc != 0 or unfenced:
+                return rc or -1, i, unfenced
         if notice is not None and not stop.is_set():
             sentinel = ([self._scratch.ctypes.data], [int(remote[-1, 0])], [1])
             rc = int(self._engine.batch_transfer_sync(session, *sentinel, self._ops["READ"], notice))
             if rc != 0:
-                return rc, -(-n // MAX_BATCH)
-        return 0, 0
+                return rc, -(-n // MAX_BATCH), 0
+        return 0, 0, 0
 
-    def _one_batch(self, session: str, local: U64, remote: U64, opcode: Any) -> int:
+    def _one_batch(self, session: str, local: U64, remote: U64, opcode: Any, stop: threading.Event) -> tuple[int, int]:
+        """Submit each descriptor as a Mooncake batch of its own and wait until every one has ended.
+
+        ``transfer_check_status``, the one status call that returns at once, sees the first transfer
+        of a batch only (and ``get_batch_transfer_status`` spins, then gives up while the transfers
+        go on), so a transfer per batch is what lets the wait see each end. Once ``stop`` is set or a
+        transfer failed, the wait lasts at most the fence budget; transfers still in flight then are
+        kept (``_stale``) until they end. Returns (return code, transfers left in flight)."""
         engine = self._engine
         self._free_stale()
-        batch = int(engine.batch_transfer_async(session, local[:, 0].tolist(), remote[:, 0].tolist(),
-                                                local[:, 1].tolist(), opcode))  # fmt: skip
-        if batch == 0:
-            return -1
-        sentinel = int(engine.batch_transfer_async(session, [self._scratch.ctypes.data], [int(remote[-1, 0])], [1],
-                                                   self._ops["READ"]))  # fmt: skip
-        # get_batch_transfer_status gives up on its own after the binding's timeout plus 1 s per GiB.
-        limit = time.monotonic() + self._wait_limit_s + int(local[:, 1].sum()) / _GIB
+        ids: list[int] = []
+        rc = 0
+        for src, dst, size in zip(local[:, 0].tolist(), remote[:, 0].tolist(), local[:, 1].tolist(), strict=True):
+            if stop.is_set():
+                rc = -1
+                break
+            batch = int(engine.batch_transfer_async(session, [src], [dst], [size], opcode))
+            if batch == 0:
+                rc = -1
+                break
+            ids.append(batch)
         delay = self.config.poll_min_s
-        while sentinel:
-            state = int(engine.transfer_check_status(sentinel))  # frees it once done or failed
-            if state != 0:
-                break
-            if time.monotonic() >= limit:
+        give_up: float | None = None
+        i = 0
+        while i < len(ids):
+            state = int(engine.transfer_check_status(ids[i]))  # frees the batch once it ended (1 done, -1 failed)
+            if state in (1, -1):
+                rc = rc or (0 if state == 1 else -1)
+                i += 1
+                continue
+            if give_up is None and (rc != 0 or stop.is_set()):
+                give_up = time.monotonic() + self.config.fence_budget_s
+            if give_up is not None and time.monotonic() >= give_up:
                 with self._stale_lock:
-                    self._stale.append(sentinel)
-                break
+                    self._stale.append(ids[i:])  # not checked yet: still allocated, checked until they end
+                return rc or -1, len(ids) - i
             time.sleep(delay)
             delay = min(delay * 2, self.config.poll_max_s)
-        # Frees the batch; returns at once when it is done, as it nearly always is by now.
-        return int(engine.get_batch_transfer_status([batch]))
+        return rc, 0
 
     def _free_stale(self) -> None:
         with self._stale_lock:
-            self._stale = [s for s in self._stale if int(self._engine.transfer_check_status(s)) == 0]
+            check = self._engine.transfer_check_status  # frees a batch that ended
+            kept = ([b for b in group if int(check(b)) not in (1, -1)] for group in self._stale)
+            self._stale = [group for group in kept if group]
+
+    def unfenced_live(self) -> int:
+        self._free_stale()
+        with self._stale_lock:
+            return len(self._stale)
 
     def poll_notifications(self) -> list[Notification]:
         return [Notification(n.name, n.msg.encode("latin-1")) for n in self._engine.get_notifies()]

@@ -40,6 +40,7 @@ from kvxfer import cuda_ipc
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
+    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -55,11 +56,15 @@ from kvxfer.transport.errors import (
     RegistrationError,
     TransferFailedError,
     TransferTimeoutError,
+    TransferUnfencedError,
+    TransportError,
     describe_span,
 )
 from kvxfer.transport.registry import register_transport
 
 __all__ = ["UCX_DEFAULTS", "NixlTransport", "ucx_engine_config"]
+
+log = logging.getLogger(__name__)
 
 # UCX settings (without the UCX_ prefix) that kvxfer needs for GPU memory; harmless on CPUs.
 UCX_DEFAULTS: dict[str, str] = {
@@ -182,6 +187,9 @@ class NixlTransport(Transport):
                 backend="nixl",
             )
         self._peers: set[str] = set()
+        self._retired: set[str] = set()  # removed peers NIXL keeps until their operations ended
+        self._live: dict[str, list[Any]] = {}  # peer -> handles of operations not yet released
+        self._unfenced: list[tuple[str, Any]] = []  # (peer, handle) reported failed before they ended
         self._poster: concurrent.futures.ThreadPoolExecutor | None = None  # started at its first post
         #: Transfers posted from the poster thread so far (tests, bench).
         self.thread_posts = 0
@@ -222,15 +230,16 @@ class NixlTransport(Transport):
         return bytes(self._agent.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
+        self._reap()
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as first:
             # A restarted peer comes back under its old name with new metadata: replace it. Its name is
             # matched as the metadata's whole agent field, length included: a peer whose name is only
             # part of it (``dec-1`` in ``dec-10``'s) is another agent and stays.
-            known = [p for p in self._peers if _agent_field(p) in metadata]
+            known = [p for p in self._peers | self._retired if _agent_field(p) in metadata]
             for p in known:
-                self.remove_peer(p)
+                self._forget(p)  # its operations still in flight can no longer be watched (see _forget)
             try:
                 name = self._agent.add_remote_agent(metadata)
             except Exception:
@@ -238,18 +247,69 @@ class NixlTransport(Transport):
                     "could not load the peer's metadata", backend="nixl", detail=f"{type(first).__name__}: {first}"
                 ) from None
         peer = name.decode() if isinstance(name, bytes) else str(name)
-        if peer in self._peers:
+        if (peer in self._peers or peer in self._retired) and not self._live.get(peer):
             # NIXL merges new metadata into a known agent's, so memory the peer has deregistered
-            # since stays addressable: drop what we had and load the new metadata alone.
+            # since stays addressable: drop what we had and load the new metadata alone. (Not while
+            # operations on it are in flight: removing the agent would lose sight of them.)
             self._agent.remove_remote_agent(peer)
             self._agent.add_remote_agent(metadata)
+        self._retired.discard(peer)
         self._peers.add(peer)
         return peer
 
     def remove_peer(self, peer: str) -> None:
+        """Forget a peer. While operations on it are in flight (or failed unfenced), NIXL keeps its agent:
+        removing it makes their handles unknown to NIXL (``NIXL_ERR_NOT_FOUND``) while UCX still lands
+        their bytes, so it is removed once the last of them ended (see :meth:`_reap`)."""
         self._peers.discard(peer)
+        if self._live.get(peer):
+            self._retired.add(peer)
+        else:
+            self._forget(peer)
+
+    def _forget(self, peer: str) -> None:
+        """Remove the peer's agent from NIXL now; operations on it still in flight are lost from sight."""
+        self._peers.discard(peer)
+        self._retired.discard(peer)
+        for handle in self._live.pop(peer, []):
+            self._unfenced = [u for u in self._unfenced if u[1] is not handle]
         with contextlib.suppress(Exception):  # forgetting an unknown peer is not an error
             self._agent.remove_remote_agent(peer)
+
+    def unfenced_live(self) -> int:
+        self._reap()
+        return len(self._unfenced)
+
+    def _reap(self) -> None:
+        """Release the handles of unfenced operations that have ended; forget removed peers left without any."""
+        if self._agent is None:
+            return
+        still = []
+        for peer, handle in self._unfenced:
+            state = _state(self._agent, handle)
+            if state == "ended":
+                self._release(peer, handle)
+            elif state == "live":
+                still.append((peer, handle))
+            else:  # NIXL no longer knows it (its peer was replaced): nothing left to watch or release
+                log.warning("nixl: an unfenced operation of peer %r can no longer be watched", peer)
+                self._drop(peer, handle)
+        self._unfenced = still
+        for peer in [p for p in self._retired if not self._live.get(p)]:
+            self._forget(peer)
+
+    def _release(self, peer: str, handle: Any) -> None:
+        """Release an ended operation's handle (never a live one: releasing does not stop UCX's copy)."""
+        self._drop(peer, handle)
+        with contextlib.suppress(Exception):
+            self._agent.release_xfer_handle(handle)
+
+    def _drop(self, peer: str, handle: Any) -> None:
+        live = [h for h in self._live.get(peer, []) if h is not handle]
+        if live:
+            self._live[peer] = live
+        else:
+            self._live.pop(peer, None)
 
     # ------------------------------------------------------------------ transfers
     async def transfer(
@@ -264,6 +324,8 @@ class NixlTransport(Transport):
         mem_type: MemType = "DRAM",
         remote_mem_type: MemType = "DRAM",
     ) -> TransferResult:
+        if self._unfenced:
+            self._reap()
         if peer not in self._peers:
             raise PeerUnknownError("peer was never added (or was removed)", backend="nixl", peer=peer)
         local, remote = check_descriptors(local, remote)
@@ -280,8 +342,11 @@ class NixlTransport(Transport):
                 peer=peer,
                 detail=f"{type(exc).__name__}: {exc}",
             ) from None
+        self._live.setdefault(peer, []).append(handle)
         nbytes = int(local[:, 1].sum())
         threaded = self._posts_on_thread(nbytes, mem_type, remote_mem_type)
+        failure: TransportError | None = None
+        cancelled = False
         try:
             if threaded:
                 state = await _posted(self._submit_post(handle))
@@ -292,7 +357,13 @@ class NixlTransport(Transport):
             while state == "PROC":
                 if time.monotonic() >= deadline:
                     raise TransferTimeoutError(
-                        f"{self._describe(op, local, remote)} did not complete within {timeout:.3f}s; cancelled",
+                        f"{self._describe(op, local, remote)} did not complete within {timeout:.3f}s",
+                        backend="nixl",
+                        peer=peer,
+                    )
+                if peer not in self._peers:
+                    raise TransferFailedError(
+                        f"{self._describe(op, local, remote)}: the peer was removed while it was in flight",
                         backend="nixl",
                         peer=peer,
                     )
@@ -306,22 +377,42 @@ class NixlTransport(Transport):
                     backend="nixl",
                     peer=peer,
                 )
-        except (TransferTimeoutError, TransferFailedError):
-            raise
+        except (TransferTimeoutError, TransferFailedError) as exc:
+            failure = exc
         except asyncio.CancelledError:
-            raise
+            cancelled = True
         except Exception as exc:  # e.g. nixlRemoteDisconnectError when the peer died
-            raise TransferFailedError(
+            failure = TransferFailedError(
                 f"{self._describe(op, local, remote)} failed after {time.monotonic() - start:.3f}s",
                 backend="nixl",
                 peer=peer,
                 detail=f"{type(exc).__name__}: {exc}",
-            ) from None
-        finally:
-            # Releasing an active handle cancels it; one NIXL cannot release stays with the agent.
-            with contextlib.suppress(Exception):
-                agent.release_xfer_handle(handle)
-        return TransferResult(nbytes, int(local.shape[0]), time.monotonic() - start)
+            )
+        if failure is None and not cancelled:
+            self._release(peer, handle)
+            return TransferResult(nbytes, int(local.shape[0]), time.monotonic() - start)
+        # The fence: releasing a handle in flight does not stop UCX from landing its bytes later (nor
+        # does removing the peer), so the error waits until NIXL says the operation ended.
+        ended, cancel_came = await _fence(agent, handle, self.config)
+        cancelled = cancelled or cancel_came
+        if ended:
+            self._release(peer, handle)
+        else:
+            self._unfenced.append((peer, handle))
+            self._count_unfenced(op, peer)
+        if cancelled:
+            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
+        assert failure is not None
+        if ended:
+            raise failure
+        raise TransferUnfencedError(
+            f"{failure.what}; its operation was still in flight after the fence budget "
+            f"({self.config.fence_budget_s:.3g}s), so its bytes may still land",
+            backend="nixl",
+            peer=peer,
+            detail=failure.detail,
+            timed_out=isinstance(failure, TransferTimeoutError),
+        ) from None
 
     def _posts_on_thread(self, nbytes: int, mem_type: MemType, remote_mem_type: MemType) -> bool:
         """Whether this transfer is posted from the poster thread (see the module docs)."""
@@ -355,8 +446,9 @@ class NixlTransport(Transport):
         if self._poster is not None:
             self._poster.shutdown(wait=True)  # a post in progress ends before the agent goes
             self._poster = None
-        for peer in list(self._peers):
-            self.remove_peer(peer)
+        for peer in list(self._peers | self._retired):
+            self._forget(peer)
+        self._unfenced = []
         self._agent = None
 
 
@@ -364,6 +456,35 @@ def _agent_field(name: str) -> bytes:
     """How NIXL's serialized metadata carries the agent's name: ``|Agent``, its length (8 bytes, little-endian), it."""
     raw = name.encode()
     return b"|Agent" + len(raw).to_bytes(8, "little") + raw + b"|"
+
+
+def _state(agent: Any, handle: Any) -> str:
+    """``ended`` when NIXL says the handle's operation ended (done, or failed: UCX no longer touches its
+    memory), ``live`` while in progress, ``lost`` when NIXL no longer knows the handle
+    (``NIXL_ERR_NOT_FOUND``: the peer's agent was removed under it, while UCX still lands its bytes)."""
+    try:
+        return "live" if agent.check_xfer_state(handle) == "PROC" else "ended"
+    except Exception as exc:
+        return "lost" if "NotFound" in type(exc).__name__ else "ended"  # e.g. nixlRemoteDisconnectError
+
+
+async def _fence(agent: Any, handle: Any, config: TransportConfig) -> tuple[bool, bool]:
+    """Wait until the handle's operation ended, at most ``config.fence_budget_s``.
+
+    Returns (it ended, a cancel came meanwhile). A cancel does not cut the wait short: the caller
+    re-raises it once the wait is over (no byte may land after a cancelled READ returned)."""
+    deadline = time.monotonic() + config.fence_budget_s
+    delay = config.poll_min_s
+    cancelled = False
+    while (state := _state(agent, handle)) != "ended":
+        if state == "lost" or time.monotonic() >= deadline:
+            return False, cancelled
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            cancelled = True
+        delay = min(delay * 2, config.poll_max_s)
+    return True, cancelled
 
 
 async def _posted(post: concurrent.futures.Future[str]) -> str:

@@ -42,6 +42,7 @@ from kvxfer.transport.errors import (
     RegistrationError,
     TransferFailedError,
     TransferTimeoutError,
+    TransferUnfencedError,
     TransportError,
 )
 from kvxfer.transport.registry import register_transport
@@ -213,13 +214,19 @@ class WorkerAgentTransport(Transport):
         job_id = self._enqueue(job)
         self._pending[job_id] = _Pending(job, future)
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(future), timeout + REPORT_GRACE_S)
+            # The worker's agent reports a failure once its fence allows (its own fence budget, which
+            # is taken to be this one's): wait for that too.
+            wait = timeout + REPORT_GRACE_S + self.config.fence_budget_s
+            outcome = await asyncio.wait_for(asyncio.shield(future), wait)
         except TimeoutError:
             self._give_up(job_id)
-            raise TransferTimeoutError(
+            # Whether the worker's agent still has the operation in flight is unknown: not fenced.
+            self._count_unfenced(op, peer)
+            raise TransferUnfencedError(
                 f"{op} of {len(local)} descriptors: no outcome from the worker's agent within {timeout:g} s (+"
-                f"{REPORT_GRACE_S:g} s); {self._describe(op, local, remote)}",
-                backend=self.name, peer=peer,
+                f"{REPORT_GRACE_S:g} s, + the fence budget {self.config.fence_budget_s:g} s), so its bytes may "
+                f"still land; {self._describe(op, local, remote)}",
+                backend=self.name, peer=peer, timed_out=True,
             ) from None  # fmt: skip
         except asyncio.CancelledError:
             self._give_up(job_id)
@@ -279,6 +286,10 @@ class WorkerAgentTransport(Transport):
 def _outcome_error(outcome: local_pb2.AgentOutcome, backend: str, peer: str, what: str) -> TransportError:
     """The transport error a failed outcome stands for (by its code, never its text)."""
     detail = f"{outcome.message}; {what}"
+    if outcome.reason == Reason.DATA_PLANE_UNFENCED.value:
+        return TransferUnfencedError("the worker's agent failed the transfer while it was still in flight after its "
+                                     "fence budget, so its bytes may still land", backend=backend, peer=peer,
+                                     detail=detail)  # fmt: skip
     if outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]:
         return TransferTimeoutError("the worker's agent timed out", backend=backend, peer=peer, detail=detail)
     if outcome.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:

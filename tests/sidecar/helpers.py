@@ -24,6 +24,7 @@ from kvxfer.memory import LibraryRef, SharedKVBuffer
 from kvxfer.server.app import Sidecar
 from kvxfer.topology import RankInfo
 from kvxfer.transport import (
+    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -231,7 +232,9 @@ class DelayedDataPlane(Transport):
 
     name = "nixl"
 
-    def __init__(self, name: str, delay: float, *, drain: bool = False, times_out: bool = False) -> None:
+    def __init__(
+        self, name: str, delay: float, *, drain: bool = False, times_out: bool = False, unfenced: bool = False
+    ) -> None:
         self.inner = create_transport("nixl", name, TransportConfig(cuda_ipc_direct=True))
         super().__init__(self.inner.agent_name, self.inner.config)
         self.delay = delay
@@ -243,6 +246,9 @@ class DelayedDataPlane(Transport):
         #: real data plane's does (TransferTimeoutError), instead of being held in full.
         self.times_out = times_out
         self.landed_at: list[float] = []  # time.monotonic() of each transfer's end
+        #: ``unfenced``: a READ cancelled during the hold ends as the real data plane's does when its peer
+        #: stays stalled past the fence budget (CancelledError(UNFENCED_CANCEL), counted).
+        self.unfenced = unfenced
 
     def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
         return self.inner.register(table, mem_type)
@@ -270,7 +276,13 @@ class DelayedDataPlane(Transport):
                 await asyncio.sleep(timeout)
                 raise TransferTimeoutError(f"READ did not complete within {timeout:.3f}s; cancelled", backend="nixl",
                                            peer=peer)  # fmt: skip
-            await asyncio.sleep(self.delay)
+            try:
+                await asyncio.sleep(self.delay)
+            except asyncio.CancelledError:
+                if not self.unfenced:
+                    raise
+                self._count_unfenced(op, peer)
+                raise asyncio.CancelledError(UNFENCED_CANCEL) from None
             try:
                 return await self.inner.transfer(op, local, remote, peer, timeout=timeout, notify=notify,
                                                  mem_type=mem_type, remote_mem_type=remote_mem_type)  # fmt: skip

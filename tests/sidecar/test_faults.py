@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvxfer.client import AsyncClient, KvxferRpcError
+from kvxfer.errors import Reason
 from kvxfer.harness.cluster import LocalCluster
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import CudaIpcRef, LibraryRef, SharedMemoryRef, ShmRegionRef
@@ -336,6 +337,23 @@ async def test_a_read_must_end_while_the_lookup_holds_the_blocks(harness: Harnes
         await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("slow", [p], {"kv": [3, 4]}),
                            "data plane READ from", "did not finish within")  # fmt: skip
         assert time.monotonic() - t0 < 1.9  # at the publisher's bound, not after the 2 s READ
+    dp.delay = 0.0
+    await _still_works(pw, p, dw)
+
+
+async def test_an_unfenced_read_fails_the_pull_with_its_own_reason(harness: Harness) -> None:
+    """The pull's deadline cancels a READ the data plane then reports unfenced (still in flight after the fence
+    budget): the pull fails with reason DATA_PLANE_UNFENCED, not DEADLINE, so the worker learns the blocks
+    may still be written; counted in kvxfer_data_plane_unfenced_total."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-delayed", 3.0, unfenced=True)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp, transfer_timeout_seconds=1.0)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    await pw.prefill("stalled", {"kv": [1, 2]}, salt=1)
+    exc = await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("stalled", [p], {"kv": [3, 4]}), "may still land")
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+    assert d.metrics is not None
+    assert d.metrics.unfenced.labels(op="read")._value.get() == 1
     dp.delay = 0.0
     await _still_works(pw, p, dw)
 

@@ -51,6 +51,7 @@ CONTRACT_METRICS = {
     "kvxfer_prepared_pulls_total": {"outcome"},
     "kvxfer_pulls_by_path_total": {"path"},
     "kvxfer_peers": set(),
+    "kvxfer_data_plane_unfenced_total": {"op"},
     "kvxfer_gc_pause_seconds": {"generation"},
     "kvxfer_registered_bytes": set(),
 }

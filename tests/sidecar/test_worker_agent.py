@@ -17,7 +17,13 @@ from kvxfer.client import AsyncClient
 from kvxfer.errors import FailedPreconditionError, Reason
 from kvxfer.memory import LibraryRef
 from kvxfer.topology import RegionTable
-from kvxfer.transport import TransferFailedError, TransferTimeoutError, WorkerAgentInfo, create_transport
+from kvxfer.transport import (
+    TransferFailedError,
+    TransferTimeoutError,
+    TransferUnfencedError,
+    WorkerAgentInfo,
+    create_transport,
+)
 from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
 from kvxfer.wire import local_pb2
 from kvxfer.worker_agent import WorkerAgent
@@ -146,6 +152,14 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="slow")])
     with pytest.raises(TransferTimeoutError, match="slow"):
         await task
+    # An outcome the worker's agent reported unfenced stays unfenced (its reason, not its text, decides).
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                     reason=Reason.DATA_PLANE_UNFENCED.value, message="in flight")])  # fmt: skip
+    with pytest.raises(TransferUnfencedError, match="in flight") as unfenced:
+        await task
+    assert unfenced.value.reason == Reason.DATA_PLANE_UNFENCED
     # A cancelled waiter tells the agent to give up the job it already took.
     task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
     (job,) = await t.next_jobs(0, 1.0)
