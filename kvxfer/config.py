@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvxfer.errors import KvxferError, Reason
 from kvxfer.transport import TransportConfig, available_transports
+from kvxfer.transport.base import DEFAULT_FENCE_BUDGET_S
 
 __all__ = [
     "ENV_PREFIX",
@@ -220,7 +221,7 @@ class Settings(BaseModel):
         "that their copy does not hold up the sidecar's event loop (0: never)",
     )  # fmt: skip
     fence_budget_seconds: float = Field(
-        5.0, ge=0, le=3600, allow_inf_nan=False,
+        DEFAULT_FENCE_BUDGET_S, ge=0, le=3600, allow_inf_nan=False,
         description="how long a failed or cancelled transfer waits for the data plane to say its operation ended "
         "before it is reported as unfenced (reason DATA_PLANE_UNFENCED: its bytes may still land)",
     )  # fmt: skip

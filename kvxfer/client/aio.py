@@ -36,7 +36,7 @@ from kvxfer.errors import Reason
 from kvxfer.fastsock import FastCallError, FastChannel, FastHelloRefusedError
 from kvxfer.logs import get_logger
 from kvxfer.topology import RankInfo
-from kvxfer.transport.base import WorkerAgentInfo
+from kvxfer.transport.base import DEFAULT_FENCE_BUDGET_S, WorkerAgentInfo
 from kvxfer.wire import local_pb2, local_pb2_grpc
 from kvxfer.wire.convert import (
     rank_to_proto,
@@ -76,6 +76,9 @@ class AsyncClient:
     ) -> None:
         self.target = normalize_target(target)
         self.timeout = _check_timeout(timeout)
+        #: How long after its deadline a failed pull's answer may come (the sidecar fences its READs
+        #: first): the sidecar's --fence-budget-seconds, learnt at register_caches (its default until then).
+        self.fence_budget = DEFAULT_FENCE_BUDGET_S
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
         self._token = token
         self._max_message_bytes = max_message_bytes
@@ -196,7 +199,10 @@ class AsyncClient:
         )  # fmt: skip
         if worker_agent is not None:
             req.worker_agent.CopyFrom(worker_agent_to_proto(worker_agent))
-        return _status_dict(await self._call(self._stub.RegisterCaches, req, deadline))
+        resp = await self._call(self._stub.RegisterCaches, req, deadline)
+        if resp.fence_budget_seconds > 0:  # 0: a sidecar from before the fence
+            self.fence_budget = float(resp.fence_budget_seconds)
+        return _status_dict(resp)
 
     async def publish(
         self, request_id: str, blocks: BlockMap, *, lease_seconds: float = 0.0, deadline: float | None = None,
@@ -298,14 +304,18 @@ class AsyncClient:
         return [r for r in results if r is not None]
 
     def pull_timeout(self, deadline: float | None) -> float:
-        """The call's timeout for a pull of ``deadline`` (its ``timeout_seconds``), plus a second.
+        """The call's timeout for a pull of ``deadline`` (its ``timeout_seconds``), plus the sidecar's
+        fence budget and a second.
 
-        A deadline that is no positive number of seconds never gets here: the request's making
-        refuses it (:func:`~kvxfer.client.types._pull_request`).
+        A pull that fails at its deadline is answered only once the sidecar's data plane has fenced
+        its READs (at most :attr:`fence_budget` later): a client that gave up sooner would let its
+        worker reuse blocks a READ may still land in. A deadline that is no positive number of
+        seconds never gets here: the request's making refuses it
+        (:func:`~kvxfer.client.types._pull_request`).
         """
         if deadline is not None and math.isfinite(deadline) and deadline > 0:
-            return deadline + 1.0
-        return self.timeout + 1.0
+            return deadline + self.fence_budget + 1.0
+        return self.timeout + self.fence_budget + 1.0
 
     async def watch_completions(self, *, replay: bool = False, after: int = 0) -> AsyncGenerator[CompletionEvent, None]:
         """Completion events as they happen (no deadline: the stream lives as long as the caller wants)."""

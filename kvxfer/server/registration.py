@@ -128,6 +128,7 @@ class Registry:
         return local_pb2.RegisterCachesResponse(
             engine_id=self.settings.engine_id, instance_id=self.instance_id, epoch=self._epoch,
             registered_bytes=self.registration.nbytes, backend=self.dp.backend, peer_address=self.peer_address,
+            fence_budget_seconds=self.settings.fence_budget_seconds,
         )  # fmt: skip
 
     def _worker_agent(self, req: local_pb2.RegisterCachesRequest) -> WorkerAgentInfo | None:

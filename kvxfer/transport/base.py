@@ -26,6 +26,7 @@ from kvxfer.topology import RegionTable
 from kvxfer.transport.errors import describe_transfer
 
 __all__ = [
+    "DEFAULT_FENCE_BUDGET_S",
     "UNFENCED_CANCEL",
     "MemType",
     "Notification",
@@ -51,6 +52,9 @@ def cancelled_unfenced(exc: BaseException) -> bool:
     """Whether ``exc`` is the CancelledError of a transfer cancelled unfenced (its bytes may still land)."""
     return isinstance(exc, asyncio.CancelledError) and bool(exc.args) and exc.args[0] == UNFENCED_CANCEL
 
+
+#: How long a failed or cancelled transfer waits, by default, for its operation to end (the fence).
+DEFAULT_FENCE_BUDGET_S = 5.0
 
 U64 = npt.NDArray[np.uint64]
 Op = Literal["READ", "WRITE"]
@@ -93,7 +97,7 @@ class TransportConfig:
     # library says done or failed), so that none of its bytes lands after the caller heard of it;
     # it waits at most this long for that, then reports TransferUnfencedError (a cancel: raises
     # CancelledError and counts it) and keeps the operation's handle (docs/transports.md).
-    fence_budget_s: float = 5.0
+    fence_budget_s: float = DEFAULT_FENCE_BUDGET_S
 
     def replace(self, **changes: Any) -> TransportConfig:
         """A copy with ``changes`` applied."""

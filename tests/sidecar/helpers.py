@@ -233,8 +233,9 @@ class DelayedDataPlane(Transport):
     name = "nixl"
 
     def __init__(
-        self, name: str, delay: float, *, drain: bool = False, times_out: bool = False, unfenced: bool = False
-    ) -> None:
+        self, name: str, delay: float, *, drain: bool = False, times_out: bool = False, unfenced: bool = False,
+        fence_seconds: float = 0.0,
+    ) -> None:  # fmt: skip
         self.inner = create_transport("nixl", name, TransportConfig(cuda_ipc_direct=True))
         super().__init__(self.inner.agent_name, self.inner.config)
         self.delay = delay
@@ -249,6 +250,9 @@ class DelayedDataPlane(Transport):
         #: ``unfenced``: a READ cancelled during the hold ends as the real data plane's does when its peer
         #: stays stalled past the fence budget (CancelledError(UNFENCED_CANCEL), counted).
         self.unfenced = unfenced
+        #: With ``unfenced``: how long the cancelled READ waits for its operation before it says so (the real
+        #: data plane's fence budget; a cancel does not cut it short).
+        self.fence_seconds = fence_seconds
 
     def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
         return self.inner.register(table, mem_type)
@@ -281,6 +285,10 @@ class DelayedDataPlane(Transport):
             except asyncio.CancelledError:
                 if not self.unfenced:
                     raise
+                fence = asyncio.ensure_future(asyncio.sleep(self.fence_seconds))
+                while not fence.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(fence)
                 self._count_unfenced(op, peer)
                 raise asyncio.CancelledError(UNFENCED_CANCEL) from None
             try:

@@ -358,6 +358,25 @@ async def test_an_unfenced_read_fails_the_pull_with_its_own_reason(harness: Harn
     await _still_works(pw, p, dw)
 
 
+async def test_the_worker_waits_out_the_sidecars_fence_for_a_failed_pulls_answer(harness: Harness) -> None:
+    """A pull that fails at its deadline is answered once the data plane fenced its READs, up to
+    --fence-budget-seconds later (2 s here). The client learns that budget at registration and waits
+    for the answer: it used to give up a second after the deadline (DEADLINE_EXCEEDED, reason DEADLINE),
+    and its worker would have reused blocks the READ could still land in."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-fenced", 30.0, unfenced=True, fence_seconds=2.0)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp, fence_budget_seconds=2.0)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    assert dw.client.fence_budget == 2.0
+    assert dw.client.pull_timeout(0.5) == 0.5 + 2.0 + 1.0
+    await pw.prefill("fenced", {"kv": [1, 2]}, salt=1)
+    t0 = time.monotonic()
+    exc = await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("fenced", [p], {"kv": [3, 4]}, deadline=0.5),
+                             "may still land")  # fmt: skip
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+    assert 2.3 < time.monotonic() - t0 < 3.5
+
+
 async def test_transfer_deadline(harness: Harness) -> None:
     p, pw, d, dw, dp = await _pair(harness, delay=3.0, transfer_timeout_seconds=1.0)
     await pw.prefill("slow", {"kv": [1, 2]}, salt=1)

@@ -361,6 +361,7 @@ class RegisterCachesResponse(_message.Message):
     REGISTERED_BYTES_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    FENCE_BUDGET_SECONDS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     instance_id: _builtins.str
     """changes when the sidecar restarts"""
@@ -370,6 +371,10 @@ class RegisterCachesResponse(_message.Message):
     backend: _builtins.str
     peer_address: _builtins.str
     """what peers use to reach this sidecar"""
+    fence_budget_seconds: _builtins.float
+    """--fence-budget-seconds: a failed pull's answer may come this long after its deadline (the sidecar
+    waits for the data plane to fence its READs first), so a client waits that much longer for it.
+    """
     def __init__(
         self,
         *,
@@ -379,10 +384,11 @@ class RegisterCachesResponse(_message.Message):
         registered_bytes: _builtins.int = ...,
         backend: _builtins.str = ...,
         peer_address: _builtins.str = ...,
+        fence_budget_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "engine_id", b"engine_id", "epoch", b"epoch", "instance_id", b"instance_id", "peer_address", b"peer_address", "registered_bytes", b"registered_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "engine_id", b"engine_id", "epoch", b"epoch", "fence_budget_seconds", b"fence_budget_seconds", "instance_id", b"instance_id", "peer_address", b"peer_address", "registered_bytes", b"registered_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
