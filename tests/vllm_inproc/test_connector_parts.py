@@ -819,6 +819,52 @@ def test_mamba2_state_is_promised_only_between_tp_sizes_the_sidecars_accept(
         get_conv_state_layout.cache_clear()
 
 
+def test_mamba_state_of_another_conv_layout_is_computed_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An instance with vLLM's DS conv layout (its state's TP split known) and one with the SD layout
+    (opaque) hold the same Mamba2 page size at equal TP, so the sidecars would move the page whole:
+    the conv state would arrive transposed. The decode scheduler computes the prompt instead."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, get_conv_state_layout
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvxfer.integrations.vllm.params import prefill_response
+    from kvxfer.integrations.vllm.plan import published_blocks
+    from kvxfer.integrations.vllm.scheduler import SchedulerSide
+    from kvxfer.integrations.vllm.spec import transfer_groups
+
+    def spec(conv_layout: str) -> MambaSpec:
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", conv_layout)
+        get_conv_state_layout.cache_clear()
+        shapes = MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=2, intermediate_size=64, n_groups=2, num_heads=8, head_dim=8, state_size=16, conv_kernel=4
+        )
+        return MambaSpec(block_size=BS, shapes=shapes, dtypes=(torch.float16, torch.float32),
+                         mamba_type=MambaAttentionBackendEnum.MAMBA2)  # fmt: skip
+
+    try:
+        specs = {name: spec(name) for name in ("DS", "SD")}
+        groups = {name: transfer_groups(SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec(name))]), 2)
+                  for name in ("DS", "SD")}  # fmt: skip
+    finally:
+        monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT")
+        get_conv_state_layout.cache_clear()
+    assert specs["DS"].page_size_bytes == specs["SD"].page_size_bytes  # a whole-page move fits
+    assert specs["DS"].shapes[0] == specs["SD"].shapes[0][::-1]  # (dim, state_len) against (state_len, dim)
+    for pre, dec in (("SD", "DS"), ("DS", "SD"), ("DS", "DS"), ("SD", "SD")):
+        remote = published_blocks(groups[pre][0], [5], BS)
+        assert remote is not None
+        params = prefill_response(engine_id="p", request_id="x", groups=[remote], num_tokens=3 * BS - 1,
+                                  addresses=["127.0.0.1:1"], sidecar_engine_id="p", tp_size=2, pp_size=1)  # fmt: skip
+        sched = SchedulerSide(ConnectorSettings(sidecar_socket="/nonexistent/{rank}.sock", prepare_pulls=False),
+                              engine_id="d", groups=list(groups[dec]), tp_size=2)  # fmt: skip
+        monkeypatch.setattr(sched, "_expect", lambda rid, remote: None)  # no sidecar: nothing to hold
+        req = SimpleNamespace(request_id=f"{pre}{dec}", kv_transfer_params=params, prompt_token_ids=list(range(3 * BS)))
+        want = (3 * BS - 1, True) if pre == dec else (0, False)
+        assert sched.matched_tokens(req, 0) == want, (pre, dec)
+
+
 def test_a_publish_whose_answer_came_too_late_is_released_before_vllm_frees_its_blocks(pd: PD) -> None:
     """The prefill sidecar stalls (SIGSTOP: a real stall, not a stand-in) past the scheduler's call
     timeout while a Publish is on its way: vLLM is told nothing was published and frees the blocks,
