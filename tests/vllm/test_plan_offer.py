@@ -71,8 +71,10 @@ def test_a_state_group_offers_its_one_block_whole() -> None:
     got = group_offer(group, [0, 0, 7], 0, 200)
     assert got == GroupPull(1, (7,), ())
     assert published_blocks(group, [0, 0, 7], 200) == RemoteGroup("g1", (7,), 96, 2, tp_split=False)
-    split = TransferGroup(1, "g1", "state", 96, tp_split=True)
-    assert published_blocks(split, [0, 0, 7], 200) == RemoteGroup("g1", (7,), 96, 2, tp_split=True)
+    split = TransferGroup(1, "g1", "state", 96, tp_split=True, segments=(48, 12, 12, 512))
+    assert published_blocks(split, [0, 0, 7], 200) == RemoteGroup("g1", (7,), 96, 2, True, (48, 12, 12, 512))
+    replicated = TransferGroup(1, "g1", "state", 96, tp_split=True)
+    assert published_blocks(replicated, [0, 0, 7], 200) == RemoteGroup("g1", (7,), 96, 2, True, ())
     assert group_offer(group, [0, 0, 0], 0, 200) == "no state block is allocated for the request"
 
 

@@ -114,7 +114,7 @@ def test_token_file_problems_are_named(tmp_path: Path) -> None:
 
 def test_prefill_response_round_trips() -> None:
     groups = [RemoteGroup("g0", (4, 5, 9), 32), RemoteGroup("g1", (7, 8), 32, first_block=1),
-              RemoteGroup("g2", (3,), 32, first_block=2, tp_split=True)]  # fmt: skip
+              RemoteGroup("g2", (3,), 32, first_block=2, tp_split=True, segments=(48, 12, 12, 512))]  # fmt: skip
     params = prefill_response(
         engine_id="vllm-p", request_id="cmpl-1", groups=groups, num_tokens=70,
         addresses=["10.0.0.7:50051", "10.0.0.7:50052"], sidecar_engine_id="pod-a", tp_size=2, pp_size=1,
@@ -126,7 +126,8 @@ def test_prefill_response_round_trips() -> None:
     assert params["remote_block_size"] == 32
     assert params["kvxfer_groups"] == [
         {"name": "g0", "block_size": 32, "first_block": 0}, {"name": "g1", "block_size": 32, "first_block": 1},
-        {"name": "g2", "block_size": 32, "first_block": 2, "tp_split": True},  # a Mamba group says so
+        {"name": "g2", "block_size": 32, "first_block": 2, "tp_split": True,
+         "segments": [48, 12, 12, 512]},  # a Mamba group says so, with its split
     ]  # fmt: skip
     got = RemotePrefill.parse(params)
     assert got == RemotePrefill("cmpl-1", "vllm-p", ("10.0.0.7:50051", "10.0.0.7:50052"), tuple(groups), 70, "pod-a",
@@ -163,6 +164,9 @@ def test_legacy_params_of_one_rank_use_remote_host_and_port() -> None:
         ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"],
           "kvxfer_groups": [{"name": "g0", "tp_split": "yes"}]},
          "kvxfer_groups[0].tp_split: must be a bool, got 'yes'"),
+        ({"remote_request_id": "r", "remote_block_ids": [[1]], "kvxfer_addresses": ["a:1"],
+          "kvxfer_groups": [{"name": "g0", "tp_split": True, "segments": [48, 0]}]},
+         "kvxfer_groups[0].segments: must be a list of byte sizes, got [48, 0]"),
         ({"remote_request_id": "r", "remote_block_ids": [[1], []], "kvxfer_addresses": ["a:1"]},
          "remote_block_ids[1]: must be a non-empty list of block ids"),
         ({"remote_request_id": "r", "remote_block_ids": [[1, -2]], "kvxfer_addresses": ["a:1"]},

@@ -747,6 +747,124 @@ def test_mamba_state_whose_tp_split_is_known_loads_from_another_tp_size(monkeypa
         assert sched.matched_tokens(req, 0) == want, split
 
 
+@pytest.mark.parametrize("n_groups", [1, 2, 4])
+def test_mamba2_state_is_promised_only_between_tp_sizes_the_sidecars_accept(
+    monkeypatch: pytest.MonkeyPatch, n_groups: int
+) -> None:
+    """vLLM replicates a Mamba2 layer's B/C groups over the TP ranks when n_groups is not a multiple of
+    the TP size (n_groups 1: every rank holds the one group), so the per-rank B and C are not slices of
+    one state and the topology refuses that pair. The decode scheduler promises the load exactly where
+    every decode rank's topology accepts the prefill side's layout (vLLM's own state shapes and split)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, get_conv_state_layout
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvxfer.errors import KvxferError
+    from kvxfer.integrations.vllm.params import prefill_response
+    from kvxfer.integrations.vllm.plan import published_blocks
+    from kvxfer.integrations.vllm.scheduler import SchedulerSide
+    from kvxfer.integrations.vllm.spec import TransferGroup, mamba_tp_split, transfer_groups
+    from kvxfer.layout import KVCacheLayout
+    from kvxfer.topology import TransferTopology
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    get_conv_state_layout.cache_clear()
+
+    def spec(tp: int) -> MambaSpec:
+        shapes = MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=tp, intermediate_size=64, n_groups=n_groups, num_heads=8, head_dim=8, state_size=16,
+            conv_kernel=4,
+        )  # fmt: skip
+        return MambaSpec(block_size=BS, shapes=shapes, dtypes=(torch.float16, torch.float32),
+                         mamba_type=MambaAttentionBackendEnum.MAMBA2)  # fmt: skip
+
+    def groups(tp: int) -> tuple[TransferGroup, ...]:
+        return transfer_groups(SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec(tp))]), tp)
+
+    def layout(tp: int) -> KVCacheLayout:
+        return KVCacheLayout.mamba(num_layers=1, num_blocks=8, page_size_bytes=spec(tp).page_size_bytes,
+                                   segments=mamba_tp_split(spec(tp), tp)[0])  # fmt: skip
+
+    def accepted(p_tp: int, d_tp: int) -> bool:
+        try:
+            for d in range(d_tp):
+                TransferTopology(layout(d_tp), layout(p_tp), RankInfo(d, d_tp), p_tp)
+        except KvxferError:
+            return False
+        return True
+
+    try:
+        outcomes = set()
+        for p_tp, d_tp in ((1, 2), (2, 1), (2, 4), (4, 2), (4, 4)):
+            (pub,) = groups(p_tp)
+            assert pub.tp_split
+            remote = published_blocks(pub, [5], BS)
+            assert remote is not None
+            params = prefill_response(engine_id="p", request_id="x", groups=[remote], num_tokens=3 * BS - 1,
+                                      addresses=["127.0.0.1:1"], sidecar_engine_id="p", tp_size=p_tp,
+                                      pp_size=1)  # fmt: skip
+            sched = SchedulerSide(ConnectorSettings(sidecar_socket="/nonexistent/{rank}.sock", prepare_pulls=False),
+                                  engine_id="d", groups=list(groups(d_tp)), tp_size=d_tp)  # fmt: skip
+            monkeypatch.setattr(sched, "_expect", lambda rid, remote: None)  # no sidecar: nothing to hold
+            req = SimpleNamespace(request_id=f"d{p_tp}{d_tp}", kv_transfer_params=params,
+                                  prompt_token_ids=list(range(3 * BS)))  # fmt: skip
+            ok = accepted(p_tp, d_tp)
+            outcomes.add(ok)
+            assert sched.matched_tokens(req, 0) == ((3 * BS - 1, True) if ok else (0, False)), (p_tp, d_tp)
+        assert outcomes == ({True, False} if n_groups < 4 else {True})
+    finally:
+        monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT")
+        get_conv_state_layout.cache_clear()
+
+
+def test_mamba_state_of_another_conv_layout_is_computed_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An instance with vLLM's DS conv layout (its state's TP split known) and one with the SD layout
+    (opaque) hold the same Mamba2 page size at equal TP, so the sidecars would move the page whole:
+    the conv state would arrive transposed. The decode scheduler computes the prompt instead."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, get_conv_state_layout
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvxfer.integrations.vllm.params import prefill_response
+    from kvxfer.integrations.vllm.plan import published_blocks
+    from kvxfer.integrations.vllm.scheduler import SchedulerSide
+    from kvxfer.integrations.vllm.spec import transfer_groups
+
+    def spec(conv_layout: str) -> MambaSpec:
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", conv_layout)
+        get_conv_state_layout.cache_clear()
+        shapes = MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=2, intermediate_size=64, n_groups=2, num_heads=8, head_dim=8, state_size=16, conv_kernel=4
+        )
+        return MambaSpec(block_size=BS, shapes=shapes, dtypes=(torch.float16, torch.float32),
+                         mamba_type=MambaAttentionBackendEnum.MAMBA2)  # fmt: skip
+
+    try:
+        specs = {name: spec(name) for name in ("DS", "SD")}
+        groups = {name: transfer_groups(SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec(name))]), 2)
+                  for name in ("DS", "SD")}  # fmt: skip
+    finally:
+        monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT")
+        get_conv_state_layout.cache_clear()
+    assert specs["DS"].page_size_bytes == specs["SD"].page_size_bytes  # a whole-page move fits
+    assert specs["DS"].shapes[0] == specs["SD"].shapes[0][::-1]  # (dim, state_len) against (state_len, dim)
+    for pre, dec in (("SD", "DS"), ("DS", "SD"), ("DS", "DS"), ("SD", "SD")):
+        remote = published_blocks(groups[pre][0], [5], BS)
+        assert remote is not None
+        params = prefill_response(engine_id="p", request_id="x", groups=[remote], num_tokens=3 * BS - 1,
+                                  addresses=["127.0.0.1:1"], sidecar_engine_id="p", tp_size=2, pp_size=1)  # fmt: skip
+        sched = SchedulerSide(ConnectorSettings(sidecar_socket="/nonexistent/{rank}.sock", prepare_pulls=False),
+                              engine_id="d", groups=list(groups[dec]), tp_size=2)  # fmt: skip
+        monkeypatch.setattr(sched, "_expect", lambda rid, remote: None)  # no sidecar: nothing to hold
+        req = SimpleNamespace(request_id=f"{pre}{dec}", kv_transfer_params=params, prompt_token_ids=list(range(3 * BS)))
+        want = (3 * BS - 1, True) if pre == dec else (0, False)
+        assert sched.matched_tokens(req, 0) == want, (pre, dec)
+
+
 def test_a_publish_whose_answer_came_too_late_is_released_before_vllm_frees_its_blocks(pd: PD) -> None:
     """The prefill sidecar stalls (SIGSTOP: a real stall, not a stand-in) past the scheduler's call
     timeout while a Publish is on its way: vLLM is told nothing was published and frees the blocks,

@@ -12,7 +12,8 @@ uses the same names), plus a few of kvxfer's own, so existing routers work uncha
   id those sidecars handshake with) and ``kvxfer_groups`` (per group: its name, block size and
   the position of its first listed block in the request's block table, since sliding-window
   groups publish only their tail and Mamba groups only their state block, and for a Mamba group
-  ``tp_split``: whether its state's split over TP ranks is known, so that it moves between TP sizes);
+  ``tp_split``: whether its state's split over TP ranks is known, so that it moves between TP sizes,
+  and then ``segments``: the prefill rank's byte size of each TP segment, empty for a replicated state);
 * proxy -> decode: that dict, unchanged.
 
 **Push mode** (:func:`push_params`): the proxy sends the request to both instances at once, with
@@ -79,6 +80,9 @@ class RemoteGroup:
     #: Mamba state: whether the prefill side knows the state's split over TP (it then moves between
     #: TP sizes); None: not a state group, or not given (a prefill instance that predates the key).
     tp_split: bool | None = None
+    #: Mamba state whose split is known: the prefill rank's byte size of each TP segment (empty: a
+    #: replicated state); None: not given.
+    segments: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ def _group_params(g: RemoteGroup) -> dict[str, Any]:
     out: dict[str, Any] = {"name": g.name, "block_size": g.block_size, "first_block": g.first_block}
     if g.tp_split is not None:
         out["tp_split"] = g.tp_split
+    if g.segments is not None:
+        out["segments"] = list(g.segments)
     return out
 
 
@@ -273,5 +279,15 @@ def _groups(value: Any, lists: list[tuple[int, ...]], block_size: int) -> tuple[
         tp_split = g.get("tp_split")
         if tp_split is not None and not isinstance(tp_split, bool):
             raise ParamsError(f"kvxfer_groups[{i}].tp_split: must be a bool, got {tp_split!r}", field="kvxfer_groups")
-        out.append(RemoteGroup(g["name"], ids, nums["block_size"], nums["first_block"], tp_split))
+        segments = g.get("segments")
+        if segments is not None:
+            if (
+                isinstance(segments, str)
+                or not isinstance(segments, Sequence)
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in segments)
+            ):
+                raise ParamsError(f"kvxfer_groups[{i}].segments: must be a list of byte sizes, got {segments!r}",
+                                  field="kvxfer_groups")  # fmt: skip
+            segments = tuple(segments)
+        out.append(RemoteGroup(g["name"], ids, nums["block_size"], nums["first_block"], tp_split, segments))
     return tuple(out)

@@ -114,7 +114,8 @@ def published_blocks(group: TransferGroup, table: Sequence[int], num_tokens: int
         # Drop the speculative scratch slots vLLM appends after the running state.
         keep = len(table) - min(group.spec_blocks, len(table) - 1)
         pos = max(i for i in range(keep) if table[i] != NULL_BLOCK)
-        return RemoteGroup(group.name, (table[pos],), group.block_size, pos, group.tp_split)
+        segments = group.segments if group.tp_split else None
+        return RemoteGroup(group.name, (table[pos],), group.block_size, pos, group.tp_split, segments)
     used = min(len(table), math.ceil(num_tokens / group.block_size))
     first = max(0, used - group.window_blocks) if group.role == "window" else 0
     while first < used and table[first] == NULL_BLOCK:

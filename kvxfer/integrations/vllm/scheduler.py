@@ -373,6 +373,32 @@ class SchedulerSide:
                 f"{where} (vLLM's conv state layout DS, VLLM_SSM_CONV_STATE_LAYOUT=DS, with Mamba1, Mamba2 or GDN "
                 "layers)"
             )
+        # A split known on one side only: the same model's state laid out otherwise (vLLM's DS conv
+        # layout here, SD there, or the reverse: the same page size, so the sidecars would move it whole
+        # and the conv state would arrive transposed). Both known: the sidecars accept them only alike
+        # (as many segments, each segment's size x TP size equal). vLLM replicates a Mamba2 layer's B/C
+        # groups over the ranks when n_groups is not a multiple of the TP size: its per-rank B and C
+        # are then not slices of one state.
+        for g, r in zip(self.groups, remote.groups, strict=True):
+            if g.role != "state" or r.tp_split is None:
+                continue
+            if g.tp_split != r.tp_split:
+                side = "here" if g.tp_split else "on the prefill side"
+                return (
+                    f"group {g.name}: the Mamba state's split over TP is known {side} only: the instances lay the "
+                    "state out differently (VLLM_SSM_CONV_STATE_LAYOUT=DS on one of them only)"
+                )
+            if not g.tp_split or r.segments is None or not remote.tp_size:
+                continue
+            lt, rt = self.tp_size, remote.tp_size
+            if len(g.segments) != len(r.segments) or any(
+                a * lt != b * rt for a, b in zip(g.segments, r.segments, strict=True)
+            ):
+                return (
+                    f"group {g.name}: the Mamba state is split over TP ranks differently on the two sides (prefill "
+                    f"segments {list(r.segments)} bytes per rank x TP {rt}, here {list(g.segments)} x TP {lt}; "
+                    "vLLM replicates a Mamba2 layer's B/C groups when n_groups is not a multiple of the TP size)"
+                )
         if self.prefill_backoff and remote.num_tokens and remote.num_tokens < tokens:
             return f"the prefill side computed {remote.num_tokens} tokens, {tokens} are needed"
         for g, r in zip(self.groups, remote.groups, strict=True):

@@ -73,6 +73,9 @@ class TransferGroup:
     #: Mamba: the state's split over TP ranks is known (segments, or replicated), so it moves
     #: between any TP sizes; False: an opaque page, equal TP sizes only.
     tp_split: bool = False
+    #: Mamba, split known: this rank's byte size of each TP segment of the state (``mamba_tp_split``;
+    #: empty for a replicated state), told to the decode side to check the two splits alike.
+    segments: tuple[int, ...] = ()
 
     @property
     def window_blocks(self) -> int:
@@ -91,7 +94,7 @@ def transfer_groups(kv_cache_config: Any, tp_size: int = 1) -> tuple[TransferGro
             segments, replicated = mamba_tp_split(spec, tp_size)
             out.append(TransferGroup(i, f"g{i}", "state", int(spec.block_size),
                                      spec_blocks=int(spec.num_speculative_blocks),
-                                     tp_split=bool(segments) or replicated))  # fmt: skip
+                                     tp_split=bool(segments) or replicated, segments=segments))  # fmt: skip
         elif isinstance(spec, SlidingWindowSpec):
             out.append(TransferGroup(i, f"g{i}", "window", int(spec.block_size), window=int(spec.sliding_window)))
         elif isinstance(spec, ChunkedLocalAttentionSpec):
