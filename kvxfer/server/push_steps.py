@@ -31,6 +31,7 @@ from kvxfer.logs import get_logger
 from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.pusher import UNFENCED_WRITE
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import PullEntry
 from kvxfer.wire import common_pb2, local_pb2, peer_pb2
@@ -78,9 +79,10 @@ class PushSteps:
         for q, notice in zip(ranks, notices, strict=True):
             if notice.code:
                 await _unstoppable(self._fence(entry, answered, offered))
-                err = error_of(notice.code, f"push from {entry.addresses[q]} failed: {notice.message}", notice.reason,
-                               "remote_addresses")  # fmt: skip
-                raise err
+                message, reason = f"push from {entry.addresses[q]} failed: {notice.message}", notice.reason
+                if entry.unfenced and reason != Reason.DATA_PLANE_UNFENCED.value:  # another writer's WRITE may land
+                    message, reason = message + UNFENCED_WRITE, Reason.DATA_PLANE_UNFENCED.value
+                raise error_of(notice.code, message, reason, "remote_addresses")
         entry.stage = "done"
         return local_pb2.TransferStats(
             bytes=sum(n.bytes for n in notices), descriptors=sum(n.descriptors for n in notices),
@@ -142,8 +144,13 @@ class PushSteps:
 
         async def revoke(address: str) -> float:
             try:
-                await self.peers.call(address, "Revoke", lambda s: s.Revoke(req, timeout=PEER_CALL_SECONDS,
-                                                                           metadata=self.peers.metadata))  # fmt: skip
+                resp = await self.peers.call(
+                    address, "Revoke", lambda s: s.Revoke(req, timeout=PEER_CALL_SECONDS, metadata=self.peers.metadata)
+                )
+                if resp.unfenced:
+                    # A WRITE of the offer may still land in these blocks: the pull's error says so (Puller._failure).
+                    entry.unfenced = True
+                    log.warning("a revoked offer's WRITE may still land", extra={"peer": address})
                 return 0.0
             except KvxferError as exc:
                 if exc.reason is Reason.NOT_HANDSHAKEN:

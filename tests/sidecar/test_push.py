@@ -404,3 +404,52 @@ async def _offered(writer: Sidecar, rid: str, within: float = 5.0) -> None:
     while writer.core is None or not writer.core.pusher.offers.get(rid):
         assert time.monotonic() < deadline, f"no offer for {rid!r} reached the writer"
         await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- unfenced WRITEs
+async def _unfenced_pair(harness: Harness) -> tuple[Sidecar, Worker, Sidecar, Worker, DelayedDataPlane]:
+    """The writer's WRITEs stay in flight past the fence budget when cancelled (the fault injector's
+    ``unfenced``: as the real data plane's do when the reader's peer is stalled)."""
+    dp = DelayedDataPlane("prefill-unfenced", 30.0, unfenced=True, fence_seconds=0.3)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp)
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    return p, await harness.worker(p, {"kv": LAY}), d, await harness.worker(d, {"kv": LAY}), dp
+
+
+async def test_a_revoke_whose_write_was_cancelled_unfenced_fails_the_push_unfenced(harness: Harness) -> None:
+    """The reader aborts its push; the writer's Revoke cancels a WRITE that stays in flight past the fence
+    budget. The Revoke's answer says so, and the reader's pull fails with reason DATA_PLANE_UNFENCED (it
+    was answered as usual, reason ABORTED: the worker would reuse blocks the WRITE can still land in)."""
+    p, pw, _d, dw, dp = await _unfenced_pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("u1", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
+    await _offered(p, "u1")
+    await pw.client.publish("u1", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await dw.client.abort("u1", "user cancelled")
+    err = await expect_error(OK.ABORTED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
+    assert p.metrics is not None
+    assert p.metrics.unfenced.labels(op="write")._value.get() == 1
+
+
+async def test_a_push_whose_publish_is_dropped_mid_write_unfenced_fails_unfenced(harness: Harness) -> None:
+    """The writer's publish is dropped while its WRITE is held; the cancelled WRITE ends unfenced: the reader
+    hears DATA_PLANE_UNFENCED (it heard ABORTED)."""
+    p, pw, _d, dw, dp = await _unfenced_pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("u2", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
+    await _offered(p, "u2")
+    await pw.client.publish("u2", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await pw.client.abort("u2", "prefill cancelled")
+    err = await expect_error(OK.ABORTED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
+
+
+async def test_a_push_whose_offer_deadline_cancels_its_write_unfenced_fails_unfenced(harness: Harness) -> None:
+    """The offer's deadline cancels a WRITE that ends unfenced: the reader hears DATA_PLANE_UNFENCED, not DEADLINE."""
+    p, pw, _d, dw, _dp = await _unfenced_pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("u3", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=1.5))
+    await _offered(p, "u3")
+    await pw.client.publish("u3", {"kv": [1, 2]})
+    err = await expect_error(OK.DEADLINE_EXCEEDED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
