@@ -395,6 +395,12 @@ class Puller:
                                 field="request_id",
                                 reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "aborted"  # fmt: skip
         if isinstance(exc, KvxferError):
+            if entry.unfenced and exc.reason != Reason.DATA_PLANE_UNFENCED:
+                # Another READ of it, cancelled because of this failure, may still land: the worker must hear it
+                # (the error keeps its class and code; subclasses take other arguments, so it is amended).
+                exc.message += _unfenced(entry)
+                exc.args = (exc.message, *exc.args[1:])
+                exc.reason = Reason.DATA_PLANE_UNFENCED
             return exc, "failed"
         log.exception("pull failed unexpectedly", exc_info=exc)
         return KvxferError(f"internal error in pull of {rid!r}: {type(exc).__name__}: {exc}"), "failed"

@@ -31,7 +31,6 @@ from kvxfer.logs import get_logger
 from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import PEER_CALL_SECONDS
 from kvxfer.server.peers import PeerDirectory, PeerSession
-from kvxfer.server.pusher import UNFENCED_WRITE
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import PullEntry
 from kvxfer.wire import common_pb2, local_pb2, peer_pb2
@@ -79,10 +78,9 @@ class PushSteps:
         for q, notice in zip(ranks, notices, strict=True):
             if notice.code:
                 await _unstoppable(self._fence(entry, answered, offered))
-                message, reason = f"push from {entry.addresses[q]} failed: {notice.message}", notice.reason
-                if entry.unfenced and reason != Reason.DATA_PLANE_UNFENCED.value:  # another writer's WRITE may land
-                    message, reason = message + UNFENCED_WRITE, Reason.DATA_PLANE_UNFENCED.value
-                raise error_of(notice.code, message, reason, "remote_addresses")
+                err = error_of(notice.code, f"push from {entry.addresses[q]} failed: {notice.message}", notice.reason,
+                               "remote_addresses")  # fmt: skip
+                raise err  # another writer's WRITE that may still land (entry.unfenced): Puller._failure says so
         entry.stage = "done"
         return local_pb2.TransferStats(
             bytes=sum(n.bytes for n in notices), descriptors=sum(n.descriptors for n in notices),

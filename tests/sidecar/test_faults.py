@@ -414,6 +414,22 @@ async def test_a_gone_workers_memory_is_released_only_once_its_reads_were_fenced
     pull.cancel()
 
 
+async def test_a_pull_whose_other_read_was_cancelled_unfenced_fails_unfenced(harness: Harness) -> None:
+    """Two source ranks: one READ fails by itself, so the pull cancels the other, which stays in flight past
+    the fence budget. The pull fails with reason DATA_PLANE_UNFENCED (it carried the first READ's DATA_PLANE,
+    and the worker would reuse blocks the other READ may still land in)."""
+    lay = attention(tp=2)
+    dp = DelayedDataPlane("decode-two", 30.0, unfenced=True, fence_seconds=0.3, fail_first=0.3)
+    ps = [await harness.sidecar(f"p{q}", role="prefill", engine_id="prefill") for q in range(2)]
+    pw = [await harness.worker(ps[q], {"kv": lay}, (q, 2)) for q in range(2)]
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    dw = await harness.worker(d, {"kv": attention()})
+    for w in pw:
+        await w.prefill("two", {"kv": [1, 2]}, salt=1)
+    exc = await expect_error(OK.UNAVAILABLE, dw.pull("two", ps, {"kv": [3, 4]}, deadline=20.0), "may still land")
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+
+
 async def test_transfer_deadline(harness: Harness) -> None:
     p, pw, d, dw, dp = await _pair(harness, delay=3.0, transfer_timeout_seconds=1.0)
     await pw.prefill("slow", {"kv": [1, 2]}, salt=1)
