@@ -453,3 +453,22 @@ async def test_a_push_whose_offer_deadline_cancels_its_write_unfenced_fails_unfe
     await pw.client.publish("u3", {"kv": [1, 2]})
     err = await expect_error(OK.DEADLINE_EXCEEDED, pull, "may still land")
     assert err.reason == "DATA_PLANE_UNFENCED"
+
+
+async def test_a_revoke_waits_out_the_writers_fence_budget(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Revoke is answered once the cancelled WRITE was fenced, up to the writer's --fence-budget-seconds:
+    the reader's Revoke call must wait that long beyond its usual cap (PEER_CALL_SECONDS, shortened here to
+    1 s below the 2 s fence instead of 10 s below a fence budget above it). It gave up at the cap, took the
+    writer for unreachable and reported the pull without hearing that the WRITE may still land."""
+    monkeypatch.setattr("kvxfer.server.push_steps.PEER_CALL_SECONDS", 1.0)
+    dp = DelayedDataPlane("prefill-unfenced", 30.0, unfenced=True, fence_seconds=2.0)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp, fence_budget_seconds=2.0)
+    d = await harness.sidecar(role="decode", engine_id="decode", fence_budget_seconds=2.0)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    pull = asyncio.ensure_future(dw.client.pull("u4", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=3.0))
+    await _offered(p, "u4")
+    await pw.client.publish("u4", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await dw.client.abort("u4", "user cancelled")
+    err = await expect_error(OK.ABORTED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
