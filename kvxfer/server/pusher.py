@@ -305,7 +305,8 @@ class Pusher:
     async def worker_gone(self, why: str) -> None:
         """The worker exited: what it did not publish yet it never will, so every offer still waiting fails.
 
-        Offers of requests it did publish end with their publish (:meth:`publish_dropped`). The
+        Offers of requests it did publish end with their publish (:meth:`publish_dropped`); their
+        push tasks, cancelled then, are waited for too. The
         layer WRITEs an offer already streamed are stopped and waited for before its reader hears
         of the failure, so the reader's blocks are quiet when it frees them; and they must be, as
         the worker's memory is deregistered right after.
@@ -317,6 +318,8 @@ class Pusher:
                     running += self._fail(offer, AbortedError(
                         f"request_id: the push of {offer.request_id!r} stopped before it was published: {why}",
                         field="request_id"))  # fmt: skip
+                elif not offer.task.done():  # cancelled with its publish: its WRITE returns once fenced
+                    running.append(offer.task)
         if running:
             await asyncio.wait(running)
 
