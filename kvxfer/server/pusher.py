@@ -383,10 +383,9 @@ class Pusher:
                 log.exception("push failed unexpectedly")
                 outcome = KvxferError(f"internal error in push of {rid!r}: {type(exc).__name__}: {exc}")
             self._forget(offer)
-            if offer.unfenced and isinstance(outcome, (DeadlineError, AbortedError)):
-                # A WRITE its deadline or a cancel stopped may still land: the reader must not reuse its blocks.
-                outcome = type(outcome)(outcome.message + UNFENCED_WRITE, field=outcome.field,
-                                        reason=Reason.DATA_PLANE_UNFENCED)  # fmt: skip
+            if offer.unfenced and outcome is not None:
+                # A WRITE of it (this one, or a layer's) may still land: the reader must not reuse its blocks.
+                _amend_unfenced(outcome)
             elapsed = time.monotonic() - started
             if outcome is None:
                 nbytes, ndesc, _ = moved
@@ -590,10 +589,9 @@ class Pusher:
                 await asyncio.wait(running)
             finally:
                 self._stopping.pop(stopping, None)
-            failure = err
-            if offer.unfenced and err.reason != Reason.DATA_PLANE_UNFENCED:  # a layer WRITE may still land
-                failure = type(err)(err.message + UNFENCED_WRITE, field=err.field, reason=Reason.DATA_PLANE_UNFENCED)
-            self._send_landed(offer, failure)
+            if offer.unfenced:  # a layer WRITE of it may still land
+                _amend_unfenced(err)
+            self._send_landed(offer, err)
 
         self.outbox.spawn(when_stopped())
         return running
@@ -626,6 +624,14 @@ class Pusher:
         except KvxferError as exc:  # the reader's own deadline ends its pull
             with log_context(request_id=offer.request_id, peer=offer.reader.label):
                 log.warning("could not tell a reader its push landed", extra={"error": exc.message})
+
+
+def _amend_unfenced(err: KvxferError) -> None:
+    """Make a push's failure say that a WRITE of it may still land (reason DATA_PLANE_UNFENCED; same class)."""
+    if err.reason != Reason.DATA_PLANE_UNFENCED:
+        err.message += UNFENCED_WRITE
+        err.args = (err.message, *err.args[1:])
+        err.reason = Reason.DATA_PLANE_UNFENCED
 
 
 def token_span(
