@@ -252,7 +252,9 @@ def test_deregistered_memory_cannot_be_read_and_registering_again_restores_it(
     ld, rd, _ = descriptors(cache, peer)
     asyncio.run(transport.read(name, ld, rd, timeout=30))
     assert transport.add_peer(peer.ask("deregister")) == name  # type: ignore[arg-type]
-    with pytest.raises(TransferFailedError) as err:
+    # Mooncake fails some of the refused transfers and may leave the others pending past the fence
+    # budget (seen: 8 of 28 after 5 s): the library never said they ended, so the READ is unfenced.
+    with pytest.raises((TransferFailedError, TransferUnfencedError)) as err:
         asyncio.run(transport.read(name, ld, rd, timeout=10))
     text = str(err.value)
     # which backend and peer, which local regions and addresses, and what the library said
@@ -544,7 +546,9 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(
         assert not task.done()  # in flight when the peer dies
         t0 = time.monotonic()
         peer.kill()
-        with pytest.raises((TransferFailedError, TransferTimeoutError)) as err:
+        # Mooncake fails some of the dead peer's transfers and may leave the others pending past the
+        # fence budget (seen: 24 of 28 after 0.3 s): the library never said they ended, so unfenced.
+        with pytest.raises((TransferFailedError, TransferTimeoutError, TransferUnfencedError)) as err:
             await task
         assert name in str(err.value)
         return time.monotonic() - t0
