@@ -405,7 +405,8 @@ class SidecarCore:
         self.puller.prepared.clear()
         for rid in list(self.publisher.publishes):
             self.publisher.abort(rid, why)
-        await self.puller.cancel_all(why, wait=2.0)
+        # A cancelled READ returns once fenced (up to the fence budget): the memory goes only after.
+        await self.puller.cancel_all(why, wait=2.0 + self.settings.fence_budget_seconds)
         await self.pusher.worker_gone(why)
         if self.registry.registration is reg:
             self.registry.drop()
@@ -453,8 +454,8 @@ class SidecarCore:
             if p.task is not None:
                 p.abort_reason = "the sidecar is stopping"
                 p.task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+        if tasks:  # their transfers return once fenced (up to the fence budget), before the memory goes
+            await asyncio.wait(tasks, timeout=5.0 + self.settings.fence_budget_seconds)
         await self.holds.close()
         await self.outbox.close()
         for rid in list(self.publisher.publishes):

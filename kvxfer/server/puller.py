@@ -43,6 +43,7 @@ from kvxfer.server.prepared import PreparedPull, PreparedPulls, plan_key
 from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.pull_steps import PullSteps
 from kvxfer.server.push_steps import landed_matches
+from kvxfer.server.pusher import UNFENCED_WRITE
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Due, Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
@@ -386,14 +387,20 @@ class Puller:
                 for s in sessions.values():
                     self.peers.invalidate(s.address, reconnect=True)
             return DeadlineError(f"pull of {rid!r} did not finish within {budget:.3g}s (while {entry.stage})"
-                                 f"{_UNFENCED if entry.unfenced else ''}", field="timeout_seconds",
+                                 f"{_unfenced(entry)}", field="timeout_seconds",
                                  reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "timeout"  # fmt: skip
         if isinstance(exc, asyncio.CancelledError):
             why = entry.abort_reason or "the sidecar is shutting down"
-            return AbortedError(f"pull of {rid!r} aborted: {why}{_UNFENCED if entry.unfenced else ''}",
+            return AbortedError(f"pull of {rid!r} aborted: {why}{_unfenced(entry)}",
                                 field="request_id",
                                 reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "aborted"  # fmt: skip
         if isinstance(exc, KvxferError):
+            if entry.unfenced and exc.reason != Reason.DATA_PLANE_UNFENCED:
+                # Another READ of it, cancelled because of this failure, may still land: the worker must hear it
+                # (the error keeps its class and code; subclasses take other arguments, so it is amended).
+                exc.message += _unfenced(entry)
+                exc.args = (exc.message, *exc.args[1:])
+                exc.reason = Reason.DATA_PLANE_UNFENCED
             return exc, "failed"
         log.exception("pull failed unexpectedly", exc_info=exc)
         return KvxferError(f"internal error in pull of {rid!r}: {type(exc).__name__}: {exc}"), "failed"
@@ -447,6 +454,13 @@ class Puller:
 
 
 _UNFENCED = "; a READ of it was still in flight after the fence budget, so its bytes may still land in the blocks"
+
+
+def _unfenced(entry: PullEntry) -> str:
+    """What a failed pull's message adds when a READ (or a writer's WRITE, in push mode) of it was unfenced."""
+    if not entry.unfenced:
+        return ""
+    return UNFENCED_WRITE if entry.push else _UNFENCED
 
 
 def _peer_label(entry: PullEntry) -> str:

@@ -13,7 +13,9 @@ worker gone) first takes back every offer that has not landed (``Revoke``) and w
 answers: a writer answers once no WRITE of the offer is in flight and none will start. Only then
 is the outcome reported, so the worker never reuses a block a late WRITE could still land in. A
 writer that cannot be reached lapses its offer at the deadline it was given; the fence then waits
-until that deadline has passed on this side's clock (plus a margin) before it reports.
+until that deadline has passed on this side's clock (plus a margin) before it reports. A writer
+answers a ``Revoke`` once the WRITE it cancelled was fenced, so the call waits the fence budget
+beyond its cap.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class PushSteps:
                 await _unstoppable(self._fence(entry, answered, offered))
                 err = error_of(notice.code, f"push from {entry.addresses[q]} failed: {notice.message}", notice.reason,
                                "remote_addresses")  # fmt: skip
-                raise err
+                raise err  # another writer's WRITE that may still land (entry.unfenced): Puller._failure says so
         entry.stage = "done"
         return local_pb2.TransferStats(
             bytes=sum(n.bytes for n in notices), descriptors=sum(n.descriptors for n in notices),
@@ -137,13 +139,19 @@ class PushSteps:
             return
         entry.stage = "revoking the offers to " + ", ".join(open_offers)
         me = self.registry.identity()
+        # A writer answers once its cancelled WRITE was fenced, up to its fence budget (taken to be ours).
+        fence = self.registry.settings.fence_budget_seconds
         req = peer_pb2.RevokeRequest(request_id=entry.request_id, engine_id=me.engine_id, instance_id=me.instance_id,
                                      rank=rank_to_proto(me.rank), reason=entry.abort_reason or "")  # fmt: skip
 
         async def revoke(address: str) -> float:
             try:
-                await self.peers.call(address, "Revoke", lambda s: s.Revoke(req, timeout=PEER_CALL_SECONDS,
-                                                                           metadata=self.peers.metadata))  # fmt: skip
+                resp = await self.peers.call(address, "Revoke", lambda s: s.Revoke(
+                    req, timeout=PEER_CALL_SECONDS + fence, metadata=self.peers.metadata))  # fmt: skip
+                if resp.unfenced:
+                    # A WRITE of the offer may still land in these blocks: the pull's error says so (Puller._failure).
+                    entry.unfenced = True
+                    log.warning("a revoked offer's WRITE may still land", extra={"peer": address})
                 return 0.0
             except KvxferError as exc:
                 if exc.reason is Reason.NOT_HANDSHAKEN:

@@ -54,7 +54,7 @@ from kvxfer.server.state import ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import TokenSpans, check_timeout, not_published, remote_blocks, token_spans
 from kvxfer.topology import RankInfo
-from kvxfer.transport import Transport, mem_type
+from kvxfer.transport import Transport, cancelled_unfenced, mem_type
 from kvxfer.wire import peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto, rank_to_proto
 from kvxfer.wire.status import code_of
@@ -69,6 +69,10 @@ _NO_ROWS: U64 = np.zeros((0, 3), np.uint64)
 GIVEN_UP_KEPT = 4096
 #: The most characters of a reader's Revoke reason kept (it ends up in the publish's completion message).
 REASON_CHARS = 512
+#: Added to the message of a push that ended while a WRITE of it was unfenced.
+UNFENCED_WRITE = (
+    "; a WRITE into it was still in flight after the fence budget, so its bytes may still land in the blocks"
+)
 
 
 @dataclass
@@ -88,6 +92,9 @@ class Offer:
     task: asyncio.Task[None] | None = None
     wrote: bool = False  # a WRITE was started
     revoked: bool = False
+    #: A WRITE of it ended unfenced (failed or cancelled while still in flight after the fence budget):
+    #: its bytes may still land in the reader's blocks, which its reader must hear (DATA_PLANE_UNFENCED).
+    unfenced: bool = False
     #: Layer-wise push (kvxfer.server.streamer): per (group, layer), the WRITE in flight or last done,
     #: and the request position up to which that layer is written.
     stream_tasks: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
@@ -141,7 +148,7 @@ class Pusher:
         #: -> [(reader, its rank, when)]. The publish, when it comes, counts them as done readers.
         self._landed_early: dict[str, list[tuple[Identity, RankInfo, float]]] = {}
         #: Offers ended here whose layer WRITEs are still stopping: a Revoke of one waits for them.
-        self._stopping: dict[tuple[str, ReaderKey], list[asyncio.Task[None]]] = {}
+        self._stopping: dict[tuple[str, ReaderKey], tuple[Offer, list[asyncio.Task[None]]]] = {}
         #: Requests the worker aborted before publishing them here (its prefill was aborted or failed):
         #: request id -> why, kept like the give-ups (as long as an offer for one could still come). An
         #: offer for one is refused: nothing will ever be written into it.
@@ -222,12 +229,14 @@ class Pusher:
             )  # fmt: skip
         why = req.reason[:REASON_CHARS] or "the reader revoked its offer"
         if offer is None:
+            unfenced = False
             if stopping:  # ended here a moment ago: answer once none of its WRITEs can still land
-                await asyncio.wait(stopping)
+                await asyncio.wait(stopping[1])
+                unfenced = stopping[0].unfenced
             if rid not in self.publisher.publishes and not self.offers.get(rid):
                 # Its offer lapsed (or never came): a publish that comes later is still nobody's.
                 self._remember_given_up(rid, engine_id, f"{engine_id} gave up on it before it was published")
-            return peer_pb2.RevokeResponse(found=False)
+            return peer_pb2.RevokeResponse(found=False, unfenced=unfenced)
         offer.revoked = True
         self._forget(offer)
         running = offer.cancel_streams()
@@ -242,8 +251,8 @@ class Pusher:
         elif not self.offers.get(rid):
             self._remember_given_up(rid, engine_id, f"{engine_id} gave up on it before it was published ({why})")
         with log_context(request_id=rid, transfer_id=offer.transfer_id, peer=offer.reader.label):
-            log.info("offer revoked", extra={"wrote": offer.wrote, "reason": why})
-        return peer_pb2.RevokeResponse(found=True, wrote=offer.wrote)
+            log.info("offer revoked", extra={"wrote": offer.wrote, "reason": why, "unfenced": offer.unfenced})
+        return peer_pb2.RevokeResponse(found=True, wrote=offer.wrote, unfenced=offer.unfenced)
 
     # ------------------------------------------------------------------ local events
     def abandon(self, rid: str, why: str) -> int:
@@ -296,7 +305,8 @@ class Pusher:
     async def worker_gone(self, why: str) -> None:
         """The worker exited: what it did not publish yet it never will, so every offer still waiting fails.
 
-        Offers of requests it did publish end with their publish (:meth:`publish_dropped`). The
+        Offers of requests it did publish end with their publish (:meth:`publish_dropped`); their
+        push tasks, cancelled then, are waited for too. The
         layer WRITEs an offer already streamed are stopped and waited for before its reader hears
         of the failure, so the reader's blocks are quiet when it frees them; and they must be, as
         the worker's memory is deregistered right after.
@@ -308,6 +318,8 @@ class Pusher:
                     running += self._fail(offer, AbortedError(
                         f"request_id: the push of {offer.request_id!r} stopped before it was published: {why}",
                         field="request_id"))  # fmt: skip
+                elif not offer.task.done():  # cancelled with its publish: its WRITE returns once fenced
+                    running.append(offer.task)
         if running:
             await asyncio.wait(running)
 
@@ -371,6 +383,9 @@ class Pusher:
                 log.exception("push failed unexpectedly")
                 outcome = KvxferError(f"internal error in push of {rid!r}: {type(exc).__name__}: {exc}")
             self._forget(offer)
+            if offer.unfenced and outcome is not None:
+                # A WRITE of it (this one, or a layer's) may still land: the reader must not reuse its blocks.
+                _amend_unfenced(outcome)
             elapsed = time.monotonic() - started
             if outcome is None:
                 nbytes, ndesc, _ = moved
@@ -418,9 +433,14 @@ class Pusher:
         try:
             await self.dp.transfer("WRITE", local, remote, peer, timeout=max(offer.deadline - time.monotonic(), 0.001),
                                    mem_type=mem, remote_mem_type=rmem)  # fmt: skip
+        except asyncio.CancelledError as exc:
+            if cancelled_unfenced(exc):
+                offer.unfenced = True  # the push's answer (Landed, Revoke) says so
+            raise
         except KvxferError as exc:
             self._unload(offer.key)
             unfenced = exc.reason == Reason.DATA_PLANE_UNFENCED  # the WRITE may still land in the reader's blocks
+            offer.unfenced = offer.unfenced or unfenced
             raise PeerUnavailableError(
                 f"data plane WRITE into {offer.reader.label} at {offer.reader.address} failed"
                 f"{' and may still land' if unfenced else ''}: {exc.message}",
@@ -562,13 +582,15 @@ class Pusher:
             return running
 
         stopping = (offer.request_id, offer.key)
-        self._stopping[stopping] = running
+        self._stopping[stopping] = (offer, running)
 
         async def when_stopped() -> None:
             try:
                 await asyncio.wait(running)
             finally:
                 self._stopping.pop(stopping, None)
+            if offer.unfenced:  # a layer WRITE of it may still land
+                _amend_unfenced(err)
             self._send_landed(offer, err)
 
         self.outbox.spawn(when_stopped())
@@ -602,6 +624,14 @@ class Pusher:
         except KvxferError as exc:  # the reader's own deadline ends its pull
             with log_context(request_id=offer.request_id, peer=offer.reader.label):
                 log.warning("could not tell a reader its push landed", extra={"error": exc.message})
+
+
+def _amend_unfenced(err: KvxferError) -> None:
+    """Make a push's failure say that a WRITE of it may still land (reason DATA_PLANE_UNFENCED; same class)."""
+    if err.reason != Reason.DATA_PLANE_UNFENCED:
+        err.message += UNFENCED_WRITE
+        err.args = (err.message, *err.args[1:])
+        err.reason = Reason.DATA_PLANE_UNFENCED
 
 
 def token_span(

@@ -117,7 +117,8 @@ class PullEntry:
     done: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     abort_reason: str | None = None
     #: A READ of it ended cancelled (the pull's deadline, an abort) while its data-plane operation was
-    #: still in flight after the fence budget: its bytes may still land (reason DATA_PLANE_UNFENCED).
+    #: still in flight after the fence budget, or (push) a writer's Revoke answered that a WRITE of it
+    #: was: its bytes may still land (reason DATA_PLANE_UNFENCED).
     unfenced: bool = False
     abort_from_peer: bool = False
     stage: str = "starting"

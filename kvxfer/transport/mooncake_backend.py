@@ -201,7 +201,7 @@ class MooncakeTransport(Transport):
         failure: TransportError | None = None
         cancelled = False
         try:
-            rc, failed, _ = await asyncio.wait_for(asyncio.shield(done), timeout)
+            rc, failed, left = await asyncio.wait_for(asyncio.shield(done), timeout)
         except TimeoutError:
             failure = TransferTimeoutError(
                 f"{self._describe(op, local, remote)} did not complete within {timeout:.3f}s",
@@ -223,8 +223,20 @@ class MooncakeTransport(Transport):
             cancelled = True
         if failure is None and not cancelled:
             # The worker returns once every transfer it submitted ended (or, a transfer having failed,
-            # once the fence budget ran out on the others).
-            return self._result(op, local, remote, peer, session, start, rc, failed)
+            # once the fence budget ran out on the others: ``left`` of them still in flight).
+            try:
+                return self._result(op, local, remote, peer, session, start, rc, failed)
+            except TransferFailedError as exc:
+                if not left:
+                    raise
+                self._count_unfenced(op, peer)
+                raise TransferUnfencedError(
+                    f"{exc.what}; {left} of its transfers were still in flight after the fence budget "
+                    f"({self.config.fence_budget_s:.3g}s), so their bytes may still land",
+                    backend="mooncake",
+                    peer=peer,
+                    detail=exc.detail,
+                ) from None
         # The fence: Mooncake cannot stop a transfer it submitted (its own wait gives up and the bytes
         # still land), so the error waits until the worker saw each of them end.
         stop.set()

@@ -29,6 +29,7 @@ from kvxfer.transport import (
     Notification,
     Op,
     Registration,
+    TransferFailedError,
     TransferResult,
     TransferTimeoutError,
     Transport,
@@ -234,7 +235,7 @@ class DelayedDataPlane(Transport):
 
     def __init__(
         self, name: str, delay: float, *, drain: bool = False, times_out: bool = False, unfenced: bool = False,
-        fence_seconds: float = 0.0,
+        fence_seconds: float = 0.0, fail_first: float | None = None,
     ) -> None:  # fmt: skip
         self.inner = create_transport("nixl", name, TransportConfig(cuda_ipc_direct=True))
         super().__init__(self.inner.agent_name, self.inner.config)
@@ -253,6 +254,9 @@ class DelayedDataPlane(Transport):
         #: With ``unfenced``: how long the cancelled READ waits for its operation before it says so (the real
         #: data plane's fence budget; a cancel does not cut it short).
         self.fence_seconds = fence_seconds
+        #: ``fail_first``: the first transfer fails by itself after that many seconds (TransferFailedError, as
+        #: when its peer's connection breaks), while the others are held as above.
+        self.fail_first = fail_first
 
     def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
         return self.inner.register(table, mem_type)
@@ -274,6 +278,10 @@ class DelayedDataPlane(Transport):
         mem_type: MemType = "DRAM", remote_mem_type: MemType = "DRAM",
     ) -> TransferResult:  # fmt: skip
         self.reading.set()
+        if self.fail_first is not None:
+            after, self.fail_first = self.fail_first, None
+            await asyncio.sleep(after)
+            raise TransferFailedError(f"{op} failed: the connection broke", backend="nixl", peer=peer)
 
         async def held() -> TransferResult:
             if self.times_out and self.delay >= timeout:

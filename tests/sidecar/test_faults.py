@@ -377,6 +377,59 @@ async def test_the_worker_waits_out_the_sidecars_fence_for_a_failed_pulls_answer
     assert 2.3 < time.monotonic() - t0 < 3.5
 
 
+async def test_a_gone_workers_memory_is_released_only_once_its_reads_were_fenced(harness: Harness) -> None:
+    """The worker exits while a READ into its blocks is in flight and its fence takes 3 s (within the 4 s
+    --fence-budget-seconds): its memory is deregistered and unmapped only once the READ's transfer returned.
+    It used to go after 2 s (worker_gone's fixed wait), while the READ could still land in it."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-gone", 30.0, unfenced=True, fence_seconds=3.0)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp, fence_budget_seconds=4.0)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    in_flight: list[int] = [0]
+    at_deregister: list[int] = []
+    transfer_of, deregister_of = dp.transfer, dp.deregister
+
+    async def counted(*args: object, **kw: object) -> object:
+        in_flight[0] += 1
+        try:
+            return await transfer_of(*args, **kw)  # type: ignore[arg-type]
+        finally:
+            in_flight[0] -= 1
+
+    def deregister(registration: object) -> None:
+        at_deregister.append(in_flight[0])
+        deregister_of(registration)  # type: ignore[arg-type]
+
+    dp.transfer, dp.deregister = counted, deregister  # type: ignore[method-assign, assignment]
+    await pw.prefill("gone", {"kv": [1, 2]}, salt=1)
+    pull = asyncio.ensure_future(dw.pull("gone", [p], {"kv": [3, 4]}, deadline=20.0))
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    core = d.core
+    assert core is not None
+    reg = core.registry.registration
+    assert reg is not None
+    await core.worker_gone(reg.epoch)
+    assert at_deregister, "the gone worker's memory was not released"
+    assert at_deregister == [0] * len(at_deregister), "released while a READ into it was in flight"
+    pull.cancel()
+
+
+async def test_a_pull_whose_other_read_was_cancelled_unfenced_fails_unfenced(harness: Harness) -> None:
+    """Two source ranks: one READ fails by itself, so the pull cancels the other, which stays in flight past
+    the fence budget. The pull fails with reason DATA_PLANE_UNFENCED (it carried the first READ's DATA_PLANE,
+    and the worker would reuse blocks the other READ may still land in)."""
+    lay = attention(tp=2)
+    dp = DelayedDataPlane("decode-two", 30.0, unfenced=True, fence_seconds=0.3, fail_first=0.3)
+    ps = [await harness.sidecar(f"p{q}", role="prefill", engine_id="prefill") for q in range(2)]
+    pw = [await harness.worker(ps[q], {"kv": lay}, (q, 2)) for q in range(2)]
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    dw = await harness.worker(d, {"kv": attention()})
+    for w in pw:
+        await w.prefill("two", {"kv": [1, 2]}, salt=1)
+    exc = await expect_error(OK.UNAVAILABLE, dw.pull("two", ps, {"kv": [3, 4]}, deadline=20.0), "may still land")
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+
+
 async def test_transfer_deadline(harness: Harness) -> None:
     p, pw, d, dw, dp = await _pair(harness, delay=3.0, transfer_timeout_seconds=1.0)
     await pw.prefill("slow", {"kv": [1, 2]}, salt=1)

@@ -404,3 +404,109 @@ async def _offered(writer: Sidecar, rid: str, within: float = 5.0) -> None:
     while writer.core is None or not writer.core.pusher.offers.get(rid):
         assert time.monotonic() < deadline, f"no offer for {rid!r} reached the writer"
         await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- unfenced WRITEs
+async def _unfenced_pair(harness: Harness) -> tuple[Sidecar, Worker, Sidecar, Worker, DelayedDataPlane]:
+    """The writer's WRITEs stay in flight past the fence budget when cancelled (the fault injector's
+    ``unfenced``: as the real data plane's do when the reader's peer is stalled)."""
+    dp = DelayedDataPlane("prefill-unfenced", 30.0, unfenced=True, fence_seconds=0.3)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp)
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    return p, await harness.worker(p, {"kv": LAY}), d, await harness.worker(d, {"kv": LAY}), dp
+
+
+async def test_a_revoke_whose_write_was_cancelled_unfenced_fails_the_push_unfenced(harness: Harness) -> None:
+    """The reader aborts its push; the writer's Revoke cancels a WRITE that stays in flight past the fence
+    budget. The Revoke's answer says so, and the reader's pull fails with reason DATA_PLANE_UNFENCED (it
+    was answered as usual, reason ABORTED: the worker would reuse blocks the WRITE can still land in)."""
+    p, pw, _d, dw, dp = await _unfenced_pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("u1", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
+    await _offered(p, "u1")
+    await pw.client.publish("u1", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await dw.client.abort("u1", "user cancelled")
+    err = await expect_error(OK.ABORTED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
+    assert p.metrics is not None
+    assert p.metrics.unfenced.labels(op="write")._value.get() == 1
+
+
+async def test_a_push_whose_publish_is_dropped_mid_write_unfenced_fails_unfenced(harness: Harness) -> None:
+    """The writer's publish is dropped while its WRITE is held; the cancelled WRITE ends unfenced: the reader
+    hears DATA_PLANE_UNFENCED (it heard ABORTED)."""
+    p, pw, _d, dw, dp = await _unfenced_pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("u2", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
+    await _offered(p, "u2")
+    await pw.client.publish("u2", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await pw.client.abort("u2", "prefill cancelled")
+    err = await expect_error(OK.ABORTED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
+
+
+async def test_a_push_whose_offer_deadline_cancels_its_write_unfenced_fails_unfenced(harness: Harness) -> None:
+    """The offer's deadline cancels a WRITE that ends unfenced: the reader hears DATA_PLANE_UNFENCED, not DEADLINE."""
+    p, pw, _d, dw, _dp = await _unfenced_pair(harness)
+    pull = asyncio.ensure_future(dw.client.pull("u3", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=1.5))
+    await _offered(p, "u3")
+    await pw.client.publish("u3", {"kv": [1, 2]})
+    err = await expect_error(OK.DEADLINE_EXCEEDED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
+
+
+async def test_a_revoke_waits_out_the_writers_fence_budget(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Revoke is answered once the cancelled WRITE was fenced, up to the writer's --fence-budget-seconds:
+    the reader's Revoke call must wait that long beyond its usual cap (PEER_CALL_SECONDS, shortened here to
+    1 s below the 2 s fence instead of 10 s below a fence budget above it). It gave up at the cap, took the
+    writer for unreachable and reported the pull without hearing that the WRITE may still land."""
+    monkeypatch.setattr("kvxfer.server.push_steps.PEER_CALL_SECONDS", 1.0)
+    dp = DelayedDataPlane("prefill-unfenced", 30.0, unfenced=True, fence_seconds=2.0)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp, fence_budget_seconds=2.0)
+    d = await harness.sidecar(role="decode", engine_id="decode", fence_budget_seconds=2.0)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    pull = asyncio.ensure_future(dw.client.pull("u4", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=3.0))
+    await _offered(p, "u4")
+    await pw.client.publish("u4", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    await dw.client.abort("u4", "user cancelled")
+    err = await expect_error(OK.ABORTED, pull, "may still land")
+    assert err.reason == "DATA_PLANE_UNFENCED"
+
+
+async def test_a_gone_writers_memory_is_released_only_once_its_writes_were_fenced(harness: Harness) -> None:
+    """The prefill worker exits while a WRITE from its blocks is in flight and its fence takes 1 s: its memory
+    is deregistered and unmapped only once the WRITE's transfer returned. It went at once (the push tasks its
+    publishes' drop cancelled were not waited for), while the WRITE could still read from it."""
+    dp = DelayedDataPlane("prefill-gone", 30.0, unfenced=True, fence_seconds=1.0)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp, fence_budget_seconds=2.0)
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    in_flight: list[int] = [0]
+    at_deregister: list[int] = []
+    transfer_of, deregister_of = dp.transfer, dp.deregister
+
+    async def counted(*args: object, **kw: object) -> object:
+        in_flight[0] += 1
+        try:
+            return await transfer_of(*args, **kw)  # type: ignore[arg-type]
+        finally:
+            in_flight[0] -= 1
+
+    def deregister(registration: object) -> None:
+        at_deregister.append(in_flight[0])
+        deregister_of(registration)  # type: ignore[arg-type]
+
+    dp.transfer, dp.deregister = counted, deregister  # type: ignore[method-assign, assignment]
+    pull = asyncio.ensure_future(dw.client.pull("g1", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
+    await _offered(p, "g1")
+    await pw.client.publish("g1", {"kv": [1, 2]})
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    core = p.core
+    assert core is not None
+    reg = core.registry.registration
+    assert reg is not None
+    await core.worker_gone(reg.epoch)
+    assert at_deregister, "the gone worker's memory was not released"
+    assert at_deregister == [0] * len(at_deregister), "released while a WRITE from it was in flight"
+    await expect_error(OK.ABORTED, pull, "may still land")

@@ -825,19 +825,26 @@ class RevokeResponse(_message.Message):
 
     FOUND_FIELD_NUMBER: _builtins.int
     WROTE_FIELD_NUMBER: _builtins.int
+    UNFENCED_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
     """an offer of the caller was held"""
     wrote: _builtins.bool
-    """a WRITE of it had started (it has ended)"""
+    """a WRITE of it had started (it has ended, unless unfenced)"""
+    unfenced: _builtins.bool
+    """A WRITE of it was cancelled while its data-plane operation stayed in flight past the writer's
+    fence budget: its bytes may still land in the offered blocks (the reader's pull fails with
+    reason DATA_PLANE_UNFENCED).
+    """
     def __init__(
         self,
         *,
         found: _builtins.bool = ...,
         wrote: _builtins.bool = ...,
+        unfenced: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "wrote", b"wrote"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "unfenced", b"unfenced", "wrote", b"wrote"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
