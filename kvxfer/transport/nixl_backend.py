@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -465,7 +466,21 @@ def _state(agent: Any, handle: Any) -> str:
     try:
         return "live" if agent.check_xfer_state(handle) == "PROC" else "ended"
     except Exception as exc:
-        return "lost" if "NotFound" in type(exc).__name__ else "ended"  # e.g. nixlRemoteDisconnectError
+        return "lost" if isinstance(exc, _not_found_error()) else "ended"  # e.g. nixlRemoteDisconnectError
+
+
+class _AbsentNixlError(Exception):
+    """Stands for an error class this NIXL build does not have."""
+
+
+@functools.cache
+def _not_found_error() -> type[BaseException]:
+    """NIXL's ``nixlNotFoundError`` (NIXL_ERR_NOT_FOUND), by class rather than by its name or message."""
+    try:
+        error: type[BaseException] = importlib.import_module("nixl._bindings").nixlNotFoundError
+    except (ImportError, AttributeError):
+        return _AbsentNixlError
+    return error
 
 
 async def _fence(agent: Any, handle: Any, config: TransportConfig) -> tuple[bool, bool]:
