@@ -16,14 +16,19 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import FailedPreconditionError, Reason
 from kvxfer.topology import RegionTable
-from kvxfer.transport.errors import describe_transfer
+from kvxfer.transport.errors import (
+    TransferTimeoutError,
+    TransferUnfencedError,
+    TransportError,
+    describe_transfer,
+)
 
 __all__ = [
     "DEFAULT_FENCE_BUDGET_S",
@@ -199,6 +204,31 @@ class Transport(abc.ABC):
                     "bytes may still land", self.name, op, peer, self.config.fence_budget_s)  # fmt: skip
         if self.on_unfenced is not None:
             self.on_unfenced(op, peer)
+
+    def _end_failed(
+        self, op: str, peer: str, failure: TransportError | None, *, cancelled: bool, ended: bool, in_flight: str,
+    ) -> NoReturn:  # fmt: skip
+        """Raise what a failed or cancelled transfer ends in, once the fence is over.
+
+        ``ended``: the library said the operation ended (the failure, or the cancel, as it came);
+        otherwise it is counted unfenced and the error says so (``in_flight`` names what was still in
+        flight), and a cancel carries :data:`UNFENCED_CANCEL`.
+        """
+        if not ended:
+            self._count_unfenced(op, peer)
+        if cancelled:
+            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
+        assert failure is not None
+        if ended:
+            raise failure
+        raise TransferUnfencedError(
+            f"{failure.what}; {in_flight} still in flight after the fence budget ({self.config.fence_budget_s:.3g}s), "
+            "so its bytes may still land",
+            backend=self.name,
+            peer=peer,
+            detail=failure.detail,
+            timed_out=isinstance(failure, TransferTimeoutError),
+        ) from None
 
     def _track(self, table: RegionTable) -> None:
         self._registered.append(table)

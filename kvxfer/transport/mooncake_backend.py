@@ -40,7 +40,6 @@ from kvxfer.ports import free_port
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
-    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -241,21 +240,8 @@ class MooncakeTransport(Transport):
         # still land), so the error waits until the worker saw each of them end.
         stop.set()
         ended, unfenced, cancel_came = await self._fence(work, done)
-        cancelled = cancelled or cancel_came
-        if not ended:
-            self._count_unfenced(op, peer)
-        if cancelled:
-            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
-        assert failure is not None
-        if ended:
-            raise failure
-        raise TransferUnfencedError(
-            f"{failure.what}; {unfenced or 'some'} of its transfers were still in flight after the fence budget "
-            f"({self.config.fence_budget_s:.3g}s), so their bytes may still land",
-            backend="mooncake",
-            peer=peer,
-            timed_out=isinstance(failure, TransferTimeoutError),
-        )
+        self._end_failed(op, peer, failure, cancelled=cancelled or cancel_came, ended=ended,
+                         in_flight=f"{unfenced or 'some'} of its transfers were")  # fmt: skip
 
     async def _fence(
         self, work: concurrent.futures.Future[tuple[int, int, int]], done: asyncio.Future[tuple[int, int, int]]

@@ -41,7 +41,6 @@ from kvxfer import cuda_ipc
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
-    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -57,7 +56,6 @@ from kvxfer.transport.errors import (
     RegistrationError,
     TransferFailedError,
     TransferTimeoutError,
-    TransferUnfencedError,
     TransportError,
     describe_span,
 )
@@ -395,25 +393,12 @@ class NixlTransport(Transport):
         # The fence: releasing a handle in flight does not stop UCX from landing its bytes later (nor
         # does removing the peer), so the error waits until NIXL says the operation ended.
         ended, cancel_came = await _fence(agent, handle, self.config)
-        cancelled = cancelled or cancel_came
         if ended:
             self._release(peer, handle)
         else:
             self._unfenced.append((peer, handle))
-            self._count_unfenced(op, peer)
-        if cancelled:
-            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
-        assert failure is not None
-        if ended:
-            raise failure
-        raise TransferUnfencedError(
-            f"{failure.what}; its operation was still in flight after the fence budget "
-            f"({self.config.fence_budget_s:.3g}s), so its bytes may still land",
-            backend="nixl",
-            peer=peer,
-            detail=failure.detail,
-            timed_out=isinstance(failure, TransferTimeoutError),
-        ) from None
+        self._end_failed(op, peer, failure, cancelled=cancelled or cancel_came, ended=ended,
+                         in_flight="its operation was")  # fmt: skip
 
     def _posts_on_thread(self, nbytes: int, mem_type: MemType, remote_mem_type: MemType) -> bool:
         """Whether this transfer is posted from the poster thread (see the module docs)."""
