@@ -248,6 +248,9 @@ class DelayedDataPlane(Transport):
         #: real data plane's does (TransferTimeoutError), instead of being held in full.
         self.times_out = times_out
         self.landed_at: list[float] = []  # time.monotonic() of each transfer's end
+        self.in_flight = 0  # transfers the caller has not got back from yet
+        #: ``in_flight`` at each deregistration (memory released under a transfer: a non-zero entry)
+        self.in_flight_at_deregister: list[int] = []
         #: ``unfenced``: a READ cancelled during the hold ends as the real data plane's does when its peer
         #: stays stalled past the fence budget (CancelledError(UNFENCED_CANCEL), counted).
         self.unfenced = unfenced
@@ -262,6 +265,7 @@ class DelayedDataPlane(Transport):
         return self.inner.register(table, mem_type)
 
     def deregister(self, registration: Registration) -> None:
+        self.in_flight_at_deregister.append(self.in_flight)
         self.inner.deregister(registration)
 
     def metadata(self) -> bytes:
@@ -276,6 +280,17 @@ class DelayedDataPlane(Transport):
     async def transfer(
         self, op: Op, local: Any, remote: Any, peer: str, *, timeout: float, notify: bytes | None = None,
         mem_type: MemType = "DRAM", remote_mem_type: MemType = "DRAM",
+    ) -> TransferResult:  # fmt: skip
+        self.in_flight += 1
+        try:
+            return await self._transfer(op, local, remote, peer, timeout=timeout, notify=notify, mem_type=mem_type,
+                                        remote_mem_type=remote_mem_type)  # fmt: skip
+        finally:
+            self.in_flight -= 1
+
+    async def _transfer(
+        self, op: Op, local: Any, remote: Any, peer: str, *, timeout: float, notify: bytes | None,
+        mem_type: MemType, remote_mem_type: MemType,
     ) -> TransferResult:  # fmt: skip
         self.reading.set()
         if self.fail_first is not None:

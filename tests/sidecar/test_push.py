@@ -482,22 +482,6 @@ async def test_a_gone_writers_memory_is_released_only_once_its_writes_were_fence
     p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp, fence_budget_seconds=2.0)
     d = await harness.sidecar(role="decode", engine_id="decode")
     pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
-    in_flight: list[int] = [0]
-    at_deregister: list[int] = []
-    transfer_of, deregister_of = dp.transfer, dp.deregister
-
-    async def counted(*args: object, **kw: object) -> object:
-        in_flight[0] += 1
-        try:
-            return await transfer_of(*args, **kw)  # type: ignore[arg-type]
-        finally:
-            in_flight[0] -= 1
-
-    def deregister(registration: object) -> None:
-        at_deregister.append(in_flight[0])
-        deregister_of(registration)  # type: ignore[arg-type]
-
-    dp.transfer, dp.deregister = counted, deregister  # type: ignore[method-assign, assignment]
     pull = asyncio.ensure_future(dw.client.pull("g1", [p.peer_address], {"kv": [4, 5]}, push=True, deadline=20.0))
     await _offered(p, "g1")
     await pw.client.publish("g1", {"kv": [1, 2]})
@@ -507,6 +491,7 @@ async def test_a_gone_writers_memory_is_released_only_once_its_writes_were_fence
     reg = core.registry.registration
     assert reg is not None
     await core.worker_gone(reg.epoch)
+    at_deregister = dp.in_flight_at_deregister
     assert at_deregister, "the gone worker's memory was not released"
     assert at_deregister == [0] * len(at_deregister), "released while a WRITE from it was in flight"
     await expect_error(OK.ABORTED, pull, "may still land")
