@@ -225,6 +225,12 @@ class Settings(BaseModel):
         description="how long a failed or cancelled transfer waits for the data plane to say its operation ended "
         "before it is reported as unfenced (reason DATA_PLANE_UNFENCED: its bytes may still land)",
     )  # fmt: skip
+    unfenced_hold_seconds: float = Field(
+        300.0, gt=0, le=86400, allow_inf_nan=False,
+        description="how long a worker keeps the blocks of a pull that failed with reason DATA_PLANE_UNFENCED when "
+        "no one can see its READ end (GetStatus.unsettled names the pull until then); a READ seen to end frees "
+        "them at once",
+    )  # fmt: skip
     lease_seconds: float = Field(
         30.0, gt=0, le=86400, allow_inf_nan=False, description="how long published blocks are held"
     )

@@ -96,6 +96,10 @@ class SidecarMetrics:
             "kvxfer_data_plane_unfenced_total", "Failed or cancelled data-plane transfers reported while their "
             "operation was still in flight after the fence budget (their bytes may still land)", ["op"], registry=r,
         )  # fmt: skip
+        self.unsettled = Gauge(
+            "kvxfer_unsettled_pulls", "Failed pulls whose READs may still land in their blocks (reason "
+            "DATA_PLANE_UNFENCED), not yet seen to end: their workers keep the blocks", registry=r,
+        )  # fmt: skip
         self.registered_bytes = Gauge("kvxfer_registered_bytes", "Bytes of KV memory registered", registry=r)
         #: kvxfer_gc_pause_seconds; the sidecar starts and stops its timing (the collector is the process's).
         self.gc_pauses = GcPauses()

@@ -33,7 +33,15 @@ from kvxfer.layout import KVCacheLayout
 from kvxfer.logs import get_logger
 from kvxfer.memory import LibraryRef
 from kvxfer.topology import RegionTable
-from kvxfer.transport import Registration, Transport, TransportConfig, WorkerAgentInfo, create_transport
+from kvxfer.transport import (
+    Registration,
+    Transport,
+    TransportConfig,
+    UnfencedOp,
+    WorkerAgentInfo,
+    create_transport,
+    unfenced_op,
+)
 from kvxfer.transport.worker_agent import descriptors_from_bytes
 from kvxfer.wire import local_pb2
 
@@ -45,6 +53,8 @@ log = get_logger("kvxfer.worker_agent")
 POLL_WAIT_S = 5.0
 #: Longest pause between attempts while the sidecar cannot be reached or has no registration.
 RETRY_MAX_S = 2.0
+#: How often an operation reported unfenced is looked at again (the long poll is this short meanwhile).
+WATCH_S = 0.1
 
 
 class WorkerAgent:
@@ -58,6 +68,8 @@ class WorkerAgent:
         self._registrations: list[Registration] = []
         self._transfers: dict[int, asyncio.Task[None]] = {}
         self._outcomes: list[local_pb2.AgentOutcome] = []
+        #: Transfer jobs reported unfenced, by id: the sidecar hears when each operation ended.
+        self._watching: dict[int, UnfencedOp] = {}
         self._reporting: asyncio.Task[None] | None = None
         self._client: AsyncClient | None = None  # what serve() polls; outcomes go back on it
         self._closed = False
@@ -92,8 +104,9 @@ class WorkerAgent:
         self._client = client
         pause = 0.05
         while not self._closed:
+            self._report_ended()
             try:
-                jobs = await client.agent_jobs(wait_seconds=POLL_WAIT_S)
+                jobs = await client.agent_jobs(wait_seconds=WATCH_S if self._watching else POLL_WAIT_S)
             except KvxferRpcError as exc:
                 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue
@@ -111,9 +124,9 @@ class WorkerAgent:
         if kind == "transfer":
             self._transfers[job.id] = asyncio.ensure_future(self._transfer(job.id, job.transfer))
         elif kind == "cancel":
-            task = self._transfers.pop(job.cancel, None)
+            task = self._transfers.get(job.cancel)
             if task is not None:
-                task.cancel()
+                task.cancel()  # its outcome still goes back, once the transport's fence is over
         elif kind == "load_peer":
             try:
                 name = self.transport.add_peer(job.load_peer)
@@ -134,10 +147,17 @@ class WorkerAgent:
                 notify=t.notify or None, mem_type="VRAM" if t.memory_type == "VRAM" else "DRAM",
                 remote_mem_type="VRAM" if t.remote_memory_type == "VRAM" else "DRAM",
             )  # fmt: skip
-        except asyncio.CancelledError:
-            return  # the sidecar gave up on it: it expects no outcome
+        except asyncio.CancelledError as exc:
+            # The sidecar gave up on it and waits to hear whether the operation ended.
+            unfenced = unfenced_op(exc)
+            self._report(local_pb2.AgentOutcome(
+                id=job_id, code=grpc.StatusCode.CANCELLED.value[0], message="cancelled",
+                reason=Reason.DATA_PLANE_UNFENCED.value if unfenced is not None else "",
+            ))  # fmt: skip
+            self._watch(job_id, unfenced)
         except KvxferError as exc:
             self._report(_failed(job_id, exc))
+            self._watch(job_id, unfenced_op(exc))
         except Exception as exc:  # a library's own exception: still an outcome, never a silent hang
             self._report(_failed(job_id, KvxferError(f"{type(exc).__name__}: {exc}")))
         else:
@@ -146,6 +166,21 @@ class WorkerAgent:
                                                 seconds=res.seconds))  # fmt: skip
         finally:
             self._transfers.pop(job_id, None)
+
+    def _watch(self, job_id: int, unfenced: UnfencedOp | None) -> None:
+        if unfenced is not None and unfenced.watched:
+            self._watching[job_id] = unfenced
+
+    def _report_ended(self) -> None:
+        """Tell the sidecar about each operation reported unfenced that has ended since."""
+        if not self._watching:
+            return
+        self.transport.unfenced_live()  # looks again
+        for job_id, unfenced in list(self._watching.items()):
+            if unfenced.ended:
+                self._report(local_pb2.AgentOutcome(id=job_id, ended=True))
+            if unfenced.ended or not unfenced.watched:
+                del self._watching[job_id]
 
     def _report(self, outcome: local_pb2.AgentOutcome) -> None:
         self._outcomes.append(outcome)

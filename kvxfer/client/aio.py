@@ -450,15 +450,21 @@ class AsyncClient:
         resp = await self._call(self._stub.Drain, local_pb2.DrainRequest(timeout_seconds=timeout_seconds), deadline)
         return _status_dict(resp)
 
-    async def status(self, *, publishes: Sequence[str] = (), deadline: float | None = None) -> dict[str, Any]:
+    async def status(
+        self, *, publishes: Sequence[str] = (), unsettled: Sequence[str] = (), deadline: float | None = None
+    ) -> dict[str, Any]:
         """What the sidecar holds right now.
 
         ``publishes``: request ids (as published) to look for; the answer's ``publishes`` maps those
         still held to when their lease ends now (Unix ms, after every Hold and lookup that extended it).
+        ``unsettled``: request ids (as pulled) of pulls that failed with reason ``DATA_PLANE_UNFENCED``;
+        the answer's ``unsettled`` lists those whose READs may still land in their blocks (keep them).
         """
-        resp = await self._call(self._stub.GetStatus, local_pb2.GetStatusRequest(publishes=publishes), deadline)
+        req = local_pb2.GetStatusRequest(publishes=publishes, unsettled=unsettled)
+        resp = await self._call(self._stub.GetStatus, req, deadline)
         out = _status_dict(resp)
         out["publishes"] = {p.request_id: int(p.expires_unix_ms) for p in resp.publishes}
+        out["unsettled"] = list(resp.unsettled)
         return out
 
     async def agent_jobs(

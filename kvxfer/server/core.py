@@ -102,6 +102,7 @@ class SidecarCore:
         # Gauges of the current state are read at scrape time: nothing to update on the hot path.
         metrics.leases_active.set_function(lambda: len(self.publisher.publishes))
         metrics.in_flight.set_function(lambda: len(self.puller.pulls))
+        metrics.unsettled.set_function(lambda: len(self.puller.unsettled))
         metrics.peers.set_function(lambda: len(self.peers) + self.publisher.count_readers())
 
     # ================================================================== shared checks
@@ -233,17 +234,19 @@ class SidecarCore:
         return resp
 
     async def status(self, req: local_pb2.GetStatusRequest) -> local_pb2.StatusResponse:
-        """GetStatus; with ``publishes``, which of those publishes this sidecar still holds, until when."""
-        if len(req.publishes) > MAX_BATCH:
-            raise InvalidArgumentError(f"publishes: {len(req.publishes)} request ids; at most {MAX_BATCH}",
-                                       field="publishes")  # fmt: skip
+        """GetStatus; with ``publishes``, which of those publishes this sidecar still holds, until when;
+        with ``unsettled``, which of those failed pulls may still have bytes landing (kvxfer.server.unsettled)."""
+        for name in ("publishes", "unsettled"):
+            if len(getattr(req, name)) > MAX_BATCH:
+                raise InvalidArgumentError(f"{name}: {len(getattr(req, name))} request ids; at most {MAX_BATCH}",
+                                           field=name)  # fmt: skip
         held = [
             local_pb2.PublishLease(request_id=rid, expires_unix_ms=entry.expires_unix_ms)
             for rid in req.publishes
             if (entry := self.publisher.holding(rid)) is not None
         ]
         reg = self.registry.registration
-        return local_pb2.StatusResponse(publishes=held,
+        return local_pb2.StatusResponse(publishes=held, unsettled=self.puller.unsettled.still(req.unsettled),
             engine_id=self.settings.engine_id, instance_id=self.instance_id, role=self.settings.role,
             backend=self.dp.backend, registered=reg is not None, draining=self.draining,
             leases=len(self.publisher.publishes), transfers_in_flight=len(self.puller.pulls), peers=len(self.peers),

@@ -67,7 +67,7 @@ from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.server.worker_gathers import WorkerGathers
-from kvxfer.transport import Transport, cancelled_unfenced, mem_type
+from kvxfer.transport import Transport, mem_type, unfenced_op
 from kvxfer.wire import local_pb2
 
 __all__ = ["PullSteps"]
@@ -502,11 +502,14 @@ class PullSteps:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
                                remote_mem_type=mem_type(rmem))  # fmt: skip
         except asyncio.CancelledError as exc:
-            if cancelled_unfenced(exc):
+            if (unfenced := unfenced_op(exc)) is not None:
                 entry.unfenced = True  # the pull's own error says so (Puller._failure)
+                entry.unfenced_ops.append(unfenced)
             raise
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True)
+            if (unfenced := unfenced_op(exc)) is not None:
+                entry.unfenced_ops.append(unfenced)
             if exc.reason == Reason.DATA_PLANE_UNFENCED:
                 # The READ was still in flight after the fence budget: its bytes may still land in these
                 # blocks, which the worker must not hand to another request until it knows they stopped.

@@ -47,6 +47,7 @@ from kvxfer.server.pusher import UNFENCED_WRITE
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Due, Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
+from kvxfer.server.unsettled import UnsettledPulls
 from kvxfer.server.validation import check_addresses, check_timeout, remote_blocks, token_spans
 from kvxfer.transport import Transport
 from kvxfer.wire import local_pb2, peer_pb2
@@ -82,6 +83,8 @@ class Puller:
             registry, data_plane, peers, outbox, topologies, on_plan=self._planned, on_path=lambda p: paths[p].inc()
         )
         self.pulls: dict[str, PullEntry] = {}
+        #: Pulls that failed while a READ of them was still in flight (GetStatus.unsettled).
+        self.unsettled = UnsettledPulls(settings.unfenced_hold_seconds, data_plane.unfenced_live)
         #: Plans of Pulls to come (Prepare), by request id.
         self.prepared = PreparedPulls()
         #: The request ids of the last pulls that ended, oldest first: a Prepare that comes after its
@@ -414,6 +417,8 @@ class Puller:
         self.hub.emit(kind, entry.request_id, transfer_id=entry.transfer_id, code=code_of(err).value[0],
                       message=err.message, peer=entry.remote_engine_id)  # fmt: skip
         log.info("pull ended", extra={"outcome": outcome, "error": err.message})
+        if err.reason == Reason.DATA_PLANE_UNFENCED:
+            self.unsettled.add(entry.request_id, entry.unfenced_ops)  # the worker keeps the blocks meanwhile
         reg = self.registry.registration
         if outcome == "aborted" and not entry.abort_from_peer:
             self.outbox.abort_publishers(entry, err.message)

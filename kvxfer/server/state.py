@@ -13,6 +13,7 @@ import numpy.typing as npt
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import AttachedMemory
 from kvxfer.topology import RankInfo
+from kvxfer.transport import UnfencedOp
 
 if TYPE_CHECKING:  # prepared.py reads Registration from here
     from kvxfer.server.prepared import PreparedPull
@@ -120,6 +121,8 @@ class PullEntry:
     #: still in flight after the fence budget, or (push) a writer's Revoke answered that a WRITE of it
     #: was: its bytes may still land (reason DATA_PLANE_UNFENCED).
     unfenced: bool = False
+    #: The data-plane operations its failed READs left in flight (kvxfer.server.unsettled watches them).
+    unfenced_ops: list[UnfencedOp] = field(default_factory=list)
     abort_from_peer: bool = False
     stage: str = "starting"
     contacted: list[str] = field(default_factory=list)  # addresses that handed out the request

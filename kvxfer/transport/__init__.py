@@ -13,6 +13,7 @@ from kvxfer.transport.base import (
     WorkerAgentInfo,
     cancelled_unfenced,
     mem_type,
+    unfenced_op,
 )
 from kvxfer.transport.errors import (
     BackendUnavailableError,
@@ -22,6 +23,7 @@ from kvxfer.transport.errors import (
     TransferTimeoutError,
     TransferUnfencedError,
     TransportError,
+    UnfencedOp,
 )
 from kvxfer.transport.registry import available_transports, create_transport, register_transport, transport_class
 
@@ -42,6 +44,7 @@ __all__ = [
     "Transport",
     "TransportConfig",
     "TransportError",
+    "UnfencedOp",
     "WorkerAgentInfo",
     "available_transports",
     "cancelled_unfenced",
@@ -49,4 +52,5 @@ __all__ = [
     "mem_type",
     "register_transport",
     "transport_class",
+    "unfenced_op",
 ]

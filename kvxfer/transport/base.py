@@ -27,6 +27,7 @@ from kvxfer.transport.errors import (
     TransferTimeoutError,
     TransferUnfencedError,
     TransportError,
+    UnfencedOp,
     describe_transfer,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "WorkerAgentInfo",
     "cancelled_unfenced",
     "mem_type",
+    "unfenced_op",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,16 @@ UNFENCED_CANCEL = "kvxfer: cancelled while its data-plane operation was still in
 def cancelled_unfenced(exc: BaseException) -> bool:
     """Whether ``exc`` is the CancelledError of a transfer cancelled unfenced (its bytes may still land)."""
     return isinstance(exc, asyncio.CancelledError) and bool(exc.args) and exc.args[0] == UNFENCED_CANCEL
+
+
+def unfenced_op(exc: BaseException) -> UnfencedOp | None:
+    """The operation an unfenced failure or cancel left in flight (to watch for its end), else None."""
+    if isinstance(exc, TransferUnfencedError):
+        return exc.unfenced
+    if cancelled_unfenced(exc):
+        op = exc.args[1] if len(exc.args) > 1 else None
+        return op if isinstance(op, UnfencedOp) else UnfencedOp("?", "", watched=False)
+    return None
 
 
 #: How long a failed or cancelled transfer waits, by default, for its operation to end (the fence).
@@ -195,7 +207,9 @@ class Transport(abc.ABC):
         return describe_transfer(op, self._registered, local, remote)
 
     def unfenced_live(self) -> int:
-        """Operations reported as failed that the library has not yet seen end (their handles are kept)."""
+        """Operations reported as failed that the library has not yet seen end (their handles are kept).
+
+        Asking looks again: each of them that ended since gets ``UnfencedOp.ended``."""
         return 0
 
     def _count_unfenced(self, op: str, peer: str) -> None:
@@ -207,17 +221,20 @@ class Transport(abc.ABC):
 
     def _end_failed(
         self, op: str, peer: str, failure: TransportError | None, *, cancelled: bool, ended: bool, in_flight: str,
+        unfenced: UnfencedOp | None = None,
     ) -> NoReturn:  # fmt: skip
         """Raise what a failed or cancelled transfer ends in, once the fence is over.
 
         ``ended``: the library said the operation ended (the failure, or the cancel, as it came);
         otherwise it is counted unfenced and the error says so (``in_flight`` names what was still in
-        flight), and a cancel carries :data:`UNFENCED_CANCEL`.
+        flight), and a cancel carries :data:`UNFENCED_CANCEL`. Either carries ``unfenced``, the handle
+        this transport watches until the operation ends (see :func:`unfenced_op`).
         """
         if not ended:
             self._count_unfenced(op, peer)
+            unfenced = unfenced or UnfencedOp(op, peer, watched=False)
         if cancelled:
-            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL)
+            raise asyncio.CancelledError if ended else asyncio.CancelledError(UNFENCED_CANCEL, unfenced)
         assert failure is not None
         if ended:
             raise failure
@@ -228,6 +245,7 @@ class Transport(abc.ABC):
             peer=peer,
             detail=failure.detail,
             timed_out=isinstance(failure, TransferTimeoutError),
+            unfenced=unfenced,
         ) from None
 
     def _track(self, table: RegionTable) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -104,17 +105,34 @@ class TransferTimeoutError(TransportError):
     default_reason = Reason.DEADLINE
 
 
+@dataclass(eq=False)
+class UnfencedOp:
+    """A data-plane operation reported failed (or cancelled) before the library said it ended.
+
+    Its transport keeps watching it and sets :attr:`ended` once the library says it did: from then
+    on no byte of it can land. ``watched`` False: no one can tell (the operation runs in another
+    process, or the library lost sight of it), so :attr:`ended` never turns True.
+    """
+
+    op: str
+    peer: str
+    watched: bool = True
+    ended: bool = False
+
+
 class TransferUnfencedError(TransportError):
     """A transfer failed (timed out, errored) and its operation was still in flight when the fence budget
     (``TransportConfig.fence_budget_s``) ran out: its bytes may still land. The transport keeps the
-    operation's handle until the library says it ended."""
+    operation's handle until the library says it ended (``unfenced.ended``)."""
 
     default_reason = Reason.DATA_PLANE_UNFENCED
 
     def __init__(self, message: str, *, backend: str, peer: str | None = None, detail: str = "",
-                 timed_out: bool = False) -> None:  # fmt: skip
+                 timed_out: bool = False, unfenced: UnfencedOp | None = None) -> None:  # fmt: skip
         super().__init__(message, backend=backend, peer=peer, detail=detail)
         self.timed_out = timed_out  # the failure was the transfer's timeout
+        #: What to watch for the operation's end (one that cannot be watched when not given).
+        self.unfenced = unfenced or UnfencedOp("?", peer or "", watched=False)
 
 
 class PeerUnknownError(TransportError):

@@ -57,6 +57,7 @@ from kvxfer.transport.errors import (
     TransferTimeoutError,
     TransferUnfencedError,
     TransportError,
+    UnfencedOp,
     describe_span,
 )
 from kvxfer.transport.registry import register_transport
@@ -124,7 +125,7 @@ class MooncakeTransport(Transport):
         if self._engine.register_memory(self._scratch.ctypes.data, self._scratch.size) != 0:
             raise BackendUnavailableError("register_memory of a 64-byte scratch buffer failed", backend="mooncake")
         # Per transfer reported unfenced, its Mooncake batches still in flight, freed once they ended.
-        self._stale: list[list[int]] = []
+        self._stale: list[tuple[UnfencedOp, list[int]]] = []
         self._stale_lock = threading.Lock()
         self._peers: dict[str, str] = {}  # peer name -> session
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # peer name -> its workers
@@ -195,7 +196,9 @@ class MooncakeTransport(Transport):
         notice = self._notify_cls(self.agent_name, notify.decode("latin-1")) if notify else None
         start = time.monotonic()
         stop = threading.Event()
-        work = self._pools[peer].submit(self._run_batches, session, local, remote, self._ops[op], notice, stop)
+        unfenced = UnfencedOp(op, peer)  # what a failure's error carries, should it come before the end
+        work = self._pools[peer].submit(self._run_batches, session, local, remote, self._ops[op], notice, stop,
+                                        unfenced)  # fmt: skip
         done = asyncio.wrap_future(work)
         failure: TransportError | None = None
         cancelled = False
@@ -235,13 +238,18 @@ class MooncakeTransport(Transport):
                     backend="mooncake",
                     peer=peer,
                     detail=exc.detail,
+                    unfenced=unfenced,
                 ) from None
         # The fence: Mooncake cannot stop a transfer it submitted (its own wait gives up and the bytes
         # still land), so the error waits until the worker saw each of them end.
         stop.set()
-        ended, unfenced, cancel_came = await self._fence(work, done)
+        ended, left, cancel_came = await self._fence(work, done)
+        if not ended and left == 0:
+            # The worker is still inside the library: the operation ended once it returns with nothing
+            # left in flight (what it leaves is watched in _stale).
+            work.add_done_callback(lambda w: _ended_if_nothing_left(w, unfenced))
         self._end_failed(op, peer, failure, cancelled=cancelled or cancel_came, ended=ended,
-                         in_flight=f"{unfenced or 'some'} of its transfers were")  # fmt: skip
+                         in_flight=f"{left or 'some'} of its transfers were", unfenced=unfenced)  # fmt: skip
 
     async def _fence(
         self, work: concurrent.futures.Future[tuple[int, int, int]], done: asyncio.Future[tuple[int, int, int]]
@@ -290,8 +298,9 @@ class MooncakeTransport(Transport):
         return TransferResult(int(local[:, 1].sum()), int(local.shape[0]), time.monotonic() - start)
 
     def _run_batches(
-        self, session: str, local: U64, remote: U64, opcode: Any, notice: Any, stop: threading.Event
-    ) -> tuple[int, int, int]:
+        self, session: str, local: U64, remote: U64, opcode: Any, notice: Any, stop: threading.Event,
+        unfenced: UnfencedOp,
+    ) -> tuple[int, int, int]:  # fmt: skip
         """Run ``MAX_BATCH``-sized batches one after the other until one fails or ``stop`` is set, then
         send the notice. Returns (return code, index of the batch it belongs to; the notice is the
         batch after the last, transfers left in flight when the fence budget ran out)."""
@@ -299,10 +308,10 @@ class MooncakeTransport(Transport):
         for i, lo in enumerate(range(0, n, MAX_BATCH)):
             if stop.is_set():
                 return -1, i, 0
-            rc, unfenced = self._one_batch(session, local[lo : lo + MAX_BATCH], remote[lo : lo + MAX_BATCH], opcode,
-                                           stop)  # fmt: skip
-            if rc != 0 or unfenced:
-                return rc or -1, i, unfenced
+            rc, left = self._one_batch(session, local[lo : lo + MAX_BATCH], remote[lo : lo + MAX_BATCH], opcode,
+                                       stop, unfenced)  # fmt: skip
+            if rc != 0 or left:
+                return rc or -1, i, left
         if notice is not None and not stop.is_set():
             sentinel = ([self._scratch.ctypes.data], [int(remote[-1, 0])], [1])
             rc = int(self._engine.batch_transfer_sync(session, *sentinel, self._ops["READ"], notice))
@@ -310,14 +319,17 @@ class MooncakeTransport(Transport):
                 return rc, -(-n // MAX_BATCH), 0
         return 0, 0, 0
 
-    def _one_batch(self, session: str, local: U64, remote: U64, opcode: Any, stop: threading.Event) -> tuple[int, int]:
+    def _one_batch(
+        self, session: str, local: U64, remote: U64, opcode: Any, stop: threading.Event, unfenced: UnfencedOp
+    ) -> tuple[int, int]:
         """Submit each descriptor as a Mooncake batch of its own and wait until every one has ended.
 
         ``transfer_check_status``, the one status call that returns at once, sees the first transfer
         of a batch only (and ``get_batch_transfer_status`` spins, then gives up while the transfers
         go on), so a transfer per batch is what lets the wait see each end. Once ``stop`` is set or a
         transfer failed, the wait lasts at most the fence budget; transfers still in flight then are
-        kept (``_stale``) until they end. Returns (return code, transfers left in flight)."""
+        kept (``_stale``) until they end, when ``unfenced`` is marked ended. Returns (return code,
+        transfers left in flight)."""
         engine = self._engine
         self._free_stale()
         ids: list[int] = []
@@ -344,7 +356,7 @@ class MooncakeTransport(Transport):
                 give_up = time.monotonic() + self.config.fence_budget_s
             if give_up is not None and time.monotonic() >= give_up:
                 with self._stale_lock:
-                    self._stale.append(ids[i:])  # not checked yet: still allocated, checked until they end
+                    self._stale.append((unfenced, ids[i:]))  # not checked yet: still allocated, checked until they end
                 return rc or -1, len(ids) - i
             time.sleep(delay)
             delay = min(delay * 2, self.config.poll_max_s)
@@ -353,8 +365,10 @@ class MooncakeTransport(Transport):
     def _free_stale(self) -> None:
         with self._stale_lock:
             check = self._engine.transfer_check_status  # frees a batch that ended
-            kept = ([b for b in group if int(check(b)) not in (1, -1)] for group in self._stale)
-            self._stale = [group for group in kept if group]
+            kept = [(unfenced, [b for b in group if int(check(b)) not in (1, -1)]) for unfenced, group in self._stale]
+            for unfenced, group in kept:
+                unfenced.ended = not group
+            self._stale = [(unfenced, group) for unfenced, group in kept if group]
 
     def unfenced_live(self) -> int:
         self._free_stale()
@@ -368,3 +382,9 @@ class MooncakeTransport(Transport):
         for peer in list(self._pools):
             self.remove_peer(peer)
         self._peers.clear()
+
+
+def _ended_if_nothing_left(work: concurrent.futures.Future[tuple[int, int, int]], unfenced: UnfencedOp) -> None:
+    """A worker the fence stopped waiting for returned: its operation ended unless it left transfers in flight."""
+    if not work.cancelled() and work.exception() is None and work.result()[2] == 0:
+        unfenced.ended = True

@@ -57,6 +57,7 @@ from kvxfer.transport.errors import (
     TransferFailedError,
     TransferTimeoutError,
     TransportError,
+    UnfencedOp,
     describe_span,
 )
 from kvxfer.transport.registry import register_transport
@@ -188,7 +189,8 @@ class NixlTransport(Transport):
         self._peers: set[str] = set()
         self._retired: set[str] = set()  # removed peers NIXL keeps until their operations ended
         self._live: dict[str, list[Any]] = {}  # peer -> handles of operations not yet released
-        self._unfenced: list[tuple[str, Any]] = []  # (peer, handle) reported failed before they ended
+        #: (peer, handle, what its error carries) reported failed before they ended.
+        self._unfenced: list[tuple[str, Any, UnfencedOp]] = []
         self._poster: concurrent.futures.ThreadPoolExecutor | None = None  # started at its first post
         #: Transfers posted from the poster thread so far (tests, bench).
         self.thread_posts = 0
@@ -270,8 +272,11 @@ class NixlTransport(Transport):
         """Remove the peer's agent from NIXL now; operations on it still in flight are lost from sight."""
         self._peers.discard(peer)
         self._retired.discard(peer)
-        for handle in self._live.pop(peer, []):
-            self._unfenced = [u for u in self._unfenced if u[1] is not handle]
+        lost = self._live.pop(peer, [])
+        for _, handle, unfenced in self._unfenced:
+            if any(handle is h for h in lost):
+                unfenced.watched = False  # lost from sight: no one can say it ended
+        self._unfenced = [u for u in self._unfenced if u[2].watched]
         with contextlib.suppress(Exception):  # forgetting an unknown peer is not an error
             self._agent.remove_remote_agent(peer)
 
@@ -284,14 +289,16 @@ class NixlTransport(Transport):
         if self._agent is None:
             return
         still = []
-        for peer, handle in self._unfenced:
+        for peer, handle, unfenced in self._unfenced:
             state = _state(self._agent, handle)
             if state == "ended":
                 self._release(peer, handle)
+                unfenced.ended = True
             elif state == "live":
-                still.append((peer, handle))
+                still.append((peer, handle, unfenced))
             else:  # NIXL no longer knows it (its peer was replaced): nothing left to watch or release
                 log.warning("nixl: an unfenced operation of peer %r can no longer be watched", peer)
+                unfenced.watched = False
                 self._drop(peer, handle)
         self._unfenced = still
         for peer in [p for p in self._retired if not self._live.get(p)]:
@@ -393,12 +400,13 @@ class NixlTransport(Transport):
         # The fence: releasing a handle in flight does not stop UCX from landing its bytes later (nor
         # does removing the peer), so the error waits until NIXL says the operation ended.
         ended, cancel_came = await _fence(agent, handle, self.config)
+        unfenced = UnfencedOp(op, peer)
         if ended:
             self._release(peer, handle)
         else:
-            self._unfenced.append((peer, handle))
+            self._unfenced.append((peer, handle, unfenced))
         self._end_failed(op, peer, failure, cancelled=cancelled or cancel_came, ended=ended,
-                         in_flight="its operation was")  # fmt: skip
+                         in_flight="its operation was", unfenced=unfenced)  # fmt: skip
 
     def _posts_on_thread(self, nbytes: int, mem_type: MemType, remote_mem_type: MemType) -> bool:
         """Whether this transfer is posted from the poster thread (see the module docs)."""
@@ -434,6 +442,8 @@ class NixlTransport(Transport):
             self._poster = None
         for peer in list(self._peers | self._retired):
             self._forget(peer)
+        for _, _, unfenced in self._unfenced:
+            unfenced.watched = False
         self._unfenced = []
         self._agent = None
 

@@ -27,6 +27,7 @@ from kvxfer.logs import get_logger
 from kvxfer.topology import RegionTable
 from kvxfer.transport.base import (
     U64,
+    UNFENCED_CANCEL,
     MemType,
     Notification,
     Op,
@@ -44,6 +45,7 @@ from kvxfer.transport.errors import (
     TransferTimeoutError,
     TransferUnfencedError,
     TransportError,
+    UnfencedOp,
 )
 from kvxfer.transport.registry import register_transport
 from kvxfer.wire import local_pb2
@@ -95,6 +97,8 @@ class WorkerAgentTransport(Transport):
         self._wakeup: asyncio.Event | None = None
         self._pending: dict[int, _Pending] = {}
         self._peer_loads: dict[int, str] = {}  # job id -> peer name, for messages
+        #: Transfer jobs reported unfenced, by id: each ends with the agent's outcome or late notice.
+        self._watched: dict[int, UnfencedOp] = {}
 
     # ------------------------------------------------------------------ the worker's side
     def bind_worker(self, info: WorkerAgentInfo | None) -> None:
@@ -132,6 +136,10 @@ class WorkerAgentTransport(Transport):
     def report(self, outcomes: list[local_pb2.AgentOutcome]) -> None:
         """Outcomes of jobs the worker ran (``AgentReport``); unknown ids (given up on) are ignored."""
         for o in outcomes:
+            watched = self._watched.get(o.id)
+            if watched is not None and (o.ended or o.reason != Reason.DATA_PLANE_UNFENCED.value):
+                watched.ended = True  # the agent saw its operation end: no byte of it lands any more
+                del self._watched[o.id]
             pending = self._pending.pop(o.id, None)
             if pending is not None and not pending.future.done():
                 pending.future.set_result(o)
@@ -219,21 +227,51 @@ class WorkerAgentTransport(Transport):
             wait = timeout + REPORT_GRACE_S + self.config.fence_budget_s
             outcome = await asyncio.wait_for(asyncio.shield(future), wait)
         except TimeoutError:
-            self._give_up(job_id)
+            if not self._give_up(job_id):
+                raise TransferTimeoutError(f"{op} of {len(local)} descriptors: the worker's agent did not take it "
+                                           f"within {wait:g} s", backend=self.name, peer=peer) from None  # fmt: skip
             # Whether the worker's agent still has the operation in flight is unknown: not fenced.
             self._count_unfenced(op, peer)
             raise TransferUnfencedError(
                 f"{op} of {len(local)} descriptors: no outcome from the worker's agent within {timeout:g} s (+"
                 f"{REPORT_GRACE_S:g} s, + the fence budget {self.config.fence_budget_s:g} s), so its bytes may "
                 f"still land; {self._describe(op, local, remote)}",
-                backend=self.name, peer=peer, timed_out=True,
+                backend=self.name, peer=peer, timed_out=True, unfenced=self._watch(job_id, op, peer),
             ) from None  # fmt: skip
         except asyncio.CancelledError:
-            self._give_up(job_id)
-            raise
+            if not self._give_up(job_id):
+                raise  # never handed out: nothing ran
+            # The agent answers a cancel once its own fence is over: until then the bytes may land.
+            if await self._cancel_fenced(future):
+                raise
+            self._count_unfenced(op, peer)
+            raise asyncio.CancelledError(UNFENCED_CANCEL, self._watch(job_id, op, peer)) from None
         if outcome.code:
-            raise _outcome_error(outcome, self.name, peer, self._describe(op, local, remote))
+            err = _outcome_error(outcome, self.name, peer, self._describe(op, local, remote))
+            if isinstance(err, TransferUnfencedError):
+                err.unfenced = self._watch(job_id, op, peer)
+            raise err
         return TransferResult(int(outcome.bytes), int(outcome.descriptors), float(outcome.seconds))
+
+    async def _cancel_fenced(self, future: asyncio.Future[local_pb2.AgentOutcome]) -> bool:
+        """After a cancel: whether the agent said, within the fence budget, that the operation ended."""
+        deadline = asyncio.get_running_loop().time() + self.config.fence_budget_s + REPORT_GRACE_S
+        while not future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(future), max(deadline - asyncio.get_running_loop().time(), 0))
+            except TimeoutError:
+                return False
+            except asyncio.CancelledError:
+                continue  # cancelled again: the answer still decides what the cancel says
+        return future.result().reason != Reason.DATA_PLANE_UNFENCED.value
+
+    def _watch(self, job_id: int, op: str, peer: str) -> UnfencedOp:
+        """What an unfenced job's error carries: it ends with the agent's outcome or its late notice."""
+        watched = self._watched[job_id] = UnfencedOp(op, peer)
+        return watched
+
+    def unfenced_live(self) -> int:
+        return len(self._watched)
 
     def poll_notifications(self) -> list[Notification]:
         """The sidecar attaches no notifications to this backend's transfers."""
@@ -258,14 +296,18 @@ class WorkerAgentTransport(Transport):
             self._wakeup.set()
         return job.id
 
-    def _give_up(self, job_id: int) -> None:
-        pending = self._pending.pop(job_id, None)
+    def _give_up(self, job_id: int) -> bool:
+        """Stop waiting for a transfer job. Returns whether the agent had taken it (it is told to cancel
+        it, and its outcome still comes: :meth:`report`)."""
+        pending = self._pending.get(job_id)
         if pending is None:
-            return
+            return False
         if pending.job in self._queue:
+            del self._pending[job_id]
             self._queue.remove(pending.job)  # never handed out: nothing to cancel
-        else:
-            self._enqueue(local_pb2.AgentJob(cancel=job_id))
+            return False
+        self._enqueue(local_pb2.AgentJob(cancel=job_id))
+        return True
 
     def _fail_all(self, why: str) -> None:
         for pending in self._pending.values():
@@ -278,6 +320,9 @@ class WorkerAgentTransport(Transport):
                 )  # fmt: skip
         self._pending.clear()
         self._peer_loads.clear()
+        for watched in self._watched.values():
+            watched.ended = True  # the agent went away, and the worker's memory with it
+        self._watched.clear()
 
     def _log_load_failure(self, name: str, outcome: local_pb2.AgentOutcome) -> None:
         log.warning("the worker's agent could not load a peer", extra={"peer": name, "error": outcome.message})

@@ -34,6 +34,7 @@ from kvxfer.transport import (
     TransferTimeoutError,
     Transport,
     TransportConfig,
+    UnfencedOp,
     create_transport,
 )
 from kvxfer.worker_agent import WorkerAgent
@@ -260,6 +261,9 @@ class DelayedDataPlane(Transport):
         #: ``fail_first``: the first transfer fails by itself after that many seconds (TransferFailedError, as
         #: when its peer's connection breaks), while the others are held as above.
         self.fail_first = fail_first
+        #: What each READ cancelled unfenced left in flight; a test ends one (``ended = True``) where the real
+        #: data plane would see its operation end.
+        self.unfenced_ops: list[UnfencedOp] = []
 
     def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
         return self.inner.register(table, mem_type)
@@ -313,7 +317,8 @@ class DelayedDataPlane(Transport):
                     with contextlib.suppress(asyncio.CancelledError):
                         await asyncio.shield(fence)
                 self._count_unfenced(op, peer)
-                raise asyncio.CancelledError(UNFENCED_CANCEL) from None
+                self.unfenced_ops.append(UnfencedOp(op, peer))
+                raise asyncio.CancelledError(UNFENCED_CANCEL, self.unfenced_ops[-1]) from None
             try:
                 return await self.inner.transfer(op, local, remote, peer, timeout=timeout, notify=notify,
                                                  mem_type=mem_type, remote_mem_type=remote_mem_type)  # fmt: skip
@@ -333,6 +338,9 @@ class DelayedDataPlane(Transport):
 
     def poll_notifications(self) -> list[Notification]:
         return self.inner.poll_notifications()
+
+    def unfenced_live(self) -> int:
+        return sum(not op.ended for op in self.unfenced_ops)
 
     def close(self) -> None:
         self.inner.close()

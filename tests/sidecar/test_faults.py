@@ -358,6 +358,49 @@ async def test_an_unfenced_read_fails_the_pull_with_its_own_reason(harness: Harn
     await _still_works(pw, p, dw)
 
 
+async def test_an_unfenced_pull_stays_unsettled_until_its_read_ended(harness: Harness) -> None:
+    """A pull fails unfenced: GetStatus names it in ``unsettled`` (its worker keeps the blocks) until the data
+    plane sees the READ end, then no more; the kvxfer_unsettled_pulls gauge follows. Ids it never failed
+    unfenced are not named, and more than 1024 ids is INVALID_ARGUMENT naming the field."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-unsettled", 30.0, unfenced=True, fence_seconds=0.2)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    await pw.prefill("late", {"kv": [1, 2]}, salt=1)
+    exc = await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("late", [p], {"kv": [3, 4]}, deadline=0.5),
+                             "may still land")  # fmt: skip
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+    assert len(dp.unfenced_ops) == 1
+    status = await dw.client.status(unsettled=["late", "never-pulled"])
+    assert status["unsettled"] == ["late"]
+    assert d.metrics is not None
+    assert d.metrics.unsettled.collect()[0].samples[0].value == 1
+    assert (await dw.client.status(unsettled=["late"]))["unsettled"] == ["late"]  # asking again changes nothing
+    dp.unfenced_ops[0].ended = True  # the data plane saw the READ end
+    assert (await dw.client.status(unsettled=["late"]))["unsettled"] == []
+    assert d.metrics.unsettled.collect()[0].samples[0].value == 0
+    await expect_error(OK.INVALID_ARGUMENT, dw.client.status(unsettled=[f"r{i}" for i in range(1025)]),
+                       "unsettled: 1025 request ids; at most 1024")  # fmt: skip
+
+
+async def test_an_unfenced_pull_no_one_can_watch_is_unsettled_for_the_hold_only(harness: Harness) -> None:
+    """A READ left in flight that its data plane cannot watch never ends: the pull stays unsettled for
+    --unfenced-hold-seconds (1 s here), then GetStatus no longer names it."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-unwatched", 30.0, unfenced=True, fence_seconds=0.2)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp, unfenced_hold_seconds=1.0)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    await pw.prefill("lost", {"kv": [1, 2]}, salt=1)
+    t0 = time.monotonic()
+    await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("lost", [p], {"kv": [3, 4]}, deadline=0.3), "may still land")
+    dp.unfenced_ops[0].watched = False  # the library lost sight of it
+    assert (await dw.client.status(unsettled=["lost"]))["unsettled"] == ["lost"]
+    while (await dw.client.status(unsettled=["lost"]))["unsettled"]:
+        assert time.monotonic() - t0 < 5.0, "still unsettled long after the hold"
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - t0 >= 1.0
+
+
 async def test_the_worker_waits_out_the_sidecars_fence_for_a_failed_pulls_answer(harness: Harness) -> None:
     """A pull that fails at its deadline is answered once the data plane fenced its READs, up to
     --fence-budget-seconds later (2 s here). The client learns that budget at registration and waits

@@ -21,13 +21,16 @@ from kvxfer.transport import (
     TransferFailedError,
     TransferTimeoutError,
     TransferUnfencedError,
+    TransportConfig,
     WorkerAgentInfo,
+    cancelled_unfenced,
     create_transport,
+    unfenced_op,
 )
 from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
 from kvxfer.wire import local_pb2
 from kvxfer.worker_agent import WorkerAgent
-from tests.sidecar.helpers import Harness, attention, expect_error, transfer
+from tests.sidecar.helpers import DelayedDataPlane, Harness, attention, expect_error, transfer
 
 LAY = attention()
 HND = attention(heads=8, tp=2, layers=3, blocks=32, order="HND")
@@ -141,7 +144,7 @@ async def test_an_agent_that_stops_serving_fails_only_its_pull_and_comes_back(ha
 
 async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     # The sidecar's side alone: an outcome's code, not its text, decides the error.
-    t = create_transport("worker", "side")
+    t = create_transport("worker", "side", TransportConfig(fence_budget_s=0.2))
     assert isinstance(t, WorkerAgentTransport)
     t.bind_worker(WorkerAgentInfo("nixl", "w", b"md", 1))
     desc = np.array([[4096, 64, 0]], dtype=np.uint64)
@@ -160,13 +163,37 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     with pytest.raises(TransferUnfencedError, match="in flight") as unfenced:
         await task
     assert unfenced.value.reason == Reason.DATA_PLANE_UNFENCED
-    # A cancelled waiter tells the agent to give up the job it already took.
+    assert not unfenced.value.unfenced.ended
+    assert t.unfenced_live() == 1
+    t.report([local_pb2.AgentOutcome(id=job.id, ended=True)])  # the agent's late notice: the operation ended
+    assert unfenced.value.unfenced.ended
+    assert t.unfenced_live() == 0
+    # A cancelled waiter tells the agent to give up the job it already took, and the cancel goes through
+    # once the agent answers that it ended (within the fence budget).
     task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
     (job,) = await t.next_jobs(0, 1.0)
     task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
     (cancel,) = await t.next_jobs(0, 1.0)
     assert cancel.cancel == job.id
+    assert not task.done()  # the agent's operation may still be running
+    t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.CANCELLED.value[0], message="cancelled")])
+    assert not cancelled_unfenced(await _cancel_raised(task))
+    # No answer within the budget (0.2 s + 1 s for the report): the cancel says unfenced, watched until the
+    # agent's notice comes.
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    task.cancel()
+    late = await _cancel_raised(task)
+    assert cancelled_unfenced(late)
+    op = unfenced_op(late)
+    assert op is not None
+    assert (op.op, op.peer, op.watched, op.ended) == ("READ", "peer", True, False)
+    await t.next_jobs(0, 1.0)  # the cancel job
+    t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.CANCELLED.value[0],
+                                     reason=Reason.DATA_PLANE_UNFENCED.value)])  # fmt: skip
+    assert not op.ended  # the agent's own fence ran out too
+    t.report([local_pb2.AgentOutcome(id=job.id, ended=True)])
+    assert op.ended
     # The worker going away fails what waits, with nothing left queued for the next one.
     task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
     await asyncio.sleep(0)
@@ -207,3 +234,40 @@ async def test_a_refused_re_registration_leaves_the_data_plane_to_the_registered
     # The first reader handshakes now, and reads from the worker's own agent.
     (res,) = await transfer(pw, ps, dw, "r1", {"kv": [1, 2]}, {"kv": [3, 4]}, salt=7)
     assert res.done
+
+
+async def _cancel_raised(task: asyncio.Task[object]) -> asyncio.CancelledError:
+    """The CancelledError a cancelled task raised, as its own awaiter sees it (gather would make a new one)."""
+    try:
+        await task
+    except asyncio.CancelledError as exc:
+        return exc
+    raise AssertionError("the task was not cancelled")
+
+
+async def test_the_agent_answers_a_cancel_once_fenced_and_tells_when_an_unfenced_one_ended() -> None:
+    """The worker's agent, told to cancel a transfer, answers with its outcome once its transport's fence is
+    over (CANCELLED; reason DATA_PLANE_UNFENCED when the operation was still in flight), where it used to
+    answer nothing; and once the operation ends it sends a late notice (``ended``), which is what lets the
+    sidecar say the worker's blocks are safe again."""
+    agent = WorkerAgent()
+    dp = DelayedDataPlane("agent-delayed", 30.0, unfenced=True, fence_seconds=0.1)  # FAULT INJECTOR (helpers)
+    agent.transport.close()
+    agent.transport = dp
+    desc = descriptors_to_bytes(np.array([[4096, 64, 0]], dtype=np.uint64))
+    agent._run(local_pb2.AgentJob(id=7, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
+                                                                         peer="p", timeout_seconds=10.0)))  # fmt: skip
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    task = agent._transfers[7]
+    agent._run(local_pb2.AgentJob(id=8, cancel=7))
+    await asyncio.wait_for(asyncio.shield(task), 5)
+    assert list(agent._outcomes) == [local_pb2.AgentOutcome(
+        id=7, code=grpc.StatusCode.CANCELLED.value[0], reason=Reason.DATA_PLANE_UNFENCED.value, message="cancelled",
+    )]  # fmt: skip
+    agent._report_ended()
+    assert len(agent._outcomes) == 1  # not ended yet: no notice
+    dp.unfenced_ops[0].ended = True  # the data plane saw the operation end
+    agent._report_ended()
+    assert list(agent._outcomes)[1:] == [local_pb2.AgentOutcome(id=7, ended=True)]
+    assert agent._watching == {}
+    agent.close()

@@ -473,14 +473,19 @@ def test_an_unfenced_read_is_kept_until_it_ends(backend: str, silent_capable: tu
     assert err.value.reason == Reason.DATA_PLANE_UNFENCED
     assert err.value.timed_out
     assert counted == [("READ", name)]
+    unfenced = err.value.unfenced  # what the sidecar watches before the worker may reuse the blocks
+    assert (unfenced.op, unfenced.peer, unfenced.watched, unfenced.ended) == ("READ", name, True, False)
     assert transport.unfenced_live() == 1
     transport.remove_peer(name)  # what the sidecar does after a failed READ
     assert transport.unfenced_live() == 1
+    assert not unfenced.ended
     os.kill(peer.proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 10
     while transport.unfenced_live() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert transport.unfenced_live() == 0
+    assert unfenced.ended
+    assert unfenced.watched
 
 
 class _FirstTransferFails:
@@ -527,7 +532,12 @@ def test_a_mooncake_transfer_failed_by_itself_with_others_in_flight_is_unfenced(
     assert not err.value.timed_out
     assert transport.unfenced_total == 1
     assert transport.unfenced_live() == 1
+    assert not err.value.unfenced.ended
     os.kill(peer.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while transport.unfenced_live() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert err.value.unfenced.ended  # every batch it left in flight was seen to end
 
 
 def test_peer_killed_mid_transfer_fails_within_the_timeout(

@@ -52,6 +52,9 @@ LEASE_CHECK_BATCH = 1024
 LEASE_CHECK_DEADLINE_S = 1.0
 #: Longest wait between two look-ups the sidecar did not answer (they back off from LEASE_CHECK_SECONDS).
 LEASE_CHECK_MAX_SECONDS = 30.0
+#: Least time between two look-ups of pulls that failed unfenced (reason DATA_PLANE_UNFENCED): their
+#: blocks stay with vLLM's request until the sidecar says no READ of them can still land.
+UNSETTLED_CHECK_SECONDS = 0.1
 #: Longest wait between two attempts to reach a sidecar that went away.
 RECONNECT_MAX_S = 10.0
 #: Completion events for ids this worker never saw published are forgotten after this long.
@@ -101,6 +104,10 @@ class WorkerSide:
         self.layer_signal_seconds = 0.0
         self._lock = threading.Lock()
         self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
+        #: Loads that failed while a READ of them may still land (reason DATA_PLANE_UNFENCED): reported to
+        #: vLLM only once the sidecar no longer names them unsettled, so their blocks are not reused before.
+        self._unsettled: dict[str, tuple[PullSpec, BaseException]] = {}
+        self._next_unsettled_check = 0.0
         self._aborting: set[str] = set()
         self._published: dict[str, int] = {}
         self._publish_ids: dict[str, str] = {}  # vLLM request id -> the id it was published under (push mode)
@@ -355,23 +362,20 @@ class WorkerSide:
             if not fut.done():
                 continue
             del self._pulls[rid]
-            recving.add(rid)
             exc = fut.exception()
-            aborted = rid in self._aborting
-            self._aborting.discard(rid)
+            if isinstance(exc, KvxferError) and exc.reason == Reason.DATA_PLANE_UNFENCED and spec.remote is not None:
+                # Its bytes may still land: vLLM must not recompute into these blocks or free them yet.
+                log.warning(f"request {rid}: KV load failed while a READ of it may still land ({exc}); its blocks "
+                            "are kept until the sidecar says the READ ended")  # fmt: skip
+                self._unsettled[rid] = (spec, exc)
+                continue
             if exc is None:
                 res = fut.result()
                 log.debug(f"request {rid}: KV loaded, {res.bytes} bytes in {res.descriptors} descriptors")
-            elif not aborted:
-                # An aborted request's blocks are freed by vLLM; naming them would mark blocks that
-                # may already belong to another request.
-                if self.block_errors and spec.local_blocks:
-                    self._errors.update(spec.local_blocks)
-                else:
-                    failed.add(rid)
-                then = "fails the request" if self.failure_policy == "fail" else "recomputes the prompt"
-                log.warning(f"request {rid}: KV load failed ({exc}); vLLM {then} (kv_load_failure_policy="
-                            f"{self.failure_policy})")  # fmt: skip
+            self._load_ended(rid, spec, exc, recving, failed)
+        for rid in self._settled():
+            spec, exc = self._unsettled.pop(rid)
+            self._load_ended(rid, spec, exc, recving, failed)
         sending: set[str] = set()
         now, wall_ms = time.monotonic(), time.time() * 1000
         with self._lock:
@@ -398,6 +402,45 @@ class WorkerSide:
                 if now - at > EVENT_MEMORY_SECONDS:
                     del self._released[rid]
         return sending, recving, failed
+
+    def _load_ended(
+        self, rid: str, spec: PullSpec, exc: BaseException | None, recving: set[str], failed: set[str]
+    ) -> None:  # fmt: skip
+        """Report a load that ended: to ``recving``, and if it failed as vLLM's policy wants it."""
+        recving.add(rid)
+        aborted = rid in self._aborting
+        self._aborting.discard(rid)
+        if exc is not None and not aborted:
+            # An aborted request's blocks are freed by vLLM; naming them would mark blocks that
+            # may already belong to another request.
+            if self.block_errors and spec.local_blocks:
+                self._errors.update(spec.local_blocks)
+            else:
+                failed.add(rid)
+            then = "fails the request" if self.failure_policy == "fail" else "recomputes the prompt"
+            log.warning(f"request {rid}: KV load failed ({exc}); vLLM {then} (kv_load_failure_policy="
+                        f"{self.failure_policy})")  # fmt: skip
+
+    def _settled(self) -> list[str]:
+        """Loads kept because a READ of them might still land that the sidecar no longer names unsettled.
+
+        Asked at most every :data:`UNSETTLED_CHECK_SECONDS`; a sidecar that does not answer keeps them
+        (a restarted sidecar knows none: its data plane, and every READ it posted, went with it).
+        """
+        now = time.monotonic()
+        if not self._unsettled or now < self._next_unsettled_check:
+            return []
+        self._next_unsettled_check = now + UNSETTLED_CHECK_SECONDS
+        ids = {spec.remote.request_id: rid for rid, (spec, _) in self._unsettled.items() if spec.remote is not None}
+        try:
+            status = self.sidecar.status(unsettled=sorted(ids)[:LEASE_CHECK_BATCH], deadline=LEASE_CHECK_DEADLINE_S)
+        except (KvxferError, TimeoutError) as exc:
+            log.warning(f"could not ask the sidecar {self.target} whether {len(ids)} failed loads may still land; "
+                        f"their blocks stay held: {exc}")  # fmt: skip
+            return []
+        still = set(status["unsettled"])
+        asked = sorted(ids)[:LEASE_CHECK_BATCH]
+        return [ids[pid] for pid in asked if pid not in still]
 
     def _still_held(self, publish_ids: set[str], now: float) -> dict[str, int] | None:
         """Which of these publishes the sidecar still holds, by id, and when each lease ends (Unix ms).

@@ -1095,6 +1095,7 @@ class GetStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PUBLISHES_FIELD_NUMBER: _builtins.int
+    UNSETTLED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def publishes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Request ids (as published) whose publishes to report in StatusResponse.publishes: a worker that
@@ -1102,14 +1103,22 @@ class GetStatusRequest(_message.Message):
         lease past what Publish answered). At most 1024.
         """
 
+    @_builtins.property
+    def unsettled(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Request ids (as pulled) to report in StatusResponse.unsettled: a worker whose pull failed with
+        reason DATA_PLANE_UNFENCED keeps its blocks until the failed READs are known to have ended.
+        At most 1024.
+        """
+
     def __init__(
         self,
         *,
         publishes: _abc.Iterable[_builtins.str] | None = ...,
+        unsettled: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["publishes", b"publishes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["publishes", b"publishes", "unsettled", b"unsettled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1157,6 +1166,7 @@ class StatusResponse(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     PUBLISHES_FIELD_NUMBER: _builtins.int
+    UNSETTLED_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     instance_id: _builtins.str
     role: _builtins.str
@@ -1177,6 +1187,12 @@ class StatusResponse(_message.Message):
     def publishes(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishLease]:
         """of GetStatusRequest.publishes, those still held"""
 
+    @_builtins.property
+    def unsettled(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Of GetStatusRequest.unsettled, the failed pulls some READ of which may still land in their blocks
+        (it has not been seen to end, and --unfenced-hold-seconds has not run out since the failure).
+        """
+
     def __init__(
         self,
         *,
@@ -1194,10 +1210,11 @@ class StatusResponse(_message.Message):
         protocol_version: _builtins.int = ...,
         groups: _abc.Iterable[_builtins.str] | None = ...,
         publishes: _abc.Iterable[Global___PublishLease] | None = ...,
+        unsettled: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "engine_id", b"engine_id", "groups", b"groups", "instance_id", b"instance_id", "leases", b"leases", "peer_address", b"peer_address", "peers", b"peers", "protocol_version", b"protocol_version", "publishes", b"publishes", "registered", b"registered", "registered_bytes", b"registered_bytes", "role", b"role", "transfers_in_flight", b"transfers_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "engine_id", b"engine_id", "groups", b"groups", "instance_id", b"instance_id", "leases", b"leases", "peer_address", b"peer_address", "peers", b"peers", "protocol_version", b"protocol_version", "publishes", b"publishes", "registered", b"registered", "registered_bytes", b"registered_bytes", "role", b"role", "transfers_in_flight", b"transfers_in_flight", "unsettled", b"unsettled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1350,6 +1367,7 @@ class AgentOutcome(_message.Message):
     DESCRIPTORS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
     PEER_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     code: _builtins.int
     """grpc status code (0: OK)"""
@@ -1361,6 +1379,10 @@ class AgentOutcome(_message.Message):
     seconds: _builtins.float
     peer: _builtins.str
     """load_peer: the name the library gave the peer"""
+    ended: _builtins.bool
+    """A late notice: the transfer job `id`, reported earlier as cancelled or failed while its operation
+    was still in flight (reason DATA_PLANE_UNFENCED), has now ended: no byte of it lands any more.
+    """
     def __init__(
         self,
         *,
@@ -1372,10 +1394,11 @@ class AgentOutcome(_message.Message):
         descriptors: _builtins.int = ...,
         seconds: _builtins.float = ...,
         peer: _builtins.str = ...,
+        ended: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "code", b"code", "descriptors", b"descriptors", "id", b"id", "message", b"message", "peer", b"peer", "reason", b"reason", "seconds", b"seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "code", b"code", "descriptors", b"descriptors", "ended", b"ended", "id", b"id", "message", b"message", "peer", b"peer", "reason", b"reason", "seconds", b"seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,66 @@
+"""Failed pulls whose READs may still land in their blocks, until each READ is seen to end.
+
+A pull that fails with reason ``DATA_PLANE_UNFENCED`` had a data-plane operation still in flight
+when the fence budget ran out (docs/transports.md, "What a cancel or a timeout guarantees"). Its
+blocks are the worker's: if vLLM recomputed into them, or gave them to another request, the late
+bytes would overwrite that KV. So the worker keeps them until this sidecar no longer names the
+pull in ``GetStatus.unsettled``: every operation it left in flight ended (the transport saw it), or
+``--unfenced-hold-seconds`` ran out since the failure (an operation no one can watch: a writer's
+WRITE in push mode, one the library lost sight of, one that never ends), which is logged as an
+error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from kvxfer.logs import get_logger
+from kvxfer.transport import UnfencedOp
+
+__all__ = ["UnsettledPulls"]
+
+log = get_logger("kvxfer.server.unsettled")
+
+
+class UnsettledPulls:
+    """By request id (as pulled): the operations a failed pull left in flight, and when it failed."""
+
+    def __init__(
+        self, hold_s: float, look_again: Callable[[], object], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.hold_s = hold_s
+        self._look_again = look_again  # the transport's unfenced_live(): marks ended operations
+        self._clock = clock
+        self._pulls: dict[str, tuple[float, list[UnfencedOp]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    def add(self, request_id: str, ops: Sequence[UnfencedOp]) -> None:
+        """A pull of ``request_id`` failed unfenced; ``ops`` are what it left in flight (none known:
+        no one can watch them, so the hold runs out)."""
+        ops = list(ops) or [UnfencedOp("READ", "", watched=False)]
+        since, known = self._pulls.get(request_id, (self._clock(), []))
+        self._pulls[request_id] = (since, known + ops)
+
+    def still(self, request_ids: Iterable[str]) -> list[str]:
+        """Of ``request_ids``, those whose failed pull may still have bytes landing in its blocks."""
+        if not self._pulls:
+            return []
+        self._look_again()
+        now = self._clock()
+        for rid, (since, ops) in list(self._pulls.items()):
+            left = [op for op in ops if not op.ended]
+            if left and now - since < self.hold_s:
+                self._pulls[rid] = (since, left)
+                continue
+            del self._pulls[rid]
+            if left:
+                log.error(
+                    "a failed pull's READ was not seen to end within --unfenced-hold-seconds; its blocks go back to "
+                    "the worker, and bytes may still land in them",
+                    extra={"request_id": rid, "peer": ",".join(sorted({op.peer for op in left})),
+                           "hold_seconds": self.hold_s},
+                )  # fmt: skip
+        return [rid for rid in request_ids if rid in self._pulls]

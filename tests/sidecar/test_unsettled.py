@@ -1,0 +1,37 @@
+"""kvxfer.server.unsettled: which failed pulls may still have bytes landing, on a clock the test moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.server.unsettled import UnsettledPulls
+from kvxfer.transport import UnfencedOp
+
+
+def test_a_pull_is_unsettled_until_every_operation_it_left_ended_or_the_hold_ran_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    looked = []
+    pulls = UnsettledPulls(30.0, lambda: looked.append(now[0]), clock=lambda: now[0])
+    assert pulls.still(["a"]) == []
+    assert looked == []  # nothing kept: the data plane is not asked
+    a1, a2, b = UnfencedOp("READ", "p0"), UnfencedOp("READ", "p1"), UnfencedOp("READ", "p0", watched=False)
+    pulls.add("a", [a1])
+    pulls.add("a", [a2])  # a second failure of the same id adds to the first (its hold counts from the first)
+    pulls.add("b", [b])
+    pulls.add("c", [])  # nothing known to watch: held for the hold
+    assert pulls.still(["a", "b", "c", "z"]) == ["a", "b", "c"]
+    assert looked == [100.0]
+    a1.ended = True
+    assert pulls.still(["a"]) == ["a"]  # a2 has not ended
+    a2.ended = True
+    assert pulls.still(["a", "b"]) == ["b"]
+    assert len(pulls) == 2
+    now[0] = 129.9
+    assert pulls.still(["b", "c"]) == ["b", "c"]
+    now[0] = 130.0
+    with caplog.at_level("ERROR", logger="kvxfer.server.unsettled"):
+        assert pulls.still(["b", "c"]) == []
+    assert len(pulls) == 0
+    assert sum("not seen to end within --unfenced-hold-seconds" in r.getMessage() for r in caplog.records) == 2
