@@ -252,12 +252,16 @@ class PeerDirectory:
             old.close()
         self._frames[address] = FramedStub(channel, self.stub(address))
 
-    def invalidate(self, address: str, *, reconnect: bool = False) -> None:
+    def invalidate(self, address: str, *, reconnect: bool = False, session: PeerSession | None = None) -> None:
         """Drop the session to ``address``; the next use handshakes again.
 
         With ``reconnect`` the channel is replaced too: a channel whose peer died sits in gRPC's
         reconnect backoff (up to minutes) and would fail calls fast even after the peer is back.
+        ``session``: only if that is still the session to ``address`` (a failure on a session that a
+        newer handshake already replaced says nothing about the newer one).
         """
+        if session is not None and self._sessions.get(address) not in (session, None):
+            return
         s = self._sessions.pop(address, None)
         if s is not None:
             s.alive = False

@@ -507,7 +507,7 @@ class PullSteps:
                 entry.unfenced_ops.append(unfenced)
             raise
         except KvxferError as exc:
-            self.peers.invalidate(s.address, reconnect=True)
+            self.peers.invalidate(s.address, reconnect=True, session=s)
             if (unfenced := unfenced_op(exc)) is not None:
                 entry.unfenced_ops.append(unfenced)
             if exc.reason == Reason.DATA_PLANE_UNFENCED:

@@ -44,6 +44,13 @@ class UnsettledPulls:
         since, known = self._pulls.get(request_id, (self._clock(), []))
         self._pulls[request_id] = (since, known + ops)
 
+    def in_flight(self, ops: Sequence[UnfencedOp]) -> int:
+        """How many of ``ops`` have not been seen to end (the data plane is asked again first)."""
+        if not ops:
+            return 0
+        self._look_again()
+        return sum(not op.ended for op in ops)
+
     def still(self, request_ids: Iterable[str]) -> list[str]:
         """Of ``request_ids``, those whose failed pull may still have bytes landing in its blocks."""
         if not self._pulls:

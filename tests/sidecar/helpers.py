@@ -32,6 +32,7 @@ from kvxfer.transport import (
     TransferFailedError,
     TransferResult,
     TransferTimeoutError,
+    TransferUnfencedError,
     Transport,
     TransportConfig,
     UnfencedOp,
@@ -236,7 +237,7 @@ class DelayedDataPlane(Transport):
 
     def __init__(
         self, name: str, delay: float, *, drain: bool = False, times_out: bool = False, unfenced: bool = False,
-        fence_seconds: float = 0.0, fail_first: float | None = None,
+        fence_seconds: float = 0.0, fail_first: float | None = None, unfenced_first: bool = False,
     ) -> None:  # fmt: skip
         self.inner = create_transport("nixl", name, TransportConfig(cuda_ipc_direct=True))
         super().__init__(self.inner.agent_name, self.inner.config)
@@ -261,6 +262,9 @@ class DelayedDataPlane(Transport):
         #: ``fail_first``: the first transfer fails by itself after that many seconds (TransferFailedError, as
         #: when its peer's connection breaks), while the others are held as above.
         self.fail_first = fail_first
+        #: ``unfenced_first``: with ``fail_first``, that failure is unfenced (TransferUnfencedError: its operation
+        #: still in flight after the fence budget, watched in ``unfenced_ops``).
+        self.unfenced_first = unfenced_first
         #: What each READ cancelled unfenced left in flight; a test ends one (``ended = True``) where the real
         #: data plane would see its operation end.
         self.unfenced_ops: list[UnfencedOp] = []
@@ -300,6 +304,12 @@ class DelayedDataPlane(Transport):
         if self.fail_first is not None:
             after, self.fail_first = self.fail_first, None
             await asyncio.sleep(after)
+            if self.unfenced_first:
+                self._count_unfenced(op, peer)
+                self.unfenced_ops.append(UnfencedOp(op, peer))
+                raise TransferUnfencedError(f"{op} failed: the connection broke; still in flight after the fence "
+                                            "budget, so its bytes may still land", backend="nixl", peer=peer,
+                                            unfenced=self.unfenced_ops[-1])  # fmt: skip
             raise TransferFailedError(f"{op} failed: the connection broke", backend="nixl", peer=peer)
 
         async def held() -> TransferResult:

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvxfer.errors import Reason
 from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error
 
 HOLD_S = 0.4  # the data plane's hold before each READ, and the publisher's before each lookup answer
@@ -83,3 +84,37 @@ async def test_a_publisher_that_registered_other_memory_is_read_again(harness: H
     await fresh.prefill("after", {"kv": [3, 4]}, salt=6)
     res = await dw[0].pull("after", ps, {"kv": [5, 6]}, remote_blocks={"kv": [3, 4]})
     assert dw[0].verify({"kv": [5, 6]}, 6) == (res.bytes, 0)
+
+
+async def test_a_read_again_is_not_reported_moved_while_the_first_read_may_still_land(harness: Harness) -> None:
+    """As above, but the stale READ failed unfenced (still in flight after the fence budget): the READ again
+    succeeds, yet the pull fails with reason DATA_PLANE_UNFENCED, since the first READ may still land in the
+    blocks once the worker uses them (it used to be reported moved). GetStatus names it unsettled until the
+    data plane sees that READ end."""
+    lay = attention()
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    pw = await harness.worker(p, {"kv": lay})
+    dp = DelayedDataPlane("decode-stale", 0.0)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    dw = await harness.worker(d, {"kv": lay})
+    await pw.prefill("before", {"kv": [1]}, salt=5)
+    await dw.pull("before", [p], {"kv": [2]}, remote_blocks={"kv": [1]})
+    for _ in range(500):
+        if (await pw.client.status())["leases"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    fresh = Worker(p, {"kv": lay}, pw.rank)
+    harness.workers.append(fresh)
+    await pw.client.close()
+    await fresh.register()
+    await fresh.prefill("after", {"kv": [3, 4]}, salt=6)
+    # FAULT INJECTOR: the stale READ fails unfenced, after the lookup answered (which a failed READ would cut)
+    dp.fail_first, dp.unfenced_first = 0.3, True
+    exc = await expect_error(grpc.StatusCode.UNAVAILABLE,
+                             dw.pull("after", [p], {"kv": [5, 6]}, remote_blocks={"kv": [3, 4]}),
+                             "1 earlier READ(s) of it, which failed, were still in flight")  # fmt: skip
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+    assert dw.verify({"kv": [5, 6]}, 6)[1] == 0  # the READ again did move the bytes
+    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == ["after"]
+    dp.unfenced_ops[0].ended = True
+    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == []
