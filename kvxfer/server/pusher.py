@@ -383,6 +383,11 @@ class Pusher:
                 log.exception("push failed unexpectedly")
                 outcome = KvxferError(f"internal error in push of {rid!r}: {type(exc).__name__}: {exc}")
             self._forget(offer)
+            if offer.unfenced and outcome is None:
+                # Written in full, but a layer's WRITE that failed earlier may still land, after the reader
+                # has put the blocks to use: not reported as moved.
+                outcome = PeerUnavailableError(f"push of {rid!r} into {offer.reader.label}: written, but a layer "
+                                               "WRITE of it that failed earlier", field="remote_addresses")  # fmt: skip
             if offer.unfenced and outcome is not None:
                 # A WRITE of it (this one, or a layer's) may still land: the reader must not reuse its blocks.
                 _amend_unfenced(outcome)

@@ -495,3 +495,30 @@ async def test_a_gone_writers_memory_is_released_only_once_its_writes_were_fence
     assert at_deregister, "the gone worker's memory was not released"
     assert at_deregister == [0] * len(at_deregister), "released while a WRITE from it was in flight"
     await expect_error(OK.ABORTED, pull, "may still land")
+
+
+async def test_a_push_written_whole_after_a_layer_write_failed_unfenced_is_not_reported_moved(
+    harness: Harness,
+) -> None:
+    """A layer's WRITE fails while still in flight past the fence budget; the publish then writes the whole
+    offer, which succeeds. The reader must not hear that its blocks were filled: the failed layer WRITE may
+    still land after it put them to use (it did hear success). Its pull fails with DATA_PLANE_UNFENCED."""
+    lay = attention(layers=2, block_size=16)
+    dp = DelayedDataPlane("prefill-layer", 0.0, fail_first=0.0, unfenced_first=True)  # FAULT INJECTOR (helpers)
+    p = await harness.sidecar(role="prefill", engine_id="prefill", data_plane=dp)
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    pw, dw = await harness.worker(p, {"kv": lay}), await harness.worker(d, {"kv": lay})
+    p_blocks, d_blocks = [5, 6], [9, 3]
+    pull = asyncio.ensure_future(dw.client.pull("lw-u", [p.peer_address], {"kv": d_blocks}, push=True,
+                                                spans={"kv": TokenSpan(31, 0, 0)}, deadline=20.0))  # fmt: skip
+    await _offered(p, "lw-u")
+    req = local_pb2.StreamedRequest(request_id="lw-u", blocks=[common_pb2.BlockList(group="kv", block_ids=p_blocks)],
+                                    start_token=0, end_token=32)  # fmt: skip
+    assert await pw.client.stream_step(1, [req]) == 1
+    assert await pw.client.layer_done(1, "kv", 0) == 1
+    await _until(lambda: bool(dp.unfenced_ops))  # the layer WRITE failed unfenced
+    await pw.client.publish("lw-u", {"kv": p_blocks})
+    err = await expect_error(OK.UNAVAILABLE, pull, "written, but a layer WRITE of it that failed earlier",
+                             "may still land")  # fmt: skip
+    assert err.reason == "DATA_PLANE_UNFENCED"
+    assert (await dw.client.status(unsettled=["lw-u"]))["unsettled"] == ["lw-u"]  # no one can watch a WRITE
