@@ -198,8 +198,21 @@ class WorkerAgent:
                 log.warning("could not report to the sidecar", extra={"error": exc.details, "outcomes": len(batch)})
 
     # ------------------------------------------------------------------ teardown
+    async def aclose(self) -> None:
+        """Stop serving, cancel the transfers and wait until each ended (its transport's fence: at most
+        the fence budget and a second), then :meth:`close`. Call it on the loop that serves the sidecar."""
+        self._closed = True
+        running = [t for t in self._transfers.values() if not t.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            # Deregistering under a READ still in flight would let it land in memory the worker frees next.
+            await asyncio.wait(running, timeout=self.transport.config.fence_budget_s + 1.0)
+        self.close()
+
     def close(self) -> None:
-        """Stop serving, cancel transfers, deregister and release the agent."""
+        """Stop serving, cancel transfers, deregister and release the agent, without waiting for the
+        cancelled transfers to end (:meth:`aclose` waits)."""
         self._closed = True
         for task in self._transfers.values():
             task.cancel()

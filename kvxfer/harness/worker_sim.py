@@ -309,11 +309,14 @@ def worker_main(cfg: WorkerConfig, inp: IO[str], out: IO[str]) -> int:
         reply({"error": traceback.format_exc()})
         return 1
     finally:
+        if agent is not None:
+            try:
+                client.call(agent.aclose(), timeout=agent.transport.config.fence_budget_s + 2.0)
+            except Exception:
+                agent.close()
         client.close()
         if gather is not None:
             gather.close()
-        if agent is not None:
-            agent.close()
         if lease is not None:
             lease.close()
         for b in buffers.values():

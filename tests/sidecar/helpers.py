@@ -108,7 +108,7 @@ class Worker:
 
     async def close(self) -> None:
         if self.agent is not None:
-            self.agent.close()
+            await self.agent.aclose()
             if self._serving is not None:
                 self._serving.cancel()
                 await asyncio.gather(self._serving, return_exceptions=True)

@@ -271,3 +271,23 @@ async def test_the_agent_answers_a_cancel_once_fenced_and_tells_when_an_unfenced
     assert list(agent._outcomes)[1:] == [local_pb2.AgentOutcome(id=7, ended=True)]
     assert agent._watching == {}
     agent.close()
+
+
+async def test_aclose_deregisters_only_once_the_cancelled_transfers_ended() -> None:
+    """Closing the agent cancels its transfers and deregisters its memory only once each of them ended
+    (its transport's fence, 0.3 s here): ``close()`` deregistered at once while the cancelled READ was
+    still in flight, and the vLLM connector called it from another thread than the agent's loop."""
+    agent = WorkerAgent()
+    dp = DelayedDataPlane("agent-closing", 30.0, unfenced=True, fence_seconds=0.3)  # FAULT INJECTOR (helpers)
+    agent.transport.close()
+    agent.transport = dp
+    regions = [np.zeros(LAY.region_bytes, dtype=np.uint8) for _ in range(LAY.num_regions)]
+    agent.register(LAY, regions)
+    desc = descriptors_to_bytes(np.array([[regions[0].ctypes.data, 64, 0]], dtype=np.uint64))
+    agent._run(local_pb2.AgentJob(id=1, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
+                                                                         peer="p", timeout_seconds=10.0)))  # fmt: skip
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    t0 = asyncio.get_running_loop().time()
+    await agent.aclose()
+    assert asyncio.get_running_loop().time() - t0 >= 0.3
+    assert dp.in_flight_at_deregister == [0]  # nothing in flight when the memory went

@@ -481,9 +481,15 @@ class WorkerSide:
             self._watcher.cancel()
         if self._agent_serving is not None:
             self._agent_serving.cancel()
-        self.sidecar.close()
         if self.agent is not None:
-            self.agent.close()
+            # On the loop its transfers run on, and before the client goes: the cancelled ones end (fenced)
+            # before the agent deregisters the memory.
+            try:
+                self.sidecar.call(self.agent.aclose(), timeout=self.agent.transport.config.fence_budget_s + 2.0)
+            except Exception as exc:  # closing anyway: the process is going away
+                log.warning(f"the worker's data-plane agent did not close cleanly: {exc!r}")
+                self.agent.close()
+        self.sidecar.close()
         if self.gather is not None:
             self.gather.close()  # unmaps the publishers' memory this process opened
         if self.shared is not None:
