@@ -509,6 +509,9 @@ class PullSteps:
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True, session=s)
             if (unfenced := unfenced_op(exc)) is not None:
+                # The pull's error says so however it ends: a READ again that fails too, or a sibling
+                # READ's failure that the task group reports first (Puller._failure).
+                entry.unfenced = True
                 entry.unfenced_ops.append(unfenced)
             if exc.reason == Reason.DATA_PLANE_UNFENCED:
                 # The READ was still in flight after the fence budget: its bytes may still land in these

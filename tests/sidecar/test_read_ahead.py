@@ -118,3 +118,35 @@ async def test_a_read_again_is_not_reported_moved_while_the_first_read_may_still
     assert (await dw.client.status(unsettled=["after"]))["unsettled"] == ["after"]
     dp.unfenced_ops[0].ended = True
     assert (await dw.client.status(unsettled=["after"]))["unsettled"] == []
+
+
+async def test_a_read_again_that_fails_still_says_the_first_read_may_land(harness: Harness) -> None:
+    """As above, but the READ again does not finish either (the pull's deadline cuts it, fenced): the pull's
+    error must still carry reason DATA_PLANE_UNFENCED and GetStatus name it unsettled, since the first READ may
+    still land in the blocks (the failure used to be a plain DEADLINE, and the worker reused them at once)."""
+    lay = attention()
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    pw = await harness.worker(p, {"kv": lay})
+    dp = DelayedDataPlane("decode-stale-again", 0.0)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    dw = await harness.worker(d, {"kv": lay})
+    await pw.prefill("before", {"kv": [1]}, salt=5)
+    await dw.pull("before", [p], {"kv": [2]}, remote_blocks={"kv": [1]})
+    for _ in range(500):
+        if (await pw.client.status())["leases"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    fresh = Worker(p, {"kv": lay}, pw.rank)
+    harness.workers.append(fresh)
+    await pw.client.close()
+    await fresh.register()
+    await fresh.prefill("after", {"kv": [3, 4]}, salt=6)
+    # FAULT INJECTOR: the stale READ fails unfenced after the lookup answered; the READ again is held past the deadline
+    dp.fail_first, dp.unfenced_first, dp.delay = 0.3, True, 30.0
+    exc = await expect_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             dw.pull("after", [p], {"kv": [5, 6]}, remote_blocks={"kv": [3, 4]}, deadline=1.5),
+                             "may still land")  # fmt: skip
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == ["after"]
+    dp.unfenced_ops[0].ended = True
+    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == []
