@@ -79,6 +79,8 @@ class _Pending:
     def __init__(self, job: local_pb2.AgentJob, future: asyncio.Future[local_pb2.AgentOutcome]) -> None:
         self.job = job
         self.future = future
+        #: Set once the transfer is known unfenced (an outcome said so, or none came): what its error carries.
+        self.unfenced: UnfencedOp | None = None
 
 
 @register_transport("worker")
@@ -136,13 +138,18 @@ class WorkerAgentTransport(Transport):
     def report(self, outcomes: list[local_pb2.AgentOutcome]) -> None:
         """Outcomes of jobs the worker ran (``AgentReport``); unknown ids (given up on) are ignored."""
         for o in outcomes:
+            if not o.ended:
+                pending = self._pending.pop(o.id, None)
+                if pending is not None and o.reason == Reason.DATA_PLANE_UNFENCED.value:
+                    # Watched from now on: the agent's late notice may come in this same report, before
+                    # the waiting transfer runs again.
+                    self._watch(pending)
+                if pending is not None and not pending.future.done():
+                    pending.future.set_result(o)
             watched = self._watched.get(o.id)
             if watched is not None and (o.ended or o.reason != Reason.DATA_PLANE_UNFENCED.value):
                 watched.ended = True  # the agent saw its operation end: no byte of it lands any more
                 del self._watched[o.id]
-            pending = self._pending.pop(o.id, None)
-            if pending is not None and not pending.future.done():
-                pending.future.set_result(o)
             name = self._peer_loads.pop(o.id, None)
             if name is not None and o.code:
                 # Transfers to this peer will fail with the library's words; say why here too.
@@ -220,7 +227,7 @@ class WorkerAgentTransport(Transport):
         )  # fmt: skip
         future: asyncio.Future[local_pb2.AgentOutcome] = asyncio.get_running_loop().create_future()
         job_id = self._enqueue(job)
-        self._pending[job_id] = _Pending(job, future)
+        pending = self._pending[job_id] = _Pending(job, future)
         try:
             # The worker's agent reports a failure once its fence allows (its own fence budget, which
             # is taken to be this one's): wait for that too.
@@ -236,7 +243,7 @@ class WorkerAgentTransport(Transport):
                 f"{op} of {len(local)} descriptors: no outcome from the worker's agent within {timeout:g} s (+"
                 f"{REPORT_GRACE_S:g} s, + the fence budget {self.config.fence_budget_s:g} s), so its bytes may "
                 f"still land; {self._describe(op, local, remote)}",
-                backend=self.name, peer=peer, timed_out=True, unfenced=self._watch(job_id, op, peer),
+                backend=self.name, peer=peer, timed_out=True, unfenced=self._watch(pending),
             ) from None  # fmt: skip
         except asyncio.CancelledError:
             if not self._give_up(job_id):
@@ -245,11 +252,11 @@ class WorkerAgentTransport(Transport):
             if await self._cancel_fenced(future):
                 raise
             self._count_unfenced(op, peer)
-            raise asyncio.CancelledError(UNFENCED_CANCEL, self._watch(job_id, op, peer)) from None
+            raise asyncio.CancelledError(UNFENCED_CANCEL, self._watch(pending)) from None
         if outcome.code:
             err = _outcome_error(outcome, self.name, peer, self._describe(op, local, remote))
             if isinstance(err, TransferUnfencedError):
-                err.unfenced = self._watch(job_id, op, peer)
+                err.unfenced = self._watch(pending)
             raise err
         return TransferResult(int(outcome.bytes), int(outcome.descriptors), float(outcome.seconds))
 
@@ -265,10 +272,13 @@ class WorkerAgentTransport(Transport):
                 continue  # cancelled again: the answer still decides what the cancel says
         return future.result().reason != Reason.DATA_PLANE_UNFENCED.value
 
-    def _watch(self, job_id: int, op: str, peer: str) -> UnfencedOp:
-        """What an unfenced job's error carries: it ends with the agent's outcome or its late notice."""
-        watched = self._watched[job_id] = UnfencedOp(op, peer)
-        return watched
+    def _watch(self, pending: _Pending) -> UnfencedOp:
+        """What an unfenced job's error carries: it ends with the agent's outcome or its late notice
+        (watched once, from the first of: the unfenced outcome, the sidecar giving up on it)."""
+        if pending.unfenced is None:
+            t = pending.job.transfer
+            pending.unfenced = self._watched[pending.job.id] = UnfencedOp(t.op, t.peer)
+        return pending.unfenced
 
     def unfenced_live(self) -> int:
         return len(self._watched)

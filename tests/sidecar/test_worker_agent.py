@@ -291,3 +291,47 @@ async def test_aclose_deregisters_only_once_the_cancelled_transfers_ended() -> N
     await agent.aclose()
     assert asyncio.get_running_loop().time() - t0 >= 0.3
     assert dp.in_flight_at_deregister == [0]  # nothing in flight when the memory went
+
+
+async def test_an_ended_notice_that_comes_with_its_outcome_is_not_lost() -> None:
+    """The agent's late notice (``ended``) can reach the sidecar in the same report as the unfenced outcome it
+    follows (both queued before a report went out): the operation is then known to have ended. The notice
+    used to be dropped (nothing watched the job yet), leaving the operation watched, and its pull unsettled,
+    forever. A notice is never taken for an outcome: one that comes while the job still waits (its outcome
+    lost on the way) does not make the transfer succeed."""
+    t = create_transport("worker", "side", TransportConfig(fence_budget_s=0.2))
+    assert isinstance(t, WorkerAgentTransport)
+    t.bind_worker(WorkerAgentInfo("nixl", "w", b"md", 1))
+    desc = np.array([[4096, 64, 0]], dtype=np.uint64)
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                     reason=Reason.DATA_PLANE_UNFENCED.value, message="in flight"),
+              local_pb2.AgentOutcome(id=job.id, ended=True)])  # fmt: skip
+    with pytest.raises(TransferUnfencedError, match="in flight") as unfenced:
+        await task
+    assert unfenced.value.unfenced.ended
+    assert t.unfenced_live() == 0
+    # The same for a cancel the agent answered unfenced, its notice in the same report.
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    task.cancel()
+    (cancel,) = await t.next_jobs(0, 1.0)
+    assert cancel.cancel == job.id
+    t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.CANCELLED.value[0],
+                                     reason=Reason.DATA_PLANE_UNFENCED.value, message="cancelled"),
+              local_pb2.AgentOutcome(id=job.id, ended=True)])  # fmt: skip
+    late = await _cancel_raised(task)
+    op = unfenced_op(late)
+    assert op is not None
+    assert op.ended
+    assert t.unfenced_live() == 0
+    # A notice alone is no outcome: the transfer still waits for one.
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    t.report([local_pb2.AgentOutcome(id=job.id, ended=True)])
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.UNAVAILABLE.value[0], message="broke")])
+    with pytest.raises(TransferFailedError, match="broke"):
+        await task
