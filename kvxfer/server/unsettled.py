@@ -24,7 +24,7 @@ log = get_logger("kvxfer.server.unsettled")
 
 
 class UnsettledPulls:
-    """By request id (as pulled): the operations a failed pull left in flight, and when it failed."""
+    """By request id (as pulled): the operations its failed pulls left in flight, each with when its pull failed."""
 
     def __init__(
         self, hold_s: float, look_again: Callable[[], object], clock: Callable[[], float] = time.monotonic
@@ -32,17 +32,19 @@ class UnsettledPulls:
         self.hold_s = hold_s
         self._look_again = look_again  # the transport's unfenced_live(): marks ended operations
         self._clock = clock
-        self._pulls: dict[str, tuple[float, list[UnfencedOp]]] = {}
+        self._pulls: dict[str, list[tuple[float, UnfencedOp]]] = {}
 
     def __len__(self) -> int:
         return len(self._pulls)
 
     def add(self, request_id: str, ops: Sequence[UnfencedOp]) -> None:
         """A pull of ``request_id`` failed unfenced; ``ops`` are what it left in flight (none known:
-        no one can watch them, so the hold runs out)."""
+        no one can watch them, so the hold runs out). Each is held from this failure; pulls whose hold
+        ran out are let go now (nobody may ask about them)."""
+        now = self._clock()
+        self._prune(now)
         ops = list(ops) or [UnfencedOp("READ", "", watched=False)]
-        since, known = self._pulls.get(request_id, (self._clock(), []))
-        self._pulls[request_id] = (since, known + ops)
+        self._pulls.setdefault(request_id, []).extend((now, op) for op in ops)
 
     def in_flight(self, ops: Sequence[UnfencedOp]) -> int:
         """How many of ``ops`` have not been seen to end (the data plane is asked again first)."""
@@ -56,18 +58,23 @@ class UnsettledPulls:
         if not self._pulls:
             return []
         self._look_again()
-        now = self._clock()
-        for rid, (since, ops) in list(self._pulls.items()):
-            left = [op for op in ops if not op.ended]
-            if left and now - since < self.hold_s:
-                self._pulls[rid] = (since, left)
-                continue
-            del self._pulls[rid]
-            if left:
+        self._prune(self._clock())
+        return [rid for rid in request_ids if rid in self._pulls]
+
+    def _prune(self, now: float) -> None:
+        """Forget the operations that ended, and those whose hold ran out (logged as an error)."""
+        for rid, ops in list(self._pulls.items()):
+            left = [(since, op) for since, op in ops if not op.ended]
+            kept = [(since, op) for since, op in left if now - since < self.hold_s]
+            if kept:
+                self._pulls[rid] = kept
+            else:
+                del self._pulls[rid]
+            lost = [op for since, op in left if now - since >= self.hold_s]
+            if lost:
                 log.error(
                     "a failed pull's READ was not seen to end within --unfenced-hold-seconds; its blocks go back to "
                     "the worker, and bytes may still land in them",
-                    extra={"request_id": rid, "peer": ",".join(sorted({op.peer for op in left})),
+                    extra={"request_id": rid, "peer": ",".join(sorted({op.peer for op in lost})),
                            "hold_seconds": self.hold_s},
                 )  # fmt: skip
-        return [rid for rid in request_ids if rid in self._pulls]

@@ -18,7 +18,7 @@ def test_a_pull_is_unsettled_until_every_operation_it_left_ended_or_the_hold_ran
     assert looked == []  # nothing kept: the data plane is not asked
     a1, a2, b = UnfencedOp("READ", "p0"), UnfencedOp("READ", "p1"), UnfencedOp("READ", "p0", watched=False)
     pulls.add("a", [a1])
-    pulls.add("a", [a2])  # a second failure of the same id adds to the first (its hold counts from the first)
+    pulls.add("a", [a2])  # a second failure of the same id adds to the first (each held from its own)
     pulls.add("b", [b])
     pulls.add("c", [])  # nothing known to watch: held for the hold
     assert pulls.still(["a", "b", "c", "z"]) == ["a", "b", "c"]
@@ -35,3 +35,22 @@ def test_a_pull_is_unsettled_until_every_operation_it_left_ended_or_the_hold_ran
         assert pulls.still(["b", "c"]) == []
     assert len(pulls) == 0
     assert sum("not seen to end within --unfenced-hold-seconds" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_later_failure_of_the_same_id_is_held_from_its_own_failure_and_old_ones_are_let_go() -> None:
+    """A pull id that fails unfenced again long after its first failure (nobody asked meanwhile) is held for
+    the hold from the second failure: the first one's clock let its operation go at once. Pulls nobody asks
+    about are let go once their hold ran out, without waiting for a GetStatus (they piled up forever, and the
+    kvxfer_unsettled_pulls gauge with them)."""
+    now = [100.0]
+    pulls = UnsettledPulls(30.0, lambda: None, clock=lambda: now[0])
+    pulls.add("a", [UnfencedOp("READ", "p0", watched=False)])
+    pulls.add("old", [UnfencedOp("READ", "p0", watched=False)])
+    now[0] = 500.0
+    pulls.add("a", [UnfencedOp("READ", "p0", watched=False)])  # a new pull of "a", into other blocks
+    assert len(pulls) == 1  # "old" and the first "a" ran out their hold
+    assert pulls.still(["a", "old"]) == ["a"]
+    now[0] = 529.9
+    assert pulls.still(["a"]) == ["a"]
+    now[0] = 530.0
+    assert pulls.still(["a"]) == []
