@@ -108,6 +108,7 @@ class WorkerSide:
         #: vLLM only once the sidecar no longer names them unsettled, so their blocks are not reused before.
         self._unsettled: dict[str, tuple[PullSpec, BaseException]] = {}
         self._next_unsettled_check = 0.0
+        self._unsettled_check_failures = 0  # look-ups in a row the sidecar did not answer
         self._aborting: set[str] = set()
         self._published: dict[str, int] = {}
         self._publish_ids: dict[str, str] = {}  # vLLM request id -> the id it was published under (push mode)
@@ -259,6 +260,10 @@ class WorkerSide:
         for rid in plan.aborts:
             running = self._pulls.get(rid)
             if running is None or running[1].done():
+                if running is not None or rid in self._unsettled:
+                    # Its load ended but is not reported yet (kept while a READ may land): vLLM frees the
+                    # blocks once it is, so they are not named as failed (:meth:`_load_ended`).
+                    self._aborting.add(rid)
                 continue
             self._aborting.add(rid)
             self.sidecar.submit(self._abort(running[0]))
@@ -430,14 +435,20 @@ class WorkerSide:
         now = time.monotonic()
         if not self._unsettled or now < self._next_unsettled_check:
             return []
-        self._next_unsettled_check = now + UNSETTLED_CHECK_SECONDS
         ids = {spec.remote.request_id: rid for rid, (spec, _) in self._unsettled.items() if spec.remote is not None}
         try:
             status = self.sidecar.status(unsettled=sorted(ids)[:LEASE_CHECK_BATCH], deadline=LEASE_CHECK_DEADLINE_S)
         except (KvxferError, TimeoutError) as exc:
+            # Timed from the answer, and backing off as the lease look-ups do: a sidecar that does not
+            # answer must not cost every engine step a second.
+            self._unsettled_check_failures += 1
+            wait = min(LEASE_CHECK_SECONDS * 2**self._unsettled_check_failures, LEASE_CHECK_MAX_SECONDS)
+            self._next_unsettled_check = time.monotonic() + wait
             log.warning(f"could not ask the sidecar {self.target} whether {len(ids)} failed loads may still land; "
-                        f"their blocks stay held: {exc}")  # fmt: skip
+                        f"their blocks stay held (next try in {wait:g} s): {exc}")  # fmt: skip
             return []
+        self._unsettled_check_failures = 0
+        self._next_unsettled_check = time.monotonic() + UNSETTLED_CHECK_SECONDS
         still = set(status["unsettled"])
         asked = sorted(ids)[:LEASE_CHECK_BATCH]
         return [ids[pid] for pid in asked if pid not in still]
