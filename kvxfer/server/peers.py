@@ -260,8 +260,9 @@ class PeerDirectory:
         ``session``: only if that is still the session to ``address`` (a failure on a session that a
         newer handshake already replaced says nothing about the newer one).
         """
-        if session is not None and self._sessions.get(address) not in (session, None):
-            return
+        current = self._sessions.get(address)
+        if session is not None and current is not None and current is not session:
+            return  # by identity: sessions are dataclasses, and two of one peer can compare equal
         s = self._sessions.pop(address, None)
         if s is not None:
             s.alive = False

@@ -391,7 +391,8 @@ class Puller:
         if isinstance(exc, TimeoutError):
             if entry.stage.startswith("reading"):
                 for s in sessions.values():
-                    self.peers.invalidate(s.address, reconnect=True)
+                    # Only a session still current: a newer handshake's is another pull's to judge.
+                    self.peers.invalidate(s.address, reconnect=True, session=s)
             return DeadlineError(f"pull of {rid!r} did not finish within {budget:.3g}s (while {entry.stage})"
                                  f"{_unfenced(entry)}", field="timeout_seconds",
                                  reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "timeout"  # fmt: skip

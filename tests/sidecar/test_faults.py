@@ -523,3 +523,23 @@ async def _first_event(worker: Worker, kind: str) -> object:
         if ev.kind == kind:
             return ev
     raise AssertionError("stream ended")
+
+
+async def test_a_pull_that_times_out_on_a_replaced_session_leaves_the_newer_one_alone(harness: Harness) -> None:
+    """Pull "a" reads on the first session to the publisher; pull "b"'s READ fails there, which drops that
+    session; pull "c" handshakes again and reads on the new one. "a" then reaches its deadline: that says
+    nothing about the new session, which "c" still reads on (the deadline dropped it, and "c" failed with the
+    peer gone from the data plane). FAULT INJECTOR (helpers): each READ is held 1 s; "b"'s fails at once."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-sessions", 1.0, fail_first=0.05)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    for salt, rid in enumerate("abc", start=1):
+        await pw.prefill(rid, {"kv": [salt]}, salt=salt)
+    b = asyncio.ensure_future(dw.pull("b", [p], {"kv": [12]}))
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    a = asyncio.ensure_future(dw.pull("a", [p], {"kv": [11]}, deadline=0.7))
+    await expect_error(OK.UNAVAILABLE, b, "the connection broke")
+    c = await dw.pull("c", [p], {"kv": [13]})
+    assert dw.verify({"kv": [13]}, 3) == (c.bytes, 0)
+    await expect_error(OK.DEADLINE_EXCEEDED, a)
