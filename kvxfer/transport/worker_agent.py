@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 
 import grpc
 import numpy as np
@@ -94,7 +95,10 @@ class WorkerAgentTransport(Transport):
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
         self.worker: WorkerAgentInfo | None = None
-        self._ids = itertools.count(1)
+        # Unique across sidecar processes: the worker's agent outlives a sidecar restart, and what it reports
+        # late (outcomes, ``ended`` notices) of the old sidecar's jobs reaches the new one, which must not
+        # take them for its own jobs.
+        self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
         self._queue: list[local_pb2.AgentJob] = []
         self._wakeup: asyncio.Event | None = None
         self._pending: dict[int, _Pending] = {}

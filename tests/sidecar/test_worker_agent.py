@@ -335,3 +335,27 @@ async def test_an_ended_notice_that_comes_with_its_outcome_is_not_lost() -> None
     t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.UNAVAILABLE.value[0], message="broke")])
     with pytest.raises(TransferFailedError, match="broke"):
         await task
+
+
+async def test_a_restarted_sidecar_takes_no_late_notice_of_the_old_one_for_its_own_job() -> None:
+    """The worker's agent outlives a sidecar restart: its late notice (``ended``) for a job of the old sidecar
+    reaches the new one. Job ids started at 1 in every sidecar, so the notice named a job of the new one and
+    marked that job's operation ended while it may still land (its pull no longer unsettled, its blocks
+    reused); ids are now unique across sidecar processes."""
+    desc = np.array([[4096, 64, 0]], dtype=np.uint64)
+    outcomes: list[int] = []
+    for name in ("old", "new"):
+        t = create_transport("worker", name, TransportConfig(fence_budget_s=0.2))
+        assert isinstance(t, WorkerAgentTransport)
+        t.bind_worker(WorkerAgentInfo("nixl", "w", b"md", 1))
+        task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+        (job,) = await t.next_jobs(0, 1.0)
+        t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                         reason=Reason.DATA_PLANE_UNFENCED.value, message="in flight")])  # fmt: skip
+        with pytest.raises(TransferUnfencedError) as unfenced:
+            await task
+        outcomes.append(job.id)
+    assert outcomes[0] != outcomes[1]
+    t.report([local_pb2.AgentOutcome(id=outcomes[0], ended=True)])  # the old sidecar's job ended
+    assert not unfenced.value.unfenced.ended
+    assert t.unfenced_live() == 1

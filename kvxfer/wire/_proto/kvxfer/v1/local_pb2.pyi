@@ -1267,7 +1267,7 @@ class AgentJob(_message.Message):
     forget_peer: _builtins.str
     """a peer agent's name"""
     cancel: _builtins.int
-    """the id of a transfer job to give up (no outcome is reported for it)"""
+    """the id of a transfer job to give up (its outcome is reported once the agent's fence is over)"""
     @_builtins.property
     def transfer(self) -> Global___AgentTransfer: ...
     def __init__(
