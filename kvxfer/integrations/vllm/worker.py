@@ -430,7 +430,8 @@ class WorkerSide:
         """Loads kept because a READ of them might still land that the sidecar no longer names unsettled.
 
         Asked at most every :data:`UNSETTLED_CHECK_SECONDS`; a sidecar that does not answer keeps them
-        (a restarted sidecar knows none: its data plane, and every READ it posted, went with it).
+        (a restarted sidecar knows none: its data plane, and every READ it posted, went with it; not so
+        with ``data_plane: worker``, whose agent outlives the sidecar: a known gap, docs/transports.md).
         """
         now = time.monotonic()
         if not self._unsettled or now < self._next_unsettled_check:
