@@ -13,7 +13,7 @@ Use::
     agent = WorkerAgent()                            # a NIXL agent in this process
     ref = agent.register(layout, tensors)            # one per cache group: the worker's own addresses
     resp = await client.register_caches({"attn": (layout, ref)}, worker_agent=agent.info())
-    task = asyncio.ensure_future(agent.serve(client))  # until agent.close()
+    task = asyncio.ensure_future(agent.serve(client))  # until await agent.aclose()
 """
 
 from __future__ import annotations
