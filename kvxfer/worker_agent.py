@@ -196,6 +196,8 @@ class WorkerAgent:
             except KvxferRpcError as exc:
                 # The sidecar restarted or dropped the registration: its waiters are gone with it.
                 log.warning("could not report to the sidecar", extra={"error": exc.details, "outcomes": len(batch)})
+            except Exception as exc:  # the client closed under a report (the worker is closing)
+                log.debug("report not sent", extra={"error": repr(exc), "outcomes": len(batch)})
 
     # ------------------------------------------------------------------ teardown
     async def aclose(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+import time
 
 import grpc
 import numpy as np
@@ -59,6 +60,11 @@ log = get_logger("kvxfer.transport.worker_agent")
 #: How much longer than a transfer's own timeout the sidecar waits for the worker's outcome (the
 #: worker enforces the timeout; this covers the report's way back).
 REPORT_GRACE_S = 1.0
+#: A job given up on whose outcome has not come this long after is forgotten (the agent lost it).
+FORGET_GIVEN_UP_S = 600.0
+#: Most unfenced jobs watched at once; past it the oldest is let go (``watched`` false: its pull's hold
+#: at the sidecar, ``--unfenced-hold-seconds``, decides when its blocks go back).
+MAX_WATCHED = 4096
 
 
 def descriptors_to_bytes(desc: U64) -> bytes:
@@ -105,6 +111,8 @@ class WorkerAgentTransport(Transport):
         self._peer_loads: dict[int, str] = {}  # job id -> peer name, for messages
         #: Transfer jobs reported unfenced, by id: each ends with the agent's outcome or late notice.
         self._watched: dict[int, UnfencedOp] = {}
+        #: Jobs given up on whose outcome is still due, by id: when (time.monotonic()).
+        self._given_up: dict[int, float] = {}
 
     # ------------------------------------------------------------------ the worker's side
     def bind_worker(self, info: WorkerAgentInfo | None) -> None:
@@ -144,6 +152,7 @@ class WorkerAgentTransport(Transport):
         for o in outcomes:
             if not o.ended:
                 pending = self._pending.pop(o.id, None)
+                self._given_up.pop(o.id, None)
                 if pending is not None and o.reason == Reason.DATA_PLANE_UNFENCED.value:
                     # Watched from now on: the agent's late notice may come in this same report, before
                     # the waiting transfer runs again.
@@ -230,6 +239,7 @@ class WorkerAgentTransport(Transport):
             )
         )  # fmt: skip
         future: asyncio.Future[local_pb2.AgentOutcome] = asyncio.get_running_loop().create_future()
+        self._forget_lost()
         job_id = self._enqueue(job)
         pending = self._pending[job_id] = _Pending(job, future)
         try:
@@ -282,7 +292,18 @@ class WorkerAgentTransport(Transport):
         if pending.unfenced is None:
             t = pending.job.transfer
             pending.unfenced = self._watched[pending.job.id] = UnfencedOp(t.op, t.peer)
+            while len(self._watched) > MAX_WATCHED:
+                self._watched.pop(next(iter(self._watched))).watched = False
         return pending.unfenced
+
+    def _forget_lost(self) -> None:
+        """Forget the jobs given up on long ago whose outcome never came (the agent lost them)."""
+        if not self._given_up:
+            return
+        too_old = time.monotonic() - FORGET_GIVEN_UP_S
+        for job_id in [j for j, at in self._given_up.items() if at < too_old]:
+            del self._given_up[job_id]
+            self._pending.pop(job_id, None)
 
     def unfenced_live(self) -> int:
         return len(self._watched)
@@ -321,6 +342,7 @@ class WorkerAgentTransport(Transport):
             self._queue.remove(pending.job)  # never handed out: nothing to cancel
             return False
         self._enqueue(local_pb2.AgentJob(cancel=job_id))
+        self._given_up[job_id] = time.monotonic()
         return True
 
     def _fail_all(self, why: str) -> None:
@@ -333,6 +355,7 @@ class WorkerAgentTransport(Transport):
                     )
                 )  # fmt: skip
         self._pending.clear()
+        self._given_up.clear()
         self._peer_loads.clear()
         for watched in self._watched.values():
             watched.ended = True  # the agent went away, and the worker's memory with it

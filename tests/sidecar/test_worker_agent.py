@@ -27,6 +27,7 @@ from kvxfer.transport import (
     create_transport,
     unfenced_op,
 )
+from kvxfer.transport import worker_agent as worker_agent_transport
 from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
 from kvxfer.wire import local_pb2
 from kvxfer.worker_agent import WorkerAgent
@@ -359,3 +360,32 @@ async def test_a_restarted_sidecar_takes_no_late_notice_of_the_old_one_for_its_o
     t.report([local_pb2.AgentOutcome(id=outcomes[0], ended=True)])  # the old sidecar's job ended
     assert not unfenced.value.unfenced.ended
     assert t.unfenced_live() == 1
+
+
+async def test_the_sidecar_forgets_jobs_the_agent_never_answered_and_caps_what_it_watches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Jobs given up on whose outcome never comes are forgotten after FORGET_GIVEN_UP_S (they stayed forever),
+    and at most MAX_WATCHED unfenced jobs are watched: the oldest is let go, no longer watched."""
+    monkeypatch.setattr(worker_agent_transport, "MAX_WATCHED", 2)
+    t = create_transport("worker", "side", TransportConfig(fence_budget_s=0.0))
+    assert isinstance(t, WorkerAgentTransport)
+    t.bind_worker(WorkerAgentInfo("nixl", "w", b"md", 1))
+    desc = np.array([[4096, 64, 0]], dtype=np.uint64)
+    ops = []
+    for _ in range(3):  # each times out without an outcome: unfenced, watched
+        task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=0.01))
+        await t.next_jobs(0, 1.0)
+        with pytest.raises(TransferUnfencedError) as err:
+            await task
+        ops.append(err.value.unfenced)
+        await t.next_jobs(0, 1.0)  # the cancel job
+    assert [op.watched for op in ops] == [False, True, True]
+    assert t.unfenced_live() == 2
+    assert len(t._pending) == 3
+    monkeypatch.setattr(worker_agent_transport, "FORGET_GIVEN_UP_S", 0.0)
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    await asyncio.sleep(0)
+    assert len(t._pending) == 1  # only the new job's
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
