@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,8 @@ class CudaIpcDirect(Transport):
     """
 
     def __init__(self, inner: Transport, *, enabled: bool = True) -> None:
+        self._inner = inner  # first: the base class sets the unfenced hook, which goes to the wrapped backend
         super().__init__(inner.agent_name, inner.config)
-        self._inner = inner
         self.enabled = enabled
         self._host = _host_id()
         self._pid = os.getpid()
@@ -126,6 +127,26 @@ class CudaIpcDirect(Transport):
     def inner(self) -> Transport:
         """The wrapped backend."""
         return self._inner
+
+    # The wrapped backend's transfers are the ones that can end unfenced: its count, hook and handles.
+    @property
+    def on_unfenced(self) -> Callable[[str, str], None] | None:
+        return self._inner.on_unfenced
+
+    @on_unfenced.setter
+    def on_unfenced(self, hook: Callable[[str, str], None] | None) -> None:
+        self._inner.on_unfenced = hook
+
+    @property
+    def unfenced_total(self) -> int:
+        return self._inner.unfenced_total
+
+    @unfenced_total.setter
+    def unfenced_total(self, value: int) -> None:
+        pass  # counted by the wrapped backend
+
+    def unfenced_live(self) -> int:
+        return self._inner.unfenced_live()
 
     # ------------------------------------------------------------------ registration
     def register(self, table: RegionTable, mem_type: MemType = "DRAM") -> Registration:

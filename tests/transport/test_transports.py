@@ -29,6 +29,7 @@ from kvxfer.transport import (
     available_transports,
     create_transport,
 )
+from kvxfer.transport.cuda_ipc_direct import CudaIpcDirect
 
 from .peer import Cache, cache_layout, serve
 
@@ -285,7 +286,9 @@ def silent_capable(
     """
     if backend == "nixl":
         monkeypatch.setenv("UCX_TLS", "tcp")
-    config = TransportConfig(fence_budget_s=fence_budget)
+    # cuda_ipc_direct: the backend as a sidecar runs it, wrapped in the same-host shortcut (which must hand
+    # on the wrapped backend's unfenced count, hook and handles).
+    config = TransportConfig(fence_budget_s=fence_budget, cuda_ipc_direct=True)
     transport = create_transport(backend, f"local-{backend}-{time.monotonic_ns()}", config)
     cache = Cache(cache_layout(), seed=None)
     transport.register(cache.table)
@@ -525,7 +528,8 @@ def test_a_mooncake_transfer_failed_by_itself_with_others_in_flight_is_unfenced(
     asyncio.run(transport.read(name, ld, rd, timeout=30))
     assert peer.proc.pid
     freeze(peer.proc.pid)
-    transport._engine = _FirstTransferFails(transport._engine)  # type: ignore[attr-defined]
+    engine = transport.inner if isinstance(transport, CudaIpcDirect) else transport
+    engine._engine = _FirstTransferFails(engine._engine)  # type: ignore[attr-defined]
     with pytest.raises(TransferUnfencedError) as err:
         asyncio.run(transport.read(name, ld, rd, timeout=10))
     assert err.value.reason == Reason.DATA_PLANE_UNFENCED

@@ -76,10 +76,15 @@ def test_a_load_whose_read_may_still_land_keeps_its_blocks_until_the_read_ended(
     dec = pd.instance("decode", [engine(2)], sidecars="dectcp1", engine_id="vllm-d",
                       transfer_timeout_seconds=DEADLINE_S)  # fmt: skip
     p_blocks, d_blocks, tokens = [3, 4], [30, 31], 2 * BS
+    # A first request: the sidecars handshake (the decode side then holds the publisher's region tables, and
+    # reads on a grant or ahead of its lookup, which the stopped publisher will not answer).
+    warm = publish(pd, pre, "p-warm", [1], BS)
+    assert pd.load(dec, "d-warm", BS, warm, [[20]]) == set()
+    pre.finished(sending="p-warm")
     params = publish(pd, pre, "p-late", p_blocks, tokens)
     req = decode_request("d-late", tokens, params)
     assert dec.scheduler.matched_tokens(req, 0) == (tokens - 1, True)  # queued: Expect, then the Hold's grant
-    time.sleep(0.5)
+    time.sleep(1.0)  # the Hold's grant comes meanwhile
     os.kill(prefill.proc.pid, signal.SIGSTOP)
     try:
         dec.scheduler.after_alloc(req, [d_blocks], tokens - 1)
