@@ -1,7 +1,9 @@
-"""Lint, format and type checks are part of the test suite, so CI enforces them."""
+"""Lint, format and type checks are part of the test suite, so CI enforces them; so are the docs
+that list the code (every RPC in docs/sidecar.md, every module in its package's README)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +43,29 @@ def test_make_demo_installs_only_what_kvxfer_runs_with() -> None:
     out = _run("make", "-n", "test")
     assert out.returncode == 0, out.stdout + out.stderr
     assert all(p in out.stdout for p in (*runtime, *go)), out.stdout
+
+
+def test_sidecar_doc_lists_every_rpc() -> None:
+    """docs/sidecar.md has a table row for every RPC of kvxfer.v1.Local and kvxfer.v1.Peer."""
+    from kvxfer.wire import local_pb2, peer_pb2
+
+    text = (ROOT / "docs" / "sidecar.md").read_text()
+    for module in (local_pb2, peer_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            start = text.index(f"`{service.full_name}`")
+            section = text[start : text.index("\n## ", start)]
+            rows = {n for row in re.findall(r"^\| ([^|]+) \|", section, re.M) for n in re.findall(r"`(\w+)`", row)}
+            missing = sorted(m.name for m in service.methods if m.name not in rows)
+            assert not missing, f"docs/sidecar.md's {service.full_name} table lacks {missing}"
+
+
+def test_package_readmes_name_every_module() -> None:
+    """A package's README.md (its reading path) names each of its modules."""
+    readmes = sorted((ROOT / "kvxfer").rglob("README.md"))
+    assert readmes
+    for readme in readmes:
+        text = readme.read_text()
+        missing = [
+            p.name for p in sorted(readme.parent.glob("*.py")) if not p.name.startswith("__") and p.name not in text
+        ]
+        assert not missing, f"{readme.relative_to(ROOT)} does not name {missing}"
