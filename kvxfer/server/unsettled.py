@@ -35,7 +35,11 @@ class UnsettledPulls:
         self._pulls: dict[str, list[tuple[float, UnfencedOp]]] = {}
 
     def __len__(self) -> int:
-        return len(self._pulls)
+        """Pulls still unsettled as far as is known without asking the data plane: the gauge reads it from
+        the metrics thread, so it only reads (what ended, whose hold ran out, counts as let go)."""
+        now = self._clock()
+        pulls = list(self._pulls.values())  # one step under the GIL: the loop may change the dict meanwhile
+        return sum(any(not op.ended and now - since < self.hold_s for since, op in ops) for ops in pulls)
 
     def add(self, request_id: str, ops: Sequence[UnfencedOp]) -> None:
         """A pull of ``request_id`` failed unfenced; ``ops`` are what it left in flight (none known:

@@ -54,3 +54,18 @@ def test_a_later_failure_of_the_same_id_is_held_from_its_own_failure_and_old_one
     assert pulls.still(["a"]) == ["a"]
     now[0] = 530.0
     assert pulls.still(["a"]) == []
+
+
+def test_the_count_lets_go_of_what_ended_or_ran_out_without_anyone_asking() -> None:
+    """The kvxfer_unsettled_pulls gauge counts from the metrics thread without asking the data plane: a pull
+    whose operations ended, or whose hold ran out, no longer counts even if no GetStatus asked (it stayed up)."""
+    now = [0.0]
+    pulls = UnsettledPulls(10.0, lambda: None, clock=lambda: now[0])
+    ended, stuck = UnfencedOp("READ", "p0"), UnfencedOp("READ", "p1")
+    pulls.add("a", [ended])
+    pulls.add("b", [stuck])
+    assert len(pulls) == 2
+    ended.ended = True
+    assert len(pulls) == 1
+    now[0] = 10.0
+    assert len(pulls) == 0
