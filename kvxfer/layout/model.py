@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ from kvxfer.layout.kinds import (
     Packing,
     parse_enum,
 )
+from kvxfer.layout.values import Plane, RegionSpec, TensorLike
 
 __all__ = ["MAX_SEGMENTS", "KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
 
@@ -30,48 +31,6 @@ I64 = npt.NDArray[np.int64]
 
 #: Segments one mamba page may be split in (vLLM's have at most four: x, B, C and the SSM state).
 MAX_SEGMENTS = 16
-
-
-@dataclass(frozen=True)
-class RegionSpec:
-    """One contiguous memory region to register: which layers it holds and its size in bytes."""
-
-    index: int
-    first_layer: int
-    num_layers: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Plane:
-    """Equal rows of one part of the content, one per (head, token), addressed affinely.
-
-    Row ``(head, token)`` of a block starts ``offset + head * head_stride + (token //
-    kernel_block_size) * kernel_stride + (token % kernel_block_size) * token_stride`` bytes after
-    the block's start (:meth:`KVCacheLayout.block_offset`) and is ``row_bytes`` long; a row of a
-    transposed plane is ``elements`` pieces of ``row_bytes``, ``element_stride`` apart. ``part``
-    names what the rows hold: ``kv`` (K and V packed), ``k``/``v``, ``k_data``/``k_scale``/
-    ``v_data``/``v_scale`` (nvfp4), ``latent`` (MLA) or ``state`` (Mamba).
-    """
-
-    part: str
-    offset: int
-    head_stride: int
-    token_stride: int
-    kernel_stride: int
-    row_bytes: int
-    elements: int = 1
-    element_stride: int = 0
-
-
-class TensorLike(Protocol):
-    """What :meth:`KVCacheLayout.from_tensor` reads of a tensor (torch or numpy)."""
-
-    @property
-    def shape(self) -> Sequence[int]: ...
-
-    @property
-    def dtype(self) -> Any: ...
 
 
 @dataclass(frozen=True)
