@@ -23,14 +23,18 @@ from kvxfer.layout.kinds import (
     Packing,
     parse_enum,
 )
+from kvxfer.layout.segments import (
+    MAX_SEGMENTS,
+    check_segments,
+    normalized_segments,
+    reshard,
+    segment_incompatibilities,
+)
 from kvxfer.layout.values import Plane, RegionSpec, TensorLike
 
 __all__ = ["MAX_SEGMENTS", "KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
 
 I64 = npt.NDArray[np.int64]
-
-#: Segments one mamba page may be split in (vLLM's have at most four: x, B, C and the SSM state).
-MAX_SEGMENTS = 16
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class KVCacheLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise LayoutError(f"{name}: must be an integer >= 0, got {value!r}", field=name)
-        self._normalize_segments()
+        object.__setattr__(self, "segments", normalized_segments(self.segments))
         for name in ("cross_layer", "heads_outer", "replicated"):
             if not isinstance(getattr(self, name), bool):
                 raise LayoutError(f"{name}: must be a bool, got {getattr(self, name)!r}", field=name)
@@ -91,7 +95,7 @@ class KVCacheLayout:
         if self.kind in (CacheKind.MLA, CacheKind.MAMBA):
             object.__setattr__(self, "heads_outer", False)  # one slot: the head axis changes no byte
         self._validate_kind()
-        self._validate_segments()
+        check_segments(self)
         if self.page_stride == self.page_bytes:
             object.__setattr__(self, "page_stride", 0)
         self._validate_geometry()
@@ -155,40 +159,6 @@ class KVCacheLayout:
             if self.order is not Order.HND:
                 raise LayoutError(f"packing: {self.packing} keeps each head's block together (an HND order), got "
                                   f"{self.stride_order}", field="packing")  # fmt: skip
-
-    def _normalize_segments(self) -> None:
-        segments = self.segments
-        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
-            raise LayoutError(f"segments: must be a sequence of byte sizes, got {segments!r}", field="segments")
-        for value in segments:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"segments: every size must be a positive integer, got {list(segments)!r}",
-                                  field="segments")  # fmt: skip
-        if len(segments) > MAX_SEGMENTS:
-            raise LayoutError(f"segments: {len(segments)} segments, at most {MAX_SEGMENTS}", field="segments")
-        object.__setattr__(self, "segments", tuple(int(v) for v in segments))
-
-    def _validate_segments(self) -> None:
-        if self.kind is not CacheKind.MAMBA:
-            if self.segments:
-                raise LayoutError(f"segments: only a mamba page is split into TP segments, not a {self.kind} cache",
-                                  field="segments")  # fmt: skip
-            if self.replicated:
-                raise LayoutError(f"replicated: only a mamba page carries this flag, not a {self.kind} cache",
-                                  field="replicated")  # fmt: skip
-            return
-        if self.segments and self.replicated:
-            raise LayoutError(
-                f"segments: a replicated mamba page (replicated=True) is not split over TP ranks, got segments "
-                f"{list(self.segments)}",
-                field="segments",
-            )
-        if self.segments and sum(self.segments) != self.head_size:
-            raise LayoutError(
-                f"segments: {list(self.segments)} sum to {sum(self.segments)} bytes, the mamba page holds "
-                f"page_size_bytes={self.head_size}",
-                field="segments",
-            )
 
     def _validate_geometry(self) -> None:
         if self.heads_outer and self.order is not Order.HND:
@@ -674,7 +644,7 @@ class KVCacheLayout:
         # head_size holds the latent dim of an MLA cache and the page bytes of a Mamba one.
         size_name = {CacheKind.MLA: "latent_dim", CacheKind.MAMBA: "page_size_bytes"}.get(self.kind, "head_size")
         if self.kind is other.kind is CacheKind.MAMBA and (self.segments or other.segments):
-            diffs.extend(self._segment_incompatibilities(other))
+            diffs.extend(segment_incompatibilities(self, other))
         else:
             differ(size_name if self.kind is other.kind else "head_size", self.head_size, other.head_size)
         if self.head_size == other.head_size:
@@ -696,48 +666,13 @@ class KVCacheLayout:
             )
         return diffs
 
-    def _segment_incompatibilities(self, other: KVCacheLayout) -> list[str]:
-        """Two mamba pages of which at least one is split into TP segments (page sizes then differ by TP size)."""
-        if self.segments and other.segments:
-            if len(self.segments) == len(other.segments):
-                return []  # the global sizes need both TP sizes: TransferTopology checks them
-            return [
-                f"segments: local {len(self.segments)} segments {list(self.segments)}, remote "
-                f"{len(other.segments)} segments {list(other.segments)} (the mamba states are split differently)"
-            ]
-        if self.replicated or other.replicated:
-            return [
-                f"replicated: local {self.replicated}, remote {other.replicated} (one side holds the whole mamba state "
-                "on every rank, the other splits it in segments)"
-            ]
-        # One side opaque: whole pages, which must be the same size (and the TP sizes equal).
-        if self.head_size != other.head_size:
-            side = "remote" if self.segments else "local"
-            return [
-                f"page_size_bytes: local {self.head_size}, remote {other.head_size} (the {side} page has no TP "
-                "segments: it moves whole, between equal TP sizes only)"
-            ]
-        return []
-
     def resharded(self, tp_size: int, new_tp_size: int) -> KVCacheLayout:
         """This rank's layout of a ``tp_size``-way split as a rank of a ``new_tp_size``-way split holds it.
 
         Only a mamba page split in :attr:`segments` changes (each segment scaled, without padding);
         raises :class:`LayoutError` naming ``segments`` when a segment does not split evenly.
         """
-        if not self.segments or tp_size == new_tp_size:
-            return self
-        out = []
-        for i, size in enumerate(self.segments):
-            total = size * tp_size
-            if total % new_tp_size:
-                raise LayoutError(
-                    f"segments: segment {i} of the mamba state is {total} bytes ({size} per rank x tp_size "
-                    f"{tp_size}), which does not split evenly over tp_size {new_tp_size}",
-                    field="segments",
-                )
-            out.append(total // new_tp_size)
-        return dataclasses.replace(self, head_size=sum(out), segments=tuple(out), page_stride=0, block_bytes=0)
+        return reshard(self, tp_size, new_tp_size)
 
     def is_compatible(self, other: KVCacheLayout) -> bool:
         """True when :meth:`incompatibilities` finds nothing."""
