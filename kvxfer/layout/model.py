@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
+from kvxfer.layout.geometry import Strides, byte_strides, natural_block_bytes, planes_of
 from kvxfer.layout.kinds import (
     NVFP4_GROUP,
     QUANTIZED_DTYPES,
@@ -99,7 +100,7 @@ class KVCacheLayout:
         if self.page_stride == self.page_bytes:
             object.__setattr__(self, "page_stride", 0)
         self._validate_geometry()
-        if self.block_bytes == self._natural_block_bytes:
+        if self.block_bytes == natural_block_bytes(self):
             object.__setattr__(self, "block_bytes", 0)
         self._validate_block_bytes()
 
@@ -182,12 +183,6 @@ class KVCacheLayout:
                     field="page_stride",
                 )
 
-    @property
-    def _natural_block_bytes(self) -> int:
-        """Bytes of one block of a block-major region without slack: its layers' (padded) pages."""
-        page = self.page_bytes if self.heads_outer else self.padded_page_bytes
-        return self.num_layers * page
-
     def _validate_block_bytes(self) -> None:
         if not self.block_bytes:
             return
@@ -200,10 +195,10 @@ class KVCacheLayout:
         if self.kernel_block_size:
             raise LayoutError("block_bytes: a block-major region of kernel blocks has no slack between blocks "
                               "(vLLM does not split block-major blocks)", field="block_bytes")  # fmt: skip
-        if self.block_bytes < self._natural_block_bytes:
+        if self.block_bytes < natural_block_bytes(self):
             raise LayoutError(
                 f"block_bytes: {self.block_bytes} is less than the {self.num_layers} layers' pages of a block "
-                f"({self._natural_block_bytes} bytes)",
+                f"({natural_block_bytes(self)} bytes)",
                 field="block_bytes",
             )
 
@@ -422,28 +417,9 @@ class KVCacheLayout:
         return 1 if self.cross_layer else self.num_layers
 
     @cached_property
-    def _strides(self) -> tuple[int, int, int, int, int]:
+    def _strides(self) -> Strides:
         """Byte strides of (layer inside a region, kernel block, slot, token, manager block)."""
-        nk, c, s = self.tokens_per_kernel_block, self.row_bytes, self.slots
-        layers, kblocks, r = (
-            self.num_layers,
-            self.num_blocks * self.kernel_blocks_per_block,
-            self.kernel_blocks_per_block,
-        )
-        hnd = self.order is Order.HND
-        slot, tok = (nk * c, c) if hnd else (c, s * c)
-        kpage = self.padded_page_bytes // r  # a kernel page (r > 1 only without padding)
-        if self.heads_outer:
-            if self.cross_layer:  # BHLNC
-                layer, slot = nk * c, layers * nk * c
-                kblock = self.block_bytes or s * layers * nk * c
-            else:  # LHBNC
-                layer, kblock, slot = 0, nk * c, kblocks * nk * c
-        elif self.cross_layer:  # BLHNC, BLNHC
-            layer, kblock = kpage, self.block_bytes or layers * kpage
-        else:  # LBHNC, LBNHC
-            layer, kblock = 0, kpage
-        return layer, kblock, slot, tok, kblock * r
+        return byte_strides(self)
 
     @property
     def layer_stride(self) -> int:
@@ -462,7 +438,7 @@ class KVCacheLayout:
             return self.num_blocks * (self.page_bytes if self.heads_outer else self.padded_page_bytes)
         # The last block ends with its layers' pages: slack after it belongs to nobody (another group's
         # bytes, or the end of vLLM's allocation).
-        return (self.num_blocks - 1) * self.block_stride + self._natural_block_bytes
+        return (self.num_blocks - 1) * self.block_stride + natural_block_bytes(self)
 
     @property
     def total_bytes(self) -> int:
@@ -472,36 +448,7 @@ class KVCacheLayout:
     @cached_property
     def planes(self) -> tuple[Plane, ...]:
         """The rows of one block, plane by plane (see :class:`Plane`); ordered by offset in an HND page."""
-        _, kblock, slot, tok, _ = self._strides
-        c, h = self.row_bytes, self.num_kv_heads
-        kind = self.kind
-        if kind is CacheKind.ATTENTION:
-            if self.packing is Packing.CPU_KT:
-                # Per head: K as head_size rows of `tokens` elements (transposed), then V rows.
-                nk, e = self.tokens_per_kernel_block, self.element_bytes
-                return (
-                    Plane("k", 0, slot, e, kblock, e, self.head_size, nk * e),
-                    Plane("v", nk * self.head_size * e, slot, self.v_head_size * e, kblock, self.v_head_size * e),
-                )
-            return (Plane("kv", 0, slot, tok, kblock, c),)
-        if kind in (CacheKind.MLA, CacheKind.MAMBA):
-            return (Plane("latent" if kind is CacheKind.MLA else "state", 0, 0, tok, kblock, c),)
-        if kind is CacheKind.KV_PLANES:
-            head = self.head_size * self.element_bytes
-            return tuple(Plane(part, i * slot, head, tok, kblock, head) for i, part in enumerate(("k", "v")))
-        if self.dtype is not DType.NVFP4:
-            return tuple(Plane(part, i * h * slot, slot, tok, kblock, c) for i, part in enumerate(("k", "v")))
-        # nvfp4 (FlashInfer's _nvfp4_kv_views): per side, the data of every (head, token) row, then every
-        # row's scales, the rows in the page's order (HND: a head's tokens, NHD: a token's heads).
-        nk, data, scale = self.tokens_per_kernel_block, self.head_size // 2, self.head_size // NVFP4_GROUP
-        hnd = self.order is Order.HND
-        out = []
-        for i, side in enumerate(("k", "v")):
-            start = i * h * nk * c
-            for part, offset, n in (("data", start, data), ("scale", start + h * nk * data, scale)):
-                head, token = (nk * n, n) if hnd else (n, h * n)
-                out.append(Plane(f"{side}_{part}", offset, head, token, kblock, n))
-        return tuple(out)
+        return planes_of(self, self._strides)
 
     def regions(self) -> tuple[RegionSpec, ...]:
         """The regions to register, in region-index order."""
