@@ -16,7 +16,6 @@ from kvxfer.errors import LayoutError
 from kvxfer.layout.geometry import Strides, byte_strides, natural_block_bytes, planes_of
 from kvxfer.layout.kinds import (
     NVFP4_GROUP,
-    QUANTIZED_DTYPES,
     STRIDE_ORDERS,
     CacheKind,
     DType,
@@ -31,6 +30,7 @@ from kvxfer.layout.segments import (
     reshard,
     segment_incompatibilities,
 )
+from kvxfer.layout.validation import check_block_bytes, check_flags, check_geometry, check_kind, check_numbers
 from kvxfer.layout.values import Plane, RegionSpec, TensorLike
 
 __all__ = ["MAX_SEGMENTS", "KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
@@ -69,22 +69,15 @@ class KVCacheLayout:
     replicated: bool = False  # mamba only: every TP rank holds the whole state (read from any one)
 
     def __post_init__(self) -> None:
+        # Parse, check and normalize in this order: each check (kvxfer.layout.validation) reads only
+        # fields, and sizes derived from them, that the steps above it have made sane.
         object.__setattr__(self, "kind", parse_enum(CacheKind, self.kind, "kind"))
         object.__setattr__(self, "order", parse_enum(Order, self.order, "order"))
         object.__setattr__(self, "packing", parse_enum(Packing, self.packing, "packing"))
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
-        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"{name}: must be a positive integer, got {value!r}", field=name)
-        for name in ("total_kv_heads", "head_size_v", "page_stride", "kernel_block_size", "block_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise LayoutError(f"{name}: must be an integer >= 0, got {value!r}", field=name)
+        check_numbers(self)
         object.__setattr__(self, "segments", normalized_segments(self.segments))
-        for name in ("cross_layer", "heads_outer", "replicated"):
-            if not isinstance(getattr(self, name), bool):
-                raise LayoutError(f"{name}: must be a bool, got {getattr(self, name)!r}", field=name)
+        check_flags(self)
         if self.total_kv_heads == 0:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
         # 0 is the canonical "same as the default", so that equal layouts compare equal and
@@ -95,112 +88,14 @@ class KVCacheLayout:
             object.__setattr__(self, "kernel_block_size", 0)
         if self.kind in (CacheKind.MLA, CacheKind.MAMBA):
             object.__setattr__(self, "heads_outer", False)  # one slot: the head axis changes no byte
-        self._validate_kind()
+        check_kind(self)
         check_segments(self)
         if self.page_stride == self.page_bytes:
             object.__setattr__(self, "page_stride", 0)
-        self._validate_geometry()
+        check_geometry(self)
         if self.block_bytes == natural_block_bytes(self):
             object.__setattr__(self, "block_bytes", 0)
-        self._validate_block_bytes()
-
-    def _validate_kind(self) -> None:
-        kind, dtype = self.kind, self.dtype
-        if kind in (CacheKind.MLA, CacheKind.MAMBA):
-            if self.num_kv_heads != 1 or self.total_kv_heads != 1:
-                raise LayoutError(
-                    f"num_kv_heads: a {kind} cache has one head per block, got num_kv_heads={self.num_kv_heads}, "
-                    f"total_kv_heads={self.total_kv_heads}",
-                    field="num_kv_heads",
-                )
-            if self.head_size_v:
-                raise LayoutError(f"head_size_v: a {kind} cache has no separate V, got {self.head_size_v}",
-                                  field="head_size_v")  # fmt: skip
-        if kind is CacheKind.MAMBA:
-            if dtype is not DType.INT8:
-                raise LayoutError(f"dtype: a mamba page tensor is int8, got {dtype}", field="dtype")
-            if self.block_size != 1:
-                raise LayoutError(
-                    f"block_size: a mamba page has no token axis; use block_size=1, got {self.block_size}",
-                    field="block_size",
-                )
-        if kind is CacheKind.QUANTIZED and dtype not in QUANTIZED_DTYPES:
-            allowed = ", ".join(sorted(d.value for d in QUANTIZED_DTYPES))
-            raise LayoutError(f"dtype: a quantized head-group cache holds {allowed}, got {dtype}", field="dtype")
-        if kind in (CacheKind.QUANTIZED, CacheKind.KV_PLANES) and self.head_size_v:
-            raise LayoutError(
-                f"head_size_v: {kind} caches keep K and V of one size (vLLM asserts it), got head_size "
-                f"{self.head_size}, head_size_v {self.head_size_v}",
-                field="head_size_v",
-            )
-        if dtype is DType.NVFP4:
-            if kind is not CacheKind.QUANTIZED:
-                raise LayoutError(
-                    f"dtype: nvfp4 is only defined for quantized head-group caches, not {kind}", field="dtype"
-                )
-            if self.head_size % NVFP4_GROUP:
-                raise LayoutError(
-                    f"head_size: nvfp4 needs a multiple of {NVFP4_GROUP}, got {self.head_size}",
-                    field="head_size",
-                )
-            if self.heads_outer:
-                raise LayoutError(
-                    f"order: nvfp4 keeps each side's data rows and then its scale rows inside a page (LBHNC, LBNHC, "
-                    f"BLHNC or BLNHC); {self.stride_order} does not describe where they are",
-                    field="order",
-                )
-        if self.num_kv_heads > self.total_kv_heads:
-            raise LayoutError(
-                f"num_kv_heads: {self.num_kv_heads} local heads exceed total_kv_heads={self.total_kv_heads}",
-                field="num_kv_heads",
-            )
-        if self.packing is not Packing.KV:
-            if kind is not CacheKind.ATTENTION:
-                raise LayoutError(f"packing: {self.packing} describes attention pages, not {kind}", field="packing")
-            if self.order is not Order.HND:
-                raise LayoutError(f"packing: {self.packing} keeps each head's block together (an HND order), got "
-                                  f"{self.stride_order}", field="packing")  # fmt: skip
-
-    def _validate_geometry(self) -> None:
-        if self.heads_outer and self.order is not Order.HND:
-            raise LayoutError("heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)",
-                              field="heads_outer")  # fmt: skip
-        if self.block_size % self.tokens_per_kernel_block:
-            raise LayoutError(
-                f"kernel_block_size: {self.kernel_block_size} does not divide block_size {self.block_size}",
-                field="kernel_block_size",
-            )
-        if self.page_stride:
-            if self.page_stride < self.page_bytes:
-                raise LayoutError(
-                    f"page_stride: {self.page_stride} bytes is less than a page of {self.page_bytes} bytes",
-                    field="page_stride",
-                )
-            if self.heads_outer or self.kernel_block_size:
-                raise LayoutError(
-                    "page_stride: padded pages must be whole blocks (vLLM pads only LBHNC/LBNHC/BLHNC/BLNHC pages "
-                    "that are not split into kernel blocks)",
-                    field="page_stride",
-                )
-
-    def _validate_block_bytes(self) -> None:
-        if not self.block_bytes:
-            return
-        if not self.cross_layer:
-            raise LayoutError(
-                f"block_bytes: {self.block_bytes} describes a block-major region (BLHNC, BLNHC, BHLNC); a region per "
-                f"layer ({self.stride_order}) has no block of all layers",
-                field="block_bytes",
-            )
-        if self.kernel_block_size:
-            raise LayoutError("block_bytes: a block-major region of kernel blocks has no slack between blocks "
-                              "(vLLM does not split block-major blocks)", field="block_bytes")  # fmt: skip
-        if self.block_bytes < natural_block_bytes(self):
-            raise LayoutError(
-                f"block_bytes: {self.block_bytes} is less than the {self.num_layers} layers' pages of a block "
-                f"({natural_block_bytes(self)} bytes)",
-                field="block_bytes",
-            )
+        check_block_bytes(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # Cached properties are derived state: do not send them along with a pickled layout.
