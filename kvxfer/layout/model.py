@@ -9,33 +9,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from kvxfer.errors import LayoutError
 from kvxfer.layout.geometry import Strides, byte_strides, natural_block_bytes, planes_of
-from kvxfer.layout.kinds import (
-    NVFP4_GROUP,
-    STRIDE_ORDERS,
-    CacheKind,
-    DType,
-    Order,
-    Packing,
-    parse_enum,
-)
-from kvxfer.layout.segments import (
-    MAX_SEGMENTS,
-    check_segments,
-    normalized_segments,
-    reshard,
-    segment_incompatibilities,
-)
+from kvxfer.layout.kinds import NVFP4_GROUP, STRIDE_ORDERS, CacheKind, DType, Order, Packing, parse_enum
+from kvxfer.layout.segments import MAX_SEGMENTS, check_segments, normalized_segments, reshard, segment_incompatibilities
+from kvxfer.layout.spans import I64, row_offsets_of, spans_of
 from kvxfer.layout.validation import check_block_bytes, check_flags, check_geometry, check_kind, check_numbers
 from kvxfer.layout.values import Plane, RegionSpec, TensorLike
 
 __all__ = ["MAX_SEGMENTS", "KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
-
-I64 = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -407,16 +389,7 @@ class KVCacheLayout:
         Flat arrays, in (plane, head, token, element) order; heads are local head indices, tokens
         indices inside the block. Pure arithmetic, no checks.
         """
-        nk = self.tokens_per_kernel_block
-        h = np.asarray(heads, dtype=np.int64)[:, None, None]
-        t = np.asarray(tokens, dtype=np.int64)[None, :, None]
-        offs, lens = [], []
-        for p in self.planes:
-            e = np.arange(p.elements, dtype=np.int64)[None, None, :] * p.element_stride
-            off = p.offset + h * p.head_stride + (t // nk) * p.kernel_stride + (t % nk) * p.token_stride + e
-            offs.append(off.ravel())
-            lens.append(np.full(off.size, p.row_bytes, dtype=np.int64))
-        return np.concatenate(offs), np.concatenate(lens)
+        return row_offsets_of(self, heads, tokens)
 
     def spans(
         self,
@@ -431,40 +404,7 @@ class KVCacheLayout:
         scales); adjacent spans are merged. With HND a head range of whole blocks is one span (two
         per side for nvfp4), with NHD it is one span per token unless all heads are asked for.
         """
-        base = self.block_offset(layer, block)
-        h0, h1 = heads if heads is not None else (0, self.num_kv_heads)
-        t0, t1 = tokens if tokens is not None else (0, self.tokens_per_page)
-        if not 0 <= h0 < h1 <= self.num_kv_heads:
-            raise LayoutError(f"heads: {heads} is not a range inside [0, {self.num_kv_heads})", field="heads")
-        if not 0 <= t0 < t1 <= self.tokens_per_page:
-            raise LayoutError(f"tokens: {tokens} is not a range inside [0, {self.tokens_per_page})", field="tokens")
-        pieces = sorted(self._pieces(h0, h1, t0, t1))
-        merged: list[tuple[int, int]] = []
-        for o, n in pieces:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((o, n))
-        return [(base + o, n) for o, n in merged]
-
-    def _pieces(self, h0: int, h1: int, t0: int, t1: int) -> list[tuple[int, int]]:
-        """(offset, length) of the rows of heads [h0, h1) x tokens [t0, t1), in plain Python (one block)."""
-        nk = self.tokens_per_kernel_block
-        out: list[tuple[int, int]] = []
-        for p in self.planes:
-            # Runs of tokens inside one kernel block whose rows follow each other are one piece.
-            contiguous = p.elements == 1 and p.token_stride == p.row_bytes
-            for h in range(h0, h1):
-                head = p.offset + h * p.head_stride
-                t = t0
-                while t < t1:
-                    k, tk = divmod(t, nk)
-                    run = min(t1 - t, nk - tk) if contiguous else 1
-                    start = head + k * p.kernel_stride + tk * p.token_stride
-                    for e in range(p.elements):
-                        out.append((start + e * p.element_stride, run * p.row_bytes))
-                    t += run
-        return out
+        return spans_of(self, layer, block, heads, tokens)
 
     # ----------------------------------------------------------------- compatibility
     def incompatibilities(self, other: KVCacheLayout) -> list[str]:

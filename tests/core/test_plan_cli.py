@@ -280,8 +280,8 @@ def test_core_imports_nothing_heavy() -> None:
     assert third_party == "numpy"
     assert (
         ours == "kvxfer,kvxfer.errors,kvxfer.layout,kvxfer.layout.geometry,kvxfer.layout.kinds,kvxfer.layout.model,"
-        "kvxfer.layout.segments,kvxfer.layout.validation,kvxfer.layout.values,kvxfer.planning,"
-        "kvxfer.topology,kvxfer.topology.blocks,kvxfer.topology.plans,kvxfer.topology.push,"
+        "kvxfer.layout.segments,kvxfer.layout.spans,kvxfer.layout.validation,kvxfer.layout.values,"
+        "kvxfer.planning,kvxfer.topology,kvxfer.topology.blocks,kvxfer.topology.plans,kvxfer.topology.push,"
         "kvxfer.topology.transfer"
     )
 
