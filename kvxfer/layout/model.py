@@ -10,9 +10,10 @@ from functools import cached_property
 from typing import Any
 
 from kvxfer.errors import LayoutError
+from kvxfer.layout.compat import layout_incompatibilities
 from kvxfer.layout.geometry import Strides, byte_strides, natural_block_bytes, planes_of
 from kvxfer.layout.kinds import NVFP4_GROUP, STRIDE_ORDERS, CacheKind, DType, Order, Packing, parse_enum
-from kvxfer.layout.segments import MAX_SEGMENTS, check_segments, normalized_segments, reshard, segment_incompatibilities
+from kvxfer.layout.segments import MAX_SEGMENTS, check_segments, normalized_segments, reshard
 from kvxfer.layout.spans import I64, row_offsets_of, spans_of
 from kvxfer.layout.validation import check_block_bytes, check_flags, check_geometry, check_kind, check_numbers
 from kvxfer.layout.values import Plane, RegionSpec, TensorLike
@@ -414,39 +415,7 @@ class KVCacheLayout:
         cross-layer packing, padding, kernel blocks and block sizes that are multiples of each
         other may differ.
         """
-        diffs: list[str] = []
-
-        def differ(name: str, mine: object, theirs: object) -> None:
-            if mine != theirs:
-                diffs.append(f"{name}: local {mine}, remote {theirs}")
-
-        differ("kind", self.kind.value, other.kind.value)
-        differ("dtype", self.dtype.value, other.dtype.value)
-        differ("num_layers", self.num_layers, other.num_layers)
-        # head_size holds the latent dim of an MLA cache and the page bytes of a Mamba one.
-        size_name = {CacheKind.MLA: "latent_dim", CacheKind.MAMBA: "page_size_bytes"}.get(self.kind, "head_size")
-        if self.kind is other.kind is CacheKind.MAMBA and (self.segments or other.segments):
-            diffs.extend(segment_incompatibilities(self, other))
-        else:
-            differ(size_name if self.kind is other.kind else "head_size", self.head_size, other.head_size)
-        if self.head_size == other.head_size:
-            differ("head_size_v", self.v_head_size, other.v_head_size)
-        differ("total_kv_heads", self.total_kv_heads, other.total_kv_heads)
-        differ("packing", self.packing.value, other.packing.value)
-        if Packing.HEAD_BLOCK in (self.packing, other.packing) and (self.block_size, self.tokens_per_kernel_block) != (
-            other.block_size,
-            other.tokens_per_kernel_block,
-        ):
-            diffs.append(
-                f"block_size: local {self.block_size}, remote {other.block_size}: packing head_block (a CPU "
-                "attention kernel's private page order) moves whole blocks, so both sides need the same block size"
-            )
-        small, large = sorted((self.block_size, other.block_size))
-        if large % small:
-            diffs.append(
-                f"block_size: local {self.block_size}, remote {other.block_size} (neither is a multiple of the other)"
-            )
-        return diffs
+        return layout_incompatibilities(self, other)
 
     def resharded(self, tp_size: int, new_tp_size: int) -> KVCacheLayout:
         """This rank's layout of a ``tp_size``-way split as a rank of a ``new_tp_size``-way split holds it.
