@@ -1,5 +1,12 @@
 """KVCacheLayout: one cache group's layout, validated, and the geometry every transfer is planned
-from (regions, planes, offsets, spans); see :mod:`kvxfer.layout` for the layouts it describes."""
+from (regions, planes, offsets, spans); see :mod:`kvxfer.layout` for the layouts it describes.
+
+The class holds the fields and their normalization, one constructor per kind, the derived sizes and
+every public method. The work behind the larger ones lives in the modules beside it, which import
+the class for annotations only, so that none of them imports this module at run time:
+``validation`` (the checks ``__post_init__`` runs), ``geometry`` (byte strides and planes), ``spans``
+(the bytes of a head and token range), ``compat`` (what two layouts must share), ``segments`` (a
+mamba page's TP split) and ``values`` (:class:`RegionSpec`, :class:`Plane`, :class:`TensorLike`)."""
 
 from __future__ import annotations
 
