@@ -36,7 +36,6 @@ from kvxfer.errors import (
     AlreadyExistsError,
     DeadlineError,
     FailedPreconditionError,
-    InvalidArgumentError,
     KvxferError,
     PeerUnavailableError,
     Reason,
@@ -48,11 +47,12 @@ from kvxfer.server.outbox import PEER_CALL_SECONDS, Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
+from kvxfer.server.push_rows import group_rows, offer_rows, token_span
 from kvxfer.server.recent import RecentMemo
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
-from kvxfer.server.validation import TokenSpans, check_timeout, not_published, remote_blocks, token_spans
+from kvxfer.server.validation import TokenSpans, check_timeout, remote_blocks, token_spans
 from kvxfer.topology import RankInfo
 from kvxfer.transport import Transport, cancelled_unfenced, mem_type
 from kvxfer.wire import peer_pb2
@@ -64,7 +64,6 @@ __all__ = ["GIVEN_UP_KEPT", "Offer", "Pusher", "token_span"]
 log = get_logger("kvxfer.server")
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-_NO_ROWS: U64 = np.zeros((0, 3), np.uint64)
 #: The most (request, engine) pairs remembered as given up before their publish; the oldest go first.
 GIVEN_UP_KEPT = 4096
 #: The most characters of a reader's Revoke reason kept (it ends up in the publish's completion message).
@@ -414,7 +413,7 @@ class Pusher:
         if streams:  # the last layers' WRITEs: a group they leave short is written whole after them
             await asyncio.gather(*streams, return_exceptions=True)
         skip = {n for n, g in reg.groups.items() if offer.covered(n, g.layout.num_layers)}
-        local, remote = self._descriptors(offer, reg, entry.blocks, entry.origins, skip)
+        local, remote = offer_rows(self.topologies, offer, reg, entry.blocks, entry.origins, skip)
         t0 = time.monotonic()
         if local.shape[0]:
             await self.write_rows(offer, local, remote)
@@ -452,59 +451,14 @@ class Pusher:
                 field="remote_addresses", reason=Reason.DATA_PLANE_UNFENCED if unfenced else Reason.DATA_PLANE,
             ) from None  # fmt: skip
 
-    def _descriptors(
-        self, offer: Offer, reg: Registration, published: dict[str, I64], origins: dict[str, int],
-        skip: set[str] | None = None,
-    ) -> tuple[U64, U64]:  # fmt: skip
-        """(this side's, the reader's) descriptor arrays of every group but ``skip``, for the whole offer."""
-        mine, theirs = [], []
-        for name, g in reg.groups.items():
-            if skip and name in skip:
-                continue
-            ids = offer.writer_given.get(name)
-            if ids is not None and not_published(ids, published[name]):
-                raise InvalidArgumentError(f"writer_blocks[{name}]: {not_published(ids, published[name])}",
-                                           field=f"writer_blocks[{name}]")  # fmt: skip
-            num_tokens, reader_skip, writer_skip = offer.spans.get(name, (None, 0, 0))
-            if ids is None and num_tokens is not None:
-                ids, writer_skip = token_span(name, published[name], g.layout.block_size, origins.get(name, 0),
-                                              writer_skip, num_tokens, "writer_blocks")  # fmt: skip
-            elif ids is None:
-                ids = published[name]
-            try:
-                rows = self.rank_rows(offer, reg, name, offer.blocks[name], ids, num_tokens=num_tokens,
-                                      reader_skip=reader_skip, writer_skip=writer_skip)  # fmt: skip
-            except KvxferError as exc:
-                field = exc.field or "blocks"
-                raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
-                                           field=f"{field}[{name}]") from None  # fmt: skip
-            mine.append(rows[0])
-            theirs.append(rows[1])
-        if not mine:
-            return _NO_ROWS, _NO_ROWS
-        return np.concatenate(mine), np.concatenate(theirs)
-
     def rank_rows(
         self, offer: Offer, reg: Registration, group: str, reader_ids: I64, writer_ids: I64, *,
         num_tokens: int | None, reader_skip: int, writer_skip: int,
     ) -> tuple[U64, U64, I64]:  # fmt: skip
         """The reader's pull plan of ``group`` restricted to this rank: (this side's rows, the reader's rows,
         this side's region of each row). Raises the topology's error for lists that do not fit."""
-        g = reg.groups[group]
-        topo = self.topologies.topology(f"<{group}", offer.reader.groups[group], g.layout, offer.rank,
-                                        reg.rank.tp_size)  # fmt: skip
-        plan = topo.plan(reader_ids, writer_ids, num_tokens=num_tokens, local_skip=reader_skip,
-                         remote_skip=writer_skip)  # fmt: skip
-        mine, theirs, regions = [], [], []
-        for rp in plan.per_rank:
-            if rp.remote_rank == reg.rank.tp_rank:
-                into, out_of = rp.descriptors(offer.reader.regions[group][0], g.memory.table)
-                mine.append(out_of)
-                theirs.append(into)
-                regions.append(rp.remote_region)
-        if not mine:
-            return _NO_ROWS, _NO_ROWS, np.zeros(0, np.int64)
-        return np.concatenate(mine), np.concatenate(theirs), np.concatenate(regions)
+        return group_rows(self.topologies, offer, reg, group, reader_ids, writer_ids, num_tokens=num_tokens,
+                          reader_skip=reader_skip, writer_skip=writer_skip)  # fmt: skip
 
     def _peer_name(self, reader: Identity) -> str:
         """The reader's agent on this data plane, loaded once per reader instance and epoch."""
@@ -637,27 +591,3 @@ def _amend_unfenced(err: KvxferError) -> None:
         err.message += UNFENCED_WRITE
         err.args = (err.message, *err.args[1:])
         err.reason = Reason.DATA_PLANE_UNFENCED
-
-
-def token_span(
-    name: str, ids: I64, block_size: int, origin: int, at: int, num_tokens: int, field: str
-) -> tuple[I64, int]:
-    """The blocks of ``ids`` holding tokens ``[at, at + num_tokens)`` of the request, and the skip into the first.
-
-    ``ids`` hold the request's tokens from position ``origin`` on. An offer names where its tokens
-    start as a position in the request (the writer's block size is not the reader's business).
-    """
-    if at < origin:
-        raise InvalidArgumentError(
-            f"{field}[{name}].skip_tokens: the move starts at token {at}; the blocks hold tokens from {origin}",
-            field=f"{field}[{name}].skip_tokens",
-        )
-    first = (at - origin) // block_size
-    last = -(-(at - origin + num_tokens) // block_size)
-    if last > ids.size:
-        raise InvalidArgumentError(
-            f"{field}[{name}]: tokens up to {at + num_tokens} are needed; {ids.size} blocks of {block_size} tokens "
-            f"from token {origin} hold fewer",
-            field=f"{field}[{name}]",
-        )
-    return ids[first:last], (at - origin) - first * block_size
