@@ -6,19 +6,13 @@ done here for one reader rank: the whole offer once its request is published
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import InvalidArgumentError, KvxferError
-from kvxfer.server.state import Registration
+from kvxfer.server.state import Offer, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
-
-if TYPE_CHECKING:
-    # Annotations only: the pusher imports this module to plan the offers it holds.
-    from kvxfer.server.pusher import Offer
 
 __all__ = ["NO_ROWS", "group_rows", "offer_rows", "token_span"]
 

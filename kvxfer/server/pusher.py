@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -50,9 +49,9 @@ from kvxfer.server.publisher import Publisher
 from kvxfer.server.push_rows import group_rows, offer_rows, token_span
 from kvxfer.server.recent import RecentMemo
 from kvxfer.server.registration import Registry
-from kvxfer.server.state import ReaderKey, Registration
+from kvxfer.server.state import Offer, ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
-from kvxfer.server.validation import TokenSpans, check_timeout, remote_blocks, token_spans
+from kvxfer.server.validation import check_timeout, remote_blocks, token_spans
 from kvxfer.topology import RankInfo
 from kvxfer.transport import Transport, cancelled_unfenced, mem_type
 from kvxfer.wire import peer_pb2
@@ -72,50 +71,6 @@ REASON_CHARS = 512
 UNFENCED_WRITE = (
     "; a WRITE into it was still in flight after the fence budget, so its bytes may still land in the blocks"
 )
-
-
-@dataclass
-class Offer:
-    """One reader rank's blocks for one request, waiting for (or being written by) this rank."""
-
-    transfer_id: str
-    request_id: str
-    key: ReaderKey
-    reader: Identity
-    rank: RankInfo
-    blocks: dict[str, I64]
-    spans: TokenSpans
-    writer_given: dict[str, I64]
-    deadline: float  # time.monotonic()
-    timer: asyncio.TimerHandle | None = None
-    task: asyncio.Task[None] | None = None
-    wrote: bool = False  # a WRITE was started
-    revoked: bool = False
-    #: A WRITE of it ended unfenced (failed or cancelled while still in flight after the fence budget):
-    #: its bytes may still land in the reader's blocks, which its reader must hear (DATA_PLANE_UNFENCED).
-    unfenced: bool = False
-    #: Layer-wise push (kvxfer.server.streamer): per (group, layer), the WRITE in flight or last done,
-    #: and the request position up to which that layer is written.
-    stream_tasks: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
-    streamed: dict[tuple[str, int], int] = field(default_factory=dict)
-    stream_bytes: int = 0
-    stream_descriptors: int = 0
-    stream_seconds: float = 0.0
-    stream_failed: bool = False
-
-    def covered(self, group: str, num_layers: int) -> bool:
-        """Every layer of ``group`` was streamed up to the offer's last token."""
-        num_tokens, _skip, at = self.spans.get(group, (None, 0, 0))
-        if num_tokens is None or self.stream_failed:
-            return False
-        return all(self.streamed.get((group, layer), at) >= at + num_tokens for layer in range(num_layers))
-
-    def cancel_streams(self) -> list[asyncio.Task[None]]:
-        """Cancel the layer WRITEs in flight; returns them (to wait for)."""
-        running = [t for t in self.stream_tasks.values() if not t.done()]
-        for t in running:
-            t.cancel()
-        return running
 
 
 class Pusher:
