@@ -42,7 +42,8 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.identity import Identity
-from kvxfer.server.outbox import PEER_CALL_SECONDS, Outbox
+from kvxfer.server.landed import UNFENCED_WRITE, LandedNotices, amend_unfenced
+from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
@@ -55,10 +56,9 @@ from kvxfer.server.validation import check_timeout, remote_blocks, token_spans
 from kvxfer.topology import RankInfo
 from kvxfer.transport import Transport, cancelled_unfenced, mem_type
 from kvxfer.wire import peer_pb2
-from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto, rank_to_proto
-from kvxfer.wire.status import code_of
+from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto
 
-__all__ = ["GIVEN_UP_KEPT", "Offer", "Pusher", "token_span"]
+__all__ = ["GIVEN_UP_KEPT", "UNFENCED_WRITE", "Offer", "Pusher", "token_span"]
 
 log = get_logger("kvxfer.server")
 I64 = npt.NDArray[np.int64]
@@ -67,10 +67,6 @@ U64 = npt.NDArray[np.uint64]
 GIVEN_UP_KEPT = 4096
 #: The most characters of a reader's Revoke reason kept (it ends up in the publish's completion message).
 REASON_CHARS = 512
-#: Added to the message of a push that ended while a WRITE of it was unfenced.
-UNFENCED_WRITE = (
-    "; a WRITE into it was still in flight after the fence budget, so its bytes may still land in the blocks"
-)
 
 
 class Pusher:
@@ -84,8 +80,8 @@ class Pusher:
         self.registry = registry
         self.dp = data_plane
         self.publisher = publisher
-        self.peers = peers
         self.outbox = outbox
+        self.notices = LandedNotices(settings, registry, peers, outbox)
         self.metrics = metrics
         self.topologies = topologies
         self.offers: dict[str, dict[ReaderKey, Offer]] = {}
@@ -344,7 +340,7 @@ class Pusher:
                                                "WRITE of it that failed earlier", field="remote_addresses")  # fmt: skip
             if offer.unfenced and outcome is not None:
                 # A WRITE of it (this one, or a layer's) may still land: the reader must not reuse its blocks.
-                _amend_unfenced(outcome)
+                amend_unfenced(outcome)
             elapsed = time.monotonic() - started
             if outcome is None:
                 nbytes, ndesc, _ = moved
@@ -356,7 +352,7 @@ class Pusher:
                                            reason=label if label == "timeout" else outcome.status.lower())  # fmt: skip
                 log.info("push ended", extra={"outcome": label, "error": outcome.message})
             self.publisher.reader_finished(rid, offer.key[0], offer.rank, outcome.message if outcome else None)
-            self._send_landed(offer, outcome, moved)
+            self.notices.send(offer, outcome, moved)
 
     async def _write(self, offer: Offer, reg: Registration) -> tuple[int, int, float]:
         """Plan this rank's part of the reader's pull and WRITE it; (bytes, descriptors, seconds).
@@ -451,7 +447,7 @@ class Pusher:
         self._landed_early.setdefault(offer.request_id, []).append((offer.reader, offer.rank, now))
         self.metrics.transfer_done("write", "ok", nbytes=offer.stream_bytes, descriptors=offer.stream_descriptors,
                                    seconds=offer.stream_seconds)  # fmt: skip
-        self._send_landed(offer, None, (offer.stream_bytes, offer.stream_descriptors, offer.stream_seconds))
+        self.notices.send(offer, None, (offer.stream_bytes, offer.stream_descriptors, offer.stream_seconds))
 
     def _remember_given_up(self, rid: str, engine_id: str, why: str) -> None:
         """``engine_id`` gave up on ``rid`` before it was published here (see the module docs)."""
@@ -492,7 +488,7 @@ class Pusher:
         self._forget(offer)
         running = offer.cancel_streams()
         if not running:
-            self._send_landed(offer, err)
+            self.notices.send(offer, err)
             return running
 
         stopping = (offer.request_id, offer.key)
@@ -504,8 +500,8 @@ class Pusher:
             finally:
                 self._stopping.pop(stopping, None)
             if offer.unfenced:  # a layer WRITE of it may still land
-                _amend_unfenced(err)
-            self._send_landed(offer, err)
+                amend_unfenced(err)
+            self.notices.send(offer, err)
 
         self.outbox.spawn(when_stopped())
         return running
@@ -518,31 +514,3 @@ class Pusher:
                 del self.offers[offer.request_id]
         if offer.timer is not None:
             offer.timer.cancel()
-
-    def _send_landed(self, offer: Offer, err: KvxferError | None, moved: tuple[int, int, float] = (0, 0, 0.0)) -> None:
-        me = self.registry.registration
-        req = peer_pb2.LandedRequest(
-            request_id=offer.request_id, engine_id=self.settings.engine_id, instance_id=self.registry.instance_id,
-            rank=rank_to_proto(me.rank) if me is not None else None, epoch=offer.reader.epoch,
-            bytes=moved[0], descriptors=moved[1], data_seconds=moved[2],
-        )  # fmt: skip
-        if err is not None:
-            req.code, req.message, req.reason = code_of(err).value[0], err.message, err.reason.value
-        self.outbox.spawn(self._call_landed(offer, req))
-
-    async def _call_landed(self, offer: Offer, req: peer_pb2.LandedRequest) -> None:
-        address = offer.reader.address
-        try:
-            await self.peers.call(address, "Landed", lambda s: s.Landed(req, timeout=PEER_CALL_SECONDS,
-                                                                        metadata=self.peers.metadata))  # fmt: skip
-        except KvxferError as exc:  # the reader's own deadline ends its pull
-            with log_context(request_id=offer.request_id, peer=offer.reader.label):
-                log.warning("could not tell a reader its push landed", extra={"error": exc.message})
-
-
-def _amend_unfenced(err: KvxferError) -> None:
-    """Make a push's failure say that a WRITE of it may still land (reason DATA_PLANE_UNFENCED; same class)."""
-    if err.reason != Reason.DATA_PLANE_UNFENCED:
-        err.message += UNFENCED_WRITE
-        err.args = (err.message, *err.args[1:])
-        err.reason = Reason.DATA_PLANE_UNFENCED
