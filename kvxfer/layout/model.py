@@ -1,5 +1,12 @@
 """KVCacheLayout: one cache group's layout, validated, and the geometry every transfer is planned
-from (regions, planes, offsets, spans); see :mod:`kvxfer.layout` for the layouts it describes."""
+from (regions, planes, offsets, spans); see :mod:`kvxfer.layout` for the layouts it describes.
+
+The class holds the fields and their normalization, one constructor per kind, the derived sizes and
+every public method. The work behind the larger ones lives in the modules beside it, which import
+the class for annotations only, so that none of them imports this module at run time:
+``validation`` (the checks ``__post_init__`` runs), ``geometry`` (byte strides and planes), ``spans``
+(the bytes of a head and token range), ``compat`` (what two layouts must share), ``segments`` (a
+mamba page's TP split) and ``values`` (:class:`RegionSpec`, :class:`Plane`, :class:`TensorLike`)."""
 
 from __future__ import annotations
 
@@ -7,71 +14,18 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
-
-import numpy as np
-import numpy.typing as npt
+from typing import Any
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout.kinds import (
-    NVFP4_GROUP,
-    QUANTIZED_DTYPES,
-    STRIDE_ORDERS,
-    CacheKind,
-    DType,
-    Order,
-    Packing,
-    parse_enum,
-)
+from kvxfer.layout.compat import layout_incompatibilities
+from kvxfer.layout.geometry import Strides, byte_strides, natural_block_bytes, planes_of
+from kvxfer.layout.kinds import NVFP4_GROUP, STRIDE_ORDERS, CacheKind, DType, Order, Packing, parse_enum
+from kvxfer.layout.segments import MAX_SEGMENTS, check_segments, normalized_segments, reshard
+from kvxfer.layout.spans import I64, row_offsets_of, spans_of
+from kvxfer.layout.validation import check_block_bytes, check_flags, check_geometry, check_kind, check_numbers
+from kvxfer.layout.values import Plane, RegionSpec, TensorLike
 
 __all__ = ["MAX_SEGMENTS", "KVCacheLayout", "Plane", "RegionSpec", "TensorLike"]
-
-I64 = npt.NDArray[np.int64]
-
-#: Segments one mamba page may be split in (vLLM's have at most four: x, B, C and the SSM state).
-MAX_SEGMENTS = 16
-
-
-@dataclass(frozen=True)
-class RegionSpec:
-    """One contiguous memory region to register: which layers it holds and its size in bytes."""
-
-    index: int
-    first_layer: int
-    num_layers: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Plane:
-    """Equal rows of one part of the content, one per (head, token), addressed affinely.
-
-    Row ``(head, token)`` of a block starts ``offset + head * head_stride + (token //
-    kernel_block_size) * kernel_stride + (token % kernel_block_size) * token_stride`` bytes after
-    the block's start (:meth:`KVCacheLayout.block_offset`) and is ``row_bytes`` long; a row of a
-    transposed plane is ``elements`` pieces of ``row_bytes``, ``element_stride`` apart. ``part``
-    names what the rows hold: ``kv`` (K and V packed), ``k``/``v``, ``k_data``/``k_scale``/
-    ``v_data``/``v_scale`` (nvfp4), ``latent`` (MLA) or ``state`` (Mamba).
-    """
-
-    part: str
-    offset: int
-    head_stride: int
-    token_stride: int
-    kernel_stride: int
-    row_bytes: int
-    elements: int = 1
-    element_stride: int = 0
-
-
-class TensorLike(Protocol):
-    """What :meth:`KVCacheLayout.from_tensor` reads of a tensor (torch or numpy)."""
-
-    @property
-    def shape(self) -> Sequence[int]: ...
-
-    @property
-    def dtype(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -105,22 +59,15 @@ class KVCacheLayout:
     replicated: bool = False  # mamba only: every TP rank holds the whole state (read from any one)
 
     def __post_init__(self) -> None:
+        # Parse, check and normalize in this order: each check (kvxfer.layout.validation) reads only
+        # fields, and sizes derived from them, that the steps above it have made sane.
         object.__setattr__(self, "kind", parse_enum(CacheKind, self.kind, "kind"))
         object.__setattr__(self, "order", parse_enum(Order, self.order, "order"))
         object.__setattr__(self, "packing", parse_enum(Packing, self.packing, "packing"))
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
-        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"{name}: must be a positive integer, got {value!r}", field=name)
-        for name in ("total_kv_heads", "head_size_v", "page_stride", "kernel_block_size", "block_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise LayoutError(f"{name}: must be an integer >= 0, got {value!r}", field=name)
-        self._normalize_segments()
-        for name in ("cross_layer", "heads_outer", "replicated"):
-            if not isinstance(getattr(self, name), bool):
-                raise LayoutError(f"{name}: must be a bool, got {getattr(self, name)!r}", field=name)
+        check_numbers(self)
+        object.__setattr__(self, "segments", normalized_segments(self.segments))
+        check_flags(self)
         if self.total_kv_heads == 0:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
         # 0 is the canonical "same as the default", so that equal layouts compare equal and
@@ -131,152 +78,14 @@ class KVCacheLayout:
             object.__setattr__(self, "kernel_block_size", 0)
         if self.kind in (CacheKind.MLA, CacheKind.MAMBA):
             object.__setattr__(self, "heads_outer", False)  # one slot: the head axis changes no byte
-        self._validate_kind()
-        self._validate_segments()
+        check_kind(self)
+        check_segments(self)
         if self.page_stride == self.page_bytes:
             object.__setattr__(self, "page_stride", 0)
-        self._validate_geometry()
-        if self.block_bytes == self._natural_block_bytes:
+        check_geometry(self)
+        if self.block_bytes == natural_block_bytes(self):
             object.__setattr__(self, "block_bytes", 0)
-        self._validate_block_bytes()
-
-    def _validate_kind(self) -> None:
-        kind, dtype = self.kind, self.dtype
-        if kind in (CacheKind.MLA, CacheKind.MAMBA):
-            if self.num_kv_heads != 1 or self.total_kv_heads != 1:
-                raise LayoutError(
-                    f"num_kv_heads: a {kind} cache has one head per block, got num_kv_heads={self.num_kv_heads}, "
-                    f"total_kv_heads={self.total_kv_heads}",
-                    field="num_kv_heads",
-                )
-            if self.head_size_v:
-                raise LayoutError(f"head_size_v: a {kind} cache has no separate V, got {self.head_size_v}",
-                                  field="head_size_v")  # fmt: skip
-        if kind is CacheKind.MAMBA:
-            if dtype is not DType.INT8:
-                raise LayoutError(f"dtype: a mamba page tensor is int8, got {dtype}", field="dtype")
-            if self.block_size != 1:
-                raise LayoutError(
-                    f"block_size: a mamba page has no token axis; use block_size=1, got {self.block_size}",
-                    field="block_size",
-                )
-        if kind is CacheKind.QUANTIZED and dtype not in QUANTIZED_DTYPES:
-            allowed = ", ".join(sorted(d.value for d in QUANTIZED_DTYPES))
-            raise LayoutError(f"dtype: a quantized head-group cache holds {allowed}, got {dtype}", field="dtype")
-        if kind in (CacheKind.QUANTIZED, CacheKind.KV_PLANES) and self.head_size_v:
-            raise LayoutError(
-                f"head_size_v: {kind} caches keep K and V of one size (vLLM asserts it), got head_size "
-                f"{self.head_size}, head_size_v {self.head_size_v}",
-                field="head_size_v",
-            )
-        if dtype is DType.NVFP4:
-            if kind is not CacheKind.QUANTIZED:
-                raise LayoutError(
-                    f"dtype: nvfp4 is only defined for quantized head-group caches, not {kind}", field="dtype"
-                )
-            if self.head_size % NVFP4_GROUP:
-                raise LayoutError(
-                    f"head_size: nvfp4 needs a multiple of {NVFP4_GROUP}, got {self.head_size}",
-                    field="head_size",
-                )
-            if self.heads_outer:
-                raise LayoutError(
-                    f"order: nvfp4 keeps each side's data rows and then its scale rows inside a page (LBHNC, LBNHC, "
-                    f"BLHNC or BLNHC); {self.stride_order} does not describe where they are",
-                    field="order",
-                )
-        if self.num_kv_heads > self.total_kv_heads:
-            raise LayoutError(
-                f"num_kv_heads: {self.num_kv_heads} local heads exceed total_kv_heads={self.total_kv_heads}",
-                field="num_kv_heads",
-            )
-        if self.packing is not Packing.KV:
-            if kind is not CacheKind.ATTENTION:
-                raise LayoutError(f"packing: {self.packing} describes attention pages, not {kind}", field="packing")
-            if self.order is not Order.HND:
-                raise LayoutError(f"packing: {self.packing} keeps each head's block together (an HND order), got "
-                                  f"{self.stride_order}", field="packing")  # fmt: skip
-
-    def _normalize_segments(self) -> None:
-        segments = self.segments
-        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
-            raise LayoutError(f"segments: must be a sequence of byte sizes, got {segments!r}", field="segments")
-        for value in segments:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"segments: every size must be a positive integer, got {list(segments)!r}",
-                                  field="segments")  # fmt: skip
-        if len(segments) > MAX_SEGMENTS:
-            raise LayoutError(f"segments: {len(segments)} segments, at most {MAX_SEGMENTS}", field="segments")
-        object.__setattr__(self, "segments", tuple(int(v) for v in segments))
-
-    def _validate_segments(self) -> None:
-        if self.kind is not CacheKind.MAMBA:
-            if self.segments:
-                raise LayoutError(f"segments: only a mamba page is split into TP segments, not a {self.kind} cache",
-                                  field="segments")  # fmt: skip
-            if self.replicated:
-                raise LayoutError(f"replicated: only a mamba page carries this flag, not a {self.kind} cache",
-                                  field="replicated")  # fmt: skip
-            return
-        if self.segments and self.replicated:
-            raise LayoutError(
-                f"segments: a replicated mamba page (replicated=True) is not split over TP ranks, got segments "
-                f"{list(self.segments)}",
-                field="segments",
-            )
-        if self.segments and sum(self.segments) != self.head_size:
-            raise LayoutError(
-                f"segments: {list(self.segments)} sum to {sum(self.segments)} bytes, the mamba page holds "
-                f"page_size_bytes={self.head_size}",
-                field="segments",
-            )
-
-    def _validate_geometry(self) -> None:
-        if self.heads_outer and self.order is not Order.HND:
-            raise LayoutError("heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)",
-                              field="heads_outer")  # fmt: skip
-        if self.block_size % self.tokens_per_kernel_block:
-            raise LayoutError(
-                f"kernel_block_size: {self.kernel_block_size} does not divide block_size {self.block_size}",
-                field="kernel_block_size",
-            )
-        if self.page_stride:
-            if self.page_stride < self.page_bytes:
-                raise LayoutError(
-                    f"page_stride: {self.page_stride} bytes is less than a page of {self.page_bytes} bytes",
-                    field="page_stride",
-                )
-            if self.heads_outer or self.kernel_block_size:
-                raise LayoutError(
-                    "page_stride: padded pages must be whole blocks (vLLM pads only LBHNC/LBNHC/BLHNC/BLNHC pages "
-                    "that are not split into kernel blocks)",
-                    field="page_stride",
-                )
-
-    @property
-    def _natural_block_bytes(self) -> int:
-        """Bytes of one block of a block-major region without slack: its layers' (padded) pages."""
-        page = self.page_bytes if self.heads_outer else self.padded_page_bytes
-        return self.num_layers * page
-
-    def _validate_block_bytes(self) -> None:
-        if not self.block_bytes:
-            return
-        if not self.cross_layer:
-            raise LayoutError(
-                f"block_bytes: {self.block_bytes} describes a block-major region (BLHNC, BLNHC, BHLNC); a region per "
-                f"layer ({self.stride_order}) has no block of all layers",
-                field="block_bytes",
-            )
-        if self.kernel_block_size:
-            raise LayoutError("block_bytes: a block-major region of kernel blocks has no slack between blocks "
-                              "(vLLM does not split block-major blocks)", field="block_bytes")  # fmt: skip
-        if self.block_bytes < self._natural_block_bytes:
-            raise LayoutError(
-                f"block_bytes: {self.block_bytes} is less than the {self.num_layers} layers' pages of a block "
-                f"({self._natural_block_bytes} bytes)",
-                field="block_bytes",
-            )
+        check_block_bytes(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # Cached properties are derived state: do not send them along with a pickled layout.
@@ -493,28 +302,9 @@ class KVCacheLayout:
         return 1 if self.cross_layer else self.num_layers
 
     @cached_property
-    def _strides(self) -> tuple[int, int, int, int, int]:
+    def _strides(self) -> Strides:
         """Byte strides of (layer inside a region, kernel block, slot, token, manager block)."""
-        nk, c, s = self.tokens_per_kernel_block, self.row_bytes, self.slots
-        layers, kblocks, r = (
-            self.num_layers,
-            self.num_blocks * self.kernel_blocks_per_block,
-            self.kernel_blocks_per_block,
-        )
-        hnd = self.order is Order.HND
-        slot, tok = (nk * c, c) if hnd else (c, s * c)
-        kpage = self.padded_page_bytes // r  # a kernel page (r > 1 only without padding)
-        if self.heads_outer:
-            if self.cross_layer:  # BHLNC
-                layer, slot = nk * c, layers * nk * c
-                kblock = self.block_bytes or s * layers * nk * c
-            else:  # LHBNC
-                layer, kblock, slot = 0, nk * c, kblocks * nk * c
-        elif self.cross_layer:  # BLHNC, BLNHC
-            layer, kblock = kpage, self.block_bytes or layers * kpage
-        else:  # LBHNC, LBNHC
-            layer, kblock = 0, kpage
-        return layer, kblock, slot, tok, kblock * r
+        return byte_strides(self)
 
     @property
     def layer_stride(self) -> int:
@@ -533,7 +323,7 @@ class KVCacheLayout:
             return self.num_blocks * (self.page_bytes if self.heads_outer else self.padded_page_bytes)
         # The last block ends with its layers' pages: slack after it belongs to nobody (another group's
         # bytes, or the end of vLLM's allocation).
-        return (self.num_blocks - 1) * self.block_stride + self._natural_block_bytes
+        return (self.num_blocks - 1) * self.block_stride + natural_block_bytes(self)
 
     @property
     def total_bytes(self) -> int:
@@ -543,36 +333,7 @@ class KVCacheLayout:
     @cached_property
     def planes(self) -> tuple[Plane, ...]:
         """The rows of one block, plane by plane (see :class:`Plane`); ordered by offset in an HND page."""
-        _, kblock, slot, tok, _ = self._strides
-        c, h = self.row_bytes, self.num_kv_heads
-        kind = self.kind
-        if kind is CacheKind.ATTENTION:
-            if self.packing is Packing.CPU_KT:
-                # Per head: K as head_size rows of `tokens` elements (transposed), then V rows.
-                nk, e = self.tokens_per_kernel_block, self.element_bytes
-                return (
-                    Plane("k", 0, slot, e, kblock, e, self.head_size, nk * e),
-                    Plane("v", nk * self.head_size * e, slot, self.v_head_size * e, kblock, self.v_head_size * e),
-                )
-            return (Plane("kv", 0, slot, tok, kblock, c),)
-        if kind in (CacheKind.MLA, CacheKind.MAMBA):
-            return (Plane("latent" if kind is CacheKind.MLA else "state", 0, 0, tok, kblock, c),)
-        if kind is CacheKind.KV_PLANES:
-            head = self.head_size * self.element_bytes
-            return tuple(Plane(part, i * slot, head, tok, kblock, head) for i, part in enumerate(("k", "v")))
-        if self.dtype is not DType.NVFP4:
-            return tuple(Plane(part, i * h * slot, slot, tok, kblock, c) for i, part in enumerate(("k", "v")))
-        # nvfp4 (FlashInfer's _nvfp4_kv_views): per side, the data of every (head, token) row, then every
-        # row's scales, the rows in the page's order (HND: a head's tokens, NHD: a token's heads).
-        nk, data, scale = self.tokens_per_kernel_block, self.head_size // 2, self.head_size // NVFP4_GROUP
-        hnd = self.order is Order.HND
-        out = []
-        for i, side in enumerate(("k", "v")):
-            start = i * h * nk * c
-            for part, offset, n in (("data", start, data), ("scale", start + h * nk * data, scale)):
-                head, token = (nk * n, n) if hnd else (n, h * n)
-                out.append(Plane(f"{side}_{part}", offset, head, token, kblock, n))
-        return tuple(out)
+        return planes_of(self, self._strides)
 
     def regions(self) -> tuple[RegionSpec, ...]:
         """The regions to register, in region-index order."""
@@ -636,16 +397,7 @@ class KVCacheLayout:
         Flat arrays, in (plane, head, token, element) order; heads are local head indices, tokens
         indices inside the block. Pure arithmetic, no checks.
         """
-        nk = self.tokens_per_kernel_block
-        h = np.asarray(heads, dtype=np.int64)[:, None, None]
-        t = np.asarray(tokens, dtype=np.int64)[None, :, None]
-        offs, lens = [], []
-        for p in self.planes:
-            e = np.arange(p.elements, dtype=np.int64)[None, None, :] * p.element_stride
-            off = p.offset + h * p.head_stride + (t // nk) * p.kernel_stride + (t % nk) * p.token_stride + e
-            offs.append(off.ravel())
-            lens.append(np.full(off.size, p.row_bytes, dtype=np.int64))
-        return np.concatenate(offs), np.concatenate(lens)
+        return row_offsets_of(self, heads, tokens)
 
     def spans(
         self,
@@ -660,40 +412,7 @@ class KVCacheLayout:
         scales); adjacent spans are merged. With HND a head range of whole blocks is one span (two
         per side for nvfp4), with NHD it is one span per token unless all heads are asked for.
         """
-        base = self.block_offset(layer, block)
-        h0, h1 = heads if heads is not None else (0, self.num_kv_heads)
-        t0, t1 = tokens if tokens is not None else (0, self.tokens_per_page)
-        if not 0 <= h0 < h1 <= self.num_kv_heads:
-            raise LayoutError(f"heads: {heads} is not a range inside [0, {self.num_kv_heads})", field="heads")
-        if not 0 <= t0 < t1 <= self.tokens_per_page:
-            raise LayoutError(f"tokens: {tokens} is not a range inside [0, {self.tokens_per_page})", field="tokens")
-        pieces = sorted(self._pieces(h0, h1, t0, t1))
-        merged: list[tuple[int, int]] = []
-        for o, n in pieces:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((o, n))
-        return [(base + o, n) for o, n in merged]
-
-    def _pieces(self, h0: int, h1: int, t0: int, t1: int) -> list[tuple[int, int]]:
-        """(offset, length) of the rows of heads [h0, h1) x tokens [t0, t1), in plain Python (one block)."""
-        nk = self.tokens_per_kernel_block
-        out: list[tuple[int, int]] = []
-        for p in self.planes:
-            # Runs of tokens inside one kernel block whose rows follow each other are one piece.
-            contiguous = p.elements == 1 and p.token_stride == p.row_bytes
-            for h in range(h0, h1):
-                head = p.offset + h * p.head_stride
-                t = t0
-                while t < t1:
-                    k, tk = divmod(t, nk)
-                    run = min(t1 - t, nk - tk) if contiguous else 1
-                    start = head + k * p.kernel_stride + tk * p.token_stride
-                    for e in range(p.elements):
-                        out.append((start + e * p.element_stride, run * p.row_bytes))
-                    t += run
-        return out
+        return spans_of(self, layer, block, heads, tokens)
 
     # ----------------------------------------------------------------- compatibility
     def incompatibilities(self, other: KVCacheLayout) -> list[str]:
@@ -703,62 +422,7 @@ class KVCacheLayout:
         cross-layer packing, padding, kernel blocks and block sizes that are multiples of each
         other may differ.
         """
-        diffs: list[str] = []
-
-        def differ(name: str, mine: object, theirs: object) -> None:
-            if mine != theirs:
-                diffs.append(f"{name}: local {mine}, remote {theirs}")
-
-        differ("kind", self.kind.value, other.kind.value)
-        differ("dtype", self.dtype.value, other.dtype.value)
-        differ("num_layers", self.num_layers, other.num_layers)
-        # head_size holds the latent dim of an MLA cache and the page bytes of a Mamba one.
-        size_name = {CacheKind.MLA: "latent_dim", CacheKind.MAMBA: "page_size_bytes"}.get(self.kind, "head_size")
-        if self.kind is other.kind is CacheKind.MAMBA and (self.segments or other.segments):
-            diffs.extend(self._segment_incompatibilities(other))
-        else:
-            differ(size_name if self.kind is other.kind else "head_size", self.head_size, other.head_size)
-        if self.head_size == other.head_size:
-            differ("head_size_v", self.v_head_size, other.v_head_size)
-        differ("total_kv_heads", self.total_kv_heads, other.total_kv_heads)
-        differ("packing", self.packing.value, other.packing.value)
-        if Packing.HEAD_BLOCK in (self.packing, other.packing) and (self.block_size, self.tokens_per_kernel_block) != (
-            other.block_size,
-            other.tokens_per_kernel_block,
-        ):
-            diffs.append(
-                f"block_size: local {self.block_size}, remote {other.block_size}: packing head_block (a CPU "
-                "attention kernel's private page order) moves whole blocks, so both sides need the same block size"
-            )
-        small, large = sorted((self.block_size, other.block_size))
-        if large % small:
-            diffs.append(
-                f"block_size: local {self.block_size}, remote {other.block_size} (neither is a multiple of the other)"
-            )
-        return diffs
-
-    def _segment_incompatibilities(self, other: KVCacheLayout) -> list[str]:
-        """Two mamba pages of which at least one is split into TP segments (page sizes then differ by TP size)."""
-        if self.segments and other.segments:
-            if len(self.segments) == len(other.segments):
-                return []  # the global sizes need both TP sizes: TransferTopology checks them
-            return [
-                f"segments: local {len(self.segments)} segments {list(self.segments)}, remote "
-                f"{len(other.segments)} segments {list(other.segments)} (the mamba states are split differently)"
-            ]
-        if self.replicated or other.replicated:
-            return [
-                f"replicated: local {self.replicated}, remote {other.replicated} (one side holds the whole mamba state "
-                "on every rank, the other splits it in segments)"
-            ]
-        # One side opaque: whole pages, which must be the same size (and the TP sizes equal).
-        if self.head_size != other.head_size:
-            side = "remote" if self.segments else "local"
-            return [
-                f"page_size_bytes: local {self.head_size}, remote {other.head_size} (the {side} page has no TP "
-                "segments: it moves whole, between equal TP sizes only)"
-            ]
-        return []
+        return layout_incompatibilities(self, other)
 
     def resharded(self, tp_size: int, new_tp_size: int) -> KVCacheLayout:
         """This rank's layout of a ``tp_size``-way split as a rank of a ``new_tp_size``-way split holds it.
@@ -766,19 +430,7 @@ class KVCacheLayout:
         Only a mamba page split in :attr:`segments` changes (each segment scaled, without padding);
         raises :class:`LayoutError` naming ``segments`` when a segment does not split evenly.
         """
-        if not self.segments or tp_size == new_tp_size:
-            return self
-        out = []
-        for i, size in enumerate(self.segments):
-            total = size * tp_size
-            if total % new_tp_size:
-                raise LayoutError(
-                    f"segments: segment {i} of the mamba state is {total} bytes ({size} per rank x tp_size "
-                    f"{tp_size}), which does not split evenly over tp_size {new_tp_size}",
-                    field="segments",
-                )
-            out.append(total // new_tp_size)
-        return dataclasses.replace(self, head_size=sum(out), segments=tuple(out), page_stride=0, block_bytes=0)
+        return reshard(self, tp_size, new_tp_size)
 
     def is_compatible(self, other: KVCacheLayout) -> bool:
         """True when :meth:`incompatibilities` finds nothing."""

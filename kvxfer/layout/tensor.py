@@ -8,7 +8,8 @@ from typing import Any
 
 from kvxfer.errors import LayoutError
 from kvxfer.layout.kinds import CacheKind, DType, Order, parse_enum
-from kvxfer.layout.model import KVCacheLayout, TensorLike
+from kvxfer.layout.model import KVCacheLayout
+from kvxfer.layout.values import TensorLike
 
 __all__ = ["layout_of_tensor"]
 

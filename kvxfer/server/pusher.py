@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +35,6 @@ from kvxfer.errors import (
     AlreadyExistsError,
     DeadlineError,
     FailedPreconditionError,
-    InvalidArgumentError,
     KvxferError,
     PeerUnavailableError,
     Reason,
@@ -44,79 +42,31 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.identity import Identity
-from kvxfer.server.outbox import PEER_CALL_SECONDS, Outbox
+from kvxfer.server.landed import UNFENCED_WRITE, LandedNotices, amend_unfenced
+from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
+from kvxfer.server.push_rows import group_rows, offer_rows, token_span
 from kvxfer.server.recent import RecentMemo
 from kvxfer.server.registration import Registry
-from kvxfer.server.state import ReaderKey, Registration
+from kvxfer.server.state import Offer, ReaderKey, Registration
 from kvxfer.server.topologies import TopologyCache
-from kvxfer.server.validation import TokenSpans, check_timeout, not_published, remote_blocks, token_spans
+from kvxfer.server.validation import check_timeout, remote_blocks, token_spans
 from kvxfer.topology import RankInfo
 from kvxfer.transport import Transport, cancelled_unfenced, mem_type
 from kvxfer.wire import peer_pb2
-from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto, rank_to_proto
-from kvxfer.wire.status import code_of
+from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto
 
-__all__ = ["GIVEN_UP_KEPT", "Offer", "Pusher", "token_span"]
+__all__ = ["GIVEN_UP_KEPT", "UNFENCED_WRITE", "Offer", "Pusher", "token_span"]
 
 log = get_logger("kvxfer.server")
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-_NO_ROWS: U64 = np.zeros((0, 3), np.uint64)
 #: The most (request, engine) pairs remembered as given up before their publish; the oldest go first.
 GIVEN_UP_KEPT = 4096
 #: The most characters of a reader's Revoke reason kept (it ends up in the publish's completion message).
 REASON_CHARS = 512
-#: Added to the message of a push that ended while a WRITE of it was unfenced.
-UNFENCED_WRITE = (
-    "; a WRITE into it was still in flight after the fence budget, so its bytes may still land in the blocks"
-)
-
-
-@dataclass
-class Offer:
-    """One reader rank's blocks for one request, waiting for (or being written by) this rank."""
-
-    transfer_id: str
-    request_id: str
-    key: ReaderKey
-    reader: Identity
-    rank: RankInfo
-    blocks: dict[str, I64]
-    spans: TokenSpans
-    writer_given: dict[str, I64]
-    deadline: float  # time.monotonic()
-    timer: asyncio.TimerHandle | None = None
-    task: asyncio.Task[None] | None = None
-    wrote: bool = False  # a WRITE was started
-    revoked: bool = False
-    #: A WRITE of it ended unfenced (failed or cancelled while still in flight after the fence budget):
-    #: its bytes may still land in the reader's blocks, which its reader must hear (DATA_PLANE_UNFENCED).
-    unfenced: bool = False
-    #: Layer-wise push (kvxfer.server.streamer): per (group, layer), the WRITE in flight or last done,
-    #: and the request position up to which that layer is written.
-    stream_tasks: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
-    streamed: dict[tuple[str, int], int] = field(default_factory=dict)
-    stream_bytes: int = 0
-    stream_descriptors: int = 0
-    stream_seconds: float = 0.0
-    stream_failed: bool = False
-
-    def covered(self, group: str, num_layers: int) -> bool:
-        """Every layer of ``group`` was streamed up to the offer's last token."""
-        num_tokens, _skip, at = self.spans.get(group, (None, 0, 0))
-        if num_tokens is None or self.stream_failed:
-            return False
-        return all(self.streamed.get((group, layer), at) >= at + num_tokens for layer in range(num_layers))
-
-    def cancel_streams(self) -> list[asyncio.Task[None]]:
-        """Cancel the layer WRITEs in flight; returns them (to wait for)."""
-        running = [t for t in self.stream_tasks.values() if not t.done()]
-        for t in running:
-            t.cancel()
-        return running
 
 
 class Pusher:
@@ -130,8 +80,8 @@ class Pusher:
         self.registry = registry
         self.dp = data_plane
         self.publisher = publisher
-        self.peers = peers
         self.outbox = outbox
+        self.notices = LandedNotices(settings, registry, peers, outbox)
         self.metrics = metrics
         self.topologies = topologies
         self.offers: dict[str, dict[ReaderKey, Offer]] = {}
@@ -390,7 +340,7 @@ class Pusher:
                                                "WRITE of it that failed earlier", field="remote_addresses")  # fmt: skip
             if offer.unfenced and outcome is not None:
                 # A WRITE of it (this one, or a layer's) may still land: the reader must not reuse its blocks.
-                _amend_unfenced(outcome)
+                amend_unfenced(outcome)
             elapsed = time.monotonic() - started
             if outcome is None:
                 nbytes, ndesc, _ = moved
@@ -402,7 +352,7 @@ class Pusher:
                                            reason=label if label == "timeout" else outcome.status.lower())  # fmt: skip
                 log.info("push ended", extra={"outcome": label, "error": outcome.message})
             self.publisher.reader_finished(rid, offer.key[0], offer.rank, outcome.message if outcome else None)
-            self._send_landed(offer, outcome, moved)
+            self.notices.send(offer, outcome, moved)
 
     async def _write(self, offer: Offer, reg: Registration) -> tuple[int, int, float]:
         """Plan this rank's part of the reader's pull and WRITE it; (bytes, descriptors, seconds).
@@ -414,7 +364,7 @@ class Pusher:
         if streams:  # the last layers' WRITEs: a group they leave short is written whole after them
             await asyncio.gather(*streams, return_exceptions=True)
         skip = {n for n, g in reg.groups.items() if offer.covered(n, g.layout.num_layers)}
-        local, remote = self._descriptors(offer, reg, entry.blocks, entry.origins, skip)
+        local, remote = offer_rows(self.topologies, offer, reg, entry.blocks, entry.origins, skip)
         t0 = time.monotonic()
         if local.shape[0]:
             await self.write_rows(offer, local, remote)
@@ -452,59 +402,14 @@ class Pusher:
                 field="remote_addresses", reason=Reason.DATA_PLANE_UNFENCED if unfenced else Reason.DATA_PLANE,
             ) from None  # fmt: skip
 
-    def _descriptors(
-        self, offer: Offer, reg: Registration, published: dict[str, I64], origins: dict[str, int],
-        skip: set[str] | None = None,
-    ) -> tuple[U64, U64]:  # fmt: skip
-        """(this side's, the reader's) descriptor arrays of every group but ``skip``, for the whole offer."""
-        mine, theirs = [], []
-        for name, g in reg.groups.items():
-            if skip and name in skip:
-                continue
-            ids = offer.writer_given.get(name)
-            if ids is not None and not_published(ids, published[name]):
-                raise InvalidArgumentError(f"writer_blocks[{name}]: {not_published(ids, published[name])}",
-                                           field=f"writer_blocks[{name}]")  # fmt: skip
-            num_tokens, reader_skip, writer_skip = offer.spans.get(name, (None, 0, 0))
-            if ids is None and num_tokens is not None:
-                ids, writer_skip = token_span(name, published[name], g.layout.block_size, origins.get(name, 0),
-                                              writer_skip, num_tokens, "writer_blocks")  # fmt: skip
-            elif ids is None:
-                ids = published[name]
-            try:
-                rows = self.rank_rows(offer, reg, name, offer.blocks[name], ids, num_tokens=num_tokens,
-                                      reader_skip=reader_skip, writer_skip=writer_skip)  # fmt: skip
-            except KvxferError as exc:
-                field = exc.field or "blocks"
-                raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
-                                           field=f"{field}[{name}]") from None  # fmt: skip
-            mine.append(rows[0])
-            theirs.append(rows[1])
-        if not mine:
-            return _NO_ROWS, _NO_ROWS
-        return np.concatenate(mine), np.concatenate(theirs)
-
     def rank_rows(
         self, offer: Offer, reg: Registration, group: str, reader_ids: I64, writer_ids: I64, *,
         num_tokens: int | None, reader_skip: int, writer_skip: int,
     ) -> tuple[U64, U64, I64]:  # fmt: skip
         """The reader's pull plan of ``group`` restricted to this rank: (this side's rows, the reader's rows,
         this side's region of each row). Raises the topology's error for lists that do not fit."""
-        g = reg.groups[group]
-        topo = self.topologies.topology(f"<{group}", offer.reader.groups[group], g.layout, offer.rank,
-                                        reg.rank.tp_size)  # fmt: skip
-        plan = topo.plan(reader_ids, writer_ids, num_tokens=num_tokens, local_skip=reader_skip,
-                         remote_skip=writer_skip)  # fmt: skip
-        mine, theirs, regions = [], [], []
-        for rp in plan.per_rank:
-            if rp.remote_rank == reg.rank.tp_rank:
-                into, out_of = rp.descriptors(offer.reader.regions[group][0], g.memory.table)
-                mine.append(out_of)
-                theirs.append(into)
-                regions.append(rp.remote_region)
-        if not mine:
-            return _NO_ROWS, _NO_ROWS, np.zeros(0, np.int64)
-        return np.concatenate(mine), np.concatenate(theirs), np.concatenate(regions)
+        return group_rows(self.topologies, offer, reg, group, reader_ids, writer_ids, num_tokens=num_tokens,
+                          reader_skip=reader_skip, writer_skip=writer_skip)  # fmt: skip
 
     def _peer_name(self, reader: Identity) -> str:
         """The reader's agent on this data plane, loaded once per reader instance and epoch."""
@@ -542,7 +447,7 @@ class Pusher:
         self._landed_early.setdefault(offer.request_id, []).append((offer.reader, offer.rank, now))
         self.metrics.transfer_done("write", "ok", nbytes=offer.stream_bytes, descriptors=offer.stream_descriptors,
                                    seconds=offer.stream_seconds)  # fmt: skip
-        self._send_landed(offer, None, (offer.stream_bytes, offer.stream_descriptors, offer.stream_seconds))
+        self.notices.send(offer, None, (offer.stream_bytes, offer.stream_descriptors, offer.stream_seconds))
 
     def _remember_given_up(self, rid: str, engine_id: str, why: str) -> None:
         """``engine_id`` gave up on ``rid`` before it was published here (see the module docs)."""
@@ -583,7 +488,7 @@ class Pusher:
         self._forget(offer)
         running = offer.cancel_streams()
         if not running:
-            self._send_landed(offer, err)
+            self.notices.send(offer, err)
             return running
 
         stopping = (offer.request_id, offer.key)
@@ -595,8 +500,8 @@ class Pusher:
             finally:
                 self._stopping.pop(stopping, None)
             if offer.unfenced:  # a layer WRITE of it may still land
-                _amend_unfenced(err)
-            self._send_landed(offer, err)
+                amend_unfenced(err)
+            self.notices.send(offer, err)
 
         self.outbox.spawn(when_stopped())
         return running
@@ -609,55 +514,3 @@ class Pusher:
                 del self.offers[offer.request_id]
         if offer.timer is not None:
             offer.timer.cancel()
-
-    def _send_landed(self, offer: Offer, err: KvxferError | None, moved: tuple[int, int, float] = (0, 0, 0.0)) -> None:
-        me = self.registry.registration
-        req = peer_pb2.LandedRequest(
-            request_id=offer.request_id, engine_id=self.settings.engine_id, instance_id=self.registry.instance_id,
-            rank=rank_to_proto(me.rank) if me is not None else None, epoch=offer.reader.epoch,
-            bytes=moved[0], descriptors=moved[1], data_seconds=moved[2],
-        )  # fmt: skip
-        if err is not None:
-            req.code, req.message, req.reason = code_of(err).value[0], err.message, err.reason.value
-        self.outbox.spawn(self._call_landed(offer, req))
-
-    async def _call_landed(self, offer: Offer, req: peer_pb2.LandedRequest) -> None:
-        address = offer.reader.address
-        try:
-            await self.peers.call(address, "Landed", lambda s: s.Landed(req, timeout=PEER_CALL_SECONDS,
-                                                                        metadata=self.peers.metadata))  # fmt: skip
-        except KvxferError as exc:  # the reader's own deadline ends its pull
-            with log_context(request_id=offer.request_id, peer=offer.reader.label):
-                log.warning("could not tell a reader its push landed", extra={"error": exc.message})
-
-
-def _amend_unfenced(err: KvxferError) -> None:
-    """Make a push's failure say that a WRITE of it may still land (reason DATA_PLANE_UNFENCED; same class)."""
-    if err.reason != Reason.DATA_PLANE_UNFENCED:
-        err.message += UNFENCED_WRITE
-        err.args = (err.message, *err.args[1:])
-        err.reason = Reason.DATA_PLANE_UNFENCED
-
-
-def token_span(
-    name: str, ids: I64, block_size: int, origin: int, at: int, num_tokens: int, field: str
-) -> tuple[I64, int]:
-    """The blocks of ``ids`` holding tokens ``[at, at + num_tokens)`` of the request, and the skip into the first.
-
-    ``ids`` hold the request's tokens from position ``origin`` on. An offer names where its tokens
-    start as a position in the request (the writer's block size is not the reader's business).
-    """
-    if at < origin:
-        raise InvalidArgumentError(
-            f"{field}[{name}].skip_tokens: the move starts at token {at}; the blocks hold tokens from {origin}",
-            field=f"{field}[{name}].skip_tokens",
-        )
-    first = (at - origin) // block_size
-    last = -(-(at - origin + num_tokens) // block_size)
-    if last > ids.size:
-        raise InvalidArgumentError(
-            f"{field}[{name}]: tokens up to {at + num_tokens} are needed; {ids.size} blocks of {block_size} tokens "
-            f"from token {origin} hold fewer",
-            field=f"{field}[{name}]",
-        )
-    return ids[first:last], (at - origin) - first * block_size

@@ -1,4 +1,5 @@
-"""The sidecar's bookkeeping: registered caches, published requests (leases) and pulls in flight."""
+"""The sidecar's bookkeeping: registered caches, published requests (leases), pulls in flight and the
+offers held as a writer (push mode)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import numpy.typing as npt
 
 from kvxfer.layout import KVCacheLayout
 from kvxfer.memory import AttachedMemory
+from kvxfer.server.identity import Identity
+from kvxfer.server.validation import TokenSpans
 from kvxfer.topology import RankInfo
 from kvxfer.transport import UnfencedOp
 
 if TYPE_CHECKING:  # prepared.py reads Registration from here
     from kvxfer.server.prepared import PreparedPull
 
-__all__ = ["Grant", "Group", "PublishEntry", "PullEntry", "ReaderKey", "Registration"]
+__all__ = ["Grant", "Group", "Offer", "PublishEntry", "PullEntry", "ReaderKey", "Registration"]
 
 I64 = npt.NDArray[np.int64]
 ReaderKey = tuple[str, str, int, int]  # engine id, instance id, tp rank, pp rank
@@ -148,3 +151,47 @@ class PullEntry:
     gathered: asyncio.Future[Any] | None = None
     #: The plan a Prepare made for this Pull (kvxfer.server.prepared), until the READs take it.
     prepared: PreparedPull | None = None
+
+
+@dataclass
+class Offer:
+    """One reader rank's blocks for one request, waiting for (or being written by) this rank."""
+
+    transfer_id: str
+    request_id: str
+    key: ReaderKey
+    reader: Identity
+    rank: RankInfo
+    blocks: dict[str, I64]
+    spans: TokenSpans
+    writer_given: dict[str, I64]
+    deadline: float  # time.monotonic()
+    timer: asyncio.TimerHandle | None = None
+    task: asyncio.Task[None] | None = None
+    wrote: bool = False  # a WRITE was started
+    revoked: bool = False
+    #: A WRITE of it ended unfenced (failed or cancelled while still in flight after the fence budget):
+    #: its bytes may still land in the reader's blocks, which its reader must hear (DATA_PLANE_UNFENCED).
+    unfenced: bool = False
+    #: Layer-wise push (kvxfer.server.streamer): per (group, layer), the WRITE in flight or last done,
+    #: and the request position up to which that layer is written.
+    stream_tasks: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
+    streamed: dict[tuple[str, int], int] = field(default_factory=dict)
+    stream_bytes: int = 0
+    stream_descriptors: int = 0
+    stream_seconds: float = 0.0
+    stream_failed: bool = False
+
+    def covered(self, group: str, num_layers: int) -> bool:
+        """Every layer of ``group`` was streamed up to the offer's last token."""
+        num_tokens, _skip, at = self.spans.get(group, (None, 0, 0))
+        if num_tokens is None or self.stream_failed:
+            return False
+        return all(self.streamed.get((group, layer), at) >= at + num_tokens for layer in range(num_layers))
+
+    def cancel_streams(self) -> list[asyncio.Task[None]]:
+        """Cancel the layer WRITEs in flight; returns them (to wait for)."""
+        running = [t for t in self.stream_tasks.values() if not t.done()]
+        for t in running:
+            t.cancel()
+        return running

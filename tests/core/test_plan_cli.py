@@ -279,9 +279,10 @@ def test_core_imports_nothing_heavy() -> None:
     # numpy only: no torch, grpc, nixl, mooncake, protobuf, typer, pydantic...
     assert third_party == "numpy"
     assert (
-        ours
-        == "kvxfer,kvxfer.errors,kvxfer.layout,kvxfer.layout.kinds,kvxfer.layout.model,kvxfer.planning,kvxfer.topology,"
-        "kvxfer.topology.blocks,kvxfer.topology.plans,kvxfer.topology.push,kvxfer.topology.transfer"
+        ours == "kvxfer,kvxfer.errors,kvxfer.layout,kvxfer.layout.compat,kvxfer.layout.geometry,kvxfer.layout.kinds,"
+        "kvxfer.layout.model,kvxfer.layout.segments,kvxfer.layout.spans,kvxfer.layout.validation,"
+        "kvxfer.layout.values,kvxfer.planning,kvxfer.topology,kvxfer.topology.blocks,kvxfer.topology.plans,"
+        "kvxfer.topology.push,kvxfer.topology.transfer"
     )
 
 
