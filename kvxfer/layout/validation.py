@@ -39,8 +39,13 @@ def check_flags(layout: KVCacheLayout) -> None:
 
 
 def check_kind(layout: KVCacheLayout) -> None:
-    """What the kind allows: heads, dtype, block size, head_size_v, nvfp4's head size and order, packing."""
+    """heads_outer's order, then what the kind allows: heads, dtype, block size, head_size_v, nvfp4's head size
+    and order, packing."""
     kind, dtype = layout.kind, layout.dtype
+    # First: the messages below name the stride order, which only these combinations have.
+    if layout.heads_outer and layout.order is not Order.HND:
+        raise LayoutError("heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)",
+                          field="heads_outer")  # fmt: skip
     if kind in (CacheKind.MLA, CacheKind.MAMBA):
         if layout.num_kv_heads != 1 or layout.total_kv_heads != 1:
             raise LayoutError(
@@ -98,10 +103,7 @@ def check_kind(layout: KVCacheLayout) -> None:
 
 
 def check_geometry(layout: KVCacheLayout) -> None:
-    """heads_outer, kernel blocks and padded pages fit the stride order and the page."""
-    if layout.heads_outer and layout.order is not Order.HND:
-        raise LayoutError("heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)",
-                          field="heads_outer")  # fmt: skip
+    """Kernel blocks and padded pages fit the stride order and the page."""
     if layout.block_size % layout.tokens_per_kernel_block:
         raise LayoutError(
             f"kernel_block_size: {layout.kernel_block_size} does not divide block_size {layout.block_size}",

@@ -37,6 +37,7 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import PULL_PATHS, SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
+from kvxfer.server.landed import UNFENCED_WRITE
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory, PeerSession
@@ -44,7 +45,6 @@ from kvxfer.server.prepared import PreparedPull, PreparedPulls, plan_key
 from kvxfer.server.publisher import MAX_BATCH
 from kvxfer.server.pull_steps import PullSteps
 from kvxfer.server.push_steps import landed_matches
-from kvxfer.server.pusher import UNFENCED_WRITE
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Due, Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache

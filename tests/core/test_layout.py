@@ -8,9 +8,11 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout import CacheKind, DType, KVCacheLayout, Order, head_range
+from kvxfer.layout import CacheKind, DType, KVCacheLayout, Order, Packing, head_range
 
 
 def test_llama_8b_page_and_region_bytes() -> None:
@@ -621,3 +623,42 @@ def test_new_fields_survive_the_wire_and_pickle() -> None:
         again = pickle.loads(pickle.dumps(lay))
         assert again == lay
         assert again.spans(1, 3, heads=(1, 2)) == lay.spans(1, 3, heads=(1, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kind": "attention", "dtype": "bfloat16", "packing": "cpu_kt"},
+        {"kind": "attention", "dtype": "bfloat16", "packing": "head_block"},
+        {"kind": "quantized", "dtype": "nvfp4"},
+        {"kind": "quantized", "dtype": "nvfp4", "cross_layer": True},
+    ],
+)
+def test_heads_outer_in_an_nhd_order_is_refused_by_name_whatever_else_is_off(kwargs: dict[str, object]) -> None:
+    """These raised KeyError (a check of the packing or of nvfp4 named a stride order the combination has not)."""
+    with pytest.raises(LayoutError) as err:
+        KVCacheLayout(**{**BASE, "order": "NHD", "heads_outer": True, **kwargs})  # type: ignore[arg-type]
+    assert err.value.field == "heads_outer"
+    assert str(err.value) == "heads_outer: only the HND orders put heads outside the blocks (LHBNC, BHLNC)"
+
+
+@given(
+    kind=st.sampled_from(CacheKind), order=st.sampled_from(Order), packing=st.sampled_from(Packing),
+    dtype=st.sampled_from(DType), cross_layer=st.booleans(), heads_outer=st.booleans(),
+    block_size=st.sampled_from([1, 16]), num_kv_heads=st.sampled_from([1, 2]), head_size=st.sampled_from([16, 24]),
+    kernel_block_size=st.sampled_from([0, 8]), page_stride=st.sampled_from([0, 1 << 20]),
+    block_bytes=st.sampled_from([0, 1 << 22]),
+)  # fmt: skip
+def test_any_combination_of_fields_is_a_layout_or_a_layout_error(**fields: object) -> None:
+    """Whatever the fields, the constructor answers with a layout or a LayoutError naming one of them, never
+    another exception (a KeyError escaped for heads_outer in an NHD order)."""
+    refused: LayoutError | None = None
+    try:
+        layout = KVCacheLayout(num_layers=2, num_blocks=4, **fields)  # type: ignore[arg-type]
+    except LayoutError as err:
+        refused = err
+    if refused is not None:
+        assert refused.field in {f.name for f in dataclasses.fields(KVCacheLayout)}, (refused.field, str(refused))
+        return
+    assert layout.total_bytes > 0
+    assert layout.stride_order  # every layout that exists has a name in vLLM's terms
