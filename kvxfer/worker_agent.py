@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -67,6 +68,7 @@ class WorkerAgent:
         self.transport: Transport = create_transport(backend, self.name, config)
         self._registrations: list[Registration] = []
         self._transfers: dict[int, asyncio.Task[None]] = {}
+        self._started: dict[int, float] = {}  # transfer job id -> time.monotonic() it started
         self._outcomes: list[local_pb2.AgentOutcome] = []
         #: Transfer jobs reported unfenced, by id: the sidecar hears when each operation ended.
         self._watching: dict[int, UnfencedOp] = {}
@@ -122,6 +124,7 @@ class WorkerAgent:
     def _run(self, job: local_pb2.AgentJob) -> None:
         kind = job.WhichOneof("kind")
         if kind == "transfer":
+            self._started[job.id] = time.monotonic()
             self._transfers[job.id] = asyncio.ensure_future(self._transfer(job.id, job.transfer))
         elif kind == "cancel":
             task = self._transfers.get(job.cancel)
@@ -166,6 +169,15 @@ class WorkerAgent:
                                                 seconds=res.seconds))  # fmt: skip
         finally:
             self._transfers.pop(job_id, None)
+            self._started.pop(job_id, None)
+
+    def quiet_since(self, since: float) -> bool:
+        """Whether no transfer this agent started before ``since`` (time.monotonic()) can still land: none
+        of them still runs, and none reported unfenced is still unseen to end. Only reads: the vLLM
+        connector asks from its own thread (the ``ended`` flags are looked at again every ``WATCH_S``)."""
+        if any(at < since for at in list(self._started.values())):
+            return False
+        return all(op.ended for op in list(self._watching.values()))
 
     def _watch(self, job_id: int, unfenced: UnfencedOp | None) -> None:
         if unfenced is not None and unfenced.watched:

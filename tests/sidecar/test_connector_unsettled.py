@@ -13,6 +13,7 @@ import socket
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from kvxfer.client import PullResult
@@ -23,6 +24,9 @@ from kvxfer.integrations.vllm.plan import GroupPull, PullSpec, StepPlan
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.topology import RankInfo
+from kvxfer.transport.worker_agent import descriptors_to_bytes
+from kvxfer.wire import local_pb2
+from kvxfer.worker_agent import WorkerAgent
 from tests.sidecar.helpers import DelayedDataPlane, Harness, attention, expect_error
 
 LAY = attention()
@@ -96,3 +100,42 @@ def test_a_sidecar_that_does_not_answer_is_asked_less_and_less(caplog: pytest.Lo
     finally:
         w.close()
         silent.close()
+
+
+async def test_with_its_own_agent_a_load_is_kept_while_the_agent_may_still_land_it(harness: Harness) -> None:
+    """``data_plane: worker``: the READs are the worker's own agent's, which outlives a sidecar restart (the
+    new sidecar names nothing unsettled). A load that failed unfenced is kept while the agent still runs a
+    transfer that started before the failure (FAULT INJECTOR: its data plane holds READs), and handed back
+    once that transfer ended."""
+    d = await harness.sidecar(role="decode", engine_id="decode")
+    w = WorkerSide(ConnectorSettings(sidecar_socket=d.settings.local_socket), rank=RankInfo(0, 1), local_rank=0,
+                   block_errors=True)  # fmt: skip
+    agent = WorkerAgent()
+    dp = DelayedDataPlane("conn-agent", 30.0)
+    agent.transport.close()
+    agent.transport = dp
+    desc = descriptors_to_bytes(np.array([[4096, 64, 0]], dtype=np.uint64))
+    agent._run(local_pb2.AgentJob(id=1, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
+                                                                         peer="p", timeout_seconds=30.0)))  # fmt: skip
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    w.agent = agent
+    try:
+        err = PeerUnavailableError("READ failed and may still land", reason=Reason.DATA_PLANE_UNFENCED)
+        w._pulls["d-1"] = (_spec("d-1", "gone-with-the-old-sidecar", (3, 4)), _failed(err))
+        for _ in range(5):  # the sidecar names nothing unsettled, but the agent's READ still runs
+            assert await asyncio.to_thread(w.finished) == (set(), set(), set())
+            await asyncio.sleep(vllm_worker.UNSETTLED_CHECK_SECONDS)
+        agent._transfers[1].cancel()  # the READ ends (fenced: the data plane holds no unfenced cancel here)
+        await asyncio.gather(agent._transfers.get(1) or asyncio.sleep(0), return_exceptions=True)
+        recving: set[str] = set()
+        for _ in range(50):
+            await asyncio.sleep(vllm_worker.UNSETTLED_CHECK_SECONDS)
+            recving |= (await asyncio.to_thread(w.finished))[1]
+            if recving:
+                break
+        assert recving == {"d-1"}
+        assert w.load_errors() == {3, 4}
+    finally:
+        w.agent = None
+        agent.close()
+        w.close()

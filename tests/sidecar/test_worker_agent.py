@@ -8,6 +8,7 @@ from the prefill worker's agent with the descriptors its sidecar planned.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -389,3 +390,28 @@ async def test_the_sidecar_forgets_jobs_the_agent_never_answered_and_caps_what_i
     assert len(t._pending) == 1  # only the new job's
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_agent_is_quiet_since_a_time_once_what_started_before_it_ended() -> None:
+    """What the vLLM connector asks before it hands back a load that failed unfenced in --backend worker mode (a
+    restarted sidecar knows nothing of the agent's READs): a transfer that started before the time and still
+    runs, or one reported unfenced and not yet seen to end, keeps the agent from being quiet."""
+    agent = WorkerAgent()
+    dp = DelayedDataPlane("agent-quiet", 30.0, unfenced=True, fence_seconds=0.1)  # FAULT INJECTOR (helpers)
+    agent.transport.close()
+    agent.transport = dp
+    desc = descriptors_to_bytes(np.array([[4096, 64, 0]], dtype=np.uint64))
+    agent._run(local_pb2.AgentJob(id=3, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
+                                                                         peer="p", timeout_seconds=10.0)))  # fmt: skip
+    await asyncio.wait_for(dp.reading.wait(), 5)
+    before, after = time.monotonic() - 60, time.monotonic() + 60
+    assert agent.quiet_since(before)  # it started after that
+    assert not agent.quiet_since(after)  # still running
+    task = agent._transfers[3]
+    agent._run(local_pb2.AgentJob(id=4, cancel=3))
+    await asyncio.wait_for(asyncio.shield(task), 5)
+    assert not agent.quiet_since(after)  # ended its task unfenced: its READ may still land
+    dp.unfenced_ops[0].ended = True
+    agent._report_ended()
+    assert agent.quiet_since(after)
+    agent.close()

@@ -106,7 +106,8 @@ class WorkerSide:
         self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
         #: Loads that failed while a READ of them may still land (reason DATA_PLANE_UNFENCED): reported to
         #: vLLM only once the sidecar no longer names them unsettled, so their blocks are not reused before.
-        self._unsettled: dict[str, tuple[PullSpec, BaseException]] = {}
+        #: (its pull, the error, when it was taken in: time.monotonic()).
+        self._unsettled: dict[str, tuple[PullSpec, BaseException, float]] = {}
         self._next_unsettled_check = 0.0
         self._unsettled_check_failures = 0  # look-ups in a row the sidecar did not answer
         self._aborting: set[str] = set()
@@ -372,14 +373,14 @@ class WorkerSide:
                 # Its bytes may still land: vLLM must not recompute into these blocks or free them yet.
                 log.warning(f"request {rid}: KV load failed while a READ of it may still land ({exc}); its blocks "
                             "are kept until the sidecar says the READ ended")  # fmt: skip
-                self._unsettled[rid] = (spec, exc)
+                self._unsettled[rid] = (spec, exc, time.monotonic())
                 continue
             if exc is None:
                 res = fut.result()
                 log.debug(f"request {rid}: KV loaded, {res.bytes} bytes in {res.descriptors} descriptors")
             self._load_ended(rid, spec, exc, recving, failed)
         for rid in self._settled():
-            spec, exc = self._unsettled.pop(rid)
+            spec, exc, _ = self._unsettled.pop(rid)
             self._load_ended(rid, spec, exc, recving, failed)
         sending: set[str] = set()
         now, wall_ms = time.monotonic(), time.time() * 1000
@@ -430,13 +431,15 @@ class WorkerSide:
         """Loads kept because a READ of them might still land that the sidecar no longer names unsettled.
 
         Asked at most every :data:`UNSETTLED_CHECK_SECONDS`; a sidecar that does not answer keeps them
-        (a restarted sidecar knows none: its data plane, and every READ it posted, went with it; not so
-        with ``data_plane: worker``, whose agent outlives the sidecar: a known gap, docs/transports.md).
+        (a restarted sidecar knows none: its data plane, and every READ it posted, went with it). With
+        ``data_plane: worker`` the READs are this process's agent's, which outlives a sidecar restart:
+        a load is also kept while the agent still runs a transfer that started before the load failed,
+        or has one reported unfenced that it has not yet seen end.
         """
         now = time.monotonic()
         if not self._unsettled or now < self._next_unsettled_check:
             return []
-        ids = {spec.remote.request_id: rid for rid, (spec, _) in self._unsettled.items() if spec.remote is not None}
+        ids = {spec.remote.request_id: rid for rid, (spec, _, _) in self._unsettled.items() if spec.remote is not None}
         try:
             status = self.sidecar.status(unsettled=sorted(ids)[:LEASE_CHECK_BATCH], deadline=LEASE_CHECK_DEADLINE_S)
         except (KvxferError, TimeoutError) as exc:
@@ -452,7 +455,11 @@ class WorkerSide:
         self._next_unsettled_check = time.monotonic() + UNSETTLED_CHECK_SECONDS
         still = set(status["unsettled"])
         asked = sorted(ids)[:LEASE_CHECK_BATCH]
-        return [ids[pid] for pid in asked if pid not in still]
+        settled = [ids[pid] for pid in asked if pid not in still]
+        agent = self.agent
+        if agent is not None:
+            settled = [rid for rid in settled if agent.quiet_since(self._unsettled[rid][2])]
+        return settled
 
     def _still_held(self, publish_ids: set[str], now: float) -> dict[str, int] | None:
         """Which of these publishes the sidecar still holds, by id, and when each lease ends (Unix ms).
