@@ -38,6 +38,7 @@ from kvxfer.transport import (
     UnfencedOp,
     create_transport,
 )
+from kvxfer.wire import local_pb2
 from kvxfer.worker_agent import WorkerAgent
 
 Blocks = Mapping[str, Sequence[int] | npt.NDArray[np.integer]]
@@ -395,3 +396,21 @@ def peer_lookups(prefill: Sidecar) -> list[str]:
     prefill.core.peer_get_published = counted  # type: ignore[method-assign]
     prefill.core.peer_get_published_batch = counted_batch  # type: ignore[method-assign]
     return asked
+
+
+def agent_on(dp: DelayedDataPlane) -> WorkerAgent:
+    """A worker's data-plane agent whose transfers go through ``dp`` (a FAULT INJECTOR: it holds them)."""
+    agent = WorkerAgent()
+    agent.transport.close()
+    agent.transport = dp
+    return agent
+
+
+async def agent_reads(agent: WorkerAgent, job_id: int, address: int = 4096, timeout: float = 10.0) -> None:
+    """Hand ``agent`` a 64-byte READ job at ``address`` and return once its data plane holds it."""
+    desc = np.array([[address, 64, 0]], dtype=np.uint64).astype("<u8").tobytes()
+    read = local_pb2.AgentTransfer(op="READ", local=desc, remote=desc, peer="p", timeout_seconds=timeout)
+    agent._run(local_pb2.AgentJob(id=job_id, transfer=read))
+    dp = agent.transport
+    assert isinstance(dp, DelayedDataPlane)
+    await asyncio.wait_for(dp.reading.wait(), 5)

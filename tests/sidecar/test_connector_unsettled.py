@@ -13,7 +13,6 @@ import socket
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from kvxfer.client import PullResult
@@ -24,10 +23,7 @@ from kvxfer.integrations.vllm.plan import GroupPull, PullSpec, StepPlan
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.topology import RankInfo
-from kvxfer.transport.worker_agent import descriptors_to_bytes
-from kvxfer.wire import local_pb2
-from kvxfer.worker_agent import WorkerAgent
-from tests.sidecar.helpers import DelayedDataPlane, Harness, attention, expect_error
+from tests.sidecar.helpers import DelayedDataPlane, Harness, agent_on, agent_reads, attention, expect_error
 
 LAY = attention()
 
@@ -110,14 +106,8 @@ async def test_with_its_own_agent_a_load_is_kept_while_the_agent_may_still_land_
     d = await harness.sidecar(role="decode", engine_id="decode")
     w = WorkerSide(ConnectorSettings(sidecar_socket=d.settings.local_socket), rank=RankInfo(0, 1), local_rank=0,
                    block_errors=True)  # fmt: skip
-    agent = WorkerAgent()
-    dp = DelayedDataPlane("conn-agent", 30.0)
-    agent.transport.close()
-    agent.transport = dp
-    desc = descriptors_to_bytes(np.array([[4096, 64, 0]], dtype=np.uint64))
-    agent._run(local_pb2.AgentJob(id=1, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
-                                                                         peer="p", timeout_seconds=30.0)))  # fmt: skip
-    await asyncio.wait_for(dp.reading.wait(), 5)
+    agent = agent_on(DelayedDataPlane("conn-agent", 30.0))
+    await agent_reads(agent, 1, timeout=30.0)
     w.agent = agent
     try:
         err = PeerUnavailableError("READ failed and may still land", reason=Reason.DATA_PLANE_UNFENCED)

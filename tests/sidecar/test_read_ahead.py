@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from kvxfer.errors import Reason
+from kvxfer.server.app import Sidecar
 from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error
 
 HOLD_S = 0.4  # the data plane's hold before each READ, and the publisher's before each lookup answer
@@ -91,23 +92,7 @@ async def test_a_read_again_is_not_reported_moved_while_the_first_read_may_still
     succeeds, yet the pull fails with reason DATA_PLANE_UNFENCED, since the first READ may still land in the
     blocks once the worker uses them (it used to be reported moved). GetStatus names it unsettled until the
     data plane sees that READ end."""
-    lay = attention()
-    p = await harness.sidecar(role="prefill", engine_id="prefill")
-    pw = await harness.worker(p, {"kv": lay})
-    dp = DelayedDataPlane("decode-stale", 0.0)
-    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
-    dw = await harness.worker(d, {"kv": lay})
-    await pw.prefill("before", {"kv": [1]}, salt=5)
-    await dw.pull("before", [p], {"kv": [2]}, remote_blocks={"kv": [1]})
-    for _ in range(500):
-        if (await pw.client.status())["leases"] == 0:
-            break
-        await asyncio.sleep(0.01)
-    fresh = Worker(p, {"kv": lay}, pw.rank)
-    harness.workers.append(fresh)
-    await pw.client.close()
-    await fresh.register()
-    await fresh.prefill("after", {"kv": [3, 4]}, salt=6)
+    p, dw, dp = await _publisher_registered_again(harness, "decode-stale")
     # FAULT INJECTOR: the stale READ fails unfenced, after the lookup answered (which a failed READ would cut)
     dp.fail_first, dp.unfenced_first = 0.3, True
     exc = await expect_error(grpc.StatusCode.UNAVAILABLE,
@@ -124,10 +109,26 @@ async def test_a_read_again_that_fails_still_says_the_first_read_may_land(harnes
     """As above, but the READ again does not finish either (the pull's deadline cuts it, fenced): the pull's
     error must still carry reason DATA_PLANE_UNFENCED and GetStatus name it unsettled, since the first READ may
     still land in the blocks (the failure used to be a plain DEADLINE, and the worker reused them at once)."""
+    p, dw, dp = await _publisher_registered_again(harness, "decode-stale-again")
+    # FAULT INJECTOR: the stale READ fails unfenced after the lookup answered; the READ again is held past the deadline
+    dp.fail_first, dp.unfenced_first, dp.delay = 0.3, True, 30.0
+    exc = await expect_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             dw.pull("after", [p], {"kv": [5, 6]}, remote_blocks={"kv": [3, 4]}, deadline=1.5),
+                             "may still land")  # fmt: skip
+    assert exc.reason == Reason.DATA_PLANE_UNFENCED
+    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == ["after"]
+    dp.unfenced_ops[0].ended = True
+    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == []
+
+
+async def _publisher_registered_again(harness: Harness, name: str) -> tuple[Sidecar, Worker, DelayedDataPlane]:
+    """A reader (its data plane ``name``, a FAULT INJECTOR the test arms) that cached a publisher's regions,
+    and the publisher's worker registered again with new memory since, publishing "after" (salt 6) in blocks
+    3 and 4: (the publisher, the reader's worker, its data plane)."""
     lay = attention()
     p = await harness.sidecar(role="prefill", engine_id="prefill")
     pw = await harness.worker(p, {"kv": lay})
-    dp = DelayedDataPlane("decode-stale-again", 0.0)
+    dp = DelayedDataPlane(name, 0.0)
     d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
     dw = await harness.worker(d, {"kv": lay})
     await pw.prefill("before", {"kv": [1]}, salt=5)
@@ -141,12 +142,4 @@ async def test_a_read_again_that_fails_still_says_the_first_read_may_land(harnes
     await pw.client.close()
     await fresh.register()
     await fresh.prefill("after", {"kv": [3, 4]}, salt=6)
-    # FAULT INJECTOR: the stale READ fails unfenced after the lookup answered; the READ again is held past the deadline
-    dp.fail_first, dp.unfenced_first, dp.delay = 0.3, True, 30.0
-    exc = await expect_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             dw.pull("after", [p], {"kv": [5, 6]}, remote_blocks={"kv": [3, 4]}, deadline=1.5),
-                             "may still land")  # fmt: skip
-    assert exc.reason == Reason.DATA_PLANE_UNFENCED
-    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == ["after"]
-    dp.unfenced_ops[0].ended = True
-    assert (await dw.client.status(unsettled=["after"]))["unsettled"] == []
+    return p, dw, dp

@@ -32,7 +32,7 @@ from kvxfer.transport import worker_agent as worker_agent_transport
 from kvxfer.transport.worker_agent import WorkerAgentTransport, descriptors_from_bytes, descriptors_to_bytes
 from kvxfer.wire import local_pb2
 from kvxfer.worker_agent import WorkerAgent
-from tests.sidecar.helpers import DelayedDataPlane, Harness, attention, expect_error, transfer
+from tests.sidecar.helpers import DelayedDataPlane, Harness, agent_on, agent_reads, attention, expect_error, transfer
 
 LAY = attention()
 HND = attention(heads=8, tp=2, layers=3, blocks=32, order="HND")
@@ -252,14 +252,9 @@ async def test_the_agent_answers_a_cancel_once_fenced_and_tells_when_an_unfenced
     over (CANCELLED; reason DATA_PLANE_UNFENCED when the operation was still in flight), where it used to
     answer nothing; and once the operation ends it sends a late notice (``ended``), which is what lets the
     sidecar say the worker's blocks are safe again."""
-    agent = WorkerAgent()
     dp = DelayedDataPlane("agent-delayed", 30.0, unfenced=True, fence_seconds=0.1)  # FAULT INJECTOR (helpers)
-    agent.transport.close()
-    agent.transport = dp
-    desc = descriptors_to_bytes(np.array([[4096, 64, 0]], dtype=np.uint64))
-    agent._run(local_pb2.AgentJob(id=7, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
-                                                                         peer="p", timeout_seconds=10.0)))  # fmt: skip
-    await asyncio.wait_for(dp.reading.wait(), 5)
+    agent = agent_on(dp)
+    await agent_reads(agent, 7)
     task = agent._transfers[7]
     agent._run(local_pb2.AgentJob(id=8, cancel=7))
     await asyncio.wait_for(asyncio.shield(task), 5)
@@ -279,16 +274,11 @@ async def test_aclose_deregisters_only_once_the_cancelled_transfers_ended() -> N
     """Closing the agent cancels its transfers and deregisters its memory only once each of them ended
     (its transport's fence, 0.3 s here): ``close()`` deregistered at once while the cancelled READ was
     still in flight, and the vLLM connector called it from another thread than the agent's loop."""
-    agent = WorkerAgent()
     dp = DelayedDataPlane("agent-closing", 30.0, unfenced=True, fence_seconds=0.3)  # FAULT INJECTOR (helpers)
-    agent.transport.close()
-    agent.transport = dp
+    agent = agent_on(dp)
     regions = [np.zeros(LAY.region_bytes, dtype=np.uint8) for _ in range(LAY.num_regions)]
     agent.register(LAY, regions)
-    desc = descriptors_to_bytes(np.array([[regions[0].ctypes.data, 64, 0]], dtype=np.uint64))
-    agent._run(local_pb2.AgentJob(id=1, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
-                                                                         peer="p", timeout_seconds=10.0)))  # fmt: skip
-    await asyncio.wait_for(dp.reading.wait(), 5)
+    await agent_reads(agent, 1, regions[0].ctypes.data)
     t0 = asyncio.get_running_loop().time()
     await agent.aclose()
     assert asyncio.get_running_loop().time() - t0 >= 0.3
@@ -396,14 +386,9 @@ async def test_the_agent_is_quiet_since_a_time_once_what_started_before_it_ended
     """What the vLLM connector asks before it hands back a load that failed unfenced in --backend worker mode (a
     restarted sidecar knows nothing of the agent's READs): a transfer that started before the time and still
     runs, or one reported unfenced and not yet seen to end, keeps the agent from being quiet."""
-    agent = WorkerAgent()
     dp = DelayedDataPlane("agent-quiet", 30.0, unfenced=True, fence_seconds=0.1)  # FAULT INJECTOR (helpers)
-    agent.transport.close()
-    agent.transport = dp
-    desc = descriptors_to_bytes(np.array([[4096, 64, 0]], dtype=np.uint64))
-    agent._run(local_pb2.AgentJob(id=3, transfer=local_pb2.AgentTransfer(op="READ", local=desc, remote=desc,
-                                                                         peer="p", timeout_seconds=10.0)))  # fmt: skip
-    await asyncio.wait_for(dp.reading.wait(), 5)
+    agent = agent_on(dp)
+    await agent_reads(agent, 3)
     before, after = time.monotonic() - 60, time.monotonic() + 60
     assert agent.quiet_since(before)  # it started after that
     assert not agent.quiet_since(after)  # still running
