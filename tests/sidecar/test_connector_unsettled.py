@@ -17,10 +17,10 @@ import pytest
 
 from kvxfer.client import PullResult
 from kvxfer.errors import PeerUnavailableError, Reason
-from kvxfer.integrations.vllm import worker as vllm_worker
 from kvxfer.integrations.vllm.params import RemoteGroup, RemotePrefill
 from kvxfer.integrations.vllm.plan import GroupPull, PullSpec, StepPlan
 from kvxfer.integrations.vllm.settings import ConnectorSettings
+from kvxfer.integrations.vllm.unsettled import UNSETTLED_CHECK_SECONDS
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.topology import RankInfo
 from tests.sidecar.helpers import DelayedDataPlane, Harness, agent_on, agent_reads, attention, expect_error
@@ -58,12 +58,12 @@ async def test_loads_of_one_pulled_id_all_settle_and_an_aborted_one_names_no_blo
         w._pulls["d-2"] = (_spec("d-2", "late", (5, 6)), _failed(exc))
         assert await asyncio.to_thread(w.finished) == (set(), set(), set())  # both kept: the READ may land
         w.on_step(StepPlan(aborts=["d-1"]))  # vLLM aborted d-1 meanwhile (it keeps the blocks until reported)
-        await asyncio.sleep(2 * vllm_worker.UNSETTLED_CHECK_SECONDS)  # the look-ups' pace
+        await asyncio.sleep(2 * UNSETTLED_CHECK_SECONDS)  # the look-ups' pace
         assert await asyncio.to_thread(w.finished) == (set(), set(), set())
         dp.unfenced_ops[0].ended = True  # the data plane saw the READ end
         recving: set[str] = set()
         for _ in range(50):
-            await asyncio.sleep(vllm_worker.UNSETTLED_CHECK_SECONDS)
+            await asyncio.sleep(UNSETTLED_CHECK_SECONDS)
             _, got, _ = await asyncio.to_thread(w.finished)
             recving |= got
             if recving == {"d-1", "d-2"}:
@@ -114,12 +114,12 @@ async def test_with_its_own_agent_a_load_is_kept_while_the_agent_may_still_land_
         w._pulls["d-1"] = (_spec("d-1", "gone-with-the-old-sidecar", (3, 4)), _failed(err))
         for _ in range(5):  # the sidecar names nothing unsettled, but the agent's READ still runs
             assert await asyncio.to_thread(w.finished) == (set(), set(), set())
-            await asyncio.sleep(vllm_worker.UNSETTLED_CHECK_SECONDS)
+            await asyncio.sleep(UNSETTLED_CHECK_SECONDS)
         agent._transfers[1].cancel()  # the READ ends (fenced: the data plane holds no unfenced cancel here)
         await asyncio.gather(agent._transfers.get(1) or asyncio.sleep(0), return_exceptions=True)
         recving: set[str] = set()
         for _ in range(50):
-            await asyncio.sleep(vllm_worker.UNSETTLED_CHECK_SECONDS)
+            await asyncio.sleep(UNSETTLED_CHECK_SECONDS)
             recving |= (await asyncio.to_thread(w.finished))[1]
             if recving:
                 break

@@ -25,6 +25,7 @@ from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.plan import PullSpec, StepPlan, StreamSpec, pull_arguments, stage_addresses
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import CacheGroup
+from kvxfer.integrations.vllm.unsettled import UnsettledLoads
 from kvxfer.logs import get_logger, log_context
 from kvxfer.memory import LibraryRef
 from kvxfer.topology import RankInfo
@@ -52,9 +53,6 @@ LEASE_CHECK_BATCH = 1024
 LEASE_CHECK_DEADLINE_S = 1.0
 #: Longest wait between two look-ups the sidecar did not answer (they back off from LEASE_CHECK_SECONDS).
 LEASE_CHECK_MAX_SECONDS = 30.0
-#: Least time between two look-ups of pulls that failed unfenced (reason DATA_PLANE_UNFENCED): their
-#: blocks stay with vLLM's request until the sidecar says no READ of them can still land.
-UNSETTLED_CHECK_SECONDS = 0.1
 #: Longest wait between two attempts to reach a sidecar that went away.
 RECONNECT_MAX_S = 10.0
 #: Completion events for ids this worker never saw published are forgotten after this long.
@@ -106,10 +104,10 @@ class WorkerSide:
         self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
         #: Loads that failed while a READ of them may still land (reason DATA_PLANE_UNFENCED): reported to
         #: vLLM only once the sidecar no longer names them unsettled, so their blocks are not reused before.
-        #: (its pull, the error, when it was taken in: time.monotonic()).
-        self._unsettled: dict[str, tuple[PullSpec, BaseException, float]] = {}
-        self._next_unsettled_check = 0.0
-        self._unsettled_check_failures = 0  # look-ups in a row the sidecar did not answer
+        self._unsettled = UnsettledLoads(
+            self._still_unsettled, target=self.target, batch=LEASE_CHECK_BATCH, backoff_s=LEASE_CHECK_SECONDS,
+            backoff_max_s=LEASE_CHECK_MAX_SECONDS,
+        )  # fmt: skip
         self._aborting: set[str] = set()
         self._published: dict[str, int] = {}
         self._publish_ids: dict[str, str] = {}  # vLLM request id -> the id it was published under (push mode)
@@ -373,14 +371,13 @@ class WorkerSide:
                 # Its bytes may still land: vLLM must not recompute into these blocks or free them yet.
                 log.warning(f"request {rid}: KV load failed while a READ of it may still land ({exc}); its blocks "
                             "are kept until the sidecar says the READ ended")  # fmt: skip
-                self._unsettled[rid] = (spec, exc, time.monotonic())
+                self._unsettled.keep(rid, spec, exc)
                 continue
             if exc is None:
                 res = fut.result()
                 log.debug(f"request {rid}: KV loaded, {res.bytes} bytes in {res.descriptors} descriptors")
             self._load_ended(rid, spec, exc, recving, failed)
-        for rid in self._settled():
-            spec, exc, _ = self._unsettled.pop(rid)
+        for rid, spec, exc in self._unsettled.take_settled(self.agent):
             self._load_ended(rid, spec, exc, recving, failed)
         sending: set[str] = set()
         now, wall_ms = time.monotonic(), time.time() * 1000
@@ -427,39 +424,10 @@ class WorkerSide:
             log.warning(f"request {rid}: KV load failed ({exc}); vLLM {then} (kv_load_failure_policy="
                         f"{self.failure_policy})")  # fmt: skip
 
-    def _settled(self) -> list[str]:
-        """Loads kept because a READ of them might still land that the sidecar no longer names unsettled.
-
-        Asked at most every :data:`UNSETTLED_CHECK_SECONDS`; a sidecar that does not answer keeps them
-        (a restarted sidecar knows none: its data plane, and every READ it posted, went with it). With
-        ``data_plane: worker`` the READs are this process's agent's, which outlives a sidecar restart:
-        a load is also kept while the agent still runs a transfer that started before the load failed,
-        or has one reported unfenced that it has not yet seen end.
-        """
-        now = time.monotonic()
-        if not self._unsettled or now < self._next_unsettled_check:
-            return []
-        ids = {spec.remote.request_id: rid for rid, (spec, _, _) in self._unsettled.items() if spec.remote is not None}
-        try:
-            status = self.sidecar.status(unsettled=sorted(ids)[:LEASE_CHECK_BATCH], deadline=LEASE_CHECK_DEADLINE_S)
-        except (KvxferError, TimeoutError) as exc:
-            # Timed from the answer, and backing off as the lease look-ups do: a sidecar that does not
-            # answer must not cost every engine step a second.
-            self._unsettled_check_failures += 1
-            wait = min(LEASE_CHECK_SECONDS * 2**self._unsettled_check_failures, LEASE_CHECK_MAX_SECONDS)
-            self._next_unsettled_check = time.monotonic() + wait
-            log.warning(f"could not ask the sidecar {self.target} whether {len(ids)} failed loads may still land; "
-                        f"their blocks stay held (next try in {wait:g} s): {exc}")  # fmt: skip
-            return []
-        self._unsettled_check_failures = 0
-        self._next_unsettled_check = time.monotonic() + UNSETTLED_CHECK_SECONDS
-        still = set(status["unsettled"])
-        asked = sorted(ids)[:LEASE_CHECK_BATCH]
-        settled = [ids[pid] for pid in asked if pid not in still]
-        agent = self.agent
-        if agent is not None:
-            settled = [rid for rid in settled if agent.quiet_since(self._unsettled[rid][2])]
-        return settled
+    def _still_unsettled(self, pull_ids: list[str]) -> set[str]:
+        """Of these pulls (ids as pulled), those the sidecar still names unsettled (:mod:`.unsettled`)."""
+        status = self.sidecar.status(unsettled=pull_ids, deadline=LEASE_CHECK_DEADLINE_S)
+        return set(status["unsettled"])
 
     def _still_held(self, publish_ids: set[str], now: float) -> dict[str, int] | None:
         """Which of these publishes the sidecar still holds, by id, and when each lease ends (Unix ms).
