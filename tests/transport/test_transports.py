@@ -275,6 +275,23 @@ def fence_budget() -> float:
     return 0.3
 
 
+def read_then_freeze(transport: Transport, cache: Cache, peer: Peer) -> tuple[str, np.ndarray, np.ndarray]:
+    """Add ``peer``, READ its blocks once (the connection is up), then stop it: (peer name, local, remote)."""
+    name = transport.add_peer(peer.metadata)
+    ld, rd, _ = descriptors(cache, peer)
+    asyncio.run(transport.read(name, ld, rd, timeout=30))
+    assert peer.proc.pid
+    freeze(peer.proc.pid)
+    return name, ld, rd
+
+
+def until_none_unfenced(transport: Transport, within: float = 10.0) -> None:
+    """Wait (up to ``within`` seconds) until the transport has seen every unfenced operation end."""
+    deadline = time.monotonic() + within
+    while transport.unfenced_live() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def silent_capable(
     backend: str, fence_budget: float, monkeypatch: pytest.MonkeyPatch
@@ -306,11 +323,7 @@ def test_silent_peer_times_out_without_spinning_and_others_are_served(
     backend: str, silent_capable: tuple[Transport, Cache, Peer]
 ) -> None:
     transport, cache, peer = silent_capable
-    name = transport.add_peer(peer.metadata)
-    ld, rd, _ = descriptors(cache, peer)
-    asyncio.run(transport.read(name, ld, rd, timeout=30))
-    assert peer.proc.pid
-    freeze(peer.proc.pid)
+    name, ld, rd = read_then_freeze(transport, cache, peer)
 
     async def stalled() -> tuple[TransferUnfencedError, float, float]:
         cpu, t0 = time.process_time(), time.monotonic()
@@ -365,11 +378,7 @@ def test_cancelling_the_awaiting_task_cancels_the_transfer(
     backend: str, silent_capable: tuple[Transport, Cache, Peer]
 ) -> None:
     transport, cache, peer = silent_capable
-    name = transport.add_peer(peer.metadata)
-    ld, rd, _ = descriptors(cache, peer)
-    asyncio.run(transport.read(name, ld, rd, timeout=30))
-    assert peer.proc.pid
-    freeze(peer.proc.pid)
+    name, ld, rd = read_then_freeze(transport, cache, peer)
 
     async def cancel() -> float:
         task = asyncio.create_task(transport.read(name, ld, rd, timeout=30))
@@ -464,11 +473,7 @@ def test_an_unfenced_read_is_kept_until_it_ends(backend: str, silent_capable: tu
     """The peer stays stopped past the fence budget: the error says unfenced, the transport keeps the
     READ's handle, removing the peer does not lose it, and once the peer resumes it is released."""
     transport, cache, peer = silent_capable
-    name = transport.add_peer(peer.metadata)
-    ld, rd, _ = descriptors(cache, peer)
-    asyncio.run(transport.read(name, ld, rd, timeout=30))
-    assert peer.proc.pid
-    freeze(peer.proc.pid)
+    name, ld, rd = read_then_freeze(transport, cache, peer)
     counted: list[tuple[str, str]] = []
     transport.on_unfenced = lambda op, p: counted.append((op, p))
     with pytest.raises(TransferUnfencedError) as err:
@@ -483,9 +488,7 @@ def test_an_unfenced_read_is_kept_until_it_ends(backend: str, silent_capable: tu
     assert transport.unfenced_live() == 1
     assert not unfenced.ended
     os.kill(peer.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 10
-    while transport.unfenced_live() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until_none_unfenced(transport)
     assert transport.unfenced_live() == 0
     assert unfenced.ended
     assert unfenced.watched
@@ -523,11 +526,7 @@ def test_a_mooncake_transfer_failed_by_itself_with_others_in_flight_is_unfenced(
     fence budget: the READ is reported unfenced and counted, not as a plain failure (it was: the worker's
     count of transfers left in flight was dropped when one had failed)."""
     transport, cache, peer = silent_capable
-    name = transport.add_peer(peer.metadata)
-    ld, rd, _ = descriptors(cache, peer)
-    asyncio.run(transport.read(name, ld, rd, timeout=30))
-    assert peer.proc.pid
-    freeze(peer.proc.pid)
+    name, ld, rd = read_then_freeze(transport, cache, peer)
     engine = transport.inner if isinstance(transport, CudaIpcDirect) else transport
     engine._engine = _FirstTransferFails(engine._engine)  # type: ignore[attr-defined]
     with pytest.raises(TransferUnfencedError) as err:
@@ -538,9 +537,7 @@ def test_a_mooncake_transfer_failed_by_itself_with_others_in_flight_is_unfenced(
     assert transport.unfenced_live() == 1
     assert not err.value.unfenced.ended
     os.kill(peer.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 10
-    while transport.unfenced_live() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until_none_unfenced(transport)
     assert err.value.unfenced.ended  # every batch it left in flight was seen to end
 
 
@@ -548,11 +545,7 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(
     backend: str, silent_capable: tuple[Transport, Cache, Peer]
 ) -> None:
     transport, cache, peer = silent_capable
-    name = transport.add_peer(peer.metadata)
-    ld, rd, _ = descriptors(cache, peer)
-    asyncio.run(transport.read(name, ld, rd, timeout=30))
-    assert peer.proc.pid
-    freeze(peer.proc.pid)
+    name, ld, rd = read_then_freeze(transport, cache, peer)
 
     async def killed() -> float:
         task = asyncio.create_task(transport.read(name, ld, rd, timeout=10))
@@ -577,11 +570,7 @@ def test_removing_a_peer_fails_its_transfers_with_a_transport_error(
     is removed (the sidecar does so after another pull's READ from it failed): every one ends with a
     TransportError, none as if its caller had cancelled it (a TaskGroup takes such a READ for done)."""
     transport, cache, peer = silent_capable
-    name = transport.add_peer(peer.metadata)
-    ld, rd, _ = descriptors(cache, peer)
-    asyncio.run(transport.read(name, ld, rd, timeout=30))
-    assert peer.proc.pid
-    freeze(peer.proc.pid)
+    name, ld, rd = read_then_freeze(transport, cache, peer)
 
     async def removed() -> list[BaseException | None]:
         tasks = [asyncio.create_task(transport.read(name, ld, rd, timeout=3)) for _ in range(3)]
