@@ -414,3 +414,16 @@ async def agent_reads(agent: WorkerAgent, job_id: int, address: int = 4096, time
     dp = agent.transport
     assert isinstance(dp, DelayedDataPlane)
     await asyncio.wait_for(dp.reading.wait(), 5)
+
+
+async def gone_worker_released(sidecar: Sidecar, dp: DelayedDataPlane) -> list[int]:
+    """Tell ``sidecar`` its worker is gone (as when the worker's socket closes) and return ``dp``'s count of
+    transfers in flight at each deregistration that followed (asserting there was one)."""
+    core = sidecar.core
+    assert core is not None
+    reg = core.registry.registration
+    assert reg is not None
+    await core.worker_gone(reg.epoch)
+    at_deregister = dp.in_flight_at_deregister
+    assert at_deregister, "the gone worker's memory was not released"
+    return at_deregister

@@ -18,7 +18,16 @@ from kvxfer.server.app import Sidecar
 from kvxfer.wire import common_pb2, local_pb2, local_pb2_grpc
 from kvxfer.wire.convert import layout_to_proto
 from tests.sidecar.conftest import JsonLogs
-from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, peer_lookups, transfer
+from tests.sidecar.helpers import (
+    DelayedDataPlane,
+    Harness,
+    Worker,
+    attention,
+    expect_error,
+    gone_worker_released,
+    peer_lookups,
+    transfer,
+)
 
 LAY = attention()
 OK = grpc.StatusCode
@@ -431,13 +440,7 @@ async def test_a_gone_workers_memory_is_released_only_once_its_reads_were_fenced
     await pw.prefill("gone", {"kv": [1, 2]}, salt=1)
     pull = asyncio.ensure_future(dw.pull("gone", [p], {"kv": [3, 4]}, deadline=20.0))
     await asyncio.wait_for(dp.reading.wait(), 5)
-    core = d.core
-    assert core is not None
-    reg = core.registry.registration
-    assert reg is not None
-    await core.worker_gone(reg.epoch)
-    at_deregister = dp.in_flight_at_deregister
-    assert at_deregister, "the gone worker's memory was not released"
+    at_deregister = await gone_worker_released(d, dp)
     assert at_deregister == [0] * len(at_deregister), "released while a READ into it was in flight"
     pull.cancel()
 

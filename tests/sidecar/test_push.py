@@ -18,7 +18,15 @@ from kvxfer.client import TokenSpan
 from kvxfer.layout import KVCacheLayout
 from kvxfer.server.app import Sidecar
 from kvxfer.wire import common_pb2, local_pb2, peer_pb2, peer_pb2_grpc
-from tests.sidecar.helpers import DelayedDataPlane, Harness, Worker, attention, expect_error, push_transfer
+from tests.sidecar.helpers import (
+    DelayedDataPlane,
+    Harness,
+    Worker,
+    attention,
+    expect_error,
+    gone_worker_released,
+    push_transfer,
+)
 
 FRAGMENTED_P = [5, 6, 7, 1, 30, 31, 12, 40, 41, 42, 43, 2]
 FRAGMENTED_D = [9, 3, 4, 50, 51, 52, 20, 21, 0, 60, 61, 62]
@@ -486,13 +494,7 @@ async def test_a_gone_writers_memory_is_released_only_once_its_writes_were_fence
     await _offered(p, "g1")
     await pw.client.publish("g1", {"kv": [1, 2]})
     await asyncio.wait_for(dp.reading.wait(), 5)
-    core = p.core
-    assert core is not None
-    reg = core.registry.registration
-    assert reg is not None
-    await core.worker_gone(reg.epoch)
-    at_deregister = dp.in_flight_at_deregister
-    assert at_deregister, "the gone worker's memory was not released"
+    at_deregister = await gone_worker_released(p, dp)
     assert at_deregister == [0] * len(at_deregister), "released while a WRITE from it was in flight"
     await expect_error(OK.ABORTED, pull, "may still land")
 
