@@ -12,6 +12,7 @@ import time
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from kvxfer.client import AsyncClient
@@ -20,6 +21,7 @@ from kvxfer.memory import LibraryRef
 from kvxfer.topology import RegionTable
 from kvxfer.transport import (
     TransferFailedError,
+    TransferResult,
     TransferTimeoutError,
     TransferUnfencedError,
     TransportConfig,
@@ -150,16 +152,14 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     assert isinstance(t, WorkerAgentTransport)
     t.bind_worker(WorkerAgentInfo("nixl", "w", b"md", 1))
     desc = np.array([[4096, 64, 0]], dtype=np.uint64)
-    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
-    (job,) = await t.next_jobs(0, 1.0)
+    task, job = await _taken(t, desc)
     assert job.WhichOneof("kind") == "transfer"
     assert descriptors_from_bytes(job.transfer.local, "local").tolist() == [[4096, 64, 0]]
     t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="slow")])
     with pytest.raises(TransferTimeoutError, match="slow"):
         await task
     # An outcome the worker's agent reported unfenced stays unfenced (its reason, not its text, decides).
-    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
-    (job,) = await t.next_jobs(0, 1.0)
+    task, job = await _taken(t, desc)
     t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                                      reason=Reason.DATA_PLANE_UNFENCED.value, message="in flight")])  # fmt: skip
     with pytest.raises(TransferUnfencedError, match="in flight") as unfenced:
@@ -172,8 +172,7 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     assert t.unfenced_live() == 0
     # A cancelled waiter tells the agent to give up the job it already took, and the cancel goes through
     # once the agent answers that it ended (within the fence budget).
-    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
-    (job,) = await t.next_jobs(0, 1.0)
+    task, job = await _taken(t, desc)
     task.cancel()
     (cancel,) = await t.next_jobs(0, 1.0)
     assert cancel.cancel == job.id
@@ -182,8 +181,7 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     assert not cancelled_unfenced(await _cancel_raised(task))
     # No answer within the budget (0.2 s + 1 s for the report): the cancel says unfenced, watched until the
     # agent's notice comes.
-    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
-    (job,) = await t.next_jobs(0, 1.0)
+    task, job = await _taken(t, desc)
     task.cancel()
     late = await _cancel_raised(task)
     assert cancelled_unfenced(late)
@@ -295,8 +293,7 @@ async def test_an_ended_notice_that_comes_with_its_outcome_is_not_lost() -> None
     assert isinstance(t, WorkerAgentTransport)
     t.bind_worker(WorkerAgentInfo("nixl", "w", b"md", 1))
     desc = np.array([[4096, 64, 0]], dtype=np.uint64)
-    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
-    (job,) = await t.next_jobs(0, 1.0)
+    task, job = await _taken(t, desc)
     t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                                      reason=Reason.DATA_PLANE_UNFENCED.value, message="in flight"),
               local_pb2.AgentOutcome(id=job.id, ended=True)])  # fmt: skip
@@ -305,8 +302,7 @@ async def test_an_ended_notice_that_comes_with_its_outcome_is_not_lost() -> None
     assert unfenced.value.unfenced.ended
     assert t.unfenced_live() == 0
     # The same for a cancel the agent answered unfenced, its notice in the same report.
-    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
-    (job,) = await t.next_jobs(0, 1.0)
+    task, job = await _taken(t, desc)
     task.cancel()
     (cancel,) = await t.next_jobs(0, 1.0)
     assert cancel.cancel == job.id
@@ -319,8 +315,7 @@ async def test_an_ended_notice_that_comes_with_its_outcome_is_not_lost() -> None
     assert op.ended
     assert t.unfenced_live() == 0
     # A notice alone is no outcome: the transfer still waits for one.
-    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
-    (job,) = await t.next_jobs(0, 1.0)
+    task, job = await _taken(t, desc)
     t.report([local_pb2.AgentOutcome(id=job.id, ended=True)])
     await asyncio.sleep(0.05)
     assert not task.done()
@@ -400,3 +395,12 @@ async def test_the_agent_is_quiet_since_a_time_once_what_started_before_it_ended
     agent._report_ended()
     assert agent.quiet_since(after)
     agent.close()
+
+
+async def _taken(
+    t: WorkerAgentTransport, desc: npt.NDArray[np.uint64]
+) -> tuple[asyncio.Task[TransferResult], local_pb2.AgentJob]:
+    """A READ of ``desc`` handed to the worker's agent, and the job the agent took for it."""
+    task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
+    (job,) = await t.next_jobs(0, 1.0)
+    return task, job
