@@ -502,17 +502,11 @@ class PullSteps:
             await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
                                remote_mem_type=mem_type(rmem))  # fmt: skip
         except asyncio.CancelledError as exc:
-            if (unfenced := unfenced_op(exc)) is not None:
-                entry.unfenced = True  # the pull's own error says so (Puller._failure)
-                entry.unfenced_ops.append(unfenced)
+            _note_unfenced(entry, exc)
             raise
         except KvxferError as exc:
             self.peers.invalidate(s.address, reconnect=True, session=s)
-            if (unfenced := unfenced_op(exc)) is not None:
-                # The pull's error says so however it ends: a READ again that fails too, or a sibling
-                # READ's failure that the task group reports first (Puller._failure).
-                entry.unfenced = True
-                entry.unfenced_ops.append(unfenced)
+            _note_unfenced(entry, exc)
             if exc.reason == Reason.DATA_PLANE_UNFENCED:
                 # The READ was still in flight after the fence budget: its bytes may still land in these
                 # blocks, which the worker must not hand to another request until it knows they stopped.
@@ -531,6 +525,15 @@ class PullSteps:
                 f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
                 field="remote_addresses", reason=Reason.DATA_PLANE,
             ) from None  # fmt: skip
+
+
+def _note_unfenced(entry: PullEntry, exc: BaseException) -> None:
+    """Keep on the pull what a READ's unfenced failure or cancel left in flight. The pull's error says so
+    however it ends (Puller._failure): a READ again that fails too, or a sibling READ's failure that the
+    task group reports first; and the sidecar watches it until it ended (kvxfer.server.unsettled)."""
+    if (unfenced := unfenced_op(exc)) is not None:
+        entry.unfenced = True
+        entry.unfenced_ops.append(unfenced)
 
 
 def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) -> bool:

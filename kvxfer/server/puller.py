@@ -348,8 +348,8 @@ class Puller:
             try:
                 async with asyncio.timeout(budget):
                     stats = await self.steps.run(entry, reg, local_blocks, remote_given, sessions)
-                if self.unsettled.in_flight(entry.unfenced_ops):
-                    raise _unfenced_behind(entry)
+                if behind := self.unsettled.in_flight(entry.unfenced_ops):
+                    raise _unfenced_behind(entry, behind)
             except (Exception, asyncio.CancelledError) as exc:  # every way a pull ends is reported below
                 failure = self._failure(entry, exc, budget, sessions)
             finally:
@@ -472,10 +472,9 @@ def _unfenced(entry: PullEntry) -> str:
     return UNFENCED_WRITE if entry.push else _UNFENCED
 
 
-def _unfenced_behind(entry: PullEntry) -> KvxferError:
-    """A pull whose READs succeeded while an earlier READ of it (from a registration its publisher has
-    replaced since) may still land: reporting it moved would let its blocks be used under that READ."""
-    n = sum(not op.ended for op in entry.unfenced_ops)
+def _unfenced_behind(entry: PullEntry, n: int) -> KvxferError:
+    """A pull whose READs succeeded while ``n`` earlier READs of it (from a registration its publisher has
+    replaced since) may still land: reporting it moved would let its blocks be used under them."""
     return PeerUnavailableError(
         f"pull of {entry.request_id!r}: its blocks were read, but {n} earlier READ(s) of it, which failed, "
         "were still in flight after the fence budget, so their bytes may still land in the blocks",
