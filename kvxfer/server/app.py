@@ -199,6 +199,8 @@ class Sidecar:
         """A transfer reported failed while its operation was still in flight (the transport logged it)."""
         if self.metrics is not None:
             self.metrics.unfenced.labels(op=op.lower()).inc()
+        if self.core is not None:  # watched until it ends, whether or not anyone asks
+            self.core.puller.unsettled.watch()
 
     def _start_data_plane(self) -> Transport:
         s = self.settings

@@ -459,6 +459,7 @@ class SidecarCore:
                 p.task.cancel()
         if tasks:  # their transfers return once fenced (up to the fence budget), before the memory goes
             await asyncio.wait(tasks, timeout=5.0 + self.settings.fence_budget_seconds)
+        self.puller.unsettled.close()
         await self.holds.close()
         await self.outbox.close()
         for rid in list(self.publisher.publishes):

@@ -8,10 +8,15 @@ pull in ``GetStatus.unsettled``: every operation it left in flight ended (the tr
 ``--unfenced-hold-seconds`` ran out since the failure (an operation no one can watch: a writer's
 WRITE in push mode, one the library lost sight of, one that never ends), which is logged as an
 error.
+
+Nobody need ask for ended operations to be let go: while any are held, the sidecar looks again every
+:data:`WATCH_INTERVAL_S` (:meth:`UnsettledPulls.watch`), so an idle sidecar still releases the
+data plane's handles of operations that ended and logs the holds that ran out when they do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -22,17 +27,25 @@ __all__ = ["UnsettledPulls"]
 
 log = get_logger("kvxfer.server.unsettled")
 
+#: How often an idle sidecar looks again at the operations it holds (one call into the data plane).
+WATCH_INTERVAL_S = 1.0
+
 
 class UnsettledPulls:
     """By request id (as pulled): the operations its failed pulls left in flight, each with when its pull failed."""
 
     def __init__(
-        self, hold_s: float, look_again: Callable[[], object], clock: Callable[[], float] = time.monotonic
-    ) -> None:
+        self, hold_s: float, look_again: Callable[[], int], clock: Callable[[], float] = time.monotonic,
+        interval_s: float = WATCH_INTERVAL_S,
+    ) -> None:  # fmt: skip
         self.hold_s = hold_s
-        self._look_again = look_again  # the transport's unfenced_live(): marks ended operations
+        #: The transport's unfenced_live(): marks ended operations, releases their handles, and
+        #: answers how many it still keeps.
+        self._look_again = look_again
         self._clock = clock
+        self.interval_s = interval_s
         self._pulls: dict[str, list[tuple[float, UnfencedOp]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
 
     def __len__(self) -> int:
         """Pulls still unsettled as far as is known without asking the data plane: the gauge reads it from
@@ -49,6 +62,32 @@ class UnsettledPulls:
         self._prune(now)
         ops = list(ops) or [UnfencedOp("READ", "", watched=False)]
         self._pulls.setdefault(request_id, []).extend((now, op) for op in ops)
+        self.watch()
+
+    def watch(self) -> None:
+        """Look again every :attr:`interval_s` until nothing is held here and the data plane keeps no
+        unfenced operation (called as the transport reports one, and by :meth:`add`); outside an
+        event loop, or already watching, it does nothing."""
+        if self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._timer = loop.call_later(self.interval_s, self._tick)
+
+    def close(self) -> None:
+        """Stop watching (the sidecar is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self) -> None:
+        self._timer = None
+        kept = self._look_again()
+        self._prune(self._clock())
+        if kept or self._pulls:
+            self.watch()
 
     def in_flight(self, ops: Sequence[UnfencedOp]) -> int:
         """How many of ``ops`` have not been seen to end (the data plane is asked again first)."""

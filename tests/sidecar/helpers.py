@@ -269,6 +269,7 @@ class DelayedDataPlane(Transport):
         #: What each READ cancelled unfenced left in flight; a test ends one (``ended = True``) where the real
         #: data plane would see its operation end.
         self.unfenced_ops: list[UnfencedOp] = []
+        self.looks = 0  # calls of unfenced_live(): the sidecar looking again at what it holds
 
     def register(self, table: Any, mem_type: MemType = "DRAM") -> Registration:
         return self.inner.register(table, mem_type)
@@ -351,6 +352,7 @@ class DelayedDataPlane(Transport):
         return self.inner.poll_notifications()
 
     def unfenced_live(self) -> int:
+        self.looks += 1
         return sum(not op.ended for op in self.unfenced_ops)
 
     def close(self) -> None:

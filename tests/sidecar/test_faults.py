@@ -392,6 +392,28 @@ async def test_an_unfenced_pull_stays_unsettled_until_its_read_ended(harness: Ha
                        "unsettled: 1025 request ids; at most 1024")  # fmt: skip
 
 
+async def test_an_idle_sidecar_looks_again_at_an_unfenced_read_until_it_ended(harness: Harness) -> None:
+    """Nobody asks about the failed pull (no GetStatus, no more transfers): the sidecar still asks the data
+    plane about the READ it left in flight about once a second (NIXL releases an ended operation's handle
+    only when asked), and stops once the READ ended. It used to keep the handle until someone asked."""
+    p = await harness.sidecar(role="prefill", engine_id="prefill")
+    dp = DelayedDataPlane("decode-idle", 30.0, unfenced=True, fence_seconds=0.2)
+    d = await harness.sidecar(role="decode", engine_id="decode", data_plane=dp)
+    pw, dw = await harness.worker(p, {"kv": LAY}), await harness.worker(d, {"kv": LAY})
+    await pw.prefill("idle", {"kv": [1, 2]}, salt=1)
+    await expect_error(OK.DEADLINE_EXCEEDED, dw.pull("idle", [p], {"kv": [3, 4]}, deadline=0.3), "may still land")
+    looks = dp.looks
+    await asyncio.sleep(2.5)
+    assert dp.looks >= looks + 2, "the idle sidecar did not look again on its own"
+    dp.unfenced_ops[0].ended = True
+    await asyncio.sleep(1.5)  # the next look finds it ended: nothing is held any more
+    looks = dp.looks
+    await asyncio.sleep(2.5)
+    assert dp.looks == looks, "still looking with nothing held"
+    assert d.metrics is not None
+    assert d.metrics.unsettled.collect()[0].samples[0].value == 0
+
+
 async def test_an_unfenced_pull_no_one_can_watch_is_unsettled_for_the_hold_only(harness: Harness) -> None:
     """A READ left in flight that its data plane cannot watch never ends: the pull stays unsettled for
     --unfenced-hold-seconds (1 s here), then GetStatus no longer names it."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvxfer.server.unsettled import UnsettledPulls
@@ -69,3 +71,45 @@ def test_the_count_lets_go_of_what_ended_or_ran_out_without_anyone_asking() -> N
     assert len(pulls) == 1
     now[0] = 10.0
     assert len(pulls) == 0
+
+
+async def test_held_pulls_are_looked_at_again_without_anyone_asking(caplog: pytest.LogCaptureFixture) -> None:
+    """In an event loop, what is held is looked at every interval with no GetStatus: an operation the data
+    plane saw end lets its pull go, a hold that runs out is logged when it does, and the looking stops once
+    nothing is held and the data plane keeps nothing."""
+    op_a, op_b = UnfencedOp("READ", "p0"), UnfencedOp("READ", "p1", watched=False)
+    library_ended: list[UnfencedOp] = []  # what the library saw end; the look marks it, as NIXL's does
+    looks = [0]
+
+    def look() -> int:
+        looks[0] += 1
+        for op in library_ended:
+            op.ended = True
+        return sum(op.watched and not op.ended for op in (op_a, op_b))
+
+    pulls = UnsettledPulls(0.6, look, interval_s=0.02)
+    pulls.add("a", [op_a])
+    pulls.add("b", [op_b])
+    await asyncio.sleep(0.15)
+    assert looks[0] >= 3
+    assert len(pulls) == 2
+    library_ended.append(op_a)
+    await asyncio.sleep(0.15)
+    assert op_a.ended
+    assert len(pulls) == 1
+    with caplog.at_level("ERROR", logger="kvxfer.server.unsettled"):
+        await asyncio.sleep(0.6)  # b's hold ran out
+    assert len(pulls) == 0
+    assert [r.request_id for r in caplog.records] == ["b"]  # type: ignore[attr-defined]
+    n = looks[0]
+    await asyncio.sleep(0.1)
+    assert looks[0] == n  # nothing held, nothing kept: no more looks
+    pulls.close()
+
+
+def test_outside_an_event_loop_nothing_is_watched() -> None:
+    """Held from a thread without a loop (tests, tools): adding works, nothing is scheduled."""
+    pulls = UnsettledPulls(1.0, lambda: 0)
+    pulls.add("a", [UnfencedOp("READ", "p0")])
+    assert pulls._timer is None
+    assert len(pulls) == 1
