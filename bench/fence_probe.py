@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from typing import cast
 
 os.environ.setdefault("UCX_MODULES", "^efa")
 os.environ.setdefault("UCX_TLS", "tcp")
@@ -76,7 +77,7 @@ def nixl(scenario: str) -> None:
             log(t0, "released the PROC handle")
         os.kill(pid, signal.SIGCONT)
         tc = time.monotonic()
-        state = "PROC"
+        state: str | None = "PROC"
         while h is not None and state == "PROC" and time.monotonic() - tc < 10:
             state = agent.check_xfer_state(h)
             time.sleep(0.001)
@@ -85,7 +86,7 @@ def nixl(scenario: str) -> None:
         changed = [
             bytes(p) != bytes(e)
             for p, e in zip(
-                peer.ask("pages", [(0, 50), (1, 7), (3, 62)]),
+                cast("list[bytes]", peer.ask("pages", [(0, 50), (1, 7), (3, 62)])),
                 [peer.expected.page(0, 50), peer.expected.page(1, 7), peer.expected.page(3, 62)],
                 strict=True,
             )
@@ -157,7 +158,7 @@ def mooncake(scenario: str) -> None:
             time.sleep(0.005)
         log(t0, f"SIGKILL: transfer_check_status {st} after {time.monotonic() - tk:.3f}s; nonzero {landed(cache)}")
         return
-    st, seen = 0, []
+    st, seen = 0, list[int]()
     while time.monotonic() - t0 < float(os.environ.get("PROBE_STOP_S", "8")):
         st = int(eng.transfer_check_status(batch))
         if not seen or seen[-1] != st:
@@ -173,7 +174,7 @@ def mooncake(scenario: str) -> None:
     log(t0, f"3 s after SIGCONT: nonzero {landed(cache)} (were {before})")
     if op == "WRITE":
         pages = [(0, 50), (1, 7), (3, 62)]
-        got = peer.ask("pages", pages)
+        got = cast("list[bytes]", peer.ask("pages", pages))
         changed = [bytes(p) != bytes(peer.expected.page(*lb)) for p, lb in zip(got, pages, strict=True)]
         log(t0, f"peer pages overwritten by the WRITE: {changed}")
     if st == 0:
