@@ -121,7 +121,7 @@ class Pusher:
             )  # fmt: skip
         rank = rank_from_proto(req.rank, "rank")
         key: ReaderKey = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
-        reader = self.publisher.reader(key)
+        reader = self.publisher.readers.use(key)
         if reader is None or req.epoch != reader.epoch:
             seen = "has not handshaken" if reader is None else f"handshook at epoch {reader.epoch}, not {req.epoch},"
             raise FailedPreconditionError(
@@ -171,7 +171,7 @@ class Pusher:
         key: ReaderKey = (engine_id, instance_id, rank.tp_rank, rank.pp_rank)
         offer = self.offers.get(rid, {}).get(key)
         stopping = self._stopping.get((rid, key))
-        if offer is None and not stopping and key not in self.publisher.readers:
+        if offer is None and not stopping and key not in self.publisher.readers.ranks:
             raise FailedPreconditionError(
                 f"engine_id: reader {engine_id!r} (instance {instance_id!r}, tp rank {rank.tp_rank}) has not "
                 f"handshaken with this sidecar and holds no offer of {rid!r} here; revoke refused",
@@ -373,7 +373,7 @@ class Pusher:
 
     async def write_rows(self, offer: Offer, local: U64, remote: U64) -> None:
         """WRITE these rows of this side into the reader's (its registration must be the offered one)."""
-        current = self.publisher.readers.get(offer.key)
+        current = self.publisher.readers.ranks.get(offer.key)
         if current is None or current.epoch != offer.reader.epoch:
             raise PeerUnavailableError(
                 f"reader {offer.reader.label} registered again or restarted since its offer of {offer.request_id!r}; "
@@ -419,7 +419,7 @@ class Pusher:
         # Readers the publisher forgot (decode pods replaced under new engine ids) with no offer left:
         # without this, every reader ever written into would stay loaded on the data plane.
         offered = {k for per_reader in self.offers.values() for k in per_reader}
-        for old in [k for k in self._loaded if k != key and k not in self.publisher.readers and k not in offered]:
+        for old in [k for k in self._loaded if k != key and k not in self.publisher.readers.ranks and k not in offered]:
             self._unload(old)
         loaded = self._loaded.get(key)
         if loaded is not None and loaded[1:] == (reader.epoch, reader.instance_id):
