@@ -304,7 +304,7 @@ class SidecarCore:
         self, req: peer_pb2.HandshakeRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.HandshakeResponse:
         """Handshake: refuse impostors and incompatible readers (every difference listed)."""
-        return self.publisher.handshake(req, creds)
+        return self.publisher.readers.handshake(req, creds)
 
     async def peer_get_published(
         self, req: peer_pb2.GetPublishedRequest, creds: PeerCredentials = ANONYMOUS

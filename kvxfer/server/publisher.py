@@ -2,9 +2,9 @@
 
 A worker *publishes* a request's blocks; they are held under a lease until every decode rank
 that reads them confirms (peer ``Notify``), the lease expires, or someone aborts. Readers first
-handshake (:meth:`Publisher.handshake`), then look the request up (``GetPublished``): only a
-reader that handshook learns block ids and region tables, and only a reader that fetched a
-request may free it.
+handshake (:meth:`~kvxfer.server.readers.Readers.handshake`, the publisher's :attr:`~Publisher.readers`),
+then look the request up (``GetPublished``): only a reader that handshook learns block ids and
+region tables, and only a reader that fetched a request may free it.
 
 A publish is *bound* to one reader engine: the one the worker named (``reader_engine_id``), else
 the first that fetches, frees or aborts it. Every other engine is refused (PERMISSION_DENIED,
@@ -33,11 +33,12 @@ from kvxfer.errors import (
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
-from kvxfer.server.identity import Identity, describe_differences, reader_differences
+from kvxfer.server.identity import Identity
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
+from kvxfer.server.readers import Readers, expected_readers
 from kvxfer.server.registration import Registry
-from kvxfer.server.state import PublishEntry, ReaderKey, Registration
+from kvxfer.server.state import PublishEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_lease, check_outcome
 from kvxfer.topology import RankInfo
@@ -45,21 +46,14 @@ from kvxfer.wire import local_pb2, peer_pb2
 from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto
 from kvxfer.wire.status import code_of
 
-__all__ = ["MAX_BATCH", "MAX_TP_SIZE", "READERS_KEPT", "READERS_PER_ENGINE", "Publisher"]
+__all__ = ["MAX_BATCH", "Publisher"]
 
 log = get_logger("kvxfer.server")
 MAX_BATCH = 1024  # items in one PullBatch, GetPublishedBatch, NotifyBatch or Hold
-#: The largest TP size a reader's handshake may claim (its expected readers are worked out rank by rank).
-MAX_TP_SIZE = 256
-#: Reader ranks kept per engine id (one per rank of its live instance, and a restarting one's): the
-#: longest unused is forgotten first (that reader handshakes again when it is next refused).
-READERS_PER_ENGINE = 2 * MAX_TP_SIZE
-#: Reader ranks kept in all, every engine together; the longest unused is forgotten first.
-READERS_KEPT = 4096
 
 
 class Publisher:
-    """Owns the publishes (leases) and the readers that handshook (see the module docs)."""
+    """Owns the publishes (leases) and, in :attr:`readers`, the readers that handshook (see the module docs)."""
 
     def __init__(
         self, settings: Settings, registry: Registry, hub: CompletionHub, metrics: SidecarMetrics, outbox: Outbox,
@@ -75,10 +69,8 @@ class Publisher:
         #: Dropped publishes whose blocks are not the worker's yet: their readers are being told
         #: (see _free_after_readers). GetStatus still reports them as held.
         self.freeing: dict[str, PublishEntry] = {}
-        #: Sidecars that handshook us, the longest unused first (see _add_reader for the bounds).
-        self.readers: dict[ReaderKey, Identity] = {}
-        self._by_engine: dict[str, dict[ReaderKey, None]] = {}  # engine id -> its keys in readers, oldest first
-        self._instances: dict[tuple[str, str], int] = {}  # (engine id, instance id) -> its keys in readers
+        #: Sidecars that handshook us (the peer ``Handshake`` is theirs: :meth:`Readers.handshake`).
+        self.readers = Readers(registry, metrics)
         #: Called with (request id, why) when a publish is dropped before its readers finished (push mode).
         self.on_dropped: Callable[[str, str], None] = lambda _rid, _why: None
 
@@ -188,84 +180,6 @@ class Publisher:
         return released
 
     # ------------------------------------------------------------------ peer API
-    def handshake(
-        self, req: peer_pb2.HandshakeRequest, creds: PeerCredentials = ANONYMOUS
-    ) -> peer_pb2.HandshakeResponse:
-        """Refuse impostors and incompatible readers (every difference listed); remember the others."""
-        try:
-            reader = Identity.from_proto(req.info, "info")
-            creds.check(reader.engine_id, "info.engine_id")
-            if reader.rank.tp_size > MAX_TP_SIZE:
-                raise InvalidArgumentError(
-                    f"info.rank.tp_size: {reader.rank.tp_size} is more than the {MAX_TP_SIZE} ranks a reader may have",
-                    field="info.rank.tp_size",
-                )
-        except KvxferError:
-            self.metrics.handshakes.labels(outcome="failed").inc()
-            raise
-        me = self.registry.identity()
-        diffs = reader_differences(reader, me)
-        if diffs:
-            self.metrics.handshakes.labels(outcome="refused").inc()
-            listed = describe_differences(diffs)
-            log.warning("handshake refused", extra={"peer": reader.label, "differences": listed})
-            raise FailedPreconditionError(
-                f"incompatible peer: {reader.label} cannot read from {me.label} (local = the reader, remote = this "
-                "sidecar): " + listed,
-                field="info", reason=Reason.INCOMPATIBLE_PEER,
-            )  # fmt: skip
-        self._add_reader((reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank), reader)
-        self.metrics.handshakes.labels(outcome="ok").inc()
-        return peer_pb2.HandshakeResponse(info=me.to_proto())
-
-    def _add_reader(self, key: ReaderKey, reader: Identity) -> None:
-        """Remember a reader rank that handshook, as the newest; forget what it replaces and what is too many.
-
-        A restarted reader gets a new instance id: its old instance at this rank is forgotten. At
-        most :data:`READERS_PER_ENGINE` ranks of one engine and :data:`READERS_KEPT` in all are kept,
-        the longest unused going first (a lookup, a Hold or an Offer counts as use, see
-        :meth:`reader`), so no peer can grow the table (each entry holds its data-plane metadata)
-        without bound, and a reader in use is not forgotten for the readers that came and went since
-        its handshake (decode pods replaced under new engine ids).
-        """
-        self._forget_reader(key)
-        same_rank = [k for k in self._by_engine.get(key[0], ()) if k[2:] == key[2:]]
-        for old in same_rank:
-            self._forget_reader(old)
-        self.readers[key] = reader
-        ranks = self._by_engine.setdefault(key[0], {})
-        ranks[key] = None
-        self._instances[key[:2]] = self._instances.get(key[:2], 0) + 1
-        while len(ranks) > READERS_PER_ENGINE:
-            self._forget_reader(next(iter(ranks)))
-        while len(self.readers) > READERS_KEPT:
-            self._forget_reader(next(iter(self.readers)))
-
-    def reader(self, key: ReaderKey) -> Identity | None:
-        """The handshaken reader rank ``key``, now the last to be forgotten; None if it is not known."""
-        reader = self.readers.pop(key, None)
-        if reader is not None:
-            self.readers[key] = reader  # dicts keep insertion order: last in, last out
-            ranks = self._by_engine[key[0]]
-            del ranks[key]
-            ranks[key] = None
-        return reader
-
-    def _forget_reader(self, key: ReaderKey) -> None:
-        if self.readers.pop(key, None) is None:
-            return
-        ranks = self._by_engine[key[0]]
-        del ranks[key]
-        if not ranks:
-            del self._by_engine[key[0]]
-        left = self._instances.pop(key[:2]) - 1
-        if left:
-            self._instances[key[:2]] = left
-
-    def knows(self, engine_id: str, instance_id: str) -> bool:
-        """True when that sidecar instance handshook with this one."""
-        return (engine_id, instance_id) in self._instances
-
     def get_published(
         self, req: peer_pb2.GetPublishedRequest, creds: PeerCredentials = ANONYMOUS
     ) -> peer_pb2.GetPublishedResponse:
@@ -279,7 +193,7 @@ class Publisher:
         reg = self.registry.require()
         rank = rank_from_proto(req.rank, "rank")
         key = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
-        reader = self.reader(key)
+        reader = self.readers.use(key)
         if reader is None:
             raise FailedPreconditionError(
                 f"engine_id: reader {req.engine_id!r} (instance {req.instance_id}) has not handshaken with this "
@@ -326,7 +240,7 @@ class Publisher:
         """
         tp_size = reader.rank.tp_size
         if entry.expected_readers is None or entry.reader_tp_size != tp_size:
-            entry.expected_readers = self._expected_readers(reader, tp_size, reg)
+            entry.expected_readers = expected_readers(self.topologies, reader, tp_size, reg)
             entry.reader_tp_size = tp_size
         entry.readers[(reader.engine_id, reader.instance_id, rank.tp_rank, rank.pp_rank)] = reader.address
 
@@ -348,23 +262,6 @@ class Publisher:
                                 field=exc.field or "")  # fmt: skip
         return out
 
-    def _expected_readers(self, reader: Identity, tp_size: int, reg: Registration) -> set[int]:
-        """Reader TP ranks that read from this rank, for every group (who must confirm)."""
-        out: set[int] = set()
-        for name, g in reg.groups.items():
-            theirs = reader.groups.get(name)
-            if theirs is None:
-                continue
-            for r in range(tp_size):
-                rank = RankInfo(r, tp_size, reader.rank.pp_rank, reader.rank.pp_size)
-                try:
-                    topo = self.topologies.topology(f"<{name}", theirs, g.layout, rank, reg.rank.tp_size)
-                except KvxferError:
-                    continue
-                if any(s.remote_rank == reg.rank.tp_rank for s in topo.sources()):
-                    out.add(r)
-        return out or {reader.rank.tp_rank}
-
     def notify(self, req: peer_pb2.NotifyRequest, creds: PeerCredentials = ANONYMOUS) -> peer_pb2.NotifyResponse:
         """A reader is done (or gave up, or reads another replica): free the blocks once every expected reader is.
 
@@ -377,7 +274,7 @@ class Publisher:
         rank = rank_from_proto(req.rank, "rank")
         entry = self.publishes.get(rid)
         fetched = entry is not None and (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank) in entry.readers
-        if not fetched and not self.knows(req.engine_id, req.instance_id):
+        if not fetched and not self.readers.knows(req.engine_id, req.instance_id):
             raise FailedPreconditionError(
                 f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "
                 f"notice of {rid!r} refused",
@@ -455,7 +352,7 @@ class Publisher:
     def _check_notifier(self, req: peer_pb2.NotifyRequest, rank: RankInfo, entry: PublishEntry, unread: bool) -> None:
         # Only a reader that handshook (UNREAD) or fetched this request (DONE/FAILED) may free its blocks.
         if unread:
-            known = self.knows(req.engine_id, req.instance_id)
+            known = self.readers.knows(req.engine_id, req.instance_id)
         else:
             known = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank) in entry.readers
         if not known:
@@ -499,8 +396,8 @@ class Publisher:
             raise InvalidArgumentError(f"request_ids: {len(req.request_ids)} ids in one Hold; at most {MAX_BATCH}",
                                        field="request_ids")  # fmt: skip
         rank = rank_from_proto(req.rank, "rank") if req.HasField("rank") else None
-        reader = self.reader((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)) if rank else None
-        if not self.knows(req.engine_id, req.instance_id) or (rank is not None and reader is None):
+        reader = self.readers.use((req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)) if rank else None
+        if not self.readers.knows(req.engine_id, req.instance_id) or (rank is not None and reader is None):
             raise FailedPreconditionError(
                 f"engine_id: {req.engine_id!r} (instance {req.instance_id!r}) has not handshaken with this sidecar; "
                 "hold refused",
@@ -543,6 +440,10 @@ class Publisher:
                 field="engine_id", reason=Reason.NOT_BOUND_READER,
             )  # fmt: skip
 
+    def knows(self, engine_id: str, instance_id: str) -> bool:
+        """True when that sidecar instance handshook with this one (:meth:`Readers.knows`)."""
+        return self.readers.knows(engine_id, instance_id)
+
     def count_readers(self) -> int:
         """Reader sidecar instances that handshook (for the peers gauge)."""
-        return len(self._instances)  # called from the metrics server's thread: one len() of a dict
+        return self.readers.count_instances()  # called from the metrics server's thread: one len() of a dict

@@ -5,18 +5,20 @@ the reader that made it: its engine id comes from its credentials, it must have 
 registration epoch it names, and its blocks are checked against the layout of that handshake
 before anything is kept. Once the request is published here (before or after the offer came), the
 sidecar plans the reader's pull restricted to this rank (what :class:`~kvxfer.topology.PushTopology`
-does for every receiver), WRITEs it and calls the reader's ``Landed``. Every offer ends in exactly
-one Landed, done or failed, unless the reader revoked it.
+does for every receiver), WRITEs it (to the reader's agent on the data plane,
+:class:`~kvxfer.server.reader_agents.ReaderAgents`) and calls the reader's ``Landed``. Every offer
+ends in exactly one Landed, done or failed, unless the reader revoked it.
 
 A reader that gave up takes its offer back (``Revoke``). The answer comes once no WRITE of the
 offer is in flight and none will start, so the reader may reuse its blocks after it. An offer also
 lapses at its deadline: no WRITE starts, or keeps running, past it. Only a reader that handshook (or
 holds an offer under the rank it names) may revoke. A request that every offer gave up on before it
 was published is remembered with the engine that gave up, for a while (at most
-:data:`GIVEN_UP_KEPT` of them): its publish, when it comes, is freed at once only if it is unbound or
-bound to that engine, so no other reader can give up a publish meant for someone else. A publish dropped here
-(aborted, released, expired, the worker gone) fails the offers waiting on it, and a worker that
-exits fails the offers of every request it had not published yet.
+:data:`GIVEN_UP_KEPT` of them, in :class:`~kvxfer.server.give_ups.GiveUps`): its publish, when it
+comes, is freed at once only if it is unbound or bound to that engine, so no other reader can give
+up a publish meant for someone else. A publish dropped here (aborted, released, expired, the worker
+gone) fails the offers waiting on it, and a worker that exits fails the offers of every request it
+had not published yet.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvxfer.errors import (
 )
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import SidecarMetrics
+from kvxfer.server.give_ups import GiveUps
 from kvxfer.server.identity import Identity
 from kvxfer.server.landed import UNFENCED_WRITE, LandedNotices, amend_unfenced
 from kvxfer.server.outbox import Outbox
@@ -48,6 +51,7 @@ from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory
 from kvxfer.server.publisher import Publisher
 from kvxfer.server.push_rows import group_rows, offer_rows, token_span
+from kvxfer.server.reader_agents import ReaderAgents
 from kvxfer.server.recent import RecentMemo
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Offer, ReaderKey, Registration
@@ -85,15 +89,14 @@ class Pusher:
         self.metrics = metrics
         self.topologies = topologies
         self.offers: dict[str, dict[ReaderKey, Offer]] = {}
-        #: The data-plane name of each reader written into, with the instance and epoch it was loaded for.
-        self._loaded: dict[ReaderKey, tuple[str, int, str]] = {}
+        #: The readers written into, loaded on the data plane once per instance and epoch.
+        self._loaded = ReaderAgents(data_plane)
         self._ids = itertools.count(1)
         #: Requests whose every offer was revoked before they were published here: (request id, the
         #: engine that gave up) -> why. Their publish, when it comes unbound or bound to that engine, is
         #: released at once (nobody will take it). Kept as long as their reader could have waited for it.
         remembered = settings.transfer_timeout_seconds + settings.lease_seconds
-        self._given_up: RecentMemo[tuple[str, str], str] = RecentMemo(kept=GIVEN_UP_KEPT, seconds=remembered,
-                                                                     group=lambda key: key[0])  # fmt: skip
+        self._given_up = GiveUps(kept=GIVEN_UP_KEPT, seconds=remembered)
         #: Offers the layer-wise stream completed before their publish (Landed already sent): request id
         #: -> [(reader, its rank, when)]. The publish, when it comes, counts them as done readers.
         self._landed_early: dict[str, list[tuple[Identity, RankInfo, float]]] = {}
@@ -121,7 +124,7 @@ class Pusher:
             )  # fmt: skip
         rank = rank_from_proto(req.rank, "rank")
         key: ReaderKey = (req.engine_id, req.instance_id, rank.tp_rank, rank.pp_rank)
-        reader = self.publisher.reader(key)
+        reader = self.publisher.readers.use(key)
         if reader is None or req.epoch != reader.epoch:
             seen = "has not handshaken" if reader is None else f"handshook at epoch {reader.epoch}, not {req.epoch},"
             raise FailedPreconditionError(
@@ -171,7 +174,7 @@ class Pusher:
         key: ReaderKey = (engine_id, instance_id, rank.tp_rank, rank.pp_rank)
         offer = self.offers.get(rid, {}).get(key)
         stopping = self._stopping.get((rid, key))
-        if offer is None and not stopping and key not in self.publisher.readers:
+        if offer is None and not stopping and key not in self.publisher.readers.ranks:
             raise FailedPreconditionError(
                 f"engine_id: reader {engine_id!r} (instance {instance_id!r}, tp rank {rank.tp_rank}) has not "
                 f"handshaken with this sidecar and holds no offer of {rid!r} here; revoke refused",
@@ -185,7 +188,7 @@ class Pusher:
                 unfenced = stopping[0].unfenced
             if rid not in self.publisher.publishes and not self.offers.get(rid):
                 # Its offer lapsed (or never came): a publish that comes later is still nobody's.
-                self._remember_given_up(rid, engine_id, f"{engine_id} gave up on it before it was published")
+                self._given_up.remember(rid, engine_id, f"{engine_id} gave up on it before it was published")
             return peer_pb2.RevokeResponse(found=False, unfenced=unfenced)
         offer.revoked = True
         self._forget(offer)
@@ -199,7 +202,7 @@ class Pusher:
         if rid in self.publisher.publishes:
             self.publisher.reader_finished(rid, engine_id, rank, f"{why} (revoked)")
         elif not self.offers.get(rid):
-            self._remember_given_up(rid, engine_id, f"{engine_id} gave up on it before it was published ({why})")
+            self._given_up.remember(rid, engine_id, f"{engine_id} gave up on it before it was published ({why})")
         with log_context(request_id=rid, transfer_id=offer.transfer_id, peer=offer.reader.label):
             log.info("offer revoked", extra={"wrote": offer.wrote, "reason": why, "unfenced": offer.unfenced})
         return peer_pb2.RevokeResponse(found=True, wrote=offer.wrote, unfenced=offer.unfenced)
@@ -227,7 +230,8 @@ class Pusher:
     def published(self, rid: str) -> None:
         """``rid`` was published here: write every offer that waited for it (or free it if all gave up)."""
         self._abandoned.pop(rid)
-        given_up = self._take_given_up(rid)
+        entry = self.publisher.publishes.get(rid)
+        given_up = self._given_up.take(rid, entry.reader_engine if entry is not None else "")
         if given_up is not None and not self.offers.get(rid):
             self.publisher.release_unwanted(rid, given_up)
             return
@@ -373,7 +377,7 @@ class Pusher:
 
     async def write_rows(self, offer: Offer, local: U64, remote: U64) -> None:
         """WRITE these rows of this side into the reader's (its registration must be the offered one)."""
-        current = self.publisher.readers.get(offer.key)
+        current = self.publisher.readers.ranks.get(offer.key)
         if current is None or current.epoch != offer.reader.epoch:
             raise PeerUnavailableError(
                 f"reader {offer.reader.label} registered again or restarted since its offer of {offer.request_id!r}; "
@@ -381,7 +385,7 @@ class Pusher:
                 field="epoch", reason=Reason.PEER_CHANGED,
             )  # fmt: skip
         reg = self.registry.require()
-        peer = self._peer_name(offer.reader)
+        peer = self._loaded.name(offer.reader, self.publisher.readers.ranks, self.offers)
         mem = mem_type(next(iter(reg.groups.values())).memory.mem_type)
         rmem = mem_type(next(iter(offer.reader.regions.values()))[1])
         offer.wrote = True
@@ -393,7 +397,7 @@ class Pusher:
                 offer.unfenced = True  # the push's answer (Landed, Revoke) says so
             raise
         except KvxferError as exc:
-            self._unload(offer.key)
+            self._loaded.unload(offer.key)
             unfenced = exc.reason == Reason.DATA_PLANE_UNFENCED  # the WRITE may still land in the reader's blocks
             offer.unfenced = offer.unfenced or unfenced
             raise PeerUnavailableError(
@@ -411,30 +415,6 @@ class Pusher:
         return group_rows(self.topologies, offer, reg, group, reader_ids, writer_ids, num_tokens=num_tokens,
                           reader_skip=reader_skip, writer_skip=writer_skip)  # fmt: skip
 
-    def _peer_name(self, reader: Identity) -> str:
-        """The reader's agent on this data plane, loaded once per reader instance and epoch."""
-        key: ReaderKey = (reader.engine_id, reader.instance_id, reader.rank.tp_rank, reader.rank.pp_rank)
-        for old in [k for k in self._loaded if k[0] == key[0] and k[2:] == key[2:] and k != key]:
-            self._unload(old)  # a restarted reader: its old agent is gone
-        # Readers the publisher forgot (decode pods replaced under new engine ids) with no offer left:
-        # without this, every reader ever written into would stay loaded on the data plane.
-        offered = {k for per_reader in self.offers.values() for k in per_reader}
-        for old in [k for k in self._loaded if k != key and k not in self.publisher.readers and k not in offered]:
-            self._unload(old)
-        loaded = self._loaded.get(key)
-        if loaded is not None and loaded[1:] == (reader.epoch, reader.instance_id):
-            return loaded[0]
-        if loaded is not None:
-            self._unload(key)
-        name = self.dp.add_peer(reader.metadata)
-        self._loaded[key] = (name, reader.epoch, reader.instance_id)
-        return name
-
-    def _unload(self, key: ReaderKey) -> None:
-        loaded = self._loaded.pop(key, None)
-        if loaded is not None:
-            self.dp.remove_peer(loaded[0])
-
     def landed_early(self, offer: Offer) -> None:
         """The layer-wise stream wrote every byte of ``offer`` before the publish: tell the reader now."""
         if offer.task is not None or self.offers.get(offer.request_id, {}).get(offer.key) is not offer:
@@ -449,25 +429,6 @@ class Pusher:
                                    seconds=offer.stream_seconds)  # fmt: skip
         self.notices.send(offer, None, (offer.stream_bytes, offer.stream_descriptors, offer.stream_seconds))
 
-    def _remember_given_up(self, rid: str, engine_id: str, why: str) -> None:
-        """``engine_id`` gave up on ``rid`` before it was published here (see the module docs)."""
-        self._given_up.put((rid, engine_id), why)
-
-    def _take_given_up(self, rid: str) -> str | None:
-        """At ``rid``'s publish: why it is unwanted (None: it is not), forgetting who gave up on it.
-
-        Only the engine it is bound to (``reader_engine_id``), or any engine while it is unbound, can
-        have given it up: a reader may not give up a publish meant for another.
-        """
-        entry = self.publisher.publishes.get(rid)
-        bound = entry.reader_engine if entry is not None else ""
-        why = None
-        for key in sorted(self._given_up.keys_of(rid)):
-            gave_up = self._given_up.pop(key)
-            if gave_up is not None and why is None and bound in ("", key[1]):
-                why = gave_up
-        return why
-
     def _lapse(self, offer: Offer) -> None:
         """The offer's deadline passed before its publish came: the reader is told (its own deadline ends it)."""
         if offer.task is None and self.offers.get(offer.request_id, {}).get(offer.key) is offer:
@@ -475,7 +436,7 @@ class Pusher:
                 f"request_id: {offer.request_id!r} was not published on {self.settings.engine_id} before the offer's "
                 "deadline", field="request_id"))  # fmt: skip
             if not self.offers.get(offer.request_id):  # its reader gives up at this deadline too
-                self._remember_given_up(offer.request_id, offer.key[0], f"{offer.key[0]} gave up on it before it "
+                self._given_up.remember(offer.request_id, offer.key[0], f"{offer.key[0]} gave up on it before it "
                                         "was published (its offer lapsed)")  # fmt: skip
 
     def _fail(self, offer: Offer, err: KvxferError) -> list[asyncio.Task[None]]:

@@ -18,8 +18,8 @@ import pytest
 from kvxfer.errors import Reason
 from kvxfer.layout import KVCacheLayout
 from kvxfer.server import peers as peers_module
-from kvxfer.server import publisher as publisher_module
 from kvxfer.server import pusher as pusher_module
+from kvxfer.server import readers as readers_module
 from kvxfer.server.app import Sidecar
 from kvxfer.wire import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer.wire.status import error_from_status
@@ -164,7 +164,7 @@ async def test_a_writer_that_forgot_the_reader_refuses_its_revoke_and_the_fence_
     # FAULT INJECTION: the writer crashed and came back on its address; it knows neither the reader nor its offer.
     writer.pusher._forget(next(iter(writer.pusher.offers["w"].values())))
     for key in list(writer.publisher.readers):
-        writer.publisher._forget_reader(key)
+        writer.publisher.readers.forget(key)
     t0 = time.monotonic()
     assert await dw[0].client.abort("w", "user cancelled") == (1, False)
     await expect_error(OK.ABORTED, pull, "pull of 'w' aborted: user cancelled")
@@ -219,7 +219,7 @@ async def test_one_engine_cannot_grow_the_readers_table_past_its_share(
     """Handshakes under one engine, each a new rank with 64 KiB of data-plane metadata: only the newest
     READERS_PER_ENGINE (8 here) are kept, and the other engines' readers are untouched (the decode sidecar
     reads on without handshaking again); READERS_KEPT bounds every engine together the same way."""
-    monkeypatch.setattr(publisher_module, "READERS_PER_ENGINE", 8, raising=False)
+    monkeypatch.setattr(readers_module, "READERS_PER_ENGINE", 8, raising=False)
     ps, pw, ds, dw = await harness.deployment({"kv": MLA}, {"kv": MLA})
     publisher = ps[0].core.publisher  # type: ignore[union-attr]
     assert ds[0].core is not None
@@ -244,7 +244,7 @@ async def test_one_engine_cannot_grow_the_readers_table_past_its_share(
     assert dw[0].verify({"kv": [4]}, 2) == (res.bytes, 0)
     assert ds[0].metrics.handshakes.labels(outcome="ok")._value.get() == handshakes  # type: ignore[union-attr]
     # Every engine together: the longest unused go first (the decode sidecar's lookup of r1 was the last use).
-    monkeypatch.setattr(publisher_module, "READERS_KEPT", 4, raising=False)
+    monkeypatch.setattr(readers_module, "READERS_KEPT", 4, raising=False)
     async with grpc.aio.insecure_channel(ps[0].peer_address) as ch:
         stub = peer_pb2_grpc.PeerStub(ch)
         for k in range(3):
@@ -263,7 +263,7 @@ async def test_a_reader_in_use_outlives_the_readers_that_came_and_went_since_its
     """The table forgets the longest unused reader first, not the oldest handshake: decode pods that
     are replaced (new engine ids) do not push out a long-lived reader that keeps pulling (it used
     to be forgotten, then refused, its data-plane peer torn down under its other READs)."""
-    monkeypatch.setattr(publisher_module, "READERS_KEPT", 3, raising=False)
+    monkeypatch.setattr(readers_module, "READERS_KEPT", 3, raising=False)
     ps, pw, ds, dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
     publisher = ps[0].core.publisher  # type: ignore[union-attr]
     assert ds[0].core is not None
@@ -306,7 +306,7 @@ async def test_a_reader_the_publisher_forgot_handshakes_again_and_reads_on(
     """Not a regression of the bounds above: a reader rank forgotten for newer handshakes of its engine (one
     rank kept per engine here) is refused NOT_HANDSHAKEN; its push offer handshakes again and is written,
     and its holds handshake again at their next round and are granted."""
-    monkeypatch.setattr(publisher_module, "READERS_PER_ENGINE", 1, raising=False)
+    monkeypatch.setattr(readers_module, "READERS_PER_ENGINE", 1, raising=False)
     ps, pw, ds, dw = await harness.deployment({"kv": MLA}, {"kv": MLA})
     publisher = ps[0].core.publisher  # type: ignore[union-attr]
     reader = ds[0].core  # type: ignore[union-attr]
@@ -475,7 +475,7 @@ async def test_a_writer_unloads_the_readers_the_publisher_forgot(
 ) -> None:
     """Decode engines replaced under new engine ids: the writer's data plane keeps only the readers the
     publisher still knows (or that hold an offer), not every reader it ever wrote into."""
-    monkeypatch.setattr(publisher_module, "READERS_KEPT", 1, raising=False)
+    monkeypatch.setattr(readers_module, "READERS_KEPT", 1, raising=False)
     p = await harness.sidecar("p", role="prefill", engine_id="prefill")
     pw = await harness.worker(p, {"kv": LAY})
     pusher = p.core.pusher  # type: ignore[union-attr]
