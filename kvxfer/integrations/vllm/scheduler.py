@@ -55,7 +55,7 @@ from kvxfer.integrations.vllm.plan import (
     stage_addresses,
 )
 from kvxfer.integrations.vllm.settings import ConnectorSettings
-from kvxfer.integrations.vllm.spec import TransferGroup
+from kvxfer.integrations.vllm.transfer_groups import TransferGroup
 from kvxfer.logs import get_logger, log_context
 
 __all__ = ["SchedulerSide"]
