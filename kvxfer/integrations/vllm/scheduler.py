@@ -15,6 +15,9 @@ every group in one pull (:func:`~kvxfer.integrations.vllm.plan.group_pull`).
 Models with Mamba layers: the state after the whole prompt cannot be moved and then have the last
 prompt token recomputed on top of it (vLLM always recomputes the last token after a load), so the
 prefill instance stops one token short (``prefill_backoff``) and the decode instance computes it.
+
+Whether a publish can feed a decode request is checked by :mod:`.mismatch`; push mode's layer-wise
+streams and unpublished prefills are followed by :mod:`.prefill_push`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import grpc
 from kvxfer.client import Client, KvxferRpcError
 from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, KvxferError, Reason
 from kvxfer.integrations.vllm.idle import LoadWaker
+from kvxfer.integrations.vllm.mismatch import publish_mismatch
 from kvxfer.integrations.vllm.params import (
     ParamsError,
     RemoteGroup,
@@ -41,21 +45,18 @@ from kvxfer.integrations.vllm.params import (
     wants_remote_prefill,
 )
 from kvxfer.integrations.vllm.plan import (
-    NULL_BLOCK,
     GroupPull,
     PullSpec,
     StepPlan,
-    StreamSpec,
-    attended_from,
-    attention_span,
     group_offer,
     group_pull,
     published_blocks,
     pull_arguments,
     stage_addresses,
 )
+from kvxfer.integrations.vllm.prefill_push import StreamedPrompts, abort_unpublished
 from kvxfer.integrations.vllm.settings import ConnectorSettings
-from kvxfer.integrations.vllm.spec import TransferGroup
+from kvxfer.integrations.vllm.transfer_groups import TransferGroup
 from kvxfer.logs import get_logger, log_context
 
 __all__ = ["SchedulerSide"]
@@ -91,8 +92,8 @@ class SchedulerSide:
         self._rank_groups: list[tuple[str, ...]] = []
         self._plan = StepPlan()
         self._loading: set[str] = set()  # decode requests whose KV is on its way
-        #: Layer-wise push (prefill side): vLLM id -> (push id, prompt tokens, block table so far per group).
-        self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
+        #: Layer-wise push (prefill side): each streamed prompt's block table so far.
+        self._streams = StreamedPrompts(self.groups)
         #: Decode requests queued until vLLM allocates their blocks (in pull mode their publishes are held
         #: meanwhile): one that finishes before is dropped at its publishers.
         self._expected: set[str] = set()
@@ -146,7 +147,7 @@ class SchedulerSide:
             except ParamsError as exc:
                 log.warning(f"request {request.request_id}: not streamed ({exc.message})")
                 return
-            self._streams[request.request_id] = (pid, int(request.num_prompt_tokens), [[] for _ in self.groups])
+            self._streams.start(request.request_id, pid, int(request.num_prompt_tokens))
 
     def _truncate(self, request: Any, params: dict[str, Any] | None) -> None:
         if not self.prefill_backoff or params is None or not wants_remote_decode(params):
@@ -171,7 +172,7 @@ class SchedulerSide:
         """
         params = request.kv_transfer_params
         rid = request.request_id
-        self._streams.pop(rid, None)
+        self._streams.forget(rid)
         if rid in self._expected:  # finished while queued: its publishers are told to drop it
             self._expected.discard(rid)
             with contextlib.suppress(ParamsError):
@@ -186,7 +187,7 @@ class SchedulerSide:
             return False, None
         keep, answer = self._finish_prefill(request, tables)
         if not keep:
-            self._not_published(request)
+            abort_unpublished(request, self._sidecars)
         return keep, answer
 
     def _finish_prefill(
@@ -214,29 +215,6 @@ class SchedulerSide:
             except KvxferError as exc:
                 log.error(f"request {rid}: publish failed ({exc.message}); the decode side computes the prompt")
                 return False, None
-
-    def _not_published(self, request: Any) -> None:
-        """A push-mode prefill ended without publishing (aborted, failed, nothing to publish): every rank's
-        sidecar is told (``Abort``; not waited for), so that the decode side's offers for its id fail now
-        (their readers hear ``Landed`` with ABORTED) instead of waiting for their deadline."""
-        params = request.kv_transfer_params
-        if not wants_push(params):
-            return
-        try:
-            pid = push_id(params)
-        except ParamsError:
-            return  # no decode side can have offered for an id that is not one
-        status = getattr(request.status, "name", str(request.status))
-        why = f"the prefill request {request.request_id} ended ({status}) without publishing its KV"
-        rid = request.request_id
-
-        def done(fut: cf.Future[tuple[int, bool]]) -> None:
-            if not fut.cancelled() and fut.exception() is not None:  # the offers' deadline still ends them
-                log.warning(f"request {rid}: could not tell the sidecar that push {pid} will not be published: "
-                            f"{fut.exception()}")  # fmt: skip
-
-        for c in self._sidecars():
-            c.submit(c.aio.abort(pid, why)).add_done_callback(done)
 
     def _publish(self, request: Any, groups: list[RemoteGroup], computed: int) -> dict[str, Any]:
         rid = request.request_id
@@ -310,7 +288,10 @@ class SchedulerSide:
             # Nothing to hold yet; but a request aborted while queued must still tell the prefill side.
             self._expected.add(rid)
             return count, True
-        why = self._unusable(remote, self.tokens_to_load(request, remote))
+        why = publish_mismatch(
+            remote, self.groups, self.tokens_to_load(request, remote), tp_size=self.tp_size, pp_size=self.pp_size,
+            prefill_backoff=self.prefill_backoff,
+        )  # fmt: skip
         if why:
             log.warning(f"request {rid}: {why}; computing the prompt here")
             return 0, False
@@ -342,89 +323,6 @@ class SchedulerSide:
         for pp, addresses in enumerate(stages):
             c = self._sidecars()[pp * self.tp_size]
             c.submit(c.aio.expect_quietly(remote.request_id, addresses)).add_done_callback(done)
-
-    def _unusable(self, remote: RemotePrefill, tokens: int) -> str:
-        """Why a publish cannot feed this instance ('' when it can)."""
-        names = [g.name for g in self.groups]
-        if [g.name for g in remote.groups] != names:
-            return (
-                f"the prefill instance has KV-cache groups {[g.name for g in remote.groups]}, this one {names} "
-                "(another model or cache configuration)"
-            )
-        if tokens < 1:
-            return "a one-token prompt has nothing to load"
-        # What the sidecars refuse at the handshake, told before vLLM is promised a load.
-        if remote.pp_size and remote.pp_size != self.pp_size:
-            return (
-                f"the prefill instance runs {remote.pp_size} pipeline stages, this one {self.pp_size} (a stage "
-                "reads the same stage's layers)"
-            )
-        # A state group whose split over TP is known on both sides moves between any TP sizes (the
-        # sidecars check at the handshake that both sides split it alike); an opaque one only between
-        # equal ones. A prefill instance that does not say (older params) is left to the handshake.
-        remote_split = {r.name: r.tp_split for r in remote.groups}
-        state = [g.name for g in self.groups
-                 if g.role == "state" and not (g.tp_split and remote_split.get(g.name) is not False)]  # fmt: skip
-        if state and remote.tp_size and remote.tp_size != self.tp_size:
-            where = "here" if not next(g for g in self.groups if g.name == state[0]).tp_split else "on the prefill side"
-            return (
-                f"group {state[0]}: Mamba state moves only between equal tensor-parallel sizes (prefill "
-                f"{remote.tp_size}, here {self.tp_size}) unless its split over TP is known on both sides; it is not "
-                f"{where} (vLLM's conv state layout DS, VLLM_SSM_CONV_STATE_LAYOUT=DS, with Mamba1, Mamba2 or GDN "
-                "layers)"
-            )
-        # A split known on one side only: the same model's state laid out otherwise (vLLM's DS conv
-        # layout here, SD there, or the reverse: the same page size, so the sidecars would move it whole
-        # and the conv state would arrive transposed). Both known: the sidecars accept them only alike
-        # (as many segments, each segment's size x TP size equal). vLLM replicates a Mamba2 layer's B/C
-        # groups over the ranks when n_groups is not a multiple of the TP size: its per-rank B and C
-        # are then not slices of one state.
-        for g, r in zip(self.groups, remote.groups, strict=True):
-            if g.role != "state" or r.tp_split is None:
-                continue
-            if g.tp_split != r.tp_split:
-                side = "here" if g.tp_split else "on the prefill side"
-                return (
-                    f"group {g.name}: the Mamba state's split over TP is known {side} only: the instances lay the "
-                    "state out differently (VLLM_SSM_CONV_STATE_LAYOUT=DS on one of them only)"
-                )
-            if not g.tp_split or r.segments is None or not remote.tp_size:
-                continue
-            lt, rt = self.tp_size, remote.tp_size
-            if len(g.segments) != len(r.segments) or any(
-                a * lt != b * rt for a, b in zip(g.segments, r.segments, strict=True)
-            ):
-                return (
-                    f"group {g.name}: the Mamba state is split over TP ranks differently on the two sides (prefill "
-                    f"segments {list(r.segments)} bytes per rank x TP {rt}, here {list(g.segments)} x TP {lt}; "
-                    "vLLM replicates a Mamba2 layer's B/C groups when n_groups is not a multiple of the TP size)"
-                )
-        if self.prefill_backoff and remote.num_tokens and remote.num_tokens < tokens:
-            return f"the prefill side computed {remote.num_tokens} tokens, {tokens} are needed"
-        for g, r in zip(self.groups, remote.groups, strict=True):
-            br = r.block_size or g.block_size
-            if g.role != "state" and max(br, g.block_size) % min(br, g.block_size):
-                return (
-                    f"group {g.name}: block size {br} on the prefill side and {g.block_size} here (neither is a "
-                    "multiple of the other)"
-                )
-            if g.role == "full" and len(r.block_ids) * br < tokens:
-                return f"group {g.name}: the prefill side published {len(r.block_ids)} blocks for {tokens} tokens"
-            if g.role in ("window", "chunked"):
-                # vLLM drops a window's (chunk's) blocks by the tokens each side computed: the prefill
-                # side's one more token can have dropped the block holding the first token needed here.
-                need, kept = attended_from(g, tokens), r.first_block * br
-                if kept > need:
-                    return (
-                        f"group {g.name}: {attention_span(g)} needs tokens from {need}; the prefill side kept "
-                        f"blocks from token {kept}"
-                    )
-                if (r.first_block + len(r.block_ids)) * br < tokens:
-                    return (
-                        f"group {g.name}: the prefill side published blocks up to token "
-                        f"{(r.first_block + len(r.block_ids)) * br} for {tokens} tokens"
-                    )
-        return ""
 
     def after_alloc(self, request: Any, tables: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         """Queue the pull of a decode request's prompt KV into the blocks vLLM just gave it."""
@@ -550,25 +448,8 @@ class SchedulerSide:
         ``scheduled``: (vLLM id, new blocks per transfer group or None, tokens computed before the
         step, tokens the step computes, whether the blocks replace the table (a new or resumed request)).
         """
-        for rid, new_blocks, computed, count, replace in scheduled:
-            stream = self._streams.get(rid)
-            if stream is None or count <= 0:
-                continue
-            pid, prompt, tables = stream
-            for table, more in zip(tables, new_blocks or [[] for _ in tables], strict=True):
-                if replace:
-                    table.clear()
-                table.extend(more)
-            end = min(computed + count, prompt)
-            if end <= computed:
-                continue
-            groups = []
-            for g, table in zip(self.groups, tables, strict=True):
-                first = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
-                groups.append((tuple(table[first:]), first * g.block_size))
-            self._plan.streams.append(StreamSpec(pid, tuple(groups), computed, end))
-            if end >= prompt:
-                del self._streams[rid]  # its last step: the publish follows
+        for spec in self._streams.step(scheduled):
+            self._plan.streams.append(spec)
 
     # ------------------------------------------------------------------ both sides
     def build_plan(self) -> StepPlan:

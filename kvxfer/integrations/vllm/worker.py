@@ -21,21 +21,18 @@ from kvxfer.client import Client, KvxferRpcError, PullResult
 from kvxfer.client.gather import WorkerGather
 from kvxfer.errors import InvalidArgumentError, KvxferError, Reason
 from kvxfer.integrations.vllm.kvcache import SharedCaches, own_caches, share_caches
+from kvxfer.integrations.vllm.layerwise import LayerwisePush
 from kvxfer.integrations.vllm.params import RemotePrefill
-from kvxfer.integrations.vllm.plan import PullSpec, StepPlan, StreamSpec, pull_arguments, stage_addresses
+from kvxfer.integrations.vllm.plan import PullSpec, StepPlan, pull_arguments, stage_addresses
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import CacheGroup
 from kvxfer.integrations.vllm.unsettled import UnsettledLoads
 from kvxfer.logs import get_logger, log_context
 from kvxfer.memory import LibraryRef
 from kvxfer.topology import RankInfo
-from kvxfer.wire import common_pb2, local_pb2
 from kvxfer.worker_agent import WorkerAgent
 
 __all__ = ["SidecarUnavailableError", "WorkerSide"]
-
-#: How often (in layer signals) the worker logs what they cost the forward pass.
-LAYER_SIGNAL_LOG_EVERY = 64
 
 log = get_logger("kvxfer.vllm.worker")
 T = TypeVar("T")
@@ -80,7 +77,7 @@ class WorkerSide:
     ) -> None:  # fmt: skip
         self.settings = settings
         #: Report a failed load as its blocks (vLLM recomputes from the first) rather than as the
-        #: request: see :func:`~kvxfer.integrations.vllm.spec.reports_failed_blocks`.
+        #: request: see :func:`~kvxfer.integrations.vllm.transfer_groups.reports_failed_blocks`.
         self.block_errors = block_errors
         self.rank = rank
         self.worker_id = worker_id or f"rank{local_rank}"
@@ -90,16 +87,8 @@ class WorkerSide:
         self.shared: SharedCaches | None = None
         self.registration: dict[str, Any] = {}
         self._names: dict[int, list[str]] = {}  # vLLM transfer group -> kvxfer groups
-        self._layers: dict[str, tuple[str, int]] = {}  # vLLM layer name -> (kvxfer group, layer index)
-        #: GPU workers, layer-wise push: one interprocess CUDA event per layer, recorded after it wrote its KV.
-        self._events: dict[str, tuple[Any, local_pb2.LayerEvent]] = {}
-        #: Layer-wise push: the step being computed (0: none streams), the plan it was bound with, and what
-        #: the signals cost.
-        self._stream_step = 0
-        self._bound: StepPlan | None = None
-        self._steps = 0
-        self.layer_signals = 0
-        self.layer_signal_seconds = 0.0
+        #: Layer-wise push: the step that streams, and its layers' signals.
+        self._layerwise = LayerwisePush(self.sidecar, lambda group: self._names.get(group, ()))
         self._lock = threading.Lock()
         self._pulls: dict[str, tuple[PullSpec, cf.Future[PullResult]]] = {}
         #: Loads that failed while a READ of them may still land (reason DATA_PLANE_UNFENCED): reported to
@@ -140,12 +129,9 @@ class WorkerSide:
             self.shared = share_caches(groups, kv_caches)
             self.gather = self._worker_gather(groups, kv_caches)
         self._names = {}
-        self._layers = {}
         for g in groups:
             self._names.setdefault(g.transfer_index, []).append(g.name)
-            for i, layer in enumerate(g.layer_names):
-                self._layers[layer] = (g.name, i)
-        self._events = layer_events(self._layers, kv_caches) if self.settings.push_layerwise else {}
+        self._layerwise.register(groups, kv_caches, events=self.settings.push_layerwise)
         self.registration = self.sidecar.call(self._register(), timeout=self.settings.call_timeout_seconds + 5)
         for g in groups:
             lay = g.layout
@@ -228,19 +214,9 @@ class WorkerSide:
     def bind_step(self, plan: StepPlan) -> None:
         """The step's plan, before its forward pass (vLLM's ``bind_connector_metadata``).
 
-        Announces the requests the step computes whose KV streams layer by layer, so that the
-        layers' signals during the forward (:meth:`layer_saved`) name this step. It cannot wait for
-        :meth:`on_step`: vLLM calls ``start_load_kv`` only after the forward when no load of the step
-        is synchronous, as none of kvxfer's is. Binding the same plan again announces nothing.
+        Announces its layer-wise streams: see :meth:`.LayerwisePush.bind_step`.
         """
-        if plan is self._bound:
-            return
-        self._bound = plan
-        self._stream_step = 0
-        if plan.streams:
-            self._steps += 1
-            self._stream_step = self._steps
-            self.sidecar.submit(self._announce(self._steps, plan.streams))
+        self._layerwise.bind_step(plan)
 
     def on_step(self, plan: StepPlan) -> None:
         """Start this step's pulls and aborts; remember what the prefill side published.
@@ -270,55 +246,23 @@ class WorkerSide:
             for remote in plan.drops:
                 self.sidecar.submit(self._drop(remote))
 
-    async def _announce(self, step: int, streams: Sequence[StreamSpec]) -> None:
-        reqs = []
-        for spec in streams:
-            lists = [
-                common_pb2.BlockList(group=name, block_ids=list(ids), skip_tokens=origin)
-                for gi, (ids, origin) in enumerate(spec.groups) for name in self._names.get(gi, ())
-                if ids
-            ]  # fmt: skip
-            reqs.append(local_pb2.StreamedRequest(request_id=spec.request_id, blocks=lists, start_token=spec.start,
-                                                  end_token=spec.end))  # fmt: skip
-        try:
-            await self.sidecar.aio.stream_step(step, reqs, [e for _ev, e in self._events.values()])
-        except KvxferError as exc:  # the publish still writes the whole request
-            log.warning(f"step {step}: could not announce the streamed requests: {exc.message}")
-
     def layer_saved(self, layer_name: str) -> None:
-        """A layer's KV of this step is in the cache: its WRITEs may start (layer-wise push).
-
-        Called on the forward path after each attention layer: it only hands the signal to the
-        client's loop thread and returns (no copy, no waiting).
-        """
-        if not self._stream_step:
-            return
-        t0 = time.perf_counter()
-        where = self._layers.get(layer_name)
-        if where is not None:
-            event = self._events.get(layer_name)
-            if event is not None:
-                event[0].record()  # on the compute stream: the sidecar waits for it, this thread does not
-            self.sidecar.submit(self._layer_done(self._stream_step, *where))
-        self.layer_signals += 1
-        self.layer_signal_seconds += time.perf_counter() - t0
-        if self.layer_signals % LAYER_SIGNAL_LOG_EVERY == 0:
-            self._log_layer_signals()
-
-    def _log_layer_signals(self) -> None:
-        each = 1e6 * self.layer_signal_seconds / self.layer_signals
-        log.info(f"layer-wise push: {self.layer_signals} layer signals over {self._steps} steps, {each:.1f} us each "
-                 "on the forward path")  # fmt: skip
+        """A layer's KV of this step is in the cache: its WRITEs may start (:meth:`.LayerwisePush.layer_saved`)."""
+        self._layerwise.layer_saved(layer_name)
 
     def step_saved(self) -> None:
         """The step's forward pass ended: no more layer signals until the next streamed step."""
-        self._stream_step = 0
+        self._layerwise.step_saved()
 
-    async def _layer_done(self, step: int, group: str, layer: int) -> None:
-        try:
-            await self.sidecar.aio.layer_done(step, group, layer)
-        except KvxferError as exc:  # the publish writes what the stream missed
-            log.debug(f"step {step}: layer signal {group}/{layer} not taken: {exc.message}")
+    @property
+    def layer_signals(self) -> int:
+        """Layer signals given so far (layer-wise push)."""
+        return self._layerwise.signals
+
+    @property
+    def layer_signal_seconds(self) -> float:
+        """What those signals cost the forward pass, in seconds."""
+        return self._layerwise.signal_seconds
 
     async def _pull(self, spec: PullSpec) -> PullResult:
         remote = spec.remote
@@ -461,8 +405,8 @@ class WorkerSide:
 
     def close(self) -> None:
         """Close the client; let the sidecar forget the memory (tensors keep their mapping)."""
-        if self.layer_signals:
-            self._log_layer_signals()
+        if self._layerwise.signals:
+            self._layerwise.log_signals()
         self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
@@ -481,24 +425,3 @@ class WorkerSide:
             self.gather.close()  # unmaps the publishers' memory this process opened
         if self.shared is not None:
             self.shared.close()
-
-
-def layer_events(layers: Mapping[str, tuple[str, int]], kv_caches: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """One interprocess CUDA event per layer whose cache is on a GPU (empty on a CPU worker).
-
-    Made once at registration: ``save_kv_layer`` only records it on the compute stream, and the
-    sidecar opens each handle once and waits for the latest record before the layer's WRITE.
-    """
-    out: dict[str, tuple[Any, Any]] = {}
-    for name, (group, index) in layers.items():
-        tensor = kv_caches.get(name)
-        if tensor is None or not getattr(tensor, "is_cuda", False):
-            continue
-        import torch
-
-        with torch.cuda.device(tensor.device):
-            ev = torch.cuda.Event(enable_timing=False, interprocess=True)  # type: ignore[no-untyped-call]
-            ev.record()  # an event must be recorded once before its handle can be exported
-            handle = bytes(ev.ipc_handle())  # type: ignore[no-untyped-call]
-        out[name] = (ev, local_pb2.LayerEvent(group=group, layer=index, ipc_handle=handle, device=tensor.device.index))
-    return out
