@@ -33,11 +33,11 @@ import torch
 from sidecar_vram_bench import copy_rate  # this directory: the device-copy reference of bench/gpu
 
 from kvxfer.harness.cluster import LocalCluster, parse_sidecar_env
+from kvxfer.integrations.vllm.groups import TransferGroup
 from kvxfer.integrations.vllm.plan import StepPlan
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.settings import ConnectorSettings
 from kvxfer.integrations.vllm.spec import CacheGroup
-from kvxfer.integrations.vllm.transfer_groups import TransferGroup
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.layout import KVCacheLayout
 from kvxfer.topology import RankInfo

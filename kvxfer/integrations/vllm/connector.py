@@ -31,9 +31,10 @@ from kvxfer.integrations.vllm.spec import (
     SUPPORTED_VLLM,
     KVCacheDescriptionError,
     describe_caches,
+    reports_failed_blocks,
+    transfer_groups,
     vllm_version_supported,
 )
-from kvxfer.integrations.vllm.transfer_groups import reports_failed_blocks, transfer_groups
 from kvxfer.integrations.vllm.worker import WorkerSide
 from kvxfer.logs import get_logger
 from kvxfer.topology import RankInfo

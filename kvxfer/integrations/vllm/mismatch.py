@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvxfer.integrations.vllm.groups import TransferGroup
 from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.plan import attended_from, attention_span
-from kvxfer.integrations.vllm.transfer_groups import TransferGroup
 
 __all__ = ["publish_mismatch"]
 

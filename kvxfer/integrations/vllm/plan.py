@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from kvxfer.client.types import TokenSpan
 from kvxfer.errors import InvalidArgumentError
+from kvxfer.integrations.vllm.groups import TransferGroup
 from kvxfer.integrations.vllm.params import RemoteGroup, RemotePrefill
-from kvxfer.integrations.vllm.transfer_groups import TransferGroup
 
 __all__ = [
     "NULL_BLOCK",

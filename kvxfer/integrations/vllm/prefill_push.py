@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvxfer.client import Client
+from kvxfer.integrations.vllm.groups import TransferGroup
 from kvxfer.integrations.vllm.params import ParamsError, push_id, wants_push
 from kvxfer.integrations.vllm.plan import NULL_BLOCK, StreamSpec
-from kvxfer.integrations.vllm.transfer_groups import TransferGroup
 from kvxfer.logs import get_logger
 
 __all__ = ["StreamedPrompts", "abort_unpublished"]

@@ -32,6 +32,7 @@ import grpc
 
 from kvxfer.client import Client, KvxferRpcError
 from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, KvxferError, Reason
+from kvxfer.integrations.vllm.groups import TransferGroup
 from kvxfer.integrations.vllm.idle import LoadWaker
 from kvxfer.integrations.vllm.mismatch import publish_mismatch
 from kvxfer.integrations.vllm.params import (
@@ -56,7 +57,6 @@ from kvxfer.integrations.vllm.plan import (
 )
 from kvxfer.integrations.vllm.prefill_push import StreamedPrompts, abort_unpublished
 from kvxfer.integrations.vllm.settings import ConnectorSettings
-from kvxfer.integrations.vllm.transfer_groups import TransferGroup
 from kvxfer.logs import get_logger, log_context
 
 __all__ = ["SchedulerSide"]

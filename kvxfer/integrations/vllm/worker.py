@@ -77,7 +77,7 @@ class WorkerSide:
     ) -> None:  # fmt: skip
         self.settings = settings
         #: Report a failed load as its blocks (vLLM recomputes from the first) rather than as the
-        #: request: see :func:`~kvxfer.integrations.vllm.transfer_groups.reports_failed_blocks`.
+        #: request: see :func:`~kvxfer.integrations.vllm.spec.reports_failed_blocks`.
         self.block_errors = block_errors
         self.rank = rank
         self.worker_id = worker_id or f"rank{local_rank}"
