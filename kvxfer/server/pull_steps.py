@@ -2,9 +2,9 @@
 
 (1) works out which remote ranks hold what this rank needs (its own layout alone), (2) handshakes
 them (cached) and asks each for the published request (:mod:`kvxfer.server.lookups`), (3) checks
-what they answer and builds descriptors with :mod:`kvxfer.topology`, (4) READs from every rank at
-once over the data plane (:mod:`kvxfer.server.pull_reads`).
-Each step is a method of its own and raises a typed error with a reason; a retry policy or another
+what they answer and builds descriptors with :mod:`kvxfer.topology` (:mod:`kvxfer.server.pull_descriptors`),
+(4) READs from every rank at once over the data plane (:mod:`kvxfer.server.pull_reads`).
+Each step is a call of its own and raises a typed error with a reason; a retry policy or another
 step goes in between (:meth:`PullSteps.run`).
 
 **Reading ahead.** When the worker names the publisher's block ids of every group (the vLLM
@@ -61,6 +61,7 @@ from kvxfer.errors import (
 from kvxfer.server.lookups import Fetched, Lookups, from_grant, from_handshakes
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.pull_descriptors import descriptors, remote_lists
 from kvxfer.server.pull_reads import PullReads
 from kvxfer.server.push_steps import PushSteps
 from kvxfer.server.registration import Registry
@@ -126,7 +127,7 @@ class PullSteps:
         t_fetch = time.monotonic()
         published = await self.lookups.fetch_all(entry, ranks, sessions)
         fetch_seconds = time.monotonic() - t_fetch
-        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
+        per_rank, warnings = descriptors(self.topologies, entry, reg, local_blocks, remote_given, published, sessions)
         moved = await self.reads.read_all(entry, reg, per_rank, published, sessions)
         return _done(entry, ranks, moved, warnings, fetch_seconds)
 
@@ -237,7 +238,9 @@ class PullSteps:
         if not self._confirm(entry, reg, remote_given, used, published, sessions):
             # The publisher restarted or registered again since the handshake whose regions were
             # read: those bytes are not used; READ again with what its lookup answered.
-            per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
+            per_rank, warnings = descriptors(
+                self.topologies, entry, reg, local_blocks, remote_given, published, sessions
+            )
             moved = await self.reads.read_all(entry, reg, per_rank, published, sessions)
         assert moved is not None
         return _done(entry, ranks, moved, warnings, fetch_seconds)
@@ -263,7 +266,7 @@ class PullSteps:
             q = used
             return f"remote_addresses[{q}]: the handshake with {entry.addresses[q]} carries no regions to plan with"
         guess = from_handshakes(used, remote_given, reg)
-        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
+        per_rank, warnings = descriptors(self.topologies, entry, reg, local_blocks, remote_given, guess, used)
         return used, per_rank, warnings
 
     def _planned(
@@ -277,7 +280,7 @@ class PullSteps:
                 self.on_plan("used")
                 return dict(plan.per_rank), list(plan.warnings)
             self.on_plan("replanned")  # a publisher or this worker registered again since
-        return self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
+        return descriptors(self.topologies, entry, reg, local_blocks, remote_given, guess, used)
 
     async def _readable_sessions(
         self, entry: PullEntry, reg: Registration, ranks: list[int]
@@ -389,65 +392,11 @@ class PullSteps:
         the same publisher registrations (False: the regions read are stale)."""
         try:
             for name in reg.groups:
-                self._remote_lists(entry, name, remote_given.get(name), published)
+                remote_lists(entry, name, remote_given.get(name), published)
         except InvalidArgumentError:
             entry.contacted.clear()  # the caller's mistake: the publishes stay as they were
             raise
         return all(sessions[q] is s for q, s in used.items())
-
-    # ------------------------------------------------------------------ 3. descriptors
-    def _descriptors(
-        self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
-        published: dict[int, Fetched], sessions: dict[int, PeerSession],
-    ) -> tuple[dict[int, list[tuple[U64, U64]]], list[str]]:  # fmt: skip
-        """Validate block ids and build every rank's descriptor arrays, group by group."""
-        entry.stage = "building descriptors"
-        remote_tp = len(entry.addresses)
-        per_rank: dict[int, list[tuple[U64, U64]]] = {q: [] for q in published}
-        warnings: list[str] = []
-        for name, g in reg.groups.items():
-            for rids, qs in self._remote_lists(entry, name, remote_given.get(name), published):
-                topo = self.topologies.topology(name, g.layout, sessions[qs[0]].identity.groups[name], reg.rank,
-                                                remote_tp)  # fmt: skip
-                num_tokens, local_skip, remote_skip = entry.spans.get(name, (None, 0, 0))
-                try:
-                    plan = topo.plan(local_blocks[name], rids, num_tokens=num_tokens, local_skip=local_skip,
-                                     remote_skip=remote_skip)  # fmt: skip
-                except KvxferError as exc:
-                    field = exc.field or "blocks"
-                    raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
-                                               field=f"{field}[{name}]") from None  # fmt: skip
-                warnings.extend(plan.warnings)
-                for rp in plan.per_rank:
-                    if rp.remote_rank in qs:
-                        per_rank[rp.remote_rank].append(
-                            rp.descriptors(g.memory.table, published[rp.remote_rank].tables[name])
-                        )
-        return per_rank, warnings
-
-    @staticmethod
-    def _remote_lists(
-        entry: PullEntry, name: str, given: I64 | None, published: dict[int, Fetched]
-    ) -> list[tuple[I64, list[int]]]:
-        """The remote ids to read per distinct published list, and which ranks published it."""
-        by_list: dict[bytes, list[int]] = {}
-        chosen: dict[bytes, I64] = {}
-        for q, fetched in published.items():
-            rids = fetched.blocks[name]
-            if given is not None:
-                # A reader may take any part of a publish (e.g. the tail its own prefix cache lacks), but
-                # nothing beyond it: ids that were not published are refused before any descriptor exists.
-                unknown = not_published(given, rids)
-                if unknown:
-                    raise InvalidArgumentError(
-                        f"remote_blocks[{name}]: {unknown} (remote rank {q} at {entry.addresses[q]} published "
-                        f"{rids.size} blocks)",
-                        field=f"remote_blocks[{name}]",
-                    )
-            key = rids.tobytes()
-            by_list.setdefault(key, []).append(q)
-            chosen[key] = given if given is not None else rids
-        return [(chosen[k], qs) for k, qs in by_list.items()]
 
 
 def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) -> bool:
