@@ -63,7 +63,7 @@ class PreparedPull:
     remote_given: Mapping[str, I64]
     #: The publisher sessions whose handshakes gave the remote regions, by remote rank.
     sessions: Mapping[int, PeerSession]
-    #: Per remote rank, (local, remote) descriptor arrays per group, as PullSteps._descriptors makes them.
+    #: Per remote rank, (local, remote) descriptor arrays per group, as pull_descriptors.descriptors makes them.
     per_rank: Mapping[int, list[tuple[U64, U64]]]
     warnings: tuple[str, ...]
     until: float  # time.monotonic(): dropped after

@@ -2,9 +2,9 @@
 
 (1) works out which remote ranks hold what this rank needs (its own layout alone), (2) handshakes
 them (cached) and asks each for the published request (:mod:`kvxfer.server.lookups`), (3) checks
-what they answer and builds descriptors with :mod:`kvxfer.topology`, (4) READs from every rank at
-once over the data plane.
-Each step is a method of its own and raises a typed error with a reason; a retry policy or another
+what they answer and builds descriptors with :mod:`kvxfer.topology` (:mod:`kvxfer.server.pull_descriptors`),
+(4) READs from every rank at once over the data plane (:mod:`kvxfer.server.pull_reads`).
+Each step is a call of its own and raises a typed error with a reason; a retry policy or another
 step goes in between (:meth:`PullSteps.run`).
 
 **Reading ahead.** When the worker names the publisher's block ids of every group (the vLLM
@@ -61,13 +61,15 @@ from kvxfer.errors import (
 from kvxfer.server.lookups import Fetched, Lookups, from_grant, from_handshakes
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peers import PeerDirectory, PeerSession
+from kvxfer.server.pull_descriptors import descriptors, remote_lists
+from kvxfer.server.pull_reads import PullReads
 from kvxfer.server.push_steps import PushSteps
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Grant, PullEntry, Registration
 from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import not_published
 from kvxfer.server.worker_gathers import WorkerGathers
-from kvxfer.transport import Transport, mem_type, unfenced_op
+from kvxfer.transport import Transport
 from kvxfer.wire import local_pb2
 
 __all__ = ["PullSteps"]
@@ -90,7 +92,6 @@ class PullSteps:
         on_path: Callable[[str], None] = lambda _path: None,
     ) -> None:  # fmt: skip
         self.registry = registry
-        self.dp = data_plane
         self.peers = peers
         self.outbox = outbox
         self.topologies = topologies
@@ -98,6 +99,7 @@ class PullSteps:
         self.lookups = Lookups(registry, peers, outbox)
         #: READs handed to the worker as gathers (PullRequest.worker_gather).
         self.worker = WorkerGathers()
+        self.reads = PullReads(data_plane, peers, self.worker)
         #: Told "used" when a pull reads on its Prepare's plan, "replanned" when it found the plan stale.
         self.on_plan = on_plan
         #: Told each pull's path once its READs are confirmed (see the module docs).
@@ -125,8 +127,8 @@ class PullSteps:
         t_fetch = time.monotonic()
         published = await self.lookups.fetch_all(entry, ranks, sessions)
         fetch_seconds = time.monotonic() - t_fetch
-        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
-        moved = await self._read_all(entry, reg, per_rank, published, sessions)
+        per_rank, warnings = descriptors(self.topologies, entry, reg, local_blocks, remote_given, published, sessions)
+        moved = await self.reads.read_all(entry, reg, per_rank, published, sessions)
         return _done(entry, ranks, moved, warnings, fetch_seconds)
 
     # ------------------------------------------------------------------ 1. sources
@@ -198,7 +200,7 @@ class PullSteps:
 
         timer = loop.call_later(max(promised - GRANT_MARGIN_S - time.monotonic(), 0.0), renew)
         try:
-            moved = await self._read_all(entry, reg, per_rank, guess, sessions)
+            moved = await self.reads.read_all(entry, reg, per_rank, guess, sessions)
         except BaseException:
             _drop(renewal)
             raise
@@ -236,8 +238,10 @@ class PullSteps:
         if not self._confirm(entry, reg, remote_given, used, published, sessions):
             # The publisher restarted or registered again since the handshake whose regions were
             # read: those bytes are not used; READ again with what its lookup answered.
-            per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, published, sessions)
-            moved = await self._read_all(entry, reg, per_rank, published, sessions)
+            per_rank, warnings = descriptors(
+                self.topologies, entry, reg, local_blocks, remote_given, published, sessions
+            )
+            moved = await self.reads.read_all(entry, reg, per_rank, published, sessions)
         assert moved is not None
         return _done(entry, ranks, moved, warnings, fetch_seconds)
 
@@ -262,7 +266,7 @@ class PullSteps:
             q = used
             return f"remote_addresses[{q}]: the handshake with {entry.addresses[q]} carries no regions to plan with"
         guess = from_handshakes(used, remote_given, reg)
-        per_rank, warnings = self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
+        per_rank, warnings = descriptors(self.topologies, entry, reg, local_blocks, remote_given, guess, used)
         return used, per_rank, warnings
 
     def _planned(
@@ -276,7 +280,7 @@ class PullSteps:
                 self.on_plan("used")
                 return dict(plan.per_rank), list(plan.warnings)
             self.on_plan("replanned")  # a publisher or this worker registered again since
-        return self._descriptors(entry, reg, local_blocks, remote_given, guess, used)
+        return descriptors(self.topologies, entry, reg, local_blocks, remote_given, guess, used)
 
     async def _readable_sessions(
         self, entry: PullEntry, reg: Registration, ranks: list[int]
@@ -330,7 +334,7 @@ class PullSteps:
                 fetch_seconds = time.monotonic() - t_fetch
 
         lookups = asyncio.ensure_future(confirm())
-        reads = asyncio.ensure_future(self._read_all(entry, reg, per_rank, guess, sessions, confirmed=False))
+        reads = asyncio.ensure_future(self.reads.read_all(entry, reg, per_rank, guess, sessions, confirmed=False))
         moved: tuple[int, int, float] | None
         try:
             await asyncio.wait((lookups, reads), return_when=asyncio.FIRST_EXCEPTION)
@@ -388,152 +392,11 @@ class PullSteps:
         the same publisher registrations (False: the regions read are stale)."""
         try:
             for name in reg.groups:
-                self._remote_lists(entry, name, remote_given.get(name), published)
+                remote_lists(entry, name, remote_given.get(name), published)
         except InvalidArgumentError:
             entry.contacted.clear()  # the caller's mistake: the publishes stay as they were
             raise
         return all(sessions[q] is s for q, s in used.items())
-
-    # ------------------------------------------------------------------ 3. descriptors
-    def _descriptors(
-        self, entry: PullEntry, reg: Registration, local_blocks: dict[str, I64], remote_given: dict[str, I64],
-        published: dict[int, Fetched], sessions: dict[int, PeerSession],
-    ) -> tuple[dict[int, list[tuple[U64, U64]]], list[str]]:  # fmt: skip
-        """Validate block ids and build every rank's descriptor arrays, group by group."""
-        entry.stage = "building descriptors"
-        remote_tp = len(entry.addresses)
-        per_rank: dict[int, list[tuple[U64, U64]]] = {q: [] for q in published}
-        warnings: list[str] = []
-        for name, g in reg.groups.items():
-            for rids, qs in self._remote_lists(entry, name, remote_given.get(name), published):
-                topo = self.topologies.topology(name, g.layout, sessions[qs[0]].identity.groups[name], reg.rank,
-                                                remote_tp)  # fmt: skip
-                num_tokens, local_skip, remote_skip = entry.spans.get(name, (None, 0, 0))
-                try:
-                    plan = topo.plan(local_blocks[name], rids, num_tokens=num_tokens, local_skip=local_skip,
-                                     remote_skip=remote_skip)  # fmt: skip
-                except KvxferError as exc:
-                    field = exc.field or "blocks"
-                    raise InvalidArgumentError(f"{field}[{name}]: {exc.message.split(': ', 1)[-1]}",
-                                               field=f"{field}[{name}]") from None  # fmt: skip
-                warnings.extend(plan.warnings)
-                for rp in plan.per_rank:
-                    if rp.remote_rank in qs:
-                        per_rank[rp.remote_rank].append(
-                            rp.descriptors(g.memory.table, published[rp.remote_rank].tables[name])
-                        )
-        return per_rank, warnings
-
-    @staticmethod
-    def _remote_lists(
-        entry: PullEntry, name: str, given: I64 | None, published: dict[int, Fetched]
-    ) -> list[tuple[I64, list[int]]]:
-        """The remote ids to read per distinct published list, and which ranks published it."""
-        by_list: dict[bytes, list[int]] = {}
-        chosen: dict[bytes, I64] = {}
-        for q, fetched in published.items():
-            rids = fetched.blocks[name]
-            if given is not None:
-                # A reader may take any part of a publish (e.g. the tail its own prefix cache lacks), but
-                # nothing beyond it: ids that were not published are refused before any descriptor exists.
-                unknown = not_published(given, rids)
-                if unknown:
-                    raise InvalidArgumentError(
-                        f"remote_blocks[{name}]: {unknown} (remote rank {q} at {entry.addresses[q]} published "
-                        f"{rids.size} blocks)",
-                        field=f"remote_blocks[{name}]",
-                    )
-            key = rids.tobytes()
-            by_list.setdefault(key, []).append(q)
-            chosen[key] = given if given is not None else rids
-        return [(chosen[k], qs) for k, qs in by_list.items()]
-
-    # ------------------------------------------------------------------ 4. data plane
-    async def _read_all(
-        self, entry: PullEntry, reg: Registration, per_rank: dict[int, list[tuple[U64, U64]]],
-        published: dict[int, Fetched], sessions: dict[int, PeerSession], *, confirmed: bool = True,
-    ) -> tuple[int, int, float]:  # fmt: skip
-        """READ from every remote rank at once; returns (bytes, descriptors, seconds of data movement).
-
-        ``confirmed``: the publishers confirmed these blocks already (a grant, a lookup's answer), as
-        opposed to lookups still running beside the READs (only a confirmed READ goes to the worker).
-        """
-        entry.stage = "reading from " + ", ".join(f"rank {q} ({entry.addresses[q]})" for q in per_rank)
-        total_bytes = total_desc = 0
-        reads = []
-        mem_type = next(iter(reg.groups.values())).memory.mem_type
-        for q, parts in per_rank.items():
-            if not parts:
-                continue
-            local = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-            remote = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-            total_bytes += int(local[:, 1].sum())
-            total_desc += int(local.shape[0])
-            reads.append((sessions[q], local, remote, published[q].mem_type))
-        # The worker moves a pull that is one same-host gather (one source rank) itself, if it asked
-        # to, once the publishers confirmed the blocks: reading ahead of the lookups, the READ is the
-        # sidecar's, which overlaps them (a worker's gather would add its report's round trip to them).
-        by_worker = confirmed and entry.handoff is not None and not entry.handoff.done() and len(reads) == 1
-        t0 = time.monotonic()
-        if not entry.posted.done():
-            entry.posted.set_result(None)
-        await _gather_or_cancel([self._read(entry, reg, *r, mem_type, by_worker=by_worker) for r in reads])
-        return total_bytes, total_desc, time.monotonic() - t0
-
-    async def _read(
-        self, entry: PullEntry, reg: Registration, s: PeerSession, local: U64, remote: U64, rmem: str, mem: str, *,
-        by_worker: bool = False,
-    ) -> None:  # fmt: skip
-        if by_worker:
-            try:
-                gather = self.dp.same_host_gather(s.dp_name, local, remote, mem_type=mem_type(mem),
-                                                  remote_mem_type=mem_type(rmem))  # fmt: skip
-            except KvxferError as exc:
-                raise PeerUnavailableError(
-                    f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
-                    field="remote_addresses", reason=Reason.DATA_PLANE,
-                ) from None  # fmt: skip
-            # False: the worker could not start it (nothing was copied), so this sidecar moves the bytes.
-            if gather is not None and await self.worker.hand_over(entry, reg, s, gather, local):
-                return
-        # Taken now (after any handoff): the READ must end by the deadline, which the grants clamp.
-        remaining = max(entry.deadline - time.monotonic(), 0.001)
-        try:
-            await self.dp.read(s.dp_name, local, remote, timeout=remaining, mem_type=mem_type(mem),
-                               remote_mem_type=mem_type(rmem))  # fmt: skip
-        except asyncio.CancelledError as exc:
-            _note_unfenced(entry, exc)
-            raise
-        except KvxferError as exc:
-            self.peers.invalidate(s.address, reconnect=True, session=s)
-            _note_unfenced(entry, exc)
-            if exc.reason == Reason.DATA_PLANE_UNFENCED:
-                # The READ was still in flight after the fence budget: its bytes may still land in these
-                # blocks, which the worker must not hand to another request until it knows they stopped.
-                raise PeerUnavailableError(
-                    f"data plane READ from {s.identity.label} at {s.address} failed and may still land: "
-                    f"{exc.message}",
-                    field="remote_addresses", reason=Reason.DATA_PLANE_UNFENCED,
-                ) from None  # fmt: skip
-            if exc.status == "DEADLINE_EXCEEDED":
-                raise DeadlineError(
-                    f"data plane READ from {s.identity.label} at {s.address} did not finish within {remaining:.3g}s "
-                    f"(while {entry.stage}): {exc.message}",
-                    field="timeout_seconds",
-                ) from None
-            raise PeerUnavailableError(
-                f"data plane READ from {s.identity.label} at {s.address} failed: {exc.message}",
-                field="remote_addresses", reason=Reason.DATA_PLANE,
-            ) from None  # fmt: skip
-
-
-def _note_unfenced(entry: PullEntry, exc: BaseException) -> None:
-    """Keep on the pull what a READ's unfenced failure or cancel left in flight. The pull's error says so
-    however it ends (Puller._failure): a READ again that fails too, or a sibling READ's failure that the
-    task group reports first; and the sidecar watches it until it ended (kvxfer.server.unsettled)."""
-    if (unfenced := unfenced_op(exc)) is not None:
-        entry.unfenced = True
-        entry.unfenced_ops.append(unfenced)
 
 
 def _covers(grant: Grant, session: PeerSession, remote_given: dict[str, I64]) -> bool:
@@ -573,42 +436,3 @@ def _done(
         bytes=total_bytes, descriptors=total_desc, duration_seconds=time.monotonic() - entry.started,
         data_seconds=data_seconds, remote_ranks=ranks, warnings=sorted(set(warnings)), fetch_seconds=fetch_seconds,
     )  # fmt: skip
-
-
-async def _gather_or_cancel(coros: list[Any]) -> None:
-    """Run all; on the first failure cancel the rest and raise it.
-
-    A task group takes a child that ended cancelled for one that ended well. A READ cancelled by
-    anything but this pull (a backend that cancels its own waits) moved nothing for sure, so it
-    fails the pull instead of leaving its bytes unmoved under a pull that reports success.
-    """
-    if len(coros) == 1:
-        try:
-            await coros[0]
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is None or me.cancelling():
-                raise
-            raise _cancelled_reads(1, 1) from None
-        return
-    tasks: list[asyncio.Task[Any]] = []
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(c) for c in coros]
-    except BaseExceptionGroup as group:
-        raise _first_failure(group) from None
-    cancelled = sum(t.cancelled() for t in tasks)
-    if cancelled:
-        raise _cancelled_reads(cancelled, len(tasks))
-
-
-def _cancelled_reads(cancelled: int, of: int) -> PeerUnavailableError:
-    return PeerUnavailableError(
-        f"{cancelled} of {of} data plane READs ended cancelled although the pull was not: their bytes may be missing",
-        field="remote_addresses", reason=Reason.DATA_PLANE,
-    )  # fmt: skip
-
-
-def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The first real failure of a task group, not the group (the others were cancelled because of it)."""
-    return next((e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)), group.exceptions[0])

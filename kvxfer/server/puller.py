@@ -4,8 +4,8 @@ A Pull is validated and admitted (one per request id), runs as a task under its 
 the steps of :mod:`kvxfer.server.pull_steps`, and ends in exactly one outcome: done, failed,
 timed out or aborted. Every outcome is reported the same way: a completion event, metrics, the
 waiting Pull call, and a notice to the publishers so they free their blocks at once. Every
-failure carries a status code, a reason and a message naming the field or peer; other pulls are
-untouched.
+failure carries a status code, a reason and a message naming the field or peer
+(:mod:`kvxfer.server.pull_failures`); other pulls are untouched.
 """
 
 from __future__ import annotations
@@ -27,22 +27,20 @@ from kvxfer.config import Settings
 from kvxfer.errors import (
     AbortedError,
     AlreadyExistsError,
-    DeadlineError,
     InvalidArgumentError,
     KvxferError,
     NotFoundError,
-    PeerUnavailableError,
     Reason,
 )
 from kvxfer.logs import get_logger, log_context
 from kvxfer.metrics import PULL_PATHS, SidecarMetrics
 from kvxfer.server.events import CompletionHub, Kind
-from kvxfer.server.landed import UNFENCED_WRITE
 from kvxfer.server.outbox import Outbox
 from kvxfer.server.peer_auth import ANONYMOUS, PeerCredentials
 from kvxfer.server.peers import PeerDirectory, PeerSession
 from kvxfer.server.prepared import PreparedPull, PreparedPulls, plan_key
 from kvxfer.server.publisher import MAX_BATCH
+from kvxfer.server.pull_failures import metric_reason, pull_failure, unfenced_behind
 from kvxfer.server.pull_steps import PullSteps
 from kvxfer.server.push_steps import landed_matches
 from kvxfer.server.registration import Registry
@@ -349,9 +347,9 @@ class Puller:
                 async with asyncio.timeout(budget):
                     stats = await self.steps.run(entry, reg, local_blocks, remote_given, sessions)
                 if behind := self.unsettled.in_flight(entry.unfenced_ops):
-                    raise _unfenced_behind(entry, behind)
+                    raise unfenced_behind(entry, behind)
             except (Exception, asyncio.CancelledError) as exc:  # every way a pull ends is reported below
-                failure = self._failure(entry, exc, budget, sessions)
+                failure = pull_failure(entry, exc, budget, sessions, self.peers)
             finally:
                 self.pulls.pop(entry.request_id, None)
                 self._ended[entry.request_id] = None
@@ -383,40 +381,11 @@ class Puller:
             self._failed(entry, AbortedError(f"pull of {entry.request_id!r} aborted: {why}", field="request_id"),
                          "aborted")  # fmt: skip
 
-    def _failure(
-        self, entry: PullEntry, exc: BaseException, budget: float, sessions: dict[int, PeerSession]
-    ) -> tuple[KvxferError, str]:
-        """The error a pull ended with, and its outcome label (timeout, aborted, failed)."""
-        rid = entry.request_id
-        if isinstance(exc, TimeoutError):
-            if entry.stage.startswith("reading"):
-                for s in sessions.values():
-                    # Only a session still current: a newer handshake's is another pull's to judge.
-                    self.peers.invalidate(s.address, reconnect=True, session=s)
-            return DeadlineError(f"pull of {rid!r} did not finish within {budget:.3g}s (while {entry.stage})"
-                                 f"{_unfenced(entry)}", field="timeout_seconds",
-                                 reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "timeout"  # fmt: skip
-        if isinstance(exc, asyncio.CancelledError):
-            why = entry.abort_reason or "the sidecar is shutting down"
-            return AbortedError(f"pull of {rid!r} aborted: {why}{_unfenced(entry)}",
-                                field="request_id",
-                                reason=Reason.DATA_PLANE_UNFENCED if entry.unfenced else None), "aborted"  # fmt: skip
-        if isinstance(exc, KvxferError):
-            if entry.unfenced and exc.reason != Reason.DATA_PLANE_UNFENCED:
-                # Another READ of it, cancelled because of this failure, may still land: the worker must hear it
-                # (the error keeps its class and code; subclasses take other arguments, so it is amended).
-                exc.message += _unfenced(entry)
-                exc.args = (exc.message, *exc.args[1:])
-                exc.reason = Reason.DATA_PLANE_UNFENCED
-            return exc, "failed"
-        log.exception("pull failed unexpectedly", exc_info=exc)
-        return KvxferError(f"internal error in pull of {rid!r}: {type(exc).__name__}: {exc}"), "failed"
-
     def _failed(self, entry: PullEntry, err: KvxferError, outcome: str) -> None:
         """Report a failed pull: metrics, event, the publishers, and the waiting Pull call."""
         elapsed = time.monotonic() - entry.started
         self.metrics.transfer_done("push" if entry.push else "read", outcome, nbytes=0, descriptors=0, seconds=elapsed,  # type: ignore[arg-type]
-                                   reason=_metric_reason(err, outcome))  # fmt: skip
+                                   reason=metric_reason(err, outcome))  # fmt: skip
         kind = Kind.ABORTED if outcome == "aborted" else Kind.PULL_FAILED
         self.hub.emit(kind, entry.request_id, transfer_id=entry.transfer_id, code=code_of(err).value[0],
                       message=err.message, peer=entry.remote_engine_id)  # fmt: skip
@@ -462,38 +431,9 @@ class Puller:
             self.outbox.notify_publishers(entry, reg.rank, "done", "", stats.bytes)
 
 
-_UNFENCED = "; a READ of it was still in flight after the fence budget, so its bytes may still land in the blocks"
-
-
-def _unfenced(entry: PullEntry) -> str:
-    """What a failed pull's message adds when a READ (or a writer's WRITE, in push mode) of it was unfenced."""
-    if not entry.unfenced:
-        return ""
-    return UNFENCED_WRITE if entry.push else _UNFENCED
-
-
-def _unfenced_behind(entry: PullEntry, n: int) -> KvxferError:
-    """A pull whose READs succeeded while ``n`` earlier READs of it (from a registration its publisher has
-    replaced since) may still land: reporting it moved would let its blocks be used under them."""
-    return PeerUnavailableError(
-        f"pull of {entry.request_id!r}: its blocks were read, but {n} earlier READ(s) of it, which failed, "
-        "were still in flight after the fence budget, so their bytes may still land in the blocks",
-        field="remote_addresses", reason=Reason.DATA_PLANE_UNFENCED,
-    )  # fmt: skip
-
-
 def _peer_label(entry: PullEntry) -> str:
     """Who a pull's logs name as its peer: the remote engine, else the addresses it reads from."""
     return entry.remote_engine_id or ",".join(entry.addresses)
-
-
-def _metric_reason(err: KvxferError, outcome: str) -> str:
-    """The ``reason`` label of kvxfer_transfer_failures_total (values the dashboard and contract name)."""
-    if outcome in ("timeout", "aborted"):
-        return outcome
-    if err.reason in (Reason.DATA_PLANE, Reason.DATA_PLANE_UNFENCED):
-        return "data_plane"
-    return err.status.lower()
 
 
 async def _first(a: asyncio.Future[Any], b: asyncio.Future[Any]) -> None:

@@ -82,7 +82,7 @@ class PushSteps:
                 await _unstoppable(self._fence(entry, answered, offered))
                 err = error_of(notice.code, f"push from {entry.addresses[q]} failed: {notice.message}", notice.reason,
                                "remote_addresses")  # fmt: skip
-                raise err  # another writer's WRITE that may still land (entry.unfenced): Puller._failure says so
+                raise err  # another writer's WRITE that may still land (entry.unfenced): pull_failures says so
         entry.stage = "done"
         return local_pb2.TransferStats(
             bytes=sum(n.bytes for n in notices), descriptors=sum(n.descriptors for n in notices),
@@ -149,7 +149,7 @@ class PushSteps:
                 resp = await self.peers.call(address, "Revoke", lambda s: s.Revoke(
                     req, timeout=PEER_CALL_SECONDS + fence, metadata=self.peers.metadata))  # fmt: skip
                 if resp.unfenced:
-                    # A WRITE of the offer may still land in these blocks: the pull's error says so (Puller._failure).
+                    # A WRITE of the offer may still land in these blocks: the pull's error says so (pull_failures).
                     entry.unfenced = True
                     log.warning("a revoked offer's WRITE may still land", extra={"peer": address})
                 return 0.0

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from kvxfer.errors import PeerUnavailableError, Reason
-from kvxfer.server.pull_steps import _gather_or_cancel
+from kvxfer.server.pull_reads import _gather_or_cancel
 
 
 async def _moved(into: list[str]) -> None:
