@@ -24,7 +24,7 @@ from kvxfer.memory import CudaIpcRef, MemoryRegistrationError, attach
 from kvxfer.transport import MemType, Notification, Op, Registration, TransferResult, Transport, TransportConfig
 from kvxfer.transport.base import CudaGather
 from kvxfer.transport.cuda_ipc_direct import CudaIpcDirect
-from kvxfer.transport.nixl_backend import UCX_DEFAULTS, ucx_engine_config
+from kvxfer.transport.nixl_agent import UCX_DEFAULTS, ucx_engine_config
 from kvxfer.wire.convert import memory_from_proto, memory_to_proto
 from tests.sidecar.helpers import Harness, attention, expect_error
 
@@ -675,7 +675,7 @@ def test_driver_copies_in_one_batch_or_one_call_each(batch_rc: int) -> None:
 
 
 def test_ucx_memtype_cache_is_off_unless_the_user_says_otherwise() -> None:
-    from kvxfer.transport.nixl_backend import _prepare_ucx_env
+    from kvxfer.transport.nixl_agent import _prepare_ucx_env
 
     env: dict[str, str] = {}
     _prepare_ucx_env(env)
