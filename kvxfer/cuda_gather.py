@@ -239,7 +239,7 @@ class _Loaded:
 class GatherKernels:
     """The gather kernel per device, loaded into the primary context on first use.
 
-    ``lib`` is the driver library (``libcuda.so.1``) of :class:`kvxfer.cuda_ipc.CudaDriver` and
+    ``lib`` is the driver library (``libcuda.so.1``) of :class:`kvxfer.cuda_driver.CudaDriver` and
     ``check`` its error check; ``fast`` the same library with calls that keep the GIL (the two calls
     of a launch go through it). The caller makes the device's primary context (where the IPC
     mappings live) current around :meth:`launch`. ``nvrtc`` gives the compiler (tests pass their own).

@@ -17,6 +17,7 @@ __all__ = [
     "AbortedError",
     "AlreadyExistsError",
     "BlockIdError",
+    "ConfigError",
     "DeadlineError",
     "FailedPreconditionError",
     "IncompatibleLayoutError",
@@ -160,6 +161,13 @@ class PermissionDeniedError(KvxferError):
 
     status = "PERMISSION_DENIED"
     default_reason = Reason.IDENTITY
+
+
+class ConfigError(KvxferError, ValueError):
+    """A setting is unknown or has a bad value; ``field`` is the setting's name (underscores)."""
+
+    status = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_FIELD
 
 
 class LayoutError(KvxferError, ValueError):

@@ -7,7 +7,7 @@ this one process (UCX between them: cuda_ipc on a GPU with ``CUDA_IPC_ENABLE_SAM
 kvxfer's UCX ``engine_config`` sets), each with a cache it allocated itself: a torch tensor on
 ``cuda:<device>`` registered as VRAM, or a torch CPU tensor registered as DRAM (``--memory dram``,
 which runs the same code here without a GPU). The agents are made by kvxfer's own
-``nixl_backend._make_agent`` (cuInit first, ``UCX_MEMTYPE_CACHE=n``, backend UCX with
+``nixl_agent._make_agent`` (cuInit first, ``UCX_MEMTYPE_CACHE=n``, backend UCX with
 ``CUDA_IPC_ENABLE_GET_ZCOPY=y``, progress-thread delay as the sidecar's), so the only difference
 from the sidecar's NIXL path is who owns the memory.
 
@@ -248,7 +248,7 @@ class Agents:
     def __init__(self, src: Cache, dst: Cache, facts: dict[str, Any]) -> None:
         from kvxfer import cuda_ipc
         from kvxfer.transport.base import TransportConfig
-        from kvxfer.transport.nixl_backend import _make_agent, ucx_engine_config
+        from kvxfer.transport.nixl_agent import _make_agent, ucx_engine_config
 
         if dst.vram or src.vram:
             facts["cuda_init"] = cuda_ipc.try_init()  # UCX sees the GPUs only after cuInit

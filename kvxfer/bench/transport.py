@@ -83,7 +83,7 @@ class _RawNixl:
     def __init__(self, local: U8, peer_metadata: bytes, peer_session: str) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        from kvxfer.transport.nixl_backend import nixl_logs_to_stderr
+        from kvxfer.transport.nixl_agent import nixl_logs_to_stderr
 
         nixl_logs_to_stderr()
         self.local = local

@@ -9,10 +9,11 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
 from kvxfer.client.fast import decode_answer, lost_error, timeout_error
 from kvxfer.client.gather import GatherOutcome, WorkerGather, report_lost, settled
+from kvxfer.client.quiet import QuietCalls
 from kvxfer.client.types import (
     BlockMap,
     CompletionEvent,
@@ -42,7 +43,7 @@ from kvxfer.wire.convert import (
     rank_to_proto,
     worker_agent_to_proto,
 )
-from kvxfer.wire.frames import METHOD_OF_REQUEST, METHODS, QUIET_METHOD_OF_REQUEST, FastMethod, fast_socket_path
+from kvxfer.wire.frames import METHOD_OF_REQUEST, FastMethod, fast_socket_path
 from kvxfer.wire.status import error_from_status_message
 
 __all__ = ["AsyncClient"]
@@ -56,12 +57,13 @@ FAST_RETRY_SECONDS = 5.0
 log = get_logger("kvxfer.client")
 
 
-class AsyncClient:
+class AsyncClient(QuietCalls):
     """Client of one sidecar's local API (bound to the event loop that first uses it).
 
     grpc.aio for every call; with ``fast`` (the default) and a Unix-socket target, ``pull``,
     ``pull_batch`` and ``publish`` go over the sidecar's fast socket while it can be reached
-    (:attr:`fast_active`), with the same deadline, token and errors.
+    (:attr:`fast_active`), with the same deadline, token and errors. The quiet calls
+    (:meth:`expect_quietly`) come from :class:`~kvxfer.client.quiet.QuietCalls`.
     """
 
     def __init__(
@@ -366,67 +368,6 @@ class AsyncClient:
         req = local_pb2.ExpectRequest(request_id=request_id, remote_addresses=list(remote_addresses))
         resp: local_pb2.ExpectResponse = await self._call(self._stub.Expect, req, deadline)
         return bool(resp.held)
-
-    async def expect_quietly(
-        self, request_id: str, remote_addresses: Sequence[str], *, deadline: float | None = None
-    ) -> None:
-        """:meth:`expect` without waiting for its answer (the vLLM scheduler's way: it never waits for one).
-
-        Over the fast socket the sidecar answers only a failure, which is then logged here (a warning
-        with the request id, status, reason and field) and counted in :attr:`quiet_failures`; a
-        success costs neither side an answer. Where the fast socket cannot carry it (gRPC only, a
-        sidecar too old for quiet calls), this is :meth:`expect`, awaited, and raises as it does.
-        """
-        req = local_pb2.ExpectRequest(request_id=request_id, remote_addresses=list(remote_addresses))
-        timeout = self.call_timeout(req, deadline)
-        method = QUIET_METHOD_OF_REQUEST[local_pb2.ExpectRequest]
-        if self.fast_socket is not None and method.number not in self._fast_refused:
-            channel = self._fast if self._fast is not None and not self._fast.closed else await self._fast_channel()
-            if channel is not None:
-                try:
-                    channel.tell(method.number, req.SerializeToString(), timeout)
-                    return
-                except FastCallError:
-                    pass  # not sent: the awaited way below
-        await self.expect(request_id, remote_addresses, deadline=deadline)
-
-    def _quiet_failed(self, number: int, payload: bytes, code: int, status: bytes) -> None:
-        """A quiet call's failure arrived: log and count it (an older sidecar's refusal: send it awaited)."""
-        method = METHODS[number]
-        try:
-            req = method.request.FromString(payload)
-            decode_answer(method, code, status)
-            return  # an OK answer to a quiet call: nothing failed
-        except KvxferRpcError as exc:
-            error = exc
-        except DecodeError:  # what this client sent: cannot happen
-            log.exception("unreadable quiet call")
-            return
-        if error.code == grpc.StatusCode.UNIMPLEMENTED and error.field == "method":
-            # A sidecar from before quiet calls refused the frame before running anything: this
-            # call goes awaited, now, and so does every one of its method after it.
-            self._fast_refused.add(method.number)
-            task = asyncio.get_running_loop().create_task(self._send_awaited(method, req))
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
-            return
-        self._note_quiet_failure(req, error)
-
-    async def _send_awaited(self, method: FastMethod, req: Message) -> None:
-        """A quiet call the sidecar could not take quietly, as the awaited call of the same RPC."""
-        try:
-            await self._call(getattr(self._stub, method.name), req, None)
-        except KvxferRpcError as exc:
-            self._note_quiet_failure(req, exc)
-
-    def _note_quiet_failure(self, req: Message, error: KvxferRpcError) -> None:
-        """Count and log the failure of a call nobody waited for."""
-        self.quiet_failures += 1
-        self.last_quiet_failure = error
-        rid = getattr(req, "request_id", "")
-        log.warning(f"{error.method} of request {rid!r} failed: {error.message}", extra={
-            "request_id": rid, "status": error.code.name, "reason": error.reason, "field": error.field,
-        })  # fmt: skip
 
     async def prepare(
         self, request_id: str, remote_addresses: Sequence[str], local_blocks: BlockMap, *,

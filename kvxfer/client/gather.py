@@ -149,7 +149,7 @@ class WorkerGather:
         woke (reading the plan, the table, the launch) then ran 3-8x slower than warm: 0.3 ms of a
         pull's fixed cost (docs/notes/gpu.md, runs 35-38). This reads a canned one-span plan the
         way :meth:`_launch` reads one and runs one 16-byte gather between two scratch bytes of this
-        worker's GPU (:meth:`kvxfer.cuda_ipc.CudaDriver.rehearse`). A failure here is logged once
+        worker's GPU (:meth:`kvxfer.cuda_driver.CudaDriver.rehearse`). A failure here is logged once
         and changes nothing else: the pull's own gather reports its own errors.
         """
         if not self.warm or self.unusable:

@@ -21,7 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer import PROTOCOL_VERSION, __version__
-from kvxfer.config import ConfigError, Settings, parse_address
+from kvxfer.addresses import parse_address
+from kvxfer.config import ConfigError, Settings
 from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.fdpass import FdBox, fd_socket_path
 from kvxfer.logs import adopt_logger, configure_logging, get_logger

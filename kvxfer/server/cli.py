@@ -17,8 +17,9 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from kvxfer.addresses import parse_address
 from kvxfer.cli_errors import EXIT_USAGE, report
-from kvxfer.config import ConfigError, Settings, env_name, flag_name, load_settings, parse_address
+from kvxfer.config import ConfigError, Settings, env_name, flag_name, load_settings
 
 __all__ = ["DrainUsageError", "build_parser", "check_drain_args", "check_target", "drain_main", "parse_serve_args"]
 

@@ -1,6 +1,6 @@
 """Where a sidecar listens: its Unix socket made safely, TCP ports, TLS credentials, open listeners.
 
-Each failure is a :class:`kvxfer.config.ConfigError` that names the setting and the address.
+Each failure is a :class:`kvxfer.errors.ConfigError` that names the setting and the address.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 import grpc
 
-from kvxfer.config import ConfigError, Settings, is_loopback_host, parse_address
+from kvxfer.addresses import is_loopback_host, parse_address
+from kvxfer.config import ConfigError, Settings
 
 __all__ = [
     "SOCKET_MODE",

@@ -37,7 +37,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
-from kvxfer.config import ConfigError, Settings, parse_address
+from kvxfer.addresses import parse_address
+from kvxfer.config import ConfigError, Settings
 from kvxfer.fastsock import FastCallError, FastChannel
 from kvxfer.server.fast_api import FastApi
 from kvxfer.wire import peer_pb2

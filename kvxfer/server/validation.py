@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.config import ConfigError, parse_address
-from kvxfer.errors import InvalidArgumentError, KvxferError
+from kvxfer.addresses import parse_address
+from kvxfer.errors import ConfigError, InvalidArgumentError, KvxferError
 from kvxfer.layout import CacheKind, KVCacheLayout, head_range
 from kvxfer.topology import RankInfo
 from kvxfer.wire import common_pb2, peer_pb2

@@ -17,14 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer import cuda_ipc
+from kvxfer import cuda_driver, cuda_ipc
 from kvxfer.cuda_ipc import CudaIpcError, CudaUnavailableError, Exported, IpcMappings
 from kvxfer.errors import KvxferError
 from kvxfer.memory import CudaIpcRef, MemoryRegistrationError, attach
 from kvxfer.transport import MemType, Notification, Op, Registration, TransferResult, Transport, TransportConfig
 from kvxfer.transport.base import CudaGather
 from kvxfer.transport.cuda_ipc_direct import CudaIpcDirect
-from kvxfer.transport.nixl_backend import UCX_DEFAULTS, ucx_engine_config
+from kvxfer.transport.nixl_agent import UCX_DEFAULTS, ucx_engine_config
 from kvxfer.wire.convert import memory_from_proto, memory_to_proto
 from tests.sidecar.helpers import Harness, attention, expect_error
 
@@ -303,7 +303,7 @@ class FakeLibCuda:
         self.closed: list[int] = []
         self.ctx_depth = 0
         self._keep: list[Any] = []
-        h_ptr, u_ptr = c.POINTER(cuda_ipc._Handle), c.POINTER(cuda_ipc._Uuid)
+        h_ptr, u_ptr = c.POINTER(cuda_driver._Handle), c.POINTER(cuda_driver._Uuid)
         i32 = c.c_int
         names = {0: b"CUDA_SUCCESS", 1: b"CUDA_ERROR_INVALID_VALUE", 101: b"CUDA_ERROR_INVALID_DEVICE"}
 
@@ -381,7 +381,7 @@ class FakeLibCuda:
         self.cuCtxSetCurrent = cb(i32, c.c_void_p)(set_current)
         self.cuMemGetAddressRange_v2 = cb(i32, c.POINTER(c.c_uint64), c.POINTER(c.c_size_t), c.c_uint64)(address_range)
         self.cuIpcGetMemHandle = cb(i32, h_ptr, c.c_uint64)(get_handle)
-        self.cuIpcOpenMemHandle_v2 = cb(i32, c.POINTER(c.c_uint64), cuda_ipc._Handle, c.c_uint)(open_handle)
+        self.cuIpcOpenMemHandle_v2 = cb(i32, c.POINTER(c.c_uint64), cuda_driver._Handle, c.c_uint)(open_handle)
         self.cuIpcCloseMemHandle = cb(i32, c.c_uint64)(close_handle)
         self.cuPointerGetAttribute = cb(i32, c.c_void_p, i32, c.c_uint64)(pointer_attr)
         self.cuGetErrorName = cb(i32, i32, c.POINTER(c.c_char_p))(error_name)
@@ -427,7 +427,7 @@ class FakeLibCuda:
         self.cuEventSynchronize = cb(i32, c.c_void_p)(synchronize)
         self.cuMemcpyDtoDAsync_v2 = cb(i32, c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p)(single)
         self.cuMemcpyBatchAsync_v2 = cb(
-            i32, u64p, u64p, szp, c.c_size_t, c.POINTER(cuda_ipc._MemcpyAttributes), szp, c.c_size_t, c.c_void_p
+            i32, u64p, u64p, szp, c.c_size_t, c.POINTER(cuda_driver._MemcpyAttributes), szp, c.c_size_t, c.c_void_p
         )(batch)
 
 
@@ -675,7 +675,7 @@ def test_driver_copies_in_one_batch_or_one_call_each(batch_rc: int) -> None:
 
 
 def test_ucx_memtype_cache_is_off_unless_the_user_says_otherwise() -> None:
-    from kvxfer.transport.nixl_backend import _prepare_ucx_env
+    from kvxfer.transport.nixl_agent import _prepare_ucx_env
 
     env: dict[str, str] = {}
     _prepare_ucx_env(env)

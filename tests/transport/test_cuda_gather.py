@@ -3,7 +3,7 @@
 The kernel itself runs on the lent GPU machine (bench/gpu/cuda_ipc_check.py, every byte compared
 with the copy engines' result). Here: the table and the chunk -> span search it does (numpy, as a
 byte-level gather against the obvious per-span copy), the kernel source compiled by the real NVRTC
-(no GPU needed), and what :class:`kvxfer.cuda_ipc.CudaDriver` hands the driver for one launch
+(no GPU needed), and what :class:`kvxfer.cuda_driver.CudaDriver` hands the driver for one launch
 (the ctypes fake of libcuda from test_cuda_ipc: there is no GPU driver here).
 """
 
