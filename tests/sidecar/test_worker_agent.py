@@ -172,10 +172,7 @@ async def test_a_transfer_the_agent_fails_reports_its_reason() -> None:
     assert t.unfenced_live() == 0
     # A cancelled waiter tells the agent to give up the job it already took, and the cancel goes through
     # once the agent answers that it ended (within the fence budget).
-    task, job = await _taken(t, desc)
-    task.cancel()
-    (cancel,) = await t.next_jobs(0, 1.0)
-    assert cancel.cancel == job.id
+    task, job = await _cancelled_while_taken(t, desc)
     assert not task.done()  # the agent's operation may still be running
     t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.CANCELLED.value[0], message="cancelled")])
     assert not cancelled_unfenced(await _cancel_raised(task))
@@ -302,10 +299,7 @@ async def test_an_ended_notice_that_comes_with_its_outcome_is_not_lost() -> None
     assert unfenced.value.unfenced.ended
     assert t.unfenced_live() == 0
     # The same for a cancel the agent answered unfenced, its notice in the same report.
-    task, job = await _taken(t, desc)
-    task.cancel()
-    (cancel,) = await t.next_jobs(0, 1.0)
-    assert cancel.cancel == job.id
+    task, job = await _cancelled_while_taken(t, desc)
     t.report([local_pb2.AgentOutcome(id=job.id, code=grpc.StatusCode.CANCELLED.value[0],
                                      reason=Reason.DATA_PLANE_UNFENCED.value, message="cancelled"),
               local_pb2.AgentOutcome(id=job.id, ended=True)])  # fmt: skip
@@ -403,4 +397,15 @@ async def _taken(
     """A READ of ``desc`` handed to the worker's agent, and the job the agent took for it."""
     task = asyncio.ensure_future(t.transfer("READ", desc, desc, "peer", timeout=5.0))
     (job,) = await t.next_jobs(0, 1.0)
+    return task, job
+
+
+async def _cancelled_while_taken(
+    t: WorkerAgentTransport, desc: npt.NDArray[np.uint64]
+) -> tuple[asyncio.Task[TransferResult], local_pb2.AgentJob]:
+    """As :func:`_taken`, then its waiter cancelled: the agent is told to give the job up."""
+    task, job = await _taken(t, desc)
+    task.cancel()
+    (cancel,) = await t.next_jobs(0, 1.0)
+    assert cancel.cancel == job.id
     return task, job
