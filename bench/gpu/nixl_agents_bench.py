@@ -20,7 +20,7 @@ the "contiguous" lists), so a row here and the sidecar's row for the same reques
 blocks. Each pull READs the prefill blocks into the decode blocks with descriptors built so:
 
 * ``kvxfer coalesced``: ``TransferTopology.plan(...).per_rank[0].descriptors(...)``, exactly what
-  the sidecar's pull builds (``kvxfer/server/pull_steps.py``), posted with ``initialize_xfer`` as
+  the sidecar's pull builds (``kvxfer/server/pull_descriptors.py``), posted with ``initialize_xfer`` as
   ``kvxfer/transport/nixl_backend.py`` does;
 * ``per block+layer, NIXL merge``: one descriptor per block per layer (the page holds K and V),
   from prepared descriptor lists of every page of each side (``prep_xfer_dlist`` once,

@@ -29,6 +29,8 @@ log = get_logger("kvxfer.server.unsettled")
 
 #: How often an idle sidecar looks again at the operations it holds (one call into the data plane).
 WATCH_INTERVAL_S = 1.0
+#: The longest gap between two looks while no pull is held (only the data plane keeps operations).
+MAX_WATCH_INTERVAL_S = 30.0
 
 
 class UnsettledPulls:
@@ -46,6 +48,8 @@ class UnsettledPulls:
         self.interval_s = interval_s
         self._pulls: dict[str, list[tuple[float, UnfencedOp]]] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._interval = interval_s  # the next look's delay while only the data plane keeps operations
+        self._closed = False
 
     def __len__(self) -> int:
         """Pulls still unsettled as far as is known without asking the data plane: the gauge reads it from
@@ -66,26 +70,40 @@ class UnsettledPulls:
 
     def watch(self) -> None:
         """Look again every :attr:`interval_s` until nothing is held here and the data plane keeps no
-        unfenced operation (called as the transport reports one, and by :meth:`add`); outside an
-        event loop, or already watching, it does nothing."""
-        if self._timer is not None:
+        unfenced operation (called as the transport reports one, and by :meth:`add`). While only
+        the data plane keeps some (no pull is held), the interval doubles up to
+        :data:`MAX_WATCH_INTERVAL_S`: an operation whose peer never answers is not asked about every
+        second for ever. Call it on the event loop's thread; outside an event loop, once closed, or
+        already watching, it does nothing."""
+        if self._closed:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._timer = loop.call_later(self.interval_s, self._tick)
+        delay = self._interval if not self._pulls else self.interval_s
+        if self._timer is not None:
+            if self._timer.when() <= loop.time() + delay:
+                return
+            self._timer.cancel()  # a pull is held now: no waiting out the data plane's long gap
+        self._timer = loop.call_later(delay, self._tick)
 
     def close(self) -> None:
-        """Stop watching (the sidecar is stopping)."""
+        """Stop watching for good (the sidecar is stopping: its data plane closes next)."""
+        self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _tick(self) -> None:
         self._timer = None
-        kept = self._look_again()
+        try:
+            kept = self._look_again()
+        except Exception:  # a library error must not end the watch: look again next time
+            log.exception("looking again at the data plane's unfenced operations failed")
+            kept = 1
         self._prune(self._clock())
+        self._interval = self.interval_s if self._pulls else min(self._interval * 2, MAX_WATCH_INTERVAL_S)
         if kept or self._pulls:
             self.watch()
 

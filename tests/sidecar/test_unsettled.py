@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -113,3 +114,41 @@ def test_outside_an_event_loop_nothing_is_watched() -> None:
     pulls.add("a", [UnfencedOp("READ", "p0")])
     assert pulls._timer is None
     assert len(pulls) == 1
+
+
+async def test_the_watch_survives_a_failing_look_stops_for_good_once_closed_and_backs_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A look that raises (a library error) is logged and the watch goes on; with no pull held, only the data
+    plane keeping an operation, the looks space out (doubling, up to MAX_WATCH_INTERVAL_S); after close()
+    nothing schedules a look again, neither a later failure (add) nor the transport's report (watch)."""
+    calls: list[float] = []
+    fail = [True]
+
+    def look() -> int:
+        calls.append(asyncio.get_running_loop().time())
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("binding error")
+        return 1  # an operation whose peer never answers
+
+    pulls = UnsettledPulls(30.0, look, interval_s=0.02)
+    with caplog.at_level("ERROR", logger="kvxfer.server.unsettled"):
+        pulls.watch()
+        await asyncio.sleep(0.5)
+    assert any("looking again" in r.getMessage() for r in caplog.records)
+    assert len(calls) >= 3  # it went on after the failure
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert gaps[-1] >= 2.5 * gaps[0]  # spaced out: 0.02, 0.04, 0.08, 0.16...
+    assert pulls._timer is not None
+    spaced = pulls._timer.when() - asyncio.get_running_loop().time()
+    pulls.add("held", [UnfencedOp("READ", "p0")])  # a pull held: looked at again within the interval
+    assert pulls._timer is not None
+    assert pulls._timer.when() - asyncio.get_running_loop().time() <= 0.02 < spaced
+    pulls.close()
+    n = len(calls)
+    pulls.add("late", [UnfencedOp("READ", "p0")])
+    pulls.watch()
+    assert pulls._timer is None
+    await asyncio.sleep(0.1)
+    assert len(calls) == n
