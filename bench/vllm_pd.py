@@ -317,6 +317,8 @@ def start_vllm(
         "--dtype", extra.get("dtype", args.dtype),
         "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
+    if "attention_backend" in extra:
+        cmd += ["--attention-backend", extra["attention_backend"]]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")

