@@ -21,8 +21,8 @@ import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvxfer.addresses import WILDCARD_HOSTS, check_host, is_loopback_host, parse_address
-from kvxfer.errors import ConfigError, Reason
-from kvxfer.transport import TransportConfig, available_transports
+from kvxfer.errors import ConfigError, KvxferError, Reason
+from kvxfer.transport import TransportConfig, available_transports, transport_class
 from kvxfer.transport.base import DEFAULT_FENCE_BUDGET_S
 
 __all__ = [
@@ -152,7 +152,9 @@ class Settings(BaseModel):
     )  # fmt: skip
     token_file: Path | None = Field(None, description="file holding the shared bearer token")
     insecure: bool = Field(
-        False, description="allow a non-loopback --peer-listen/--local-listen without --token-file or TLS (true/false)"
+        False,
+        description="allow a non-loopback --peer-listen/--local-listen without --token-file or TLS, and a data "
+        "plane that serves its memory to callers without credentials (--backend mooncake) off loopback (true/false)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["json", "text"] = Field("json", description="json or text")
@@ -278,6 +280,17 @@ class Settings(BaseModel):
                 "--insecure true (KVXFER_INSECURE=true) to accept that",
                 reason=Reason.INSECURE_LISTEN,
             )
+        host = self.transport_config().listen_host
+        if not is_loopback_host(host) and self.data_plane_serves_memory_openly():
+            raise _SettingError(
+                "backend",
+                f"{self.backend!r} on {host} (the advertised host): its transfer engine tells anyone who reaches its "
+                "ports the addresses of the registered memory and serves READs and WRITEs into it, with no token "
+                "or certificate (--token-file and TLS protect only kvxfer's own APIs), so anyone on that network "
+                "could read or overwrite every registered KV byte. Use --backend nixl, keep the sidecar on "
+                "127.0.0.1, or pass --insecure true (KVXFER_INSECURE=true) on a network you trust",
+                reason=Reason.INSECURE_LISTEN,
+            )
         if self.local_listen and not self.token_file:
             host, _ = parse_address(self.local_listen, setting="local_listen")
             if not is_loopback_host(host):
@@ -289,6 +302,14 @@ class Settings(BaseModel):
                     "(KVXFER_INSECURE=true) to accept that",
                     reason=Reason.INSECURE_LISTEN,
                 )
+
+    def data_plane_serves_memory_openly(self) -> bool:
+        """Whether this backend's library serves the registered memory to callers without credentials
+        (``Transport.serves_memory_openly``); a backend that cannot be loaded is refused later, at start."""
+        try:
+            return transport_class(self.backend).serves_memory_openly
+        except KvxferError:
+            return False
 
     @property
     def metrics_token(self) -> str | None:

@@ -181,6 +181,11 @@ class Transport(abc.ABC):
     same_host_shortcut: ClassVar[bool] = True
     #: Whether the data plane runs in the worker's process (:meth:`bind_worker`; ``--backend worker``).
     in_worker: ClassVar[bool] = False
+    #: Whether the library itself answers anyone who reaches its own ports with what a READ or WRITE
+    #: needs (the addresses of the registered memory) and then serves those operations, no kvxfer
+    #: credential asked: the data plane is then open beyond loopback whatever --token-file or TLS
+    #: protect (Mooncake's P2P handshake). A sidecar starts one off loopback only with --insecure.
+    serves_memory_openly: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         self.agent_name = agent_name

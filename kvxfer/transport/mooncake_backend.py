@@ -93,6 +93,10 @@ def _new_engine(transfer_timeout_s: int) -> tuple[Any, int]:
 class MooncakeTransport(Transport):
     """A Mooncake TransferEngine."""
 
+    #: Its P2P handshake port hands the segment descriptor (every registered buffer's address) to any
+    #: caller, and its data port serves READ and WRITE into those buffers, with no credential.
+    serves_memory_openly = True
+
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
         try:

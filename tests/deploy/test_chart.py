@@ -498,12 +498,17 @@ def test_rdma_and_per_role_overrides(helm_render: Path) -> None:
             assert env["UCX_NET_DEVICES"] == f"mlx5_{r}:1"
             assert env["UCX_IB_GID_INDEX"] == "3"
     assert tp == {"prefill": 4, "decode": 2}
-    # decode overrides one sidecar key; the other sidecar keys keep their global defaults.
+    # decode overrides its sidecars' resources; the other sidecar keys keep the global values.
     for dec in sidecars(pods["decode"]):
-        assert "--transfer-timeout-seconds=60" in dec["args"]
+        assert dec["resources"]["limits"]["memory"] == "8Gi"
         assert "--lease-seconds=30" in dec["args"]
-    for pre in sidecars(pods["prefill"]):
-        assert "--transfer-timeout-seconds=30" in pre["args"]
+    for role, spec in pods.items():
+        for side in sidecars(spec):
+            assert "--transfer-timeout-seconds=60" in side["args"], role
+        # The vLLM connector asks for the same deadline per pull (it used to stay at its own 30 s).
+        (vllm,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in vllm["env"]}
+        assert env["KVXFER_VLLM_TRANSFER_TIMEOUT_SECONDS"] == "60", role
 
 
 def test_rdma_gpu_example_uses_the_workers_agent(helm_render: Path) -> None:
@@ -660,6 +665,14 @@ def test_mps_renders_when_vllm_and_sidecars_share_a_uid(
             "sidecar.mooncake.deviceByRank has 1 entries for 2 ranks",
         ),
         (
+            {"sidecar": {"backend": "mooncake"}},
+            "prefill: sidecar.backend mooncake: the Mooncake transfer engine tells anyone who reaches its ports",
+        ),
+        (
+            {"sidecar": {"extraArgs": ["--peer-frames-port=50200"]}},
+            "sidecar.extraArgs: --peer-frames-port is set by the chart, per rank",
+        ),
+        (
             {
                 "vllm": {"tensorParallelSize": 2},
                 "decode": {"sidecar": {"backend": "worker", "ucx": {"netDevicesByRank": ["mlx5_0:1", "mlx5_1:1"]}}},
@@ -692,6 +705,8 @@ def test_mps_renders_when_vllm_and_sidecars_share_a_uid(
         "port-above-65535",
         "net-devices-short",
         "mooncake-devices-short",
+        "mooncake-needs-insecure",
+        "extra-args-peer-frames-port",
         "worker-agent-per-rank-devices",
         "extra-args-chart-flag",
         "grace-not-above-drain",

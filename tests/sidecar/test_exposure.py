@@ -85,6 +85,23 @@ def test_credentials_or_insecure_allow_any_address(tmp_path: Path) -> None:
     assert load_settings({"peer_listen": "0.0.0.0:50051"}, env={"KVXFER_INSECURE": "true"}).insecure is True
 
 
+def test_a_data_plane_serving_its_memory_to_anyone_needs_insecure_beyond_loopback(tmp_path: Path) -> None:
+    """--backend mooncake: its engine serves the registered memory to callers with no credential
+    (tests/transport/test_open_memory.py), so the token or mutual TLS do not make it safe off loopback."""
+    token = _stand_in(tmp_path, "token")
+    flags = {"peer_listen": "0.0.0.0:50051", "advertise_host": "10.1.2.3", "token_file": token, "backend": "mooncake"}
+    with pytest.raises(ConfigError) as info:
+        load_settings(flags, env={})
+    assert info.value.field == "backend"
+    assert info.value.reason is Reason.INSECURE_LISTEN
+    assert info.value.status == "INVALID_ARGUMENT"
+    assert info.value.message.startswith("--backend: 'mooncake' on 10.1.2.3 (the advertised host)")
+    assert "--insecure true" in info.value.message
+    assert load_settings({**flags, "backend": "nixl"}, env={}).backend == "nixl"
+    assert load_settings({**flags, "insecure": "true"}, env={}).backend == "mooncake"
+    assert load_settings({"peer_listen": "127.0.0.1:50051", "backend": "mooncake"}, env={}).backend == "mooncake"
+
+
 def test_tls_without_client_certificates_is_not_authentication(tmp_path: Path) -> None:
     cert, key = _stand_in(tmp_path, "cert.pem"), _stand_in(tmp_path, "key.pem")
     with pytest.raises(ConfigError) as info:
