@@ -43,7 +43,7 @@ from kvxfer.server.topologies import TopologyCache
 from kvxfer.server.validation import check_lease, check_outcome
 from kvxfer.topology import RankInfo
 from kvxfer.wire import local_pb2, peer_pb2
-from kvxfer.wire.convert import blocks_from_proto, check_id, rank_from_proto
+from kvxfer.wire.convert import blocks_from_proto, check_id, check_reader_engine_id, rank_from_proto
 from kvxfer.wire.status import code_of
 
 __all__ = ["MAX_BATCH", "Publisher"]
@@ -88,12 +88,7 @@ class Publisher:
                 field="request_id",
             )
         blocks = blocks_from_proto(req.blocks, reg.layouts, "blocks")
-        reader = check_id(req.reader_engine_id, "reader_engine_id") if req.reader_engine_id else ""
-        if any(c.isspace() for c in reader):  # no sidecar could ever read it: refuse rather than hold it in vain
-            raise InvalidArgumentError(
-                f"reader_engine_id: {reader!r} cannot be an engine id (--engine-id has no spaces)",
-                field="reader_engine_id",
-            )
+        reader = check_reader_engine_id(req.reader_engine_id, "reader_engine_id")
         now = time.monotonic()
         origins = {bl.group: int(bl.skip_tokens) for bl in req.blocks if bl.skip_tokens}
         entry = PublishEntry(rid, blocks, lease, now + lease, reader_engine=reader, published_at=now, origins=origins)

@@ -34,7 +34,7 @@ from kvxfer.server.pusher import Offer, Pusher, token_span
 from kvxfer.server.registration import Registry
 from kvxfer.server.state import Registration
 from kvxfer.wire import local_pb2
-from kvxfer.wire.convert import blocks_from_proto, check_id
+from kvxfer.wire.convert import blocks_from_proto, check_id, check_reader_engine_id
 
 __all__ = ["Streamer"]
 
@@ -54,6 +54,7 @@ class _Streamed:
     origins: dict[str, int]
     start: int
     end: int
+    reader: str = ""  # the engine its publish will be bound to ("": any)
 
 
 class Streamer:
@@ -84,7 +85,8 @@ class Streamer:
                 )  # fmt: skip
             blocks = blocks_from_proto(r.blocks, reg.layouts, f"requests[{i}].blocks")
             origins = {bl.group: int(bl.skip_tokens) for bl in r.blocks}
-            reqs.append(_Streamed(rid, blocks, origins, int(r.start_token), int(r.end_token)))
+            reader = check_reader_engine_id(r.reader_engine_id, f"requests[{i}].reader_engine_id")
+            reqs.append(_Streamed(rid, blocks, origins, int(r.start_token), int(r.end_token), reader))
         self._steps[step] = reqs
         self._events[step] = {(e.group, int(e.layer)): (int(e.device), bytes(e.ipc_handle)) for e in req.events}
         for old in [s for s in self._steps if s <= step - MAX_STEPS]:
@@ -93,7 +95,8 @@ class Streamer:
         self._rows = {k: v for k, v in self._rows.items() if k[1] > step - MAX_STEPS}
         for group, layer in self._early.pop(step, ()):
             self._layer(step, group, layer, reg)
-        return local_pb2.StreamStepResponse(offered=sum(1 for r in reqs if self.pusher.offers.get(r.request_id)))
+        offered = sum(any(_streamable(r, o) for o in self.pusher.offers.get(r.request_id, {}).values()) for r in reqs)
+        return local_pb2.StreamStepResponse(offered=offered)
 
     def layer_done(self, req: local_pb2.LayerDoneRequest) -> local_pb2.LayerDoneResponse:
         """LayerDone: WRITE this layer of every offered request of the step."""
@@ -123,6 +126,8 @@ class Streamer:
             for offer in list(self.pusher.offers.get(r.request_id, {}).values()):
                 if offer.task is not None or offer.writer_given or group not in offer.spans:
                     continue  # already written whole, or a pull-style offer: the publish path has it
+                if not _streamable(r, offer):
+                    continue  # another engine than the publish's reader: the publish refuses its offer
                 try:
                     rows = self._rows_of(offer, step, r, group, reg)
                 except KvxferError as exc:  # this step cannot be streamed into it: the publish writes it
@@ -234,3 +239,10 @@ class Streamer:
         if reg is not None and all(offer.covered(n, g.layout.num_layers) for n, g in reg.groups.items()):
             # Every byte the reader needs has landed: it may start now, not when the publish comes.
             self.pusher.landed_early(offer)
+
+
+def _streamable(req: _Streamed, offer: Offer) -> bool:
+    """Whether ``offer`` may be written the stream of ``req``: its publish will be bound to ``req.reader``
+    (when the worker named one), so another engine's offer is not written before the publish refuses it
+    (PERMISSION_DENIED, as for an offer that comes after such a publish)."""
+    return not req.reader or offer.reader.engine_id == req.reader

@@ -20,6 +20,7 @@ __all__ = [
     "blocks_from_proto",
     "blocks_to_proto",
     "check_id",
+    "check_reader_engine_id",
     "ids_array",
     "layout_from_proto",
     "layout_to_proto",
@@ -43,6 +44,19 @@ def check_id(value: str, field: str) -> str:
         raise InvalidArgumentError(f"{field}: {len(value)} characters, at most {MAX_ID_LEN} allowed", field=field)
     if not value.isprintable():
         raise InvalidArgumentError(f"{field}: {value!r} contains non-printable characters", field=field)
+    return value
+
+
+def check_reader_engine_id(value: str, field: str) -> str:
+    """The engine a publish is meant for (``reader_engine_id``): empty (any engine), or an id no sidecar
+    would refuse as its ``--engine-id`` (which has no spaces): a request held for an engine that cannot
+    exist is refused rather than held in vain."""
+    if not value:
+        return ""
+    check_id(value, field)
+    if any(c.isspace() for c in value):
+        raise InvalidArgumentError(f"{field}: {value!r} cannot be an engine id (--engine-id has no spaces)",
+                                   field=field)  # fmt: skip
     return value
 
 

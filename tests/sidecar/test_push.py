@@ -354,6 +354,33 @@ async def test_layerwise_offer_after_the_first_layers_is_completed_at_the_publis
     )  # layers 1-2 streamed, then all 3 at the publish
 
 
+async def test_layerwise_push_streams_only_into_the_offers_of_the_publishs_reader(harness: Harness) -> None:
+    """Engine "other" offers for the request before it is published; the prefill worker streams it for engine
+    "decode" (the proxy's kvxfer_reader_engine_id). None of its layers is written into "other"'s blocks, and
+    the publish, bound to "decode", refuses its offer. It used to receive every layer and finish as moved."""
+    p, pw, _d, _dw, _dp = await _pair(harness)
+    other = await harness.sidecar(role="decode", engine_id="other")
+    ow = await harness.worker(other, {"kv": LAY})
+    pw.fill({"kv": [1, 2]}, 31)
+    ow.poison({"kv": [3, 4]})
+    before = [np.asarray(ow.buffers["kv"].pages(k)[[3, 4]]).copy() for k in range(LAY.num_layers)]
+    pull = asyncio.ensure_future(ow.client.pull("bound", [p.peer_address], {"kv": [3, 4]}, push=True, deadline=5))
+    await _offered(p, "bound")
+    req = local_pb2.StreamedRequest(request_id="bound", blocks=[common_pb2.BlockList(group="kv", block_ids=[1, 2])],
+                                    start_token=0, end_token=2 * LAY.block_size, reader_engine_id="decode")  # fmt: skip
+    assert await pw.client.stream_step(1, [req]) == 0  # an offer, but not the reader's
+    for layer in range(LAY.num_layers):
+        assert await pw.client.layer_done(1, "kv", layer) == 0
+    await pw.client.publish("bound", {"kv": [1, 2]}, reader_engine_id="decode")
+    await expect_error(OK.PERMISSION_DENIED, pull, "bound to reader engine 'decode'")
+    for k in range(LAY.num_layers):
+        assert np.array_equal(np.asarray(ow.buffers["kv"].pages(k)[[3, 4]]), before[k]), f"layer {k} was written"
+    assert _bytes(p, "write") == 0
+    bad = local_pb2.StreamedRequest(request_id="x", blocks=[common_pb2.BlockList(group="kv", block_ids=[1])],
+                                    start_token=0, end_token=1, reader_engine_id="no spaces allowed")  # fmt: skip
+    await expect_error(OK.INVALID_ARGUMENT, pw.client.stream_step(2, [bad]), "requests[0].reader_engine_id")
+
+
 async def test_layer_done_refuses_unknown_groups_and_layers(harness: Harness) -> None:
     _ps, pw, _ds, _dw = await harness.deployment({"kv": LAY}, {"kv": LAY})
     await expect_error(OK.INVALID_ARGUMENT, pw[0].client.layer_done(1, "kv9", 0), "group: unknown cache group 'kv9'")

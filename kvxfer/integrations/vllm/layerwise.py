@@ -85,7 +85,7 @@ class LayerwisePush:
                 if ids
             ]  # fmt: skip
             reqs.append(local_pb2.StreamedRequest(request_id=spec.request_id, blocks=lists, start_token=spec.start,
-                                                  end_token=spec.end))  # fmt: skip
+                                                  end_token=spec.end, reader_engine_id=spec.reader))  # fmt: skip
         try:
             await self.sidecar.aio.stream_step(step, reqs, [e for _ev, e in self.events.values()])
         except KvxferError as exc:  # the publish still writes the whole request

@@ -75,6 +75,7 @@ class StreamSpec:
     groups: tuple[tuple[tuple[int, ...], int], ...]
     start: int  # tokens computed before the step
     end: int  # tokens computed after it
+    reader: str = ""  # the decode engine its publish will be bound to (kvxfer_reader_engine_id; "": any)
 
 
 @dataclass

@@ -31,12 +31,13 @@ class StreamedPrompts:
 
     def __init__(self, groups: Sequence[TransferGroup]) -> None:
         self.groups = tuple(groups)
-        #: vLLM id -> (push id, prompt tokens, block table so far per group).
-        self._streams: dict[str, tuple[str, int, list[list[int]]]] = {}
+        #: vLLM id -> (push id, prompt tokens, block table so far per group, the reader engine).
+        self._streams: dict[str, tuple[str, int, list[list[int]], str]] = {}
 
-    def start(self, request_id: str, pid: str, prompt_tokens: int) -> None:
-        """Stream this push-mode prefill (published under push id ``pid``) from its first step."""
-        self._streams[request_id] = (pid, prompt_tokens, [[] for _ in self.groups])
+    def start(self, request_id: str, pid: str, prompt_tokens: int, reader: str = "") -> None:
+        """Stream this push-mode prefill (published under push id ``pid``, for decode engine ``reader``
+        when the proxy named one) from its first step."""
+        self._streams[request_id] = (pid, prompt_tokens, [[] for _ in self.groups], reader)
 
     def forget(self, request_id: str) -> None:
         """The request finished: nothing more of it streams."""
@@ -53,7 +54,7 @@ class StreamedPrompts:
             stream = self._streams.get(rid)
             if stream is None or count <= 0:
                 continue
-            pid, prompt, tables = stream
+            pid, prompt, tables, reader = stream
             for table, more in zip(tables, new_blocks or [[] for _ in tables], strict=True):
                 if replace:
                     table.clear()
@@ -65,7 +66,7 @@ class StreamedPrompts:
             for g, table in zip(self.groups, tables, strict=True):
                 first = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
                 groups.append((tuple(table[first:]), first * g.block_size))
-            yield StreamSpec(pid, tuple(groups), computed, end)
+            yield StreamSpec(pid, tuple(groups), computed, end, reader)
             if end >= prompt:
                 del self._streams[rid]  # its last step: the publish follows
 

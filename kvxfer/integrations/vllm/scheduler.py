@@ -147,7 +147,13 @@ class SchedulerSide:
             except ParamsError as exc:
                 log.warning(f"request {request.request_id}: not streamed ({exc.message})")
                 return
-            self._streams.start(request.request_id, pid, int(request.num_prompt_tokens))
+            reader = params.get("kvxfer_reader_engine_id") or ""
+            if not isinstance(reader, str):
+                log.warning(f"request {request.request_id}: not streamed (kvxfer_reader_engine_id: must be a string, "
+                            f"got {reader!r})")  # fmt: skip
+                return
+            # Only that engine's offers are streamed into: its publish will be bound to it.
+            self._streams.start(request.request_id, pid, int(request.num_prompt_tokens), reader)
 
     def _truncate(self, request: Any, params: dict[str, Any] | None) -> None:
         if not self.prefill_backoff or params is None or not wants_remote_decode(params):

@@ -1447,12 +1447,17 @@ class StreamedRequest(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     START_TOKEN_FIELD_NUMBER: _builtins.int
     END_TOKEN_FIELD_NUMBER: _builtins.int
+    READER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """the id it will be published under (push mode: the proxy's)"""
     start_token: _builtins.int
     """tokens computed before this step"""
     end_token: _builtins.int
     """tokens computed once this step is done"""
+    reader_engine_id: _builtins.str
+    """The decode engine its publish will be bound to (Publish.reader_engine_id): only that engine's
+    offers are streamed into; empty: any engine's (the publish then binds to the first writer's reader).
+    """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockList]:
         """its block table so far, per group (skip_tokens: as a Publish's)"""
@@ -1464,10 +1469,11 @@ class StreamedRequest(_message.Message):
         blocks: _abc.Iterable[_common_pb2.BlockList] | None = ...,
         start_token: _builtins.int = ...,
         end_token: _builtins.int = ...,
+        reader_engine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "end_token", b"end_token", "request_id", b"request_id", "start_token", b"start_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "end_token", b"end_token", "reader_engine_id", b"reader_engine_id", "request_id", b"request_id", "start_token", b"start_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
