@@ -7,6 +7,7 @@ tests/sidecar/test_prepare.py and, through both connector halves, in tests/vllm_
 from __future__ import annotations
 
 import concurrent.futures as cf
+from types import SimpleNamespace
 
 import grpc
 
@@ -51,3 +52,28 @@ def test_a_sidecar_without_prepare_is_not_asked_again() -> None:
     remote = RemotePrefill("p-r3", "p", ("10.0.0.1:5000",), ())
     sched._prepare(PullSpec("r3", remote, (GroupPull(0, (5,), (1,)),)))
     assert sched._clients is None  # no sidecar was called
+
+
+def test_a_streamed_prefill_names_the_engine_its_publish_will_be_bound_to() -> None:
+    """Layer-wise push: each step's StreamSpec carries the proxy's kvxfer_reader_engine_id (the worker puts it in
+    StreamStep, and the prefill sidecar streams only into that engine's offers); without one it names none, and
+    a reader that is not a string leaves the request unstreamed (its publish writes it whole)."""
+    sched = SchedulerSide(ConnectorSettings(push_layerwise=True), engine_id="p",
+                          groups=[TransferGroup(0, "attn", "full", 16)])  # fmt: skip
+
+    def request(rid: str, **params: object) -> SimpleNamespace:
+        kv = {"do_remote_decode": True, "kvxfer_push": True, "kvxfer_push_id": f"push-{rid}", **params}
+        return SimpleNamespace(request_id=rid, kv_transfer_params=kv, num_prompt_tokens=40,
+                               prompt_token_ids=list(range(40)))  # fmt: skip
+
+    sched.on_new_request(request("a", kvxfer_reader_engine_id="decode-a"))
+    sched.on_new_request(request("b"))
+    sched.on_new_request(request("c", kvxfer_reader_engine_id=7))
+    sched.step_streams([("a", [[5, 6, 7]], 0, 40, True), ("b", [[8, 9, 10]], 0, 40, True),
+                        ("c", [[11, 12, 13]], 0, 40, True)])  # fmt: skip
+    specs = sched.build_plan().streams
+    assert [(s.request_id, s.reader, s.groups, s.start, s.end) for s in specs] == [
+        ("push-a", "decode-a", (((5, 6, 7), 0),), 0, 40),
+        ("push-b", "", (((8, 9, 10), 0),), 0, 40),
+    ]
+    sched.close()
