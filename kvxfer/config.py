@@ -280,8 +280,8 @@ class Settings(BaseModel):
                 "--insecure true (KVXFER_INSECURE=true) to accept that",
                 reason=Reason.INSECURE_LISTEN,
             )
-        host = self.transport_config().listen_host
-        if not is_loopback_host(host) and self.data_plane_serves_memory_openly():
+        host = self.open_data_plane_host()
+        if host is not None:
             raise _SettingError(
                 "backend",
                 f"{self.backend!r} on {host} (the advertised host): its transfer engine tells anyone who reaches its "
@@ -303,13 +303,17 @@ class Settings(BaseModel):
                     reason=Reason.INSECURE_LISTEN,
                 )
 
-    def data_plane_serves_memory_openly(self) -> bool:
-        """Whether this backend's library serves the registered memory to callers without credentials
-        (``Transport.serves_memory_openly``); a backend that cannot be loaded is refused later, at start."""
+    def open_data_plane_host(self) -> str | None:
+        """The non-loopback host on which this backend's library serves the registered memory to callers
+        without credentials (``Transport.serves_memory_openly``), or None. A backend that cannot be
+        loaded is refused later, at start; the host is worked out only for a backend that serves openly."""
         try:
-            return transport_class(self.backend).serves_memory_openly
+            if not transport_class(self.backend).serves_memory_openly:
+                return None
         except KvxferError:
-            return False
+            return None
+        host = self.transport_config().listen_host
+        return None if is_loopback_host(host) else host
 
     @property
     def metrics_token(self) -> str | None:

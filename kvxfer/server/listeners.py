@@ -141,8 +141,7 @@ def listeners_without_credentials(s: Settings) -> list[tuple[str, str]]:
     open_ones = []
     if not s.peers_authenticated and not is_loopback_host(s.peer_host_port[0]):
         open_ones.append(("peer_listen", s.peer_listen))
-    host = s.transport_config().listen_host
-    if not is_loopback_host(host) and s.data_plane_serves_memory_openly():
+    if (host := s.open_data_plane_host()) is not None:
         open_ones.append(("backend", f"{s.backend} on {host}"))
     for setting, address, guarded in (
         ("local_listen", s.local_listen, s.token_file is not None),
