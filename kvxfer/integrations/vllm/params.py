@@ -46,6 +46,7 @@ __all__ = [
     "prefill_response",
     "push_id",
     "push_params",
+    "reader_engine_id",
     "wants_push",
     "wants_remote_decode",
     "wants_remote_prefill",
@@ -199,6 +200,14 @@ def _group_params(g: RemoteGroup) -> dict[str, Any]:
     if g.segments is not None:
         out["segments"] = list(g.segments)
     return out
+
+
+def reader_engine_id(params: Mapping[str, Any]) -> str:
+    """The decode engine a prefill's publish is for (``kvxfer_reader_engine_id``; "": the proxy named none)."""
+    value = params.get("kvxfer_reader_engine_id") or ""
+    if not isinstance(value, str):
+        raise ParamsError(f"kvxfer_reader_engine_id: must be a string, got {value!r}", field="kvxfer_reader_engine_id")
+    return value
 
 
 def _string(params: Mapping[str, Any], key: str) -> str:

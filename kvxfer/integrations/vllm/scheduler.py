@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 
 from kvxfer.client import Client, KvxferRpcError
-from kvxfer.errors import FailedPreconditionError, InvalidArgumentError, KvxferError, Reason
+from kvxfer.errors import FailedPreconditionError, KvxferError, Reason
 from kvxfer.integrations.vllm.groups import TransferGroup
 from kvxfer.integrations.vllm.idle import LoadWaker
 from kvxfer.integrations.vllm.mismatch import publish_mismatch
@@ -41,6 +41,7 @@ from kvxfer.integrations.vllm.params import (
     RemotePrefill,
     prefill_response,
     push_id,
+    reader_engine_id,
     wants_push,
     wants_remote_decode,
     wants_remote_prefill,
@@ -144,15 +145,10 @@ class SchedulerSide:
         if self.settings.push_layerwise and wants_remote_decode(params) and wants_push(params):
             try:
                 pid = push_id(params)
+                reader = reader_engine_id(params)  # only its offers are streamed into: the publish is bound to it
             except ParamsError as exc:
                 log.warning(f"request {request.request_id}: not streamed ({exc.message})")
                 return
-            reader = params.get("kvxfer_reader_engine_id") or ""
-            if not isinstance(reader, str):
-                log.warning(f"request {request.request_id}: not streamed (kvxfer_reader_engine_id: must be a string, "
-                            f"got {reader!r})")  # fmt: skip
-                return
-            # Only that engine's offers are streamed into: its publish will be bound to it.
             self._streams.start(request.request_id, pid, int(request.num_prompt_tokens), reader)
 
     def _truncate(self, request: Any, params: dict[str, Any] | None) -> None:
@@ -230,10 +226,7 @@ class SchedulerSide:
         done: list[Client] = []  # the ranks that published; then the one whose Publish failed
         expires: list[int] = []
         # A proxy that knows which decode engine will read binds the publish to it (docs/security.md).
-        reader = request.kv_transfer_params.get("kvxfer_reader_engine_id") or ""
-        if not isinstance(reader, str):
-            raise InvalidArgumentError(f"kvxfer_reader_engine_id: must be a string, got {reader!r}",
-                                       field="kvxfer_reader_engine_id")  # fmt: skip
+        reader = reader_engine_id(request.kv_transfer_params)
         try:
             for c, names in zip(self._sidecars(), self._rank_groups, strict=True):
                 # Each rank publishes the groups its sidecar holds (a stage may hold none of a group's layers).
